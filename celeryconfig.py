@@ -1,0 +1,65 @@
+"""Celery settings for rollout tasks, each with the reason it has that value.
+
+Only Celery settings live here; run settings (timeouts, limits, storage) are the run's own and
+travel in the task payloads and the manifest. Addresses come from the environment so that
+`celery -A workers.app worker` and `rollouts worker` read the same file.
+"""
+
+import os
+
+_broker = os.environ.get("ROLLOUTS_BROKER_URL", "redis://127.0.0.1:6379/0")
+_redis = os.environ.get("ROLLOUTS_REDIS_URL") or (
+    _broker
+    if _broker.startswith(("redis://", "rediss://", "unix://"))
+    else "redis://127.0.0.1:6379/0"
+)
+
+broker_url = _broker
+# Chord bookkeeping (the callback firing once every rollout task returned) needs a result store;
+# Redis also holds the shard locks and landed sets, so one server serves both.
+result_backend = _redis
+
+# JSON only: a worker must never unpickle a message from the queue (arbitrary code execution).
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+result_accept_content = ["json"]
+
+# A rollout is acknowledged after it ran and its record is durable: a worker that dies mid-rollout
+# leaves the message to be redelivered, and landing is idempotent, so redelivery is safe.
+task_acks_late = True
+# With late acks, a prefetched message waits behind a long rollout; take one at a time per slot.
+worker_prefetch_multiplier = 1
+# A rejected or lost worker child puts the message back rather than dropping it silently.
+task_reject_on_worker_lost = True
+
+# Rollouts run up to their time limit (1 h by default); the broker must not redeliver a message
+# whose rollout is still running, so its visibility timeout is well above that limit.
+VISIBILITY_TIMEOUT_S = int(os.environ.get("ROLLOUTS_VISIBILITY_TIMEOUT_S", str(4 * 3600)))
+broker_transport_options = {
+    "visibility_timeout": VISIBILITY_TIMEOUT_S,
+    # The default of 10 connections per channel starves hundreds of threads acking at once;
+    # acks then fail, results are lost and the chord never fires.
+    "max_connections": 4096,
+}
+result_backend_transport_options = {"visibility_timeout": VISIBILITY_TIMEOUT_S}
+redis_max_connections = 4096
+broker_connection_retry_on_startup = True
+# A connection blip must not abandon rollouts that are running: they land their records
+# (idempotently) and the broker redelivers what could not be acknowledged.
+worker_cancel_long_running_tasks_on_connection_loss = False
+
+# Runs last days; chord state and the callback's result must outlive them.
+result_expires = 7 * 24 * 3600
+
+# Rollouts wait on HTTP, not on the CPU: a pool of threads handing calls to one event loop per
+# process keeps hundreds in flight per worker process.
+worker_pool = "threads"
+worker_concurrency = int(os.environ.get("ROLLOUTS_WORKER_CONCURRENCY", "256"))
+
+task_default_queue = "rollouts"
+# Rollout identities are not secrets, but payloads are large: keep them out of events and logs.
+task_send_sent_event = False
+worker_send_task_events = os.environ.get("ROLLOUTS_TASK_EVENTS", "0") == "1"
+task_track_started = False
+worker_hijack_root_logger = False

@@ -1,0 +1,1 @@
+"""Example agent and environment servers, a demo, and a trainer loop."""

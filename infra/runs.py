@@ -1,0 +1,38 @@
+"""Reading and writing a shard's manifest and status records."""
+
+from __future__ import annotations
+
+from infra import jsonl
+from infra.store import RunDir, ShardFiles
+from schemas.errors import StorageError
+from schemas.records import Manifest, ShardStatus, utc_now
+
+
+def read_manifest(rd: RunDir, shard: str) -> Manifest:
+    files = ShardFiles(shard)
+    try:
+        data = rd.read_bytes(files.manifest)
+    except FileNotFoundError:
+        raise StorageError(
+            f"{rd.path(files.manifest)}: no manifest (is this a run directory?)"
+        ) from None
+    try:
+        return Manifest.model_validate(jsonl.loads(data))
+    except (jsonl.JSONDecodeError, ValueError) as exc:
+        raise StorageError(f"{rd.path(files.manifest)}: unreadable manifest: {exc}") from None
+
+
+def maybe_manifest(rd: RunDir, shard: str) -> Manifest | None:
+    if not rd.exists(ShardFiles(shard).manifest):
+        return None
+    return read_manifest(rd, shard)
+
+
+def write_manifest(rd: RunDir, manifest: Manifest) -> None:
+    manifest.updated_at = utc_now()
+    rd.write_atomic(ShardFiles(manifest.shard).manifest, jsonl.dumps_pretty(manifest.model_dump()))
+
+
+def write_status(rd: RunDir, status: ShardStatus) -> None:
+    status.updated_at = utc_now()
+    rd.write_atomic(ShardFiles(status.shard).status, jsonl.dumps_pretty(status.model_dump()))

@@ -1,0 +1,1 @@
+"""Planning, dispatch and the `rollouts` command line."""

@@ -1,0 +1,186 @@
+"""The `rollouts` command line."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+
+from producer.overrides import parse_overrides
+from producer.runner import DEFAULT_CONCURRENCY, DEFAULT_WORKERS, RunOptions, execute_run
+from schemas.errors import RolloutsError, RunFailedError, UsageError
+
+_console = Console()
+_errors = Console(stderr=True)
+
+
+def _fail(exc: RolloutsError) -> None:
+    _errors.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
+    code = getattr(exc, "exit_code", 1)
+    sys.exit(code)
+
+
+@click.group()
+def main() -> None:
+    """Distributed rollout collection on Celery and Redis."""
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--config", "config_path", required=True, help="Servers config (YAML).")
+@click.option("--input", "input_path", required=True, help="Rows to run (JSONL).")
+@click.option("--output-dir", required=True, help="Run directory: a folder or an fsspec URL.")
+@click.option("--shard", default="0", show_default=True, help="Shard label.")
+@click.option("--agent", default=None, help="Agent for rows that name none.")
+@click.option("--num-repeats", type=int, default=None, help="Rollouts per task.")
+@click.option(
+    "--route-failures-to-sidecar",
+    is_flag=True,
+    default=None,
+    help="Keep going after failed rollouts.",
+)
+@click.option(
+    "--max-resident-tasks", type=int, default=None, help="Cluster-wide cap on running rollouts."
+)
+@click.option(
+    "--workers",
+    type=int,
+    default=DEFAULT_WORKERS,
+    show_default=True,
+    help="Local worker processes (without --broker).",
+)
+@click.option(
+    "--concurrency",
+    type=int,
+    default=DEFAULT_CONCURRENCY,
+    show_default=True,
+    help="Rollouts in flight per local worker.",
+)
+@click.option(
+    "--broker",
+    default=None,
+    help="Broker URL of a running cluster (else ROLLOUTS_BROKER_URL, else a local cluster).",
+)
+@click.option(
+    "--redis",
+    "redis_url",
+    default=None,
+    help="Redis for locks and results (default: the broker, when it is Redis).",
+)
+@click.option("--no-wait", is_flag=True, help="Enqueue and return.")
+@click.option(
+    "--overwrite", is_flag=True, help="Replace an earlier run of this shard in the folder."
+)
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def run(
+    config_path: str,
+    input_path: str,
+    output_dir: str,
+    shard: str,
+    agent: str | None,
+    num_repeats: int | None,
+    route_failures_to_sidecar: bool | None,
+    max_resident_tasks: int | None,
+    workers: int,
+    concurrency: int,
+    broker: str | None,
+    redis_url: str | None,
+    no_wait: bool,
+    overwrite: bool,
+    overrides: tuple[str, ...],
+) -> None:
+    """Run every row of INPUT, repeated, across the cluster."""
+    try:
+        settings: dict[str, Any] = parse_overrides(list(overrides))
+        for key, value in (
+            ("agent_name", agent),
+            ("num_repeats", num_repeats),
+            ("route_failures_to_sidecar", route_failures_to_sidecar),
+            ("max_resident_tasks", max_resident_tasks),
+        ):
+            if value is not None:
+                settings[key] = value
+        opts = RunOptions(
+            config_path=config_path,
+            input_path=input_path,
+            output_dir=output_dir,
+            shard=shard,
+            settings=settings,
+            overwrite=overwrite,
+            workers=workers,
+            concurrency=concurrency,
+            broker_url=broker,
+            redis_url=redis_url,
+            wait=not no_wait,
+        )
+        sys.exit(execute_run(opts, _console))
+    except (UsageError, RunFailedError) as exc:
+        _fail(exc)
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--broker", default=None, help="Broker URL (else ROLLOUTS_BROKER_URL).")
+@click.option(
+    "--redis", "redis_url", default=None, help="Redis for locks and results (default: the broker)."
+)
+@click.option(
+    "--concurrency",
+    type=int,
+    default=DEFAULT_CONCURRENCY,
+    show_default=True,
+    help="Rollouts in flight.",
+)
+@click.option("--loglevel", default="INFO", show_default=True)
+@click.option("--events", is_flag=True, help="Send task events (for Flower).")
+@click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
+def worker(
+    broker: str | None,
+    redis_url: str | None,
+    concurrency: int,
+    loglevel: str,
+    events: bool,
+    celery_args: tuple[str, ...],
+) -> None:
+    """Start a worker process (it is `celery -A workers.app worker` with our defaults)."""
+    env = dict(os.environ)
+    if broker:
+        env["ROLLOUTS_BROKER_URL"] = broker
+    if redis_url:
+        env["ROLLOUTS_REDIS_URL"] = redis_url
+    cmd = [
+        sys.executable, "-m", "celery", "--quiet", "-A", "workers.app", "worker",
+        "-P", "threads", "-c", str(concurrency), "-Q", "rollouts", "-l", loglevel,
+    ]  # fmt: skip
+    if events:
+        cmd.append("-E")
+    cmd.extend(celery_args)
+    os.execvpe(cmd[0], cmd, env)
+
+
+@main.command()
+@click.option("--tasks", type=int, default=60, show_default=True, help="Tasks in the demo dataset.")
+@click.option("--repeats", type=int, default=4, show_default=True, help="Rollouts per task.")
+@click.option("--workers", type=int, default=2, show_default=True, help="Local worker processes.")
+@click.option(
+    "--output-dir", default=None, help="Run directory (default: a new folder under ./demo-runs)."
+)
+def demo(tasks: int, repeats: int, workers: int, output_dir: str | None) -> None:
+    """Run the example agent and environment servers end to end on an embedded cluster."""
+    from examples.demo import run_demo
+
+    try:
+        sys.exit(
+            run_demo(
+                tasks=tasks,
+                repeats=repeats,
+                workers=workers,
+                output_dir=output_dir,
+                console=_console,
+            )
+        )
+    except (UsageError, RunFailedError) as exc:
+        _fail(exc)
+if __name__ == "__main__":
+    main()

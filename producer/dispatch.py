@@ -1,0 +1,238 @@
+"""Opening a run and enqueueing it: materialized inputs, manifest, Redis state, one task per rollout.
+
+The rollout tasks form one Celery chord whose callback finishes the shard. The chord is published
+from a stream of the materialized inputs, not built in memory: its size is known from planning,
+set in the result backend first, and each task is sent with the chord's callback, its group id
+and its index, exactly as Celery's own chord would send it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from celery import Celery
+
+from infra import jsonl, keys
+from infra.runs import write_manifest
+from infra.store import RunDir, ShardFiles
+from producer.planning import PlanContext, plan_file
+from schemas import fields as F
+from schemas.config import ServersConfig
+from schemas.errors import PlanningError, Problem, RunExistsError
+from schemas.messages import COLLECT_TASK, FINISH_TASK, CallPolicy, FinishRequest, RunRef
+from schemas.records import Generation, InputSource, Manifest, utc_now
+from schemas.settings import CollectionSettings
+
+PUBLISH_BATCH = 500
+
+
+def new_run_id() -> str:
+    return f"run-{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class OpenedRun:
+    """A shard whose inputs and manifest are on storage, ready to enqueue."""
+
+    rd: RunDir
+    manifest: Manifest
+    run: RunRef
+
+    @property
+    def files(self) -> ShardFiles:
+        return ShardFiles(self.manifest.shard)
+
+
+def shard_artifacts_present(rd: RunDir, shard: str) -> list[str]:
+    return [name for name in ShardFiles(shard).all() if rd.exists(name)]
+
+
+def open_run(
+    *,
+    input_path: str,
+    output_dir: str,
+    shard: str,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    overwrite: bool = False,
+) -> OpenedRun:
+    """Plan the input and write the materialized inputs and manifest; nothing is enqueued yet.
+
+    Every input problem is raised before the run directory is touched.
+    """
+    if not F.valid_shard_label(shard):
+        raise PlanningError(
+            [Problem(f"invalid shard label {shard!r}: use letters, digits, '.', '_', '-'")]
+        )
+    if not os.path.isfile(input_path):
+        raise PlanningError([Problem("input file not found", file=input_path)])
+    rd = RunDir(output_dir)
+    present = shard_artifacts_present(rd, shard)
+    if present and not overwrite:
+        raise RunExistsError(
+            f"{rd.url} already holds shard {shard} of an earlier run ({', '.join(present)}); "
+            "pass --overwrite to replace it, or resume it with `rollouts resume`"
+        )
+    run_id = new_run_id()
+    files = ShardFiles(shard)
+    tmpdir = tempfile.mkdtemp(prefix="rollouts-plan-")
+    try:
+        local = os.path.join(tmpdir, files.materialized)
+        digest = hashlib.sha256()
+        planned = 0
+        with open(local, "wb") as out:
+            for row in plan_file(input_path, config, settings, PlanContext(run_id, shard)):
+                line = jsonl.dumps_line(row)
+                digest.update(line)
+                out.write(line)
+                planned += 1
+        if planned == 0:
+            raise PlanningError([Problem("no rows to run", file=input_path)])
+        rd.makedirs()
+        if overwrite:
+            for name in present:
+                rd.remove(name)
+        if rd.is_local:
+            shutil.move(local, rd.path(files.materialized))
+        else:
+            rd.fs.put_file(local, rd.path(files.materialized))
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    token = new_token()
+    manifest = Manifest(
+        run_id=run_id,
+        shard=shard,
+        created_at=utc_now(),
+        input=InputSource(path=os.path.abspath(input_path), sha256=sha256_file(input_path)),
+        config=config.redacted(),
+        settings=settings.model_dump(mode="json"),
+        planned=planned,
+        materialized_sha256=digest.hexdigest(),
+        generations=[Generation(token=token, kind="run", started_at=utc_now(), enqueued=planned)],
+    )
+    write_manifest(rd, manifest)
+    return OpenedRun(
+        rd, manifest, RunRef(run_id=run_id, output_dir=rd.url, shard=shard, token=token)
+    )
+
+
+def reset_shard_state(r: redis.Redis, opened: OpenedRun) -> None:
+    """Give a freshly opened shard clean Redis state naming its opener token."""
+    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
+    pipe = r.pipeline(transaction=True)
+    pipe.delete(*keys.all_shard_keys(sid))
+    pipe.hset(
+        keys.shard_state(sid),
+        mapping={
+            "opener": opened.run.token,
+            "run_id": opened.manifest.run_id,
+            "shard": opened.manifest.shard,
+            "planned": opened.manifest.planned,
+            "results_size": opened.rd.size(opened.files.results),
+            "failures_size": opened.rd.size(opened.files.failures),
+            "built": "1",
+        },
+    )
+    pipe.execute()
+
+
+def iter_materialized(rd: RunDir, shard: str) -> Iterator[dict[str, Any]]:
+    for _, line in rd.iter_lines(ShardFiles(shard).materialized):
+        if line.strip():
+            yield jsonl.loads(line)
+
+
+def call_policy(settings: CollectionSettings) -> CallPolicy:
+    return CallPolicy(
+        timeout_s=settings.rollout_timeout_s,
+        retry_requests=settings.retry_requests,
+        max_attempts=settings.max_attempts,
+        route_failures_to_sidecar=settings.route_failures_to_sidecar,
+    )
+
+
+def enqueue(
+    app: Celery,
+    opened: OpenedRun,
+    rows: Iterator[dict[str, Any]],
+    count: int,
+    config: ServersConfig,
+    settings: CollectionSettings,
+) -> str:
+    """Publish one collect task per row as a chord with the finish callback; returns the callback's id."""
+    finish_id = f"finish-{opened.manifest.run_id}-{opened.run.token[:8]}"
+    finish_payload = FinishRequest(run=opened.run).model_dump(mode="json")
+    callback = app.signature(FINISH_TASK, args=(finish_payload,), immutable=True)
+    callback.set(task_id=finish_id)
+    if count == 0:
+        callback.apply_async()
+        return finish_id
+    group_id = f"chord-{opened.manifest.run_id}-{opened.run.token[:8]}"
+    app.backend.set_chord_size(group_id, count)
+    run = opened.run.model_dump(mode="json")
+    policy = call_policy(settings).model_dump(mode="json")
+    urls = {name: agent.url for name, agent in config.agents.items()}
+    with app.producer_or_acquire() as producer:
+        for index, row in enumerate(rows):
+            rid = F.rollout_id(row)
+            payload = {
+                "run": run,
+                "agent_url": urls[F.agent_name(row) or ""],
+                "policy": policy,
+                "row": row,
+            }
+            app.send_task(
+                COLLECT_TASK,
+                args=(payload,),
+                task_id=f"{opened.manifest.run_id}.{opened.run.token[:8]}.{rid}",
+                group_id=group_id,
+                group_index=index,
+                chord=callback,
+                producer=producer,
+                add_to_parent=False,
+                argsrepr=f"run={opened.manifest.run_id} shard={opened.manifest.shard} rollout={rid}",
+                kwargsrepr="{}",
+            )
+    return finish_id
+
+
+def wait_for_finish(
+    app: Celery,
+    finish_id: str,
+    on_progress: Any = None,
+    poll_s: float = 0.5,
+) -> dict[str, Any]:
+    """Block until the finish callback has run; `on_progress()` is called between polls."""
+    result = app.AsyncResult(finish_id)
+    while True:
+        if result.ready():
+            value = result.get(propagate=False, disable_sync_subtasks=False)
+            if isinstance(value, dict):
+                return value
+            raise RuntimeError(f"the finish step failed: {value!r}")
+        if on_progress is not None:
+            on_progress()
+        time.sleep(poll_s)

@@ -1,0 +1,47 @@
+"""What a finished run prints: where it is, its counts, its metrics per environment server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from infra import jsonl
+from infra.store import RunDir, ShardFiles
+from schemas import fields as F
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def print_metrics(console: Console, rd: RunDir, shard: str, keys_only: bool = True) -> None:
+    files = ShardFiles(shard)
+    if not rd.exists(files.aggregate):
+        console.print("no aggregate metrics were written")
+        return
+    entries = jsonl.loads(rd.read_bytes(files.aggregate))
+    for entry in entries:
+        server = entry.get(F.ENVIRONMENT_SERVER)
+        label = (entry.get("agent_ref") or {}).get("name")
+        console.print(f"[bold]environment {escape(str(server))}[/] (agent {escape(str(label))})")
+        table = Table()
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        if entry.get("aggregation_error"):
+            table.add_row("aggregation_error", escape(str(entry["aggregation_error"])))
+        metrics = entry.get("key_metrics") if keys_only else entry.get("agent_metrics")
+        for name, value in sorted((metrics or {}).items()):
+            table.add_row(escape(name), _fmt(value))
+        console.print(table)
+
+
+def print_counts(console: Console, result: dict[str, Any]) -> None:
+    console.print(
+        f"landed {result.get('landed')}/{result.get('planned')} rollouts; state {result.get('state')}"
+        + (f"; error: {result['error']}" if result.get("error") else "")
+    )

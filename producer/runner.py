@@ -1,0 +1,132 @@
+"""`rollouts run`: plan, open, enqueue, wait, report; on a given cluster or on a local one."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from infra import keys
+from infra.redis_client import client
+from producer.celery_client import client_app
+from producer.config_loading import load_servers_config
+from producer.dispatch import (
+    OpenedRun,
+    enqueue,
+    iter_materialized,
+    open_run,
+    reset_shard_state,
+    wait_for_finish,
+)
+from producer.local_cluster import LocalCluster
+from producer.report import print_counts, print_metrics
+from schemas.errors import PlanningError, Problem, RunFailedError
+from schemas.settings import CollectionSettings
+
+DEFAULT_WORKERS = 2
+DEFAULT_CONCURRENCY = 256
+
+
+@dataclass
+class RunOptions:
+    """Everything `rollouts run` was asked to do."""
+
+    config_path: str
+    input_path: str
+    output_dir: str
+    shard: str = "0"
+    settings: dict[str, Any] = field(default_factory=dict)
+    overwrite: bool = False
+    workers: int = DEFAULT_WORKERS
+    concurrency: int = DEFAULT_CONCURRENCY
+    broker_url: str | None = None
+    redis_url: str | None = None
+    wait: bool = True
+
+
+def build_settings(values: dict[str, Any]) -> CollectionSettings:
+    try:
+        return CollectionSettings.model_validate(values)
+    except ValidationError as exc:
+        problems = [
+            Problem(err["msg"], field=".".join(str(p) for p in err["loc"])) for err in exc.errors()
+        ]
+        raise PlanningError(problems, header="invalid collection settings") from None
+
+
+def _progress_reader(opened: OpenedRun, redis_url: str, progress: Progress, task: Any) -> Any:
+    r = client(redis_url)
+    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
+
+    def update() -> None:
+        raw = r.hgetall(keys.shard_counts(sid))
+        counts = {k.decode(): int(v) for k, v in raw.items()}  # type: ignore[union-attr]
+        failed = sum(v for k, v in counts.items() if k.startswith("failed:"))
+        progress.update(task, completed=counts.get("landed", 0), failed=failed)
+
+    return update
+
+
+def dispatch_and_wait(
+    opened: OpenedRun, opts: RunOptions, broker_url: str, redis_url: str, console: Console
+) -> dict[str, Any] | None:
+    config = load_servers_config(opts.config_path)
+    settings = CollectionSettings.model_validate(opened.manifest.settings)
+    app = client_app(broker_url, redis_url)
+    reset_shard_state(client(redis_url), opened)
+    rows = iter_materialized(opened.rd, opened.manifest.shard)
+    finish_id = enqueue(app, opened, rows, opened.manifest.planned, config, settings)
+    console.print(f"enqueued {opened.manifest.planned} rollouts of {opened.manifest.run_id}")
+    if not opts.wait:
+        return None
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("failed {task.fields[failed]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        task = progress.add_task("rollouts", total=opened.manifest.planned, failed=0)
+        update = _progress_reader(opened, redis_url, progress, task)
+        result = wait_for_finish(app, finish_id, on_progress=update)
+        update()
+    return result
+
+
+def execute_run(opts: RunOptions, console: Console | None = None) -> int:
+    """Run to the end and return the exit code; raises UsageError for bad input (exit 2)."""
+    console = console or Console()
+    config = load_servers_config(opts.config_path)
+    settings = build_settings(opts.settings)
+    opened = open_run(
+        input_path=opts.input_path,
+        output_dir=opts.output_dir,
+        shard=opts.shard,
+        config=config,
+        settings=settings,
+        overwrite=opts.overwrite,
+    )
+    broker = opts.broker_url or os.environ.get("ROLLOUTS_BROKER_URL")
+    if broker:
+        redis_url = opts.redis_url or os.environ.get("ROLLOUTS_REDIS_URL") or broker
+        result = dispatch_and_wait(opened, opts, broker, redis_url, console)
+    else:
+        console.print(f"starting an embedded Redis and {opts.workers} local worker processes")
+        with LocalCluster(opts.workers, opts.concurrency) as cluster:
+            result = dispatch_and_wait(opened, opts, cluster.url, cluster.url, console)
+    console.print(f"run directory: {opened.rd.url}")
+    if result is None:
+        return 0
+    print_metrics(console, opened.rd, opened.manifest.shard)
+    print_counts(console, result)
+    if result.get("state") == "failed":
+        raise RunFailedError(f"the run failed: {result.get('error')}")
+    if result.get("aggregation_error"):
+        raise RunFailedError(f"aggregation failed: {result['aggregation_error']}")
+    return 0

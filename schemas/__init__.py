@@ -1,0 +1,1 @@
+"""Wire and storage contracts: Pydantic models and pure helpers, no I/O."""

@@ -1,0 +1,90 @@
+"""Names of the row fields the system reads or stamps, and the identity rules built on them."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+RESPONSES_CREATE_PARAMS = "responses_create_params"
+AGENT_REF = "agent_ref"
+TASK_SOURCE = "task_source"
+TASK_INDEX = "_ng_task_index"
+ROLLOUT_INDEX = "_ng_rollout_index"
+ROLLOUT_ID = "_ng_rollout_id"
+ATTEMPT_INDEX = "_ng_attempt_index"
+ENVIRONMENT_SERVER = "_ng_environment_server"
+RUN_ID = "_ng_run_id"
+SHARD = "_ng_shard"
+
+FAILURE_CLASS = "_ng_failure_class"
+FAILURE_TYPE = "_ng_failure_type"
+FAILURE_MESSAGE = "_ng_failure_message"
+FAILURE_HTTP_STATUS = "_ng_failure_http_status"
+FAILURE_RESPONSE_BODY = "_ng_failure_response_body"
+FAILURE_TERMINAL = "_ng_failure_terminal"
+FAILURE_KIND = "failure_kind"
+NO_PERSIST = "_ng_no_persist"
+DISPATCH_DRAINED = "_ng_dispatch_drained"
+
+# Identity fields copied from the planned row onto whatever the agent returned.
+IDENTITY_FIELDS = (
+    TASK_INDEX,
+    ROLLOUT_INDEX,
+    AGENT_REF,
+    TASK_SOURCE,
+    ROLLOUT_ID,
+    ATTEMPT_INDEX,
+    ENVIRONMENT_SERVER,
+    RUN_ID,
+    SHARD,
+)
+
+# Heavy fields left out of what /aggregate_metrics receives.
+AGGREGATE_STRIPPED = (
+    RESPONSES_CREATE_PARAMS,
+    "ng_agent_observations",
+    "ng_model_call_capture",
+    "ng_trajectory",
+    "ng_perf",
+)
+
+ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+SHARD_LABEL_PATTERN = re.compile(r"^[A-Za-z0-9._-]+$")
+
+RolloutKey = tuple[int, int]
+
+
+def rollout_key(row: dict[str, Any]) -> RolloutKey:
+    """The (task, rollout) pair that identifies a rollout within a shard."""
+    return int(row[TASK_INDEX]), int(row[ROLLOUT_INDEX])
+
+
+def agent_name(row: dict[str, Any]) -> str | None:
+    ref = row.get(AGENT_REF)
+    if isinstance(ref, dict):
+        name = ref.get("name")
+        return name if isinstance(name, str) else None
+    return None
+
+
+def rollout_id(row: dict[str, Any]) -> str | None:
+    """The rollout's id: its explicit `_ng_rollout_id`, else `<task>-<rollout>`, plus `-a<n>` on retries."""
+    explicit = row.get(ROLLOUT_ID)
+    if explicit is not None:
+        base = str(explicit)
+    elif TASK_INDEX in row and ROLLOUT_INDEX in row:
+        base = f"{row[TASK_INDEX]}-{row[ROLLOUT_INDEX]}"
+    else:
+        return None
+    attempt = row.get(ATTEMPT_INDEX)
+    if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt > 0:
+        return f"{base}-a{attempt}"
+    return base
+
+
+def valid_rollout_id(value: object) -> bool:
+    return isinstance(value, str) and ROLLOUT_ID_PATTERN.fullmatch(value) is not None
+
+
+def valid_shard_label(value: object) -> bool:
+    return isinstance(value, str) and SHARD_LABEL_PATTERN.fullmatch(value) is not None

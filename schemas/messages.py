@@ -1,0 +1,74 @@
+"""Payloads of the Celery tasks: validated by each task before it calls plain code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from schemas.settings import DEFAULT_MAX_ATTEMPTS, DEFAULT_ROLLOUT_TIMEOUT_S
+
+COLLECT_TASK = "rollouts.collect"
+"""Task name of one rollout."""
+FINISH_TASK = "rollouts.finish"
+"""Task name of the chord callback that finishes a shard."""
+QUEUE = "rollouts"
+"""The queue rollout tasks go to."""
+
+
+class RunRef(BaseModel):
+    """Which shard of which run a task belongs to, and the dispatch generation that sent it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str
+    """The run's id (stable across resumes)."""
+    output_dir: str
+    """The run directory, an fsspec URL or a local path."""
+    shard: str = "0"
+    """The shard label."""
+    token: str
+    """The opener token of the dispatch generation; a stale token is fenced out."""
+
+
+class CallPolicy(BaseModel):
+    """How a worker calls `/run` for one rollout."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    timeout_s: float = DEFAULT_ROLLOUT_TIMEOUT_S
+    """Time limit of the rollout."""
+    retry_requests: bool = True
+    """Replay a request that failed after it was sent."""
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    """Attempt limit, also for redeliveries after a worker died."""
+    route_failures_to_sidecar: bool = False
+    """Whether a failure leaves the run going."""
+    connect_retries: int = 6
+    """Retries of a connection that was never established (always safe)."""
+    backoff_base_s: float = 0.5
+    """First backoff delay; it doubles per retry, with full jitter, capped at 30 s."""
+
+
+class CollectRequest(BaseModel):
+    """One rollout: the planned row and where its agent listens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: RunRef
+    """The run and shard the result lands in."""
+    agent_url: str
+    """Base URL of the agent; `/run` is appended."""
+    policy: CallPolicy = CallPolicy()
+    """Timeouts and retries."""
+    row: dict[str, Any]
+    """The planned row, sent as the `/run` body."""
+
+
+class FinishRequest(BaseModel):
+    """The chord callback's payload: the shard to finish."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: RunRef
+    """The run and shard to finish."""

@@ -1,0 +1,125 @@
+"""Records the system writes beside the rollouts: manifest, status, failure rows."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RunState = Literal["running", "completed", "failed", "cancelled"]
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class InputSource(BaseModel):
+    """Where the planned rows came from."""
+
+    path: str
+    """The input file as given."""
+    sha256: str
+    """SHA-256 of the input file's bytes."""
+
+
+class Generation(BaseModel):
+    """One dispatch of the shard: the fresh run, then one per resume."""
+
+    token: str
+    """The opener token its tasks carry."""
+    kind: Literal["run", "resume"]
+    """Fresh run or resume."""
+    started_at: str
+    """When it was opened."""
+    enqueued: int
+    """Rollouts it enqueued."""
+
+
+class Manifest(BaseModel):
+    """`rollouts-S_manifest.json`: what the run is and where it stands."""
+
+    model_config = ConfigDict(extra="allow")
+
+    schema_version: int = 1
+    """Layout version of this record."""
+    run_id: str
+    """The run's id."""
+    shard: str
+    """The shard label."""
+    created_at: str
+    """When the run was planned."""
+    input: InputSource
+    """The input file and its hash."""
+    config: dict[str, Any]
+    """The servers config, secrets redacted."""
+    settings: dict[str, Any]
+    """The collection settings."""
+    planned: int
+    """Planned rollouts (lines of the materialized inputs)."""
+    materialized_sha256: str
+    """SHA-256 of the materialized inputs."""
+    generations: list[Generation] = Field(default_factory=list)
+    """Dispatch generations, oldest first; the last one's token is current."""
+    state: RunState = "running"
+    """Run state."""
+    updated_at: str = Field(default_factory=utc_now)
+    """Last change."""
+    error: str | None = None
+    """Why the run failed, when it did."""
+
+    @property
+    def token(self) -> str:
+        return self.generations[-1].token
+
+
+class ShardStatus(BaseModel):
+    """`rollouts-S_status.json`: progress counts of a shard."""
+
+    run_id: str
+    """The run's id."""
+    shard: str
+    """The shard label."""
+    planned: int
+    """Planned rollouts."""
+    landed: int = 0
+    """Results in `rollouts-S.jsonl`."""
+    failed: dict[str, int] = Field(default_factory=dict)
+    """Failure rows by class."""
+    drained: int = 0
+    """Rollouts not started because the dispatch budget ran out."""
+    in_flight: int = 0
+    """Rollouts running now."""
+    duplicates: int = 0
+    """Deliveries of an already landed rollout that wrote nothing."""
+    updated_at: str = Field(default_factory=utc_now)
+    """When these counts were taken."""
+
+
+class FailureRow(BaseModel):
+    """The failure fields stamped onto the planned row's identity (SPEC §5)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    failure_class: str = Field(alias="_ng_failure_class")
+    """agent_run_error, agent_request_failed, worker_lost, cancelled, or the agent's own class."""
+    failure_type: str | None = Field(default=None, alias="_ng_failure_type")
+    """Exception or cause name."""
+    failure_message: str | None = Field(default=None, alias="_ng_failure_message")
+    """What went wrong."""
+    http_status: int | None = Field(default=None, alias="_ng_failure_http_status")
+    """The HTTP status, when there was one."""
+    response_body: str | None = Field(default=None, alias="_ng_failure_response_body")
+    """At most 2,000 characters of the reply body."""
+    terminal: bool | None = Field(default=None, alias="_ng_failure_terminal")
+    """True when retrying cannot help."""
+    failure_kind: str | None = None
+    """NeMo Gym's registered failure kind."""
+
+    def fields(self) -> dict[str, Any]:
+        data = self.model_dump(by_alias=True)
+        if data["_ng_failure_terminal"] is None:
+            del data["_ng_failure_terminal"]
+        if data["failure_kind"] is None:
+            del data["failure_kind"]
+        return data

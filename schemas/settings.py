@@ -1,0 +1,96 @@
+"""Run-level collection settings: what `rollouts run` flags and `+key=value` overrides set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_ROLLOUT_TIMEOUT_S = 3600.0
+DEFAULT_MAX_ATTEMPTS = 3
+
+
+class CollectionSettings(BaseModel):
+    """Every knob of a run that is not a server address; stored in the manifest."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    agent_name: str | None = None
+    """Agent for rows that name none (shorthand for `agent_map._default`)."""
+    agent_map: dict[str, str] = Field(default_factory=dict)
+    """Re-route rows: by agent name, by task_source, or `_default`."""
+    fan_out: dict[str, list[str]] = Field(default_factory=dict)
+    """One copy of each matching row per listed agent."""
+    num_repeats: int | dict[str, int] = 1
+    """Rollouts per task: an int, or per routing key with `_default`."""
+    task_ids: list[str | int] | None = None
+    """Keep only these tasks (by task_id, problem_id, instance_id, else task index)."""
+    limit: int | None = Field(default=None, ge=0)
+    """Read only the first N input lines; 0 or None reads all."""
+    interleave_repeats: bool = False
+    """Order rollouts by rollout index (abcabc) instead of task by task (aabbcc)."""
+    interleave_by_agent: bool = False
+    """Round-robin the planned rollouts across agents."""
+    allow_unsupported_pairing: bool = False
+    """Skip the allowed_agents checks."""
+
+    route_failures_to_sidecar: bool = False
+    """A failed /run becomes a failure row and the run goes on; off: the run fails on the first one."""
+    retry_requests: bool = True
+    """Replay a /run that failed after the request was sent (read timeout, reset, 502/503/504)."""
+    rollout_timeout_s: float = Field(default=DEFAULT_ROLLOUT_TIMEOUT_S, gt=0)
+    """Time limit of one rollout's /run call."""
+    max_attempts: int = Field(default=DEFAULT_MAX_ATTEMPTS, ge=1)
+    """Attempts per rollout, counted across deliveries and resumes."""
+    max_resident_tasks: int | None = Field(
+        default=None,
+        ge=1,
+        validation_alias=AliasChoices("max_resident_tasks", "max_resident_rollout_tasks"),
+    )
+    """Cluster-wide cap on rollouts running at once."""
+    dispatch_budget_s: float | None = Field(default=None, ge=0)
+    """No rollout starts later than this many seconds after dispatch began."""
+    drain_margin_s: float | None = Field(default=None, ge=0)
+    """Stop starting this long before the budget ends (else the p75 of observed durations)."""
+    require_complete: bool = False
+    """A run with fewer landed results than planned rollouts ends with exit 1."""
+    count_missing_rollouts_as_zero: bool = False
+    """Score rollouts that left no row as zero."""
+    count_failure_classes_as_zero: list[str] = Field(default_factory=list)
+    """Score failure rows of these classes as zero."""
+
+    disable_aggregation: bool = False
+    """Skip /aggregate_metrics and the health check."""
+    disable_health_check: bool = False
+    """Write a `disabled` quality summary instead of checking."""
+    health_check_ignored_checks: list[str] = Field(default_factory=list)
+    """Check ids to skip."""
+    max_failed_rollouts: int | None = Field(default=None, ge=0)
+    """run_excessive_failures: limit on failed rollouts per group."""
+    max_failed_fraction: float | None = Field(default=None, ge=0, le=1)
+    """run_excessive_failures: limit on the failed fraction per group."""
+
+    @field_validator("num_repeats", mode="before")
+    @classmethod
+    def _none_is_one(cls, value: Any) -> Any:
+        return 1 if value is None else value
+
+    @field_validator("num_repeats")
+    @classmethod
+    def _positive_repeats(cls, value: int | dict[str, int]) -> int | dict[str, int]:
+        if isinstance(value, int):
+            if value < 1:
+                raise ValueError(f"num_repeats must be >= 1, got {value}")
+        elif any(v < 1 for v in value.values()):
+            raise ValueError(f"num_repeats dict values must be >= 1, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _agent_name_is_default(self) -> CollectionSettings:
+        default = self.agent_map.get("_default")
+        if self.agent_name is not None and default is not None and default != self.agent_name:
+            raise ValueError(
+                f"agent_name={self.agent_name!r} conflicts with agent_map._default={default!r}; "
+                "set only one of them"
+            )
+        return self

