@@ -8,23 +8,17 @@ from typing import Any
 
 from pydantic import ValidationError
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from infra import keys
 from infra.redis_client import client
+from infra.runs import write_manifest
 from producer.celery_client import client_app
 from producer.config_loading import load_servers_config
-from producer.dispatch import (
-    OpenedRun,
-    enqueue,
-    iter_materialized,
-    open_run,
-    reset_shard_state,
-    wait_for_finish,
-)
+from producer.dispatch import OpenedRun, iter_materialized, open_run, reset_shard_state
+from producer.live import redact_url
 from producer.local_cluster import LocalCluster
 from producer.report import print_counts, print_metrics
-from schemas.errors import PlanningError, Problem, RunFailedError
+from producer.supervise import dispatch_generation, raise_for_outcome
+from schemas.errors import PlanningError, Problem
 from schemas.settings import CollectionSettings
 
 DEFAULT_WORKERS = 2
@@ -46,6 +40,7 @@ class RunOptions:
     broker_url: str | None = None
     redis_url: str | None = None
     wait: bool = True
+    events: bool = False
 
 
 def build_settings(values: dict[str, Any]) -> CollectionSettings:
@@ -58,19 +53,6 @@ def build_settings(values: dict[str, Any]) -> CollectionSettings:
         raise PlanningError(problems, header="invalid collection settings") from None
 
 
-def _progress_reader(opened: OpenedRun, redis_url: str, progress: Progress, task: Any) -> Any:
-    r = client(redis_url)
-    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
-
-    def update() -> None:
-        raw = r.hgetall(keys.shard_counts(sid))
-        counts = {k.decode(): int(v) for k, v in raw.items()}  # type: ignore[union-attr]
-        failed = sum(v for k, v in counts.items() if k.startswith("failed:"))
-        progress.update(task, completed=counts.get("landed", 0), failed=failed)
-
-    return update
-
-
 def dispatch_and_wait(
     opened: OpenedRun, opts: RunOptions, broker_url: str, redis_url: str, console: Console
 ) -> dict[str, Any] | None:
@@ -78,25 +60,14 @@ def dispatch_and_wait(
     settings = CollectionSettings.model_validate(opened.manifest.settings)
     app = client_app(broker_url, redis_url)
     reset_shard_state(client(redis_url), opened)
+    # Where this generation coordinates, so `rollouts status` and `cancel` find it.
+    opened.manifest.generations[-1].redis_url = redact_url(redis_url)
+    write_manifest(opened.rd, opened.manifest)
     rows = iter_materialized(opened.rd, opened.manifest.shard)
-    finish_id = enqueue(app, opened, rows, opened.manifest.planned, config, settings)
-    console.print(f"enqueued {opened.manifest.planned} rollouts of {opened.manifest.run_id}")
-    if not opts.wait:
-        return None
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("failed {task.fields[failed]}"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    ) as progress:
-        task = progress.add_task("rollouts", total=opened.manifest.planned, failed=0)
-        update = _progress_reader(opened, redis_url, progress, task)
-        result = wait_for_finish(app, finish_id, on_progress=update)
-        update()
-    return result
+    return dispatch_generation(
+        app, opened, rows, opened.manifest.planned, config, settings, redis_url, console,
+        wait=opts.wait,
+    )  # fmt: skip
 
 
 def execute_run(opts: RunOptions, console: Console | None = None) -> int:
@@ -118,15 +89,12 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
         result = dispatch_and_wait(opened, opts, broker, redis_url, console)
     else:
         console.print(f"starting an embedded Redis and {opts.workers} local worker processes")
-        with LocalCluster(opts.workers, opts.concurrency) as cluster:
+        with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:
             result = dispatch_and_wait(opened, opts, cluster.url, cluster.url, console)
     console.print(f"run directory: {opened.rd.url}")
     if result is None:
         return 0
     print_metrics(console, opened.rd, opened.manifest.shard)
     print_counts(console, result)
-    if result.get("state") == "failed":
-        raise RunFailedError(f"the run failed: {result.get('error')}")
-    if result.get("aggregation_error"):
-        raise RunFailedError(f"aggregation failed: {result['aggregation_error']}")
+    raise_for_outcome(result)
     return 0
