@@ -191,33 +191,39 @@ class _LeaseRenewer:
         with self._lock:
             self._held.pop(member, None)
 
+    def renew_once(self) -> int:
+        """Push every held lease's expiry forward (re-adding it if Redis lost it); returns how many."""
+        with self._lock:
+            if not self._held:
+                return 0
+            zsets: list[str] = []
+            members: list[str] = [str(self._ttl_s)]
+            for member, keys_ in self._held.items():
+                for k in keys_:
+                    zsets.append(k)
+                    members.append(member)
+            try:
+                self._script(keys=zsets, args=members, client=self._r)
+            except redis.RedisError as exc:
+                log.warning("could not renew %d leases: %s", len(self._held), exc)
+                return 0
+            return len(self._held)
+
     def _loop(self) -> None:
         while True:
             time.sleep(self._ttl_s / 3)
-            with self._lock:
-                if not self._held:
-                    continue
-                zsets: list[str] = []
-                members: list[str] = [str(self._ttl_s)]
-                for member, keys_ in self._held.items():
-                    for k in keys_:
-                        zsets.append(k)
-                        members.append(member)
-                try:
-                    self._script(keys=zsets, args=members, client=self._r)
-                except redis.RedisError as exc:
-                    log.warning("could not renew %d leases: %s", len(self._held), exc)
+            self.renew_once()
 
 
 class Gate:
     """This process's admission: begin/end calls, lease renewal, cached stop flags and margins."""
 
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, ttl_s: float = LEASE_TTL_S) -> None:
         self.pid = os.getpid()
         self.r = client(redis_url)
         self._begin = self.r.register_script(BEGIN_LUA)
         self._end = self.r.register_script(END_LUA)
-        self.ttl_s = LEASE_TTL_S
+        self.ttl_s = ttl_s
         self.renewer = _LeaseRenewer(self.r, self.r.register_script(RENEW_LUA), self.ttl_s)
         self._holder = f"{socket.gethostname()}:{self.pid}"
         self._seq = 0
