@@ -24,6 +24,7 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> 
     full_env = dict(os.environ)
     full_env.pop("ROLLOUTS_BROKER_URL", None)
     full_env.pop("ROLLOUTS_REDIS_URL", None)
+    full_env["COLUMNS"] = "250"  # rich wraps at 80 columns without a terminal
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "producer.cli", *args],
@@ -33,6 +34,7 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> 
 
 def cli_background(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     full_env = dict(os.environ)
+    full_env["COLUMNS"] = "250"
     full_env.update(env or {})
     out = open(log, "wb")  # noqa: SIM115 - handed to the child process
     try:

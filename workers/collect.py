@@ -30,8 +30,8 @@ STOP_POLL_S = 0.5
 LAND_RETRY_S = 120.0
 
 
-def _summary(row: dict[str, Any], outcome: str, **extra: Any) -> dict[str, Any]:
-    return {"rollout": F.rollout_id(row), "outcome": outcome, **extra}
+def _summary(planned: dict[str, Any], outcome: str, **extra: Any) -> dict[str, Any]:
+    return {"rollout": F.rollout_id(planned), "outcome": outcome, **extra}
 
 
 def sort_outcome(outcome: CallOutcome) -> tuple[dict[str, Any] | None, list[dict[str, Any]], str]:
@@ -142,6 +142,16 @@ def fail_run(redis_url: str, sid: str, row: dict[str, Any], final: dict[str, Any
 
 def collect(req: CollectRequest, redis_url: str) -> dict[str, Any]:
     """Run one rollout and land its records; returns a small summary for the chord."""
+    try:
+        return _collect(req, redis_url)
+    except Exception as exc:
+        # A task that raised would fail the chord: the shard would never finish. The rollout is
+        # left without an outcome instead (resume runs it) and the error is logged.
+        log.exception("rollout %s: unexpected error", F.rollout_id(req.row))
+        return _summary(req.row, "error", error=f"{type(exc).__name__}: {exc}")
+
+
+def _collect(req: CollectRequest, redis_url: str) -> dict[str, Any]:
     row = req.row
     sid = keys.shard_id(req.run.output_dir, req.run.shard)
     g = gate(redis_url)
@@ -159,8 +169,7 @@ def collect(req: CollectRequest, redis_url: str) -> dict[str, Any]:
         )  # fmt: skip
         return _summary(row, "fenced")
     if ticket.verdict in ("drained", "failed", "cancelled"):
-        drained = drained_row(row, not_started_message(g, req, ticket))
-        return _summary(row, "drained", error_message=drained["error_message"])
+        return _summary(row, "drained", row=drained_row(row, not_started_message(g, req, ticket)))
     if ticket.verdict == "lost":
         return _land_and_report(
             req, redis_url, sid, None, [worker_lost_row(req, int(ticket.detail))], "failed", 0
