@@ -90,8 +90,8 @@ def test_a_connection_never_established_is_retried_with_backoff(
                 [sys.executable, "-m", "examples.agent_server", "--port", str(late_port),
                  "--name", "late_agent", "--request-log", str(log)],
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-        )
+            )
+        )  # fmt: skip
 
     timer = threading.Timer(1.0, start_late_agent)
     workers.start(count=1, concurrency=8)
