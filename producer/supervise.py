@@ -128,13 +128,12 @@ def wait_for_shard(
 
 def _show(progress: Progress, bar: Any, snap: LiveSnapshot) -> None:
     failed = sum(v for k, v in snap.shard_counts.items() if k.startswith("failed:"))
-    progress.update(
-        bar,
-        completed=snap.resolved,
-        landed=snap.shard_counts.get("landed", 0),
-        failed=failed,
-        in_flight=snap.in_flight,
-    )
+    fields: dict[str, Any] = {"in_flight": snap.in_flight}
+    if snap.token is not None:  # else Redis lost the generation's counters: keep the last view
+        fields["completed"] = snap.resolved
+    if snap.shard_counts:
+        fields.update(landed=snap.shard_counts.get("landed", 0), failed=failed)
+    progress.update(bar, **fields)
 
 
 def stalled(opened: OpenedRun, settings: CollectionSettings, queued: int | None) -> RunFailedError:
