@@ -108,3 +108,10 @@ def test_flower_finds_the_runs_tasks_and_status_matches_the_files(
     assert report["by_environment"]["count_env"]["failed"] == {"agent_run_error": 1}
     assert report["by_environment"]["math_env"]["failed"] == {"agent_request_failed": 1}
     assert report["by_agent"]["math_agent"]["failed"] == {"agent_request_failed": 1}
+
+    proc = cli("status", str(out), "--watch", "--interval", "0.2", "--redis", redis_url)
+    assert proc.returncode == 0, proc.stderr
+    assert "40/40" in proc.stdout and "agent math_agent" in proc.stdout
+    proc = cli("status", str(out))  # no Redis given: the recorded one is used
+    assert proc.returncode == 0, proc.stderr
+    assert "planned 40 · landed 38 · failed agent_request_failed 1, agent_run_error 1" in proc.stdout

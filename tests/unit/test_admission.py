@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -37,8 +38,23 @@ def r(redis_url: str) -> redis.Redis:
 
 
 @pytest.fixture
-def gate(redis_url: str, r: redis.Redis) -> Gate:
-    return Gate(redis_url, ttl_s=30.0)
+def make_gate(redis_url: str) -> Iterator[Callable[[float], Gate]]:
+    """Gates of this test; their leftover leases are forgotten afterwards (no renewal noise)."""
+    made: list[Gate] = []
+
+    def make(ttl_s: float = 30.0) -> Gate:
+        made.append(Gate(redis_url, ttl_s=ttl_s))
+        return made[-1]
+
+    yield make
+    for g in made:
+        for member in list(g.renewer._held):
+            g.renewer.remove(member)
+
+
+@pytest.fixture
+def gate(make_gate: Callable[[float], Gate], r: redis.Redis) -> Gate:
+    return make_gate(30.0)
 
 
 def live_leases(r: redis.Redis) -> int:
@@ -80,13 +96,15 @@ def test_agent_cap_is_shared_across_runs(gate: Gate, r: redis.Redis) -> None:
     assert got == ["run"]
 
 
-def test_a_dead_holders_slots_come_back_when_its_leases_expire(redis_url: str, r: redis.Redis) -> None:
-    dead = Gate(redis_url, ttl_s=0.5)
+def test_a_dead_holders_slots_come_back_when_its_leases_expire(
+    make_gate: Callable[[float], Gate], r: redis.Redis
+) -> None:
+    dead = make_gate(0.5)
     for i in range(2):
         ticket = dead.admit(request(i, max_resident_tasks=2), SID)
         dead.renewer.remove(ticket.member)  # the holder died: nobody renews
     start = time.monotonic()
-    assert Gate(redis_url, ttl_s=30).admit(request(5, max_resident_tasks=2), SID).verdict == "run"
+    assert make_gate(30.0).admit(request(5, max_resident_tasks=2), SID).verdict == "run"
     assert time.monotonic() - start < 3
 
 
@@ -106,8 +124,10 @@ def test_release_is_not_undone_by_a_later_renewal(gate: Gate, r: redis.Redis) ->
     assert live_leases(r) == 0
 
 
-def test_more_unfinished_deliveries_than_the_attempt_limit_is_worker_lost(redis_url: str, r: redis.Redis) -> None:
-    g = Gate(redis_url, ttl_s=0.3)
+def test_more_unfinished_deliveries_than_the_attempt_limit_is_worker_lost(
+    make_gate: Callable[[float], Gate], r: redis.Redis
+) -> None:
+    g = make_gate(0.3)
     for _ in range(2):  # two deliveries whose worker died: no release
         ticket = g.admit(request(7, max_attempts=2), SID)
         assert ticket.verdict == "run"
