@@ -19,7 +19,9 @@ from tests.conftest import ROOT, read_jsonl
 Key = tuple[int, int]
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     """`rollouts ARGS` in a subprocess, as a user runs it."""
     full_env = dict(os.environ)
     full_env.pop("ROLLOUTS_BROKER_URL", None)
@@ -32,7 +34,9 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> 
     )  # fmt: skip
 
 
-def cli_background(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def cli_background(
+    *args: str, log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     full_env = dict(os.environ)
     full_env["COLUMNS"] = "250"
     full_env.update(env or {})
@@ -73,7 +77,9 @@ def requests_per_key(path: Path, run_id: str | None = None) -> Counter[Key]:
     )
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
+def wait_for(
+    predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.1
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

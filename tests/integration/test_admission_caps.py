@@ -36,7 +36,9 @@ class InFlightSampler:
     def _run(self) -> None:
         with httpx.Client() as c:
             while not self._stop.is_set():
-                self.samples.append((time.monotonic(), c.get(self.url + "/stats").json()["in_flight"]))
+                self.samples.append(
+                    (time.monotonic(), c.get(self.url + "/stats").json()["in_flight"])
+                )
                 time.sleep(0.02)
 
     def stop(self) -> None:
@@ -62,10 +64,19 @@ def test_max_resident_tasks_caps_the_cluster_and_recovers_after_a_worker_dies(
             "+route_failures_to_sidecar=true", "+stall_timeout_s=8",
             log=tmp_path / "run.log",
         )  # fmt: skip
-        wait_for(lambda: (out / "rollouts-0.jsonl").exists() and len(rows_by_key(out / "rollouts-0.jsonl")) >= 20, 60, "20 results")
+        wait_for(
+            lambda: (
+                (out / "rollouts-0.jsonl").exists()
+                and len(rows_by_key(out / "rollouts-0.jsonl")) >= 20
+            ),
+            60,
+            "20 results",
+        )
         # Kill a worker that holds slots right now: its leases stay behind until they expire.
         sid = keys.shard_id(RunDir(str(out)).url, "0")
-        holders = [m.decode().split("|")[0].split(":")[1] for m in r.zrange(keys.shard_leases(sid), 0, -1)]
+        holders = [
+            m.decode().split("|")[0].split(":")[1] for m in r.zrange(keys.shard_leases(sid), 0, -1)
+        ]
         victim = next(p for p in workers.procs if str(p.pid) in holders)
         victim.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()

@@ -29,7 +29,9 @@ def test_rows_not_started_within_the_budget_are_drained_and_resume_runs_exactly_
     redis_url: str, workers: Workers, tmp_path: Path
 ) -> None:
     log = tmp_path / "requests.jsonl"
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(latency_ms=1000, request_log=str(log)))
+    servers = start_servers(
+        {"math_agent": "math_env"}, AgentKnobs(latency_ms=1000, request_log=str(log))
+    )
     try:
         workers.start(count=1, concurrency=8)
         workers.wait_ready()
@@ -43,7 +45,10 @@ def test_rows_not_started_within_the_budget_are_drained_and_resume_runs_exactly_
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr
         m = manifest(out)
-        planned = {(r[F.TASK_INDEX], r[F.ROLLOUT_INDEX]) for r in read_jsonl(out / "rollouts-0_materialized_inputs.jsonl")}
+        planned = {
+            (r[F.TASK_INDEX], r[F.ROLLOUT_INDEX])
+            for r in read_jsonl(out / "rollouts-0_materialized_inputs.jsonl")
+        }
         landed = set(rows_by_key(out / "rollouts-0.jsonl"))
         drained = planned - landed
         assert 3 <= len(landed) <= 15 and drained
@@ -54,7 +59,9 @@ def test_rows_not_started_within_the_budget_are_drained_and_resume_runs_exactly_
         assert status["drained"] == len(drained)
         app = client_app(redis_url, redis_url)
         for task, rollout in sorted(drained):
-            summary = task_result(app, m["run_id"], m["generations"][0]["token"], f"{task}-{rollout}")
+            summary = task_result(
+                app, m["run_id"], m["generations"][0]["token"], f"{task}-{rollout}"
+            )
             assert summary["outcome"] == "drained"
             assert summary["row"] == {
                 F.TASK_INDEX: task,
@@ -95,7 +102,10 @@ def test_nemo_gym_resume_counts_attempts_and_never_retries_terminal_failures(
         rows = demo_rows(10)
         rows[0]["fault"] = {"kind": "http500", "times": 1}  # fails once, then works
         rows[1]["fault"] = {"kind": "http500", "times": 9}  # fails every time
-        rows[2]["result_extra"] = {"_ng_failure_class": "judge_failed", "_ng_failure_terminal": True}
+        rows[2]["result_extra"] = {
+            "_ng_failure_class": "judge_failed",
+            "_ng_failure_terminal": True,
+        }
         rows[3]["fault"] = {"kind": "http503", "times": 9}  # replayed to the limit within the run
         out = tmp_path / "run"
         proc = cli(
@@ -116,10 +126,10 @@ def test_nemo_gym_resume_counts_attempts_and_never_retries_terminal_failures(
             env={"NEMO_GYM_MAX_ROLLOUT_ATTEMPTS": "2"},
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert "4 failed before, 1 terminal, 1 exhausted (attempt limit 2); running 2" in proc.stdout
-        aggregated = {
-            name: len(env.last_rows) for name, env in servers.environments.items()
-        }
+        assert (
+            "4 failed before, 1 terminal, 1 exhausted (attempt limit 2); running 2" in proc.stdout
+        )
+        aggregated = {name: len(env.last_rows) for name, env in servers.environments.items()}
     finally:
         servers.stop()
     resumed = [e for e in request_log(log)[first:] if e["event"] == "start"]

@@ -33,7 +33,9 @@ def test_cancel_stops_the_run_and_resume_finishes_it(
             "--output-dir", str(out), "--broker", redis_url, "--max-resident-tasks", "4",
             log=tmp_path / "run.log",
         )  # fmt: skip
-        wait_for(lambda: httpx.get(agent + "/stats").json()["in_flight"] == 4, 30, "4 calls in flight")
+        wait_for(
+            lambda: httpx.get(agent + "/stats").json()["in_flight"] == 4, 30, "4 calls in flight"
+        )
         # (Each call takes 5 s: the cancel below lands while all four are still running.)
         # No --redis: the Redis is found where the run recorded it.
         proc = cli("cancel", str(out), *(["--drain"] if drain else []))

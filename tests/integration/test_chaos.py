@@ -45,11 +45,17 @@ def lines(path: Path) -> int:
 
 
 @pytest.mark.timeout(600)
-def test_chaos_run_then_resume_settles_every_rollout(private_redis: EmbeddedRedis, tmp_path: Path) -> None:
+def test_chaos_run_then_resume_settles_every_rollout(
+    private_redis: EmbeddedRedis, tmp_path: Path
+) -> None:
     url = private_redis.url
     log = tmp_path / "agent-requests.jsonl"
     knobs = AgentKnobs(
-        latency_ms=200, fault_rate=0.1, fault_kinds=["http503", "reset"], seed=7, request_log=str(log)
+        latency_ms=200,
+        fault_rate=0.1,
+        fault_kinds=["http503", "reset"],
+        seed=7,
+        request_log=str(log),
     )
     servers = start_servers(knobs=knobs)
     workers = Workers(url, tmp_path)
@@ -114,7 +120,9 @@ def test_chaos_run_then_resume_settles_every_rollout(private_redis: EmbeddedRedi
 
     requested = requests_per_key(log)
     never_attempted = planned_keys - set(requested)
-    assert not never_attempted, f"planned rollouts never sent to the agent: {sorted(never_attempted)[:10]}"
+    assert not never_attempted, (
+        f"planned rollouts never sent to the agent: {sorted(never_attempted)[:10]}"
+    )
     assert len(failures) > 100, "the 10% injected faults left few failure rows"
     m = manifest(out)
     assert [g["kind"] for g in m["generations"]] == ["run", "resume"]

@@ -57,7 +57,9 @@ class FaultRun:
 
 
 @pytest.fixture(scope="module")
-def fault_run(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultRun]:
+def fault_run(
+    redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FaultRun]:
     tmp = tmp_path_factory.mktemp("faults")
     r = redis.Redis.from_url(redis_server.url)
     r.flushall()

@@ -114,4 +114,6 @@ def test_flower_finds_the_runs_tasks_and_status_matches_the_files(
     assert "40/40" in proc.stdout and "agent math_agent" in proc.stdout
     proc = cli("status", str(out))  # no Redis given: the recorded one is used
     assert proc.returncode == 0, proc.stderr
-    assert "planned 40 · landed 38 · failed agent_request_failed 1, agent_run_error 1" in proc.stdout
+    assert (
+        "planned 40 · landed 38 · failed agent_request_failed 1, agent_run_error 1" in proc.stdout
+    )

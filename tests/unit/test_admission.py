@@ -19,7 +19,9 @@ URL = "file:///tmp/run-admission"
 SID = keys.shard_id(URL, "0")
 
 
-def request(task: int, rollout: int = 0, agent_url: str = "http://127.0.0.1:1", **admission: Any) -> CollectRequest:
+def request(
+    task: int, rollout: int = 0, agent_url: str = "http://127.0.0.1:1", **admission: Any
+) -> CollectRequest:
     return CollectRequest(
         run=RunRef(run_id="r", output_dir=URL, shard="0", token=TOKEN),
         agent_url=agent_url,
@@ -67,7 +69,9 @@ def test_run_cap_holds_and_a_released_slot_admits_the_next(gate: Gate, r: redis.
     assert [t.verdict for t in tickets] == ["run", "run"]
     assert live_leases(r) == 2
     got: list[str] = []
-    waiter = threading.Thread(target=lambda: got.append(gate.admit(request(2, max_resident_tasks=2), SID).verdict))
+    waiter = threading.Thread(
+        target=lambda: got.append(gate.admit(request(2, max_resident_tasks=2), SID).verdict)
+    )
     waiter.start()
     time.sleep(0.5)
     assert got == []
@@ -86,7 +90,9 @@ def test_agent_cap_is_shared_across_runs(gate: Gate, r: redis.Redis) -> None:
     other_sid = keys.shard_id("file:///tmp/other-run", "0")
     got: list[str] = []
     waiter = threading.Thread(
-        target=lambda: got.append(gate.admit(request(0, agent_max_concurrency=1), other_sid).verdict)
+        target=lambda: got.append(
+            gate.admit(request(0, agent_max_concurrency=1), other_sid).verdict
+        )
     )
     waiter.start()
     time.sleep(0.4)
@@ -164,7 +170,10 @@ def test_budget_and_margin_drain(gate: Gate, r: redis.Redis) -> None:
     ticket = gate.admit(request(1, dispatch_deadline=sec + 10.0, drain_margin_s=20.0), SID)
     assert ticket.verdict == "drained"
     assert 8 < float(ticket.detail) <= 10
-    assert gate.admit(request(2, dispatch_deadline=sec + 10.0, drain_margin_s=1.0), SID).verdict == "run"
+    assert (
+        gate.admit(request(2, dispatch_deadline=sec + 10.0, drain_margin_s=1.0), SID).verdict
+        == "run"
+    )
     assert int(r.hget(keys.shard_counts(SID), "drained")) == 2
 
 

@@ -23,7 +23,9 @@ class MockPool:
         return self._client
 
 
-def run(handler: Callable[[httpx.Request], httpx.Response], **policy: object) -> tuple[CallOutcome, int]:
+def run(
+    handler: Callable[[httpx.Request], httpx.Response], **policy: object
+) -> tuple[CallOutcome, int]:
     calls = 0
 
     def counting(request: httpx.Request) -> httpx.Response:
@@ -34,14 +36,18 @@ def run(handler: Callable[[httpx.Request], httpx.Response], **policy: object) ->
     async def go() -> CallOutcome:
         pool = MockPool(counting)
         try:
-            return await call_run(pool, "http://agent", dict(ROW), CallPolicy(backoff_base_s=0.001, **policy))  # type: ignore[arg-type]
+            return await call_run(
+                pool, "http://agent", dict(ROW), CallPolicy(backoff_base_s=0.001, **policy)
+            )  # type: ignore[arg-type]
         finally:
             await pool.client().aclose()
 
     return asyncio.run(go()), calls
 
 
-def sequence(*responses: Callable[[httpx.Request], httpx.Response]) -> Callable[[httpx.Request], httpx.Response]:
+def sequence(
+    *responses: Callable[[httpx.Request], httpx.Response],
+) -> Callable[[httpx.Request], httpx.Response]:
     it = iter(responses)
     return lambda request: next(it)(request)
 
@@ -87,7 +93,7 @@ def test_gateway_statuses_are_replayed_with_attempt_indexes(code: int) -> None:
 
 
 def test_replays_stop_at_the_attempt_limit_counting_earlier_attempts() -> None:
-    outcome, calls = run(reset, max_attempts=3, retry_requests=True)
+    _, calls = run(reset, max_attempts=3, retry_requests=True)
     assert calls == 3
     row = {**ROW, "_ng_attempt_index": 2}
 
@@ -129,7 +135,9 @@ def test_time_limit_is_a_timeout_failure_not_a_crash() -> None:
         client = httpx.AsyncClient(transport=httpx.MockTransport(slow))
         pool = type("P", (), {"client": lambda self: client})()
         try:
-            return await call_run(pool, "http://agent", dict(ROW), CallPolicy(timeout_s=0.05, retry_requests=False))
+            return await call_run(
+                pool, "http://agent", dict(ROW), CallPolicy(timeout_s=0.05, retry_requests=False)
+            )
         finally:
             await client.aclose()
 
@@ -141,6 +149,15 @@ def test_time_limit_is_a_timeout_failure_not_a_crash() -> None:
 def test_backoff_is_full_jitter_and_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     policy = CallPolicy(backoff_base_s=0.5)
     monkeypatch.setattr(agent_call.random, "uniform", lambda low, high: high)
-    assert [backoff_s(policy, k) for k in range(8)] == [0.5, 1, 2, 4, 8, 16, BACKOFF_CAP_S, BACKOFF_CAP_S]
+    assert [backoff_s(policy, k) for k in range(8)] == [
+        0.5,
+        1,
+        2,
+        4,
+        8,
+        16,
+        BACKOFF_CAP_S,
+        BACKOFF_CAP_S,
+    ]
     monkeypatch.setattr(agent_call.random, "uniform", lambda low, high: low)
     assert backoff_s(policy, 5) == 0

@@ -11,7 +11,13 @@ from rich.console import Console
 
 from infra.store import RunDir
 from producer.live import redact_url
-from producer.resume import ShardOutcomes, max_attempts_limit, nemo_gym_output, plan_resume, rows_to_run
+from producer.resume import (
+    ShardOutcomes,
+    max_attempts_limit,
+    nemo_gym_output,
+    plan_resume,
+    rows_to_run,
+)
 from producer.status import FileTally
 from schemas.errors import UsageError
 from schemas.settings import CollectionSettings
@@ -55,10 +61,20 @@ def shard(tmp_path: Path) -> RunDir:
 
 def test_resume_runs_only_what_is_missing_and_stamps_attempts(shard: RunDir) -> None:
     plan, outcomes = plan_resume(shard, "0", max_attempts=3)
-    assert (plan.planned, plan.landed, plan.terminal, plan.exhausted, plan.to_run) == (8, 3, 1, 1, 3)
+    assert (plan.planned, plan.landed, plan.terminal, plan.exhausted, plan.to_run) == (
+        8,
+        3,
+        1,
+        1,
+        3,
+    )
     assert plan.failed_before == 4
     rows = list(rows_to_run(shard, "0", outcomes, 3))
-    assert [(r["_ng_task_index"], r.get("_ng_attempt_index")) for r in rows] == [(2, 1), (5, 2), (7, None)]
+    assert [(r["_ng_task_index"], r.get("_ng_attempt_index")) for r in rows] == [
+        (2, 1),
+        (5, 2),
+        (7, None),
+    ]
     plan, _ = plan_resume(shard, "0", max_attempts=2)
     assert (plan.exhausted, plan.to_run) == (2, 2)
 
@@ -89,7 +105,7 @@ def test_attempt_limit_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_nemo_gym_output_paths() -> None:
     assert nemo_gym_output("/runs/e1/rollouts-0.jsonl") == ("/runs/e1", "0")
     assert nemo_gym_output("s3://bucket/e1/rollouts-part.a.jsonl") == ("s3://bucket/e1", "part.a")
-    with pytest.raises(UsageError, match="rollouts-<shard>.jsonl"):
+    with pytest.raises(UsageError, match=r"rollouts-<shard>\.jsonl"):
         nemo_gym_output("/runs/e1/output.jsonl")
 
 
