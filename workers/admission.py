@@ -13,8 +13,10 @@ instead of being delivered forever.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import queue
 import random
 import socket
 import threading
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
+from celery.signals import worker_shutdown
 
 from infra import keys
 from infra.redis_client import client
@@ -107,19 +110,25 @@ if agent_cap > 0 then redis.call('ZADD', KEYS[10], now + ttl, member) end
 return {'run', ''}
 """
 
-# KEYS: leases agent_leases starts generation durations
-# ARGV: member key token field duration keep_n
+# Releases of many rollouts at once. Per release, KEYS: leases agent_leases starts generation
+# durations; ARGV: member key token field duration. ARGV[1] is how many durations to keep.
 END_LUA = """
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-if redis.call('HINCRBY', KEYS[3], ARGV[2], -1) <= 0 then redis.call('HDEL', KEYS[3], ARGV[2]) end
-if redis.call('HGET', KEYS[4], 'token') == ARGV[3] then redis.call('HINCRBY', KEYS[4], ARGV[4], 1) end
-if tonumber(ARGV[5]) >= 0 then
-  redis.call('LPUSH', KEYS[5], ARGV[5])
-  redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[6]) - 1)
+local keep = tonumber(ARGV[1])
+for i = 0, #KEYS / 5 - 1 do
+  local k, a = i * 5, i * 5 + 1
+  local member, key, token, field, duration = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
+  redis.call('ZREM', KEYS[k + 1], member)
+  redis.call('ZREM', KEYS[k + 2], member)
+  if redis.call('HINCRBY', KEYS[k + 3], key, -1) <= 0 then redis.call('HDEL', KEYS[k + 3], key) end
+  if redis.call('HGET', KEYS[k + 4], 'token') == token then redis.call('HINCRBY', KEYS[k + 4], field, 1) end
+  if tonumber(duration) >= 0 then
+    redis.call('LPUSH', KEYS[k + 5], duration)
+    redis.call('LTRIM', KEYS[k + 5], 0, keep - 1)
+  end
 end
 return 1
 """
+RELEASE_BATCH = 256
 
 # KEYS: one sorted set per lease; ARGV: ttl, then the lease members in the same order.
 # ZADD without XX: after Redis lost its data, the leases of calls still running come back.
@@ -215,6 +224,59 @@ class _LeaseRenewer:
             self.renew_once()
 
 
+class _Releaser:
+    """Returns slots from one thread, many per Lua call: a task does not wait for its release.
+
+    A release lost with its process only delays the slot (its lease expires) and leaves its
+    delivery counted as unfinished, which no harm comes from below the attempt limit.
+    """
+
+    def __init__(self, r: redis.Redis, script: Any) -> None:
+        self._r = r
+        self._script = script
+        self._queue: queue.SimpleQueue[tuple[list[str], list[str | float]]] = queue.SimpleQueue()
+        self._pending = 0
+        self._done = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="rollouts-release", daemon=True)
+        self._thread.start()
+
+    def put(self, zkeys: list[str], args: list[str | float]) -> None:
+        with self._done:
+            self._pending += 1
+        self._queue.put((zkeys, args))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued release was sent to Redis (tests, shutdown)."""
+        with self._done:
+            return self._done.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < RELEASE_BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            call_keys = [k for zkeys, _ in batch for k in zkeys]
+            args: list[str | float] = [DURATIONS_KEPT]
+            for _, item_args in batch:
+                args.extend(item_args)
+            try:
+                with_redis_retry(
+                    "lease release",
+                    functools.partial(self._script, keys=call_keys, args=args, client=self._r),
+                    budget_s=30.0,
+                )
+            except redis.RedisError as exc:
+                log.warning(
+                    "could not release %d leases (they expire by themselves): %s", len(batch), exc
+                )
+            with self._done:
+                self._pending -= len(batch)
+                self._done.notify_all()
+
+
 class Gate:
     """This process's admission: begin/end calls, lease renewal, cached stop flags and margins."""
 
@@ -222,7 +284,7 @@ class Gate:
         self.pid = os.getpid()
         self.r = client(redis_url)
         self._begin = self.r.register_script(BEGIN_LUA)
-        self._end = self.r.register_script(END_LUA)
+        self.releaser = _Releaser(self.r, self.r.register_script(END_LUA))
         self.ttl_s = ttl_s
         self.renewer = _LeaseRenewer(self.r, self.r.register_script(RENEW_LUA), self.ttl_s)
         self._holder = f"{socket.gethostname()}:{self.pid}"
@@ -308,9 +370,8 @@ class Gate:
     def release(
         self, ticket: Ticket, token: str, field: str = "done", duration_s: float | None = None
     ) -> None:
-        """Give the slot back and count the outcome; a lost call here only delays the slot's return."""
+        """Give the slot back and count the outcome (asynchronously, batched with other releases)."""
         self.renewer.remove(ticket.member)
-        args = [ticket.member, ticket.key, token, field, -1 if duration_s is None else duration_s]
         call_keys = [
             keys.shard_leases(ticket.sid),
             ticket.agent_key,
@@ -318,14 +379,8 @@ class Gate:
             keys.shard_generation(ticket.sid),
             keys.shard_durations(ticket.sid),
         ]
-        try:
-            with_redis_retry(
-                "lease release",
-                lambda: self._end(keys=call_keys, args=[*args, DURATIONS_KEPT], client=self.r),
-                budget_s=30.0,
-            )
-        except redis.RedisError as exc:
-            log.warning("could not release lease %s (it expires by itself): %s", ticket.member, exc)
+        duration: str | float = -1 if duration_s is None else duration_s
+        self.releaser.put(call_keys, [ticket.member, ticket.key, token, field, duration])
 
     def stop_reason(self, sid: str) -> str | None:
         """`failed: ...`, `cancel` or `drain` when the run was stopped; read at most every half second."""
@@ -360,3 +415,12 @@ def gate(redis_url: str) -> Gate:
         if _gate is None or _gate.pid != os.getpid():
             _gate = Gate(redis_url)
         return _gate
+
+
+def _flush_releases(**_: Any) -> None:
+    """A worker that stops on purpose hands back its slots at once rather than by expiry."""
+    if _gate is not None and _gate.pid == os.getpid():
+        _gate.releaser.flush(5.0)
+
+
+worker_shutdown.connect(_flush_releases, weak=False)

@@ -78,6 +78,7 @@ def test_run_cap_holds_and_a_released_slot_admits_the_next(gate: Gate, r: redis.
     assert r.zcard(keys.shard_waiting(SID)) == 1
     gate.release(tickets[0], TOKEN)
     waiter.join(5)
+    gate.releaser.flush()
     assert got == ["run"]
     assert live_leases(r) == 2
     assert r.zcard(keys.shard_waiting(SID)) == 0
@@ -126,6 +127,7 @@ def test_renewal_brings_leases_back_after_redis_lost_them(gate: Gate, r: redis.R
 def test_release_is_not_undone_by_a_later_renewal(gate: Gate, r: redis.Redis) -> None:
     ticket = gate.admit(request(0), SID)
     gate.release(ticket, TOKEN)
+    gate.releaser.flush()
     gate.renewer.renew_once()
     assert live_leases(r) == 0
 
@@ -144,6 +146,7 @@ def test_more_unfinished_deliveries_than_the_attempt_limit_is_worker_lost(
     # A finished delivery does not count towards it.
     for _ in range(3):
         g.release(g.admit(request(8, max_attempts=2), SID), TOKEN)
+        g.releaser.flush()
     assert g.admit(request(8, max_attempts=2), SID).verdict == "run"
 
 
