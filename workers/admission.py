@@ -292,12 +292,32 @@ class Gate:
         self._seq_lock = threading.Lock()
         self._flags: dict[str, tuple[float, str | None]] = {}
         self._margins: dict[str, tuple[float, float | None]] = {}
+        self._keys: dict[tuple[str, str], list[str]] = {}
 
     def _member(self, agent: str, key: str) -> str:
         with self._seq_lock:
             self._seq += 1
             seq = self._seq
         return f"{self._holder}:{seq}|{agent}|{key}"
+
+    def _begin_keys(self, sid: str, agent_url: str) -> list[str]:
+        found = self._keys.get((sid, agent_url))
+        if found is None:
+            if len(self._keys) > 10_000:  # a long-lived worker of many runs
+                self._keys.clear()
+            found = self._keys[(sid, agent_url)] = [
+                keys.shard_state(sid),
+                keys.shard_landed(sid),
+                keys.shard_run_failed(sid),
+                keys.shard_cancel(sid),
+                keys.shard_generation(sid),
+                keys.shard_counts(sid),
+                keys.shard_starts(sid),
+                keys.shard_leases(sid),
+                keys.shard_waiting(sid),
+                keys.agent_leases(agent_url),
+            ]
+        return found
 
     def margin_s(self, sid: str, req: CollectRequest) -> float | None:
         """The drain margin: explicit, else the p75 of this run's successful durations once there are 5."""
@@ -320,21 +340,9 @@ class Gate:
         key = f"{row[F.TASK_INDEX]}:{row[F.ROLLOUT_INDEX]}"
         agent = F.agent_name(row) or ""
         member = self._member(agent, key)
-        agent_key = keys.agent_leases(req.agent_url)
+        call_keys = self._begin_keys(sid, req.agent_url)
+        agent_key, leases = call_keys[9], call_keys[7]
         adm = req.admission
-        leases = keys.shard_leases(sid)
-        call_keys = [
-            keys.shard_state(sid),
-            keys.shard_landed(sid),
-            keys.shard_run_failed(sid),
-            keys.shard_cancel(sid),
-            keys.shard_generation(sid),
-            keys.shard_counts(sid),
-            keys.shard_starts(sid),
-            leases,
-            keys.shard_waiting(sid),
-            agent_key,
-        ]
         delay = WAIT_MIN_S
         while True:
             margin = None
@@ -378,7 +386,7 @@ class Gate:
             keys.shard_starts(ticket.sid),
             keys.shard_generation(ticket.sid),
             keys.shard_durations(ticket.sid),
-        ]
+        ]  # fmt: skip
         duration: str | float = -1 if duration_s is None else duration_s
         self.releaser.put(call_keys, [ticket.member, ticket.key, token, field, duration])
 

@@ -138,3 +138,25 @@ def test_redact_url() -> None:
     assert redact_url("redis://:secret@host:6379/0") == "redis://:***@host:6379/0"
     assert redact_url("redis://user:pw@host/1") == "redis://user:***@host/1"
     assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
+
+
+def test_nemo_gym_spelling_resumes_only_a_shard_that_exists(tmp_path: Path) -> None:
+    from producer.cli import nemo_gym_spelling
+
+    out = tmp_path / "eval"
+    settings = {
+        "input_jsonl_fpath": str(out / "rollouts-a_materialized_inputs.jsonl"),
+        "output_jsonl_fpath": str(out / "rollouts-a.jsonl"),
+        "resume_from_cache": True,
+        "num_repeats": 2,
+    }
+    spelled = nemo_gym_spelling(dict(settings), None, None, None)
+    assert spelled == (settings["input_jsonl_fpath"], str(out), "a", False)  # nothing to resume yet
+    out.mkdir()
+    (out / "rollouts-a_manifest.json").write_text("{}")
+    (out / "rollouts-a_materialized_inputs.jsonl").write_text("")
+    rest = dict(settings)
+    assert nemo_gym_spelling(rest, None, None, None)[2:] == ("a", True)
+    assert rest == {"num_repeats": 2}  # the path keys are not run settings
+    with pytest.raises(UsageError, match="different shards"):
+        nemo_gym_spelling(dict(settings), None, None, "b")
