@@ -35,15 +35,20 @@ def latency(n: int, in_flight: int, latency_ms: float, workers: int) -> str:
         results: list[Measure] = []
         with AgentProcess(latency_ms=latency_ms) as agent:
             url = agent_url(agent.config_path)
-            results.append(run_asyncio_aiohttp(url, rows, in_flight, os.path.join(tmp, "aiohttp.jsonl")))
+            results.append(
+                run_asyncio_aiohttp(url, rows, in_flight, os.path.join(tmp, "aiohttp.jsonl"))
+            )
             with BenchCluster(workers=workers, concurrency=in_flight // workers) as cluster:
-                results.append(run_ours(cluster, agent.config_path, rows_path, os.path.join(tmp, "run"), n))
+                results.append(
+                    run_ours(cluster, agent.config_path, rows_path, os.path.join(tmp, "run"), n)
+                )
         out = [
             [m.name, m.n, m.wall_s, m.rate, f"{100 * m.rate / ideal:.1f}%", m.cpu_ms_per_rollout]
             for m in results
         ]
-        return f"latency: N={n}, agent latency {latency_ms:g} ms, {in_flight} in flight, ideal {ideal:.0f}/s\n\n" + table(
-            ["collector", "N", "wall s", "rollouts/s", "of ideal", "CPU ms/rollout"], out
+        return (
+            f"latency: N={n}, agent latency {latency_ms:g} ms, {in_flight} in flight, ideal {ideal:.0f}/s\n\n"
+            + table(["collector", "N", "wall s", "rollouts/s", "of ideal", "CPU ms/rollout"], out)
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -61,17 +66,28 @@ def overhead(n: int, workers: int, concurrency: int) -> str:
                 chord_m = run_empty_chord(noop, n)
             results.append(chord_m)
             with BenchCluster(workers=workers, concurrency=concurrency) as cluster:
-                results.append(run_ours(cluster, agent.config_path, rows_path, os.path.join(tmp, "run"), n))
+                results.append(
+                    run_ours(cluster, agent.config_path, rows_path, os.path.join(tmp, "run"), n)
+                )
             results.append(run_asyncio_aiohttp(url, rows, 64, os.path.join(tmp, "aiohttp.jsonl")))
         base = chord_m.cpu_ms_per_rollout
         out = [
-            [m.name, m.n, m.wall_s, m.rate, m.cpu_ms_per_rollout, f"{m.cpu_ms_per_rollout / base:.2f}x"]
+            [
+                m.name,
+                m.n,
+                m.wall_s,
+                m.rate,
+                m.cpu_ms_per_rollout,
+                f"{m.cpu_ms_per_rollout / base:.2f}x",
+            ]
             for m in results
         ]
         return (
             f"overhead: N={n}, instant agent, {workers} workers x {concurrency}; CPU over every process "
             "of the system (producer, workers, Redis; the agent server excluded)\n\n"
-            + table(["collector", "N", "wall s", "rollouts/s", "CPU ms/rollout", "vs empty chord"], out)
+            + table(
+                ["collector", "N", "wall s", "rollouts/s", "CPU ms/rollout", "vs empty chord"], out
+            )
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -15,7 +15,13 @@ from bench.harness import BenchCluster, cpu_seconds
 from infra.redis_client import client
 from producer.celery_client import client_app
 from producer.config_loading import load_servers_config
-from producer.dispatch import enqueue, iter_materialized, open_run, reset_shard_state, wait_for_finish
+from producer.dispatch import (
+    enqueue,
+    iter_materialized,
+    open_run,
+    reset_shard_state,
+    wait_for_finish,
+)
 from schemas.settings import CollectionSettings
 
 
@@ -48,11 +54,15 @@ def run_ours(
     t0 = time.perf_counter()
     config = load_servers_config(config_path)
     s = CollectionSettings.model_validate(settings)
-    opened = open_run(input_path=rows_path, output_dir=out_dir, shard="0", config=config, settings=s)
+    opened = open_run(
+        input_path=rows_path, output_dir=out_dir, shard="0", config=config, settings=s
+    )
     app = client_app(cluster.url, cluster.url)
     reset_shard_state(client(cluster.url), opened)
     t_enqueue = time.perf_counter()
-    finish_id = enqueue(app, opened, iter_materialized(opened.rd, "0"), opened.manifest.planned, config, s)
+    finish_id = enqueue(
+        app, opened, iter_materialized(opened.rd, "0"), opened.manifest.planned, config, s
+    )
     t_enqueued = time.perf_counter()
     result = wait_for_finish(app, finish_id, poll_s=0.05)
     t1 = time.perf_counter()
@@ -89,7 +99,9 @@ def run_empty_chord(cluster: BenchCluster, n: int) -> Measure:
     return Measure("empty Celery chord", n, t1 - t0, cpu1 - cpu0, {"enqueue_s": t_enq - t0})
 
 
-async def _aiohttp_collect(url: str, rows: list[dict[str, Any]], concurrency: int, out: str) -> None:
+async def _aiohttp_collect(
+    url: str, rows: list[dict[str, Any]], concurrency: int, out: str
+) -> None:
     sem = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -104,10 +116,14 @@ async def _aiohttp_collect(url: str, rows: list[dict[str, Any]], concurrency: in
             await asyncio.gather(*(one(r) for r in rows))
 
 
-def run_asyncio_aiohttp(agent_url: str, rows: list[dict[str, Any]], concurrency: int, out: str) -> Measure:
+def run_asyncio_aiohttp(
+    agent_url: str, rows: list[dict[str, Any]], concurrency: int, out: str
+) -> Measure:
     """The in-process baseline: one event loop, aiohttp, one JSONL line per result."""
     cpu0 = cpu_seconds([os.getpid()])
     t0 = time.perf_counter()
     asyncio.run(_aiohttp_collect(agent_url, rows, concurrency, out))
     t1 = time.perf_counter()
-    return Measure("asyncio + aiohttp (in-process)", len(rows), t1 - t0, cpu_seconds([os.getpid()]) - cpu0, {})
+    return Measure(
+        "asyncio + aiohttp (in-process)", len(rows), t1 - t0, cpu_seconds([os.getpid()]) - cpu0, {}
+    )

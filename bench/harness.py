@@ -100,16 +100,15 @@ class BenchCluster:
     def start_workers(self) -> None:
         env = dict(os.environ, ROLLOUTS_BROKER_URL=self.url, ROLLOUTS_REDIS_URL=self.url)
         for i in range(self.workers):
-            log = open(os.path.join(self.logdir, f"w{i}.log"), "wb")  # noqa: SIM115
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "celery", "-A", self.app_module, "worker",
-                     "-P", self.pool, "-c", str(self.concurrency), "-n", f"bench{i}-{os.getpid()}@%h",
-                     "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"],
-                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                )  # fmt: skip
-            )
-            log.close()
+            cmd = [
+                sys.executable, "-m", "celery", "-A", self.app_module, "worker",
+                "-P", self.pool, "-c", str(self.concurrency), "-n", f"bench{i}-{os.getpid()}@%h",
+                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+            ]  # fmt: skip
+            with open(os.path.join(self.logdir, f"w{i}.log"), "wb") as log:
+                self.procs.append(
+                    subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                )
         deadline = time.monotonic() + 60
         for i in range(self.workers):
             path = os.path.join(self.logdir, f"w{i}.log")

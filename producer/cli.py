@@ -182,5 +182,7 @@ def demo(tasks: int, repeats: int, workers: int, output_dir: str | None) -> None
         )
     except (UsageError, RunFailedError) as exc:
         _fail(exc)
+
+
 if __name__ == "__main__":
     main()

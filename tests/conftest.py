@@ -95,8 +95,14 @@ class Workers:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
 
-    def start(self, count: int = 2, concurrency: int = 32, extra: list[str] | None = None,
-              command: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+    def start(
+        self,
+        count: int = 2,
+        concurrency: int = 32,
+        extra: list[str] | None = None,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         base_env = dict(os.environ)
         base_env.update(ROLLOUTS_BROKER_URL=self.redis_url, ROLLOUTS_REDIS_URL=self.redis_url)
         base_env.update(env or {})
@@ -111,14 +117,23 @@ class Workers:
             self.logs.append(log)
             out = open(log, "wb")  # noqa: SIM115 - handed to the child process
             self.procs.append(
-                subprocess.Popen(cmd + (extra or []), env=base_env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+                subprocess.Popen(
+                    cmd + (extra or []),
+                    env=base_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                )
             )
             out.close()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all(p.poll() is None and "ready." in log.read_text(errors="replace") for p, log in zip(self.procs, self.logs, strict=True)):
+            if all(
+                p.poll() is None and "ready." in log.read_text(errors="replace")
+                for p, log in zip(self.procs, self.logs, strict=True)
+            ):
                 return
             for p, log in zip(self.procs, self.logs, strict=True):
                 if p.poll() is not None:

@@ -33,7 +33,13 @@ def test_plain_celery_worker_command_runs_a_run(
     data = write_rows(tmp_path / "rows.jsonl", demo_rows(10))
 
     code = execute_run(
-        RunOptions(config_file, data, str(tmp_path / "run"), settings={"num_repeats": 2}, broker_url=redis_url)
+        RunOptions(
+            config_file,
+            data,
+            str(tmp_path / "run"),
+            settings={"num_repeats": 2},
+            broker_url=redis_url,
+        )
     )
 
     assert code == 0
@@ -49,7 +55,13 @@ def test_pickle_payload_is_refused(
     config = load_servers_config(config_file)
     settings = CollectionSettings()
     data = write_rows(tmp_path / "rows.jsonl", demo_rows(2))
-    opened = open_run(input_path=data, output_dir=str(tmp_path / "run"), shard="0", config=config, settings=settings)
+    opened = open_run(
+        input_path=data,
+        output_dir=str(tmp_path / "run"),
+        shard="0",
+        config=config,
+        settings=settings,
+    )
     reset_shard_state(client(redis_url), opened)
     app = client_app(redis_url, redis_url)
     rows = list(iter_materialized(opened.rd, "0"))
@@ -78,4 +90,7 @@ def test_pickle_payload_is_refused(
     requests = sum(agent_stats(servers, a)["requests"] for a in servers.agents)
     assert requests == 1
     app.close()
-    assert orjson.loads((tmp_path / "run" / "rollouts-0_manifest.json").read_bytes())["state"] == "running"
+    assert (
+        orjson.loads((tmp_path / "run" / "rollouts-0_manifest.json").read_bytes())["state"]
+        == "running"
+    )

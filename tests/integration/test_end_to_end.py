@@ -50,9 +50,10 @@ def test_500_rollouts_land_exactly_once_and_aggregate(
         plan = by_key[(result[F.TASK_INDEX], result[F.ROLLOUT_INDEX])]
         for field in (F.AGENT_REF, F.ENVIRONMENT_SERVER, F.RUN_ID, F.SHARD, "task_id"):
             assert result[field] == plan[field]
-        assert result[F.ENVIRONMENT_SERVER] == {"math_agent": "math_env", "count_agent": "count_env"}[
-            result[F.AGENT_REF]["name"]
-        ]
+        assert (
+            result[F.ENVIRONMENT_SERVER]
+            == {"math_agent": "math_env", "count_agent": "count_env"}[result[F.AGENT_REF]["name"]]
+        )
         assert "reward" in result and "response" in result
     assert not (out / "rollouts-0_failures.jsonl").exists()
 
@@ -74,9 +75,10 @@ def test_500_rollouts_land_exactly_once_and_aggregate(
         assert entry["agent_metrics"] == answer["agent_metrics"]
         assert entry["key_metrics"] == answer["key_metrics"]
         assert entry["group_level_metrics"] == answer["group_level_metrics"]
-        assert entry["agent_ref"]["name"] == {"math_env": "math_agent", "count_env": "count_agent"}[
-            entry[F.ENVIRONMENT_SERVER]
-        ]
+        assert (
+            entry["agent_ref"]["name"]
+            == {"math_env": "math_agent", "count_env": "count_agent"}[entry[F.ENVIRONMENT_SERVER]]
+        )
     manifest = orjson.loads((out / "rollouts-0_manifest.json").read_bytes())
     assert manifest["state"] == "completed"
     assert manifest["planned"] == 500
