@@ -11,6 +11,7 @@ Memory stays at the budget plus one small key per bucket, whatever the number of
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import tempfile
@@ -53,7 +54,7 @@ def in_run_order(
             )
         if on_complete is not None:
             on_complete()
-        yield from _round_robin([spill.read(agent) for agent in spill.agents])
+        yield from _round_robin([spill.read(agent) for agent in spill.agent_order()])
     finally:
         spill.close()
 
@@ -77,8 +78,12 @@ class _Spill:
     tmp_dir: str | None
     budget: int
     agents: dict[str, list[int]] = field(default_factory=dict)
-    """Agents in first-seen order, each with its bucket numbers in first-seen order."""
-    _buffers: dict[tuple[str, int], list[bytes]] = field(default_factory=dict)
+    """Each agent's bucket numbers, in first-seen order."""
+    _first: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Each agent's first line in the sorted order: (lowest bucket, arrival number there)."""
+    _arrivals: int = 0
+    # Bytearrays, not lists of the lines: orjson's bytes objects keep ~1 KiB of capacity each.
+    _buffers: dict[tuple[str, int], bytearray] = field(default_factory=dict)
     _buffered: int = 0
     _files: dict[tuple[str, int], str] = field(default_factory=dict)
     _dir: str | None = None
@@ -87,25 +92,33 @@ class _Spill:
         key = (agent, bucket)
         buf = self._buffers.get(key)
         if buf is None:
-            buf = self._buffers[key] = []
+            buf = self._buffers[key] = bytearray()
             if key not in self._files:
                 self.agents.setdefault(agent, []).append(bucket)
-        buf.append(line)
+        buf += line
         self._buffered += len(line)
+        self._arrivals += 1
+        first = self._first.get(agent)
+        if first is None or bucket < first[0]:
+            self._first[agent] = (bucket, self._arrivals)
         if self._buffered > self.budget:
             self._flush()
 
     def _flush(self) -> None:
         if self._dir is None:
             self._dir = tempfile.mkdtemp(prefix="rollouts-order-", dir=self.tmp_dir)
-        for key, lines in self._buffers.items():
+        for key, data in self._buffers.items():
             path = self._files.get(key)
             if path is None:
                 path = self._files[key] = os.path.join(self._dir, f"{len(self._files)}.jsonl")
             with open(path, "ab") as f:
-                f.writelines(lines)
+                f.write(data)
         self._buffers.clear()
         self._buffered = 0
+
+    def agent_order(self) -> list[str]:
+        """Agents in the order they first appear once buckets are read in ascending order."""
+        return sorted(self.agents, key=self._first.__getitem__)
 
     def read(self, agent: str) -> Iterator[bytes]:
         """One agent's lines, bucket by bucket in ascending order, each bucket in arrival order."""
@@ -115,7 +128,7 @@ class _Spill:
             if path is not None:
                 with open(path, "rb") as f:
                     yield from f
-            yield from self._buffers.pop(key, ())
+            yield from io.BytesIO(self._buffers.pop(key, bytearray()))
 
     def close(self) -> None:
         self._buffers.clear()

@@ -15,6 +15,7 @@ stamps. `limit` stops reading after N lines.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import sys
 from collections import Counter
@@ -40,6 +41,10 @@ _ATTEMPT_SUFFIX = re.compile(r"-a\d+$")
 _DERIVED_ID = re.compile(r"^(\d+)-(\d+)$")
 _TASK_ID_FIELDS = ("task_id", "problem_id", "instance_id")
 _BOM = b"\xef\xbb\xbf"
+RESPONSES_CREATE_PARAMS = F.RESPONSES_CREATE_PARAMS
+AGENT_REF, TASK_SOURCE, ROLLOUT_ID = F.AGENT_REF, F.TASK_SOURCE, F.ROLLOUT_ID
+TASK_INDEX, ROLLOUT_INDEX, ENVIRONMENT_SERVER = F.TASK_INDEX, F.ROLLOUT_INDEX, F.ENVIRONMENT_SERVER
+RUN_ID, SHARD = F.RUN_ID, F.SHARD
 
 
 def print_warning(message: str) -> None:
@@ -103,17 +108,20 @@ class Planner:
         source: str = "<rows>",
         *,
         on_warning: WarningSink | None = None,
+        expected_rows: int = 0,
     ) -> None:
         self.config = config
         self.settings = settings
         self.context = context
+        self._run_id, self._shard = context.run_id, context.shard
         self.source = source
         self.on_warning = on_warning or print_warning
         self.planned = 0
         self.log = ProblemLog(source)
         self.router = Router(config, settings, bypass_pairing=pairing_bypassed(settings))
-        self._tasks = DigestTable()
-        self._counters = RolloutCounters()
+        # Sized for the rows expected, so the tables never rehash (and double) mid-run.
+        self._tasks = DigestTable(capacity=expected_rows)
+        self._counters = RolloutCounters(capacity=expected_rows)
         self._explicit_ids = DigestTable(capacity=16)
         self._derived_like: list[tuple[int, str, int, int]] = []
         self._select = TaskSelection(settings.task_ids) if settings.task_ids is not None else None
@@ -159,88 +167,87 @@ class Planner:
         self, line_no: int, row: dict[str, Any], identity: bytes | None = None
     ) -> list[Planned]:
         """Plan one parsed row; it is read, never modified."""
-        log = self.log
-        task = self._task_of(row, identity, line_no)
+        get = row.get
+        stamped = get(TASK_INDEX)
+        if stamped is None:
+            self._numbered_tasks += 1
+            if identity is None:
+                identity = orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
+            task: int | None = self._tasks.setdefault(digest64(identity), self._tasks.count)
+        else:
+            task = self._stamped_task(stamped, line_no)
         if task is not None and self._select is not None and not self._select.keep(row, task):
             return []
-        ok = task is not None
-        if F.RESPONSES_CREATE_PARAMS not in row:
-            log.add("missing responses_create_params", line_no, F.RESPONSES_CREATE_PARAMS)
-            ok = False
-        elif not isinstance(row[F.RESPONSES_CREATE_PARAMS], dict):
-            log.add(
-                "responses_create_params must be a JSON object", line_no, F.RESPONSES_CREATE_PARAMS
-            )
-            ok = False
-        ref = row.get(F.AGENT_REF)
-        named = None
-        if ref is not None:
-            name = ref.get("name") if isinstance(ref, dict) else None
-            if isinstance(name, str) and name:
-                named = name
-            else:
-                log.add(
-                    "agent_ref must be an object with a non-empty string name", line_no, F.AGENT_REF
-                )
-                ok = False
-        source = row.get(F.TASK_SOURCE)
-        if source is not None and not isinstance(source, str):
-            log.add("task_source must be a string", line_no, F.TASK_SOURCE)
-            ok = False
-            source = None
-        stamp = row.get(F.ENVIRONMENT_SERVER)
-        route = self.router.route(named, source, stamp if isinstance(stamp, str) else None)
+        ref = get(AGENT_REF)
+        source = get(TASK_SOURCE)
+        named = ref.get("name") if type(ref) is dict else None
+        well_formed = (
+            type(get(RESPONSES_CREATE_PARAMS)) is dict
+            and (ref is None or (type(named) is str and named != ""))
+            and (source is None or type(source) is str)
+        )
+        if not well_formed:
+            self._shape_problems(row, line_no)
+            if type(source) is not str:
+                source = None
+            if type(named) is not str or not named:
+                named = None
+        stamp = get(ENVIRONMENT_SERVER)
+        route = self.router.route(named, source, stamp if type(stamp) is str else None)
+        log = self.log
         for message, field_ in route.problems:
             log.add(message, line_no, field_)
-        if route.problems or not route.targets:
-            ok = False
-        explicit = row.get(F.ROLLOUT_ID)
-        if explicit is not None and not self._check_rollout_id(explicit, line_no, route.copies):
-            ok = False
-        if not ok or task is None or log:
+        explicit = get(ROLLOUT_ID)
+        if explicit is not None:
+            well_formed = self._check_rollout_id(explicit, line_no, route.copies) and well_formed
+        if not well_formed or task is None or log.failed or not route.targets:
             return []  # once planning has failed, rows are only checked, never materialized
         if route.remapped is not None:
             self._remaps[route.remapped] += 1
         if explicit is not None and _DERIVED_ID.match(explicit):
             self._derived_like.append((line_no, explicit, task, self._counters.count(task)))
-        return self._copies(row, task, ref, named, route.targets)
-
-    def _copies(
-        self, row: dict[str, Any], task: int, ref: Any, named: str | None, targets: Iterable[Any]
-    ) -> list[Planned]:
         out: list[Planned] = []
         copy = dict(row)
         take = self._counters.take
-        for target in targets:
-            copy[F.AGENT_REF] = ref if named == target.agent else {"name": target.agent}
+        for target in route.targets:
+            agent = target.agent
+            copy[AGENT_REF] = ref if named == agent else {"name": agent}
             for _ in range(target.repeats):
                 rollout = take(task)
-                copy[F.TASK_INDEX] = task
-                copy[F.ROLLOUT_INDEX] = rollout
-                copy[F.ENVIRONMENT_SERVER] = target.environment
-                copy[F.RUN_ID] = self.context.run_id
-                copy[F.SHARD] = self.context.shard
-                out.append((rollout, target.agent, jsonl.dumps_line(copy)))
+                copy[TASK_INDEX] = task
+                copy[ROLLOUT_INDEX] = rollout
+                copy[ENVIRONMENT_SERVER] = target.environment
+                copy[RUN_ID] = self._run_id
+                copy[SHARD] = self._shard
+                out.append((rollout, agent, orjson.dumps(copy, option=orjson.OPT_APPEND_NEWLINE)))
         self.planned += len(out)
         return out
 
-    def _task_of(self, row: dict[str, Any], identity: bytes | None, line_no: int) -> int | None:
-        """The row's task number: its own `_ng_task_index`, else shared by identical lines."""
-        stamped = row.get(F.TASK_INDEX)
-        if stamped is not None:
-            if type(stamped) is int and stamped >= 0:
-                self._stamped_tasks += 1
-                return stamped
-            self.log.add(
-                f"_ng_task_index must be a non-negative integer, got {stamped!r}",
-                line_no,
-                F.TASK_INDEX,
+    def _shape_problems(self, row: dict[str, Any], line_no: int) -> None:
+        log = self.log
+        if RESPONSES_CREATE_PARAMS not in row:
+            log.add("missing responses_create_params", line_no, RESPONSES_CREATE_PARAMS)
+        elif not isinstance(row[RESPONSES_CREATE_PARAMS], dict):
+            log.add(
+                "responses_create_params must be a JSON object", line_no, RESPONSES_CREATE_PARAMS
             )
-            return None
-        self._numbered_tasks += 1
-        if identity is None:
-            identity = orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
-        return self._tasks.setdefault(digest64(identity), len(self._tasks))
+        ref = row.get(AGENT_REF)
+        name = ref.get("name") if isinstance(ref, dict) else None
+        if ref is not None and not (isinstance(name, str) and name):
+            log.add("agent_ref must be an object with a non-empty string name", line_no, AGENT_REF)
+        source = row.get(TASK_SOURCE)
+        if source is not None and not isinstance(source, str):
+            log.add("task_source must be a string", line_no, TASK_SOURCE)
+
+    def _stamped_task(self, stamped: Any, line_no: int) -> int | None:
+        """A caller-stamped `_ng_task_index`, kept when it is a non-negative integer."""
+        if type(stamped) is int and stamped >= 0:
+            self._stamped_tasks += 1
+            return stamped
+        self.log.add(
+            f"_ng_task_index must be a non-negative integer, got {stamped!r}", line_no, TASK_INDEX
+        )
+        return None
 
     def _check_rollout_id(self, value: Any, line_no: int, copies: int) -> bool:
         field_ = F.ROLLOUT_ID
@@ -337,6 +344,16 @@ def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
         yield from enumerate(f, start=1)
 
 
+def estimate_lines(path: str, sample_bytes: int = 1 << 20, cap: int = 100_000_000) -> int:
+    """Lines in a local file, estimated from the first `sample_bytes` (for sizing the tables)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        sample = f.read(sample_bytes)
+    if not sample:
+        return 0
+    return min(cap, int(size * max(1, sample.count(b"\n")) / len(sample)) + 1)
+
+
 def plan_lines(planner: Planner, lines: Iterable[tuple[int, bytes]]) -> Iterator[bytes]:
     """The planned lines of `lines` in run order; raises PlanningError once every line was read."""
     limit = planner.settings.limit or None
@@ -379,7 +396,12 @@ def write_plan(
     on_warning: WarningSink | None = None,
 ) -> PlanSummary:
     """Plan `path` into the local file `out_path` (the materialized inputs); raises PlanningError."""
-    planner = Planner(config, settings, context, source=path, on_warning=on_warning)
+    expected = estimate_lines(path)
+    if settings.limit:
+        expected = min(expected, settings.limit)
+    planner = Planner(
+        config, settings, context, source=path, on_warning=on_warning, expected_rows=expected
+    )
     digest = hashlib.sha256()
     count = 0
     with open(out_path, "wb") as out:

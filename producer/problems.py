@@ -28,6 +28,8 @@ class ProblemLog:
     source: str
     rows: int = 0
     """Rows (lines) with at least one problem."""
+    failed: bool = False
+    """Whether any problem was recorded (an attribute: the planner reads it once per row)."""
     _groups: dict[tuple[str | None, str, str | None], _Group] = field(default_factory=dict)
     _dropped: int = 0
     _last_row: int | None = None
@@ -39,6 +41,7 @@ class ProblemLog:
         self, message: str, line: int | None, field_: str | None = None, file: str | None = None
     ) -> None:
         """Record `message` for `line` (None: not about one line)."""
+        self.failed = True
         if line is not None and line != self._last_row:
             self._last_row = line
             self.rows += 1
@@ -61,6 +64,7 @@ class ProblemLog:
         for p in problems:
             key = (p.file, p.message, p.field)
             if key not in self._groups:
+                self.failed = True
                 self._groups[key] = _Group(first=p.line or 0, lines=list(p.lines))
 
     def problems(self) -> list[Problem]:
