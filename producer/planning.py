@@ -4,7 +4,8 @@ The planner streams: it reads one input line at a time and emits that line's pla
 What it keeps is compact per-task state (`producer/plan_state.py`): a 64-bit digest per distinct
 unnumbered line for task numbering and a 32-bit rollout counter per task. Routing is cached per
 distinct (agent_ref.name, task_source) (`producer/routing.py`), problems are grouped per distinct
-message (`producer/problems.py`), and interleaved orders spill to temporary files
+message (`producer/problems.py`), `task_ids` and explicit rollout ids follow
+`producer/plan_identity.py`, and interleaved orders spill to temporary files
 (`producer/ordering.py`).
 
 Steps per row, in SPEC §3's order: task number (caller-stamped or by identical line), `task_ids`
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -27,6 +27,7 @@ import orjson
 
 from infra import jsonl
 from producer.ordering import Planned, in_run_order
+from producer.plan_identity import ExplicitRolloutIds, TaskSelection
 from producer.plan_state import DigestTable, RolloutCounters, digest64
 from producer.problems import ProblemLog
 from producer.routing import Router, pairing_bypassed
@@ -37,9 +38,6 @@ from schemas.settings import CollectionSettings
 
 WarningSink = Callable[[str], None]
 
-_ATTEMPT_SUFFIX = re.compile(r"-a\d+$")
-_DERIVED_ID = re.compile(r"^(\d+)-(\d+)$")
-_TASK_ID_FIELDS = ("task_id", "problem_id", "instance_id")
 _BOM = b"\xef\xbb\xbf"
 RESPONSES_CREATE_PARAMS = F.RESPONSES_CREATE_PARAMS
 AGENT_REF, TASK_SOURCE, ROLLOUT_ID = F.AGENT_REF, F.TASK_SOURCE, F.ROLLOUT_ID
@@ -68,35 +66,6 @@ class PlanSummary:
     sha256: str
 
 
-class TaskSelection:
-    """`task_ids`: keep only the listed tasks, each once (the first line that carries it)."""
-
-    def __init__(self, ids: Iterable[str | int]) -> None:
-        self.wanted = {str(i) for i in ids}
-        self.taken: set[str] = set()
-
-    def keep(self, row: dict[str, Any], task: int) -> bool:
-        key = task_key(row, task)
-        if key not in self.wanted or key in self.taken:
-            return False
-        self.taken.add(key)
-        return True
-
-    def missing(self) -> list[str]:
-        return sorted(self.wanted - self.taken)
-
-
-def task_key(row: dict[str, Any], task: int) -> str:
-    """A row's task id for `task_ids`: its task_id, problem_id or instance_id, else its task number."""
-    for name in _TASK_ID_FIELDS:
-        value = row.get(name)
-        if isinstance(value, dict):  # a materialized task's {"taskset", "task_id"}
-            value = value.get("task_id")
-        if value is not None:
-            return str(value)
-    return str(task)
-
-
 class Planner:
     """Turns input rows into planned rollouts, collecting problems instead of stopping at the first."""
 
@@ -119,11 +88,10 @@ class Planner:
         self.planned = 0
         self.log = ProblemLog(source)
         self.router = Router(config, settings, bypass_pairing=pairing_bypassed(settings))
-        # Sized for the rows expected, so the tables never rehash (and double) mid-run.
+        # Sized for the rows expected, so the tables do not rehash mid-run.
         self._tasks = DigestTable(capacity=expected_rows)
         self._counters = RolloutCounters(capacity=expected_rows)
-        self._explicit_ids = DigestTable(capacity=16)
-        self._derived_like: list[tuple[int, str, int, int]] = []
+        self._explicit_ids = ExplicitRolloutIds()
         self._select = TaskSelection(settings.task_ids) if settings.task_ids is not None else None
         self._remaps: Counter[tuple[str, str]] = Counter()
         self._stamped_tasks = 0
@@ -199,13 +167,16 @@ class Planner:
             log.add(message, line_no, field_)
         explicit = get(ROLLOUT_ID)
         if explicit is not None:
-            well_formed = self._check_rollout_id(explicit, line_no, route.copies) and well_formed
+            well_formed = (
+                self._explicit_ids.check(explicit, line_no, route.copies, self._id_problem)
+                and well_formed
+            )
         if not well_formed or task is None or log.failed or not route.targets:
             return []  # once planning has failed, rows are only checked, never materialized
         if route.remapped is not None:
             self._remaps[route.remapped] += 1
-        if explicit is not None and _DERIVED_ID.match(explicit):
-            self._derived_like.append((line_no, explicit, task, self._counters.count(task)))
+        if explicit is not None:
+            self._explicit_ids.planned(explicit, line_no, task, self._counters.count(task))
         out: list[Planned] = []
         copy = dict(row)
         take = self._counters.take
@@ -249,55 +220,16 @@ class Planner:
         )
         return None
 
-    def _check_rollout_id(self, value: Any, line_no: int, copies: int) -> bool:
-        field_ = F.ROLLOUT_ID
-        if not F.valid_rollout_id(value):
-            self.log.add(
-                f"invalid rollout id {value!r}: use letters, digits, '.', '_', '-', "
-                "starting with a letter or digit",
-                line_no,
-                field_,
-            )
-            return False
-        if _ATTEMPT_SUFFIX.search(value):
-            self.log.add(
-                f"rollout id {value!r} ends in -a<N>, which marks re-dispatched attempts",
-                line_no,
-                field_,
-            )
-            return False
-        ok = True
-        if copies > 1:
-            self.log.add(
-                f"rollout id {value!r} names one rollout, but the row plans {copies} "
-                "(num_repeats or fan_out); drop the id or plan the row once",
-                line_no,
-                field_,
-            )
-            ok = False
-        first = self._explicit_ids.setdefault(digest64(value.encode()), line_no)
-        if first != line_no:
-            self.log.add(f"rollout id {value!r} is already used on line {first}", line_no, field_)
-            ok = False
-        return ok
-
     def finish(self) -> None:
         """Checks that need every row, then warnings; runs once."""
         if self._finished:
             return
         self._finished = True
-        for line_no, value, task, rollout in self._derived_like:
-            m = _DERIVED_ID.match(value)
-            assert m is not None
-            other = (int(m[1]), int(m[2]))
-            if other != (task, rollout) and other[1] < self._counters.count(other[0]):
-                self.log.add(
-                    f"rollout id {value!r} is the id of another rollout (task {other[0]}, "
-                    f"rollout {other[1]})",
-                    line_no,
-                    F.ROLLOUT_ID,
-                )
+        self._explicit_ids.finish(self._counters.count, self._id_problem)
         self._warn()
+
+    def _id_problem(self, message: str, line_no: int) -> None:
+        self.log.add(message, line_no, ROLLOUT_ID)
 
     def _warn(self) -> None:
         repeats = self.settings.num_repeats

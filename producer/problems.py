@@ -59,14 +59,6 @@ class ProblemLog:
         else:
             group.more += 1
 
-    def extend(self, problems: list[Problem]) -> None:
-        """Add problems found elsewhere (config, run directory), kept as they are."""
-        for p in problems:
-            key = (p.file, p.message, p.field)
-            if key not in self._groups:
-                self.failed = True
-                self._groups[key] = _Group(first=p.line or 0, lines=list(p.lines))
-
     def problems(self) -> list[Problem]:
         out = []
         for (file, message, field_), group in sorted(
