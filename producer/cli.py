@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from producer.overrides import parse_overrides
 from producer.runner import DEFAULT_CONCURRENCY, DEFAULT_WORKERS, RunOptions, execute_run
@@ -18,7 +19,9 @@ _errors = Console(stderr=True)
 
 
 def _fail(exc: RolloutsError) -> None:
-    _errors.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
+    # Escaped: messages quote names like [simple_agent] that rich would read as markup.
+    message = escape(str(exc))
+    _errors.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
     code = getattr(exc, "exit_code", 1)
     sys.exit(code)
 
@@ -29,7 +32,9 @@ def main() -> None:
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.option("--config", "config_path", required=True, help="Servers config (YAML).")
+@click.option(
+    "--config", "config_path", default=None, help="Servers config (YAML; normalised or NeMo Gym's)."
+)
 @click.option("--input", "input_path", required=True, help="Rows to run (JSONL).")
 @click.option("--output-dir", required=True, help="Run directory: a folder or an fsspec URL.")
 @click.option("--shard", default="0", show_default=True, help="Shard label.")
@@ -73,9 +78,20 @@ def main() -> None:
 @click.option(
     "--overwrite", is_flag=True, help="Replace an earlier run of this shard in the folder."
 )
+@click.option(
+    "--head-server",
+    default=None,
+    help="A running NeMo Gym head server (http://host:port) to read the servers config from.",
+)
+@click.option(
+    "--allow-unsupported-pairing",
+    is_flag=True,
+    default=None,
+    help="Skip the allowed_agents checks.",
+)
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def run(
-    config_path: str,
+    config_path: str | None,
     input_path: str,
     output_dir: str,
     shard: str,
@@ -89,6 +105,8 @@ def run(
     redis_url: str | None,
     no_wait: bool,
     overwrite: bool,
+    head_server: str | None,
+    allow_unsupported_pairing: bool | None,
     overrides: tuple[str, ...],
 ) -> None:
     """Run every row of INPUT, repeated, across the cluster."""
@@ -99,6 +117,7 @@ def run(
             ("num_repeats", num_repeats),
             ("route_failures_to_sidecar", route_failures_to_sidecar),
             ("max_resident_tasks", max_resident_tasks),
+            ("allow_unsupported_pairing", allow_unsupported_pairing),
         ):
             if value is not None:
                 settings[key] = value
@@ -114,6 +133,7 @@ def run(
             broker_url=broker,
             redis_url=redis_url,
             wait=not no_wait,
+            head_server=head_server,
         )
         sys.exit(execute_run(opts, _console))
     except (UsageError, RunFailedError) as exc:
