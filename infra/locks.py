@@ -14,6 +14,9 @@ from schemas.errors import TransientError
 
 LOCK_TTL_S = 30.0
 ACQUIRE_TIMEOUT_S = 120.0
+# Held for one storage write (milliseconds): a waiter that slept redis-py's default 100 ms would
+# leave the shard idle most of the time when several processes take turns.
+ACQUIRE_POLL_S = 0.005
 
 
 @contextmanager
@@ -28,7 +31,13 @@ def held(
     A holder that dies (SIGKILL) leaves the lock to expire, so the shard is never locked forever;
     a live holder with a slow write keeps it by the heartbeat.
     """
-    lock = r.lock(name, timeout=ttl_s, blocking_timeout=acquire_timeout_s, thread_local=False)
+    lock = r.lock(
+        name,
+        timeout=ttl_s,
+        sleep=ACQUIRE_POLL_S,
+        blocking_timeout=acquire_timeout_s,
+        thread_local=False,
+    )
     if not lock.acquire():
         raise TransientError(f"could not acquire {name} within {acquire_timeout_s:.0f}s")
     stop = threading.Event()
