@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,7 +118,7 @@ def test_line_ranges_at_any_cut_give_every_line_exactly_once(rd: RunDir, cuts: l
     end = append_batches(rd, [all_lines[i : i + 7] for i in range(0, 30, 7)])
     bounds = [0, *[c for c in cuts if 0 < c < end], end]
     got = []
-    for start, stop in zip(bounds, bounds[1:], strict=False):
+    for start, stop in itertools.pairwise(bounds):
         got += list(rd.iter_line_range(NAME, start, stop))
     assert got == list(rd.iter_lines(NAME))
 
