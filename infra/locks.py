@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,7 +13,8 @@ from redis.exceptions import LockError
 
 from schemas.errors import TransientError
 
-LOCK_TTL_S = 30.0
+# How long a dead holder blocks the shard: the lock's expiry (a live holder extends it).
+LOCK_TTL_S = float(os.environ.get("ROLLOUTS_LOCK_TTL_S", "30"))
 ACQUIRE_TIMEOUT_S = 120.0
 # Held for one storage write (milliseconds): a waiter that slept redis-py's default 100 ms would
 # leave the shard idle most of the time when several processes take turns.
