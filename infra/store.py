@@ -125,15 +125,19 @@ class RunDir:
     def makedirs(self) -> None:
         self.fs.makedirs(self.root, exist_ok=True)
 
+    def _has_segments(self, name: str) -> bool:
+        # A local folder appends in place and never has segments: no listing on its hot path.
+        return not self.can_append and _may_have_segments(name)
+
     def _parts(self, name: str) -> tuple[segments.Part | None, list[segments.Part]]:
         listed = (
-            segments.list_segments(self.fs, self.root, name) if _may_have_segments(name) else []
+            segments.list_segments(self.fs, self.root, name) if self._has_segments(name) else []
         )
         return segments.base_part(self.fs, self.path(name)), listed
 
     def segments(self, name: str) -> list[segments.Part]:
         """The segment objects of `name` not yet compacted into its base, in file order."""
-        if not _may_have_segments(name):
+        if not self._has_segments(name):
             return []
         return segments.list_segments(self.fs, self.root, name)
 
@@ -144,11 +148,16 @@ class RunDir:
 
     def size(self, name: str) -> int:
         """The logical size in bytes (0 when absent)."""
+        if self.can_append:
+            try:
+                return os.stat(self.path(name)).st_size
+            except FileNotFoundError:
+                return 0
         base, listed = self._parts(name)
         return segments.logical_end(base, listed)
 
     def read_bytes(self, name: str) -> bytes:
-        if not _may_have_segments(name):
+        if not self._has_segments(name):
             data: bytes = self.fs.cat_file(self.path(name))
             return data
         if not self.exists(name):
@@ -182,7 +191,7 @@ class RunDir:
 
     def iter_bytes(self, name: str, start: int = 0) -> Iterator[tuple[int, bytes]]:
         """Yield `(offset, block)` of the logical file from byte `start`, in order."""
-        seg_dir_of = (self.root, name) if _may_have_segments(name) else None
+        seg_dir_of = (self.root, name) if self._has_segments(name) else None
         yield from segments.iter_chunks(self.fs, self.path(name), seg_dir_of, start)
 
     def iter_lines(self, name: str, start: int = 0) -> Iterator[tuple[int, bytes]]:
