@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -188,6 +189,48 @@ def lander_scenario(
     return rows
 
 
+def _child(
+    redis_url: str, run: dict[str, Any], first: int, last: int, writers: int, ready: Any
+) -> None:
+    lander = Lander(redis_url)
+    work = land_range(lander, RunRef.model_validate(run), first, last, writers)
+    ready.wait()
+    work()
+
+
+def processes_scenario(
+    redis_url: str,
+    run: RunRef,
+    counts: Callable[[], tuple[int, int]],
+    procs: int,
+    per: int,
+    writers: int,
+) -> Row:
+    """`procs` worker-like processes, each with its own lander and `writers` threads, one shard."""
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Barrier(procs + 1)
+    children = [
+        ctx.Process(
+            target=_child,
+            args=(redis_url, run.model_dump(), i * per, (i + 1) * per, writers, ready),
+        )
+        for i in range(procs)
+    ]
+    for c in children:
+        c.start()
+    ready.wait()  # every child imported and holds its lander: time the landing only
+
+    def work() -> int:
+        for c in children:
+            c.join()
+            assert c.exitcode == 0
+        return procs * per
+
+    rate, req, up = measure(counts, work)
+    name = f"Lander on moto S3, {procs} processes x {writers} writers"
+    return Row(name, f"{procs * per:,}", rate, req, up)
+
+
 def naive_s3_append(bucket: str, counts: Callable[[], tuple[int, int]], n: int) -> list[Row]:
     """s3fs's append mode, one append per record: the object is rewritten every time."""
     rd = RunDir(f"{bucket}/naive")
@@ -236,7 +279,7 @@ def naive_local(folder: str, n: int) -> Row:
 
 
 def fmt(x: float, digits: int = 3) -> str:
-    return "–" if x != x else f"{x:,.{digits}f}"
+    return "-" if x != x else f"{x:,.{digits}f}"
 
 
 def main() -> None:
@@ -275,6 +318,11 @@ def main() -> None:
         run1 = open_run(r, f"s3://{bucket}/run1")
         rate, req, up = measure(s3.counts, land_range(lander, run1, 0, 1000, 1))
         rows.append(Row("Lander on moto S3, 1 writer", "first 1,000", rate, req, up))
+
+        run4 = open_run(r, f"s3://{bucket}/run4")
+        rows.append(
+            processes_scenario(redis_server.url, run4, s3.counts, 4, 1000, args.writers // 4)
+        )
 
         rows += naive_s3_append(f"s3://{bucket}", s3.counts, args.naive_records)
 
@@ -322,7 +370,7 @@ def main() -> None:
     )
     print()
     print(
-        f"- Local folder: Lander {local_rate:,.0f} records/s = {local_rate / naive_local_rate:.1f}× one fsync'd append per record."
+        f"- Local folder: Lander {local_rate:,.0f} records/s = {local_rate / naive_local_rate:.1f}x one fsync'd append per record."
     )
     print(
         f"- S3: bytes uploaded per record byte over the last 1,000 records {last_s3.bytes_per_record_byte:.2f} "
@@ -330,7 +378,7 @@ def main() -> None:
         f"{naive_s3[-1].bytes_per_record_byte:.0f} over its last {args.naive_records // 3}: it grows with the shard)."
     )
     print(
-        f"- S3: Lander {s3_rate:,.0f} records/s overall = {s3_rate / naive_s3[-1].rate:.0f}× s3fs append mode's last {args.naive_records // 3}."
+        f"- S3: Lander {s3_rate:,.0f} records/s overall = {s3_rate / naive_s3[-1].rate:.0f}x s3fs append mode's last {args.naive_records // 3}."
     )
     for note in notes:
         print(f"- {note}")

@@ -79,6 +79,7 @@ class Lander:
         self._queue: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
         self._dirs: dict[str, RunDir] = {}
         self._status_written: dict[str, float] = {}
+        self._carry: list[_Pending] = []
         self._thread = threading.Thread(target=self._loop, name="rollouts-lander", daemon=True)
         self._thread.start()
 
@@ -100,11 +101,7 @@ class Lander:
             rd = self._dirs[url] = RunDir(url)
         return rd
 
-    def _gather(self) -> list[_Pending]:
-        # No waiting for more: records that arrive while a batch is being written form the next
-        # batch (measured in bench/storage.py: that alone keeps object writes well under one per
-        # ten records with 32 writers, and a lone writer is not delayed).
-        batch = [self._queue.get()]
+    def _drain(self, batch: list[_Pending]) -> list[_Pending]:
         while len(batch) < MAX_BATCH:
             try:
                 batch.append(self._queue.get_nowait())
@@ -113,8 +110,12 @@ class Lander:
         return batch
 
     def _loop(self) -> None:
+        # No waiting for more before writing: records that arrive while a batch is written (or
+        # while the lock is awaited, see `_commit`) form the next batch. Measured in
+        # bench/storage.py; a lone writer is not delayed.
         while True:
-            batch = self._gather()
+            carried, self._carry = self._carry, []
+            batch = self._drain(carried or [self._queue.get()])
             groups: dict[tuple[str, str], list[_Pending]] = defaultdict(list)
             for p in batch:
                 groups[(p.run.output_dir, p.run.shard)].append(p)
@@ -129,6 +130,12 @@ class Lander:
     def _commit(self, rd: RunDir, shard: str, group: list[_Pending]) -> None:
         st = ShardState(self.r, rd, shard)
         with held(self.r, keys.shard_lock(st.sid)):
+            # Records that arrived while the lock was awaited (other processes writing) join
+            # this batch: the busier the shard, the larger each write.
+            key = (group[0].run.output_dir, shard)
+            for p in self._drain([]):
+                same = (p.run.output_dir, p.run.shard) == key
+                (group if same else self._carry).append(p)
             state = st.load()
             opener = state.get("opener")
             accepted = []
