@@ -99,7 +99,7 @@ class LocalCounter:
             counter.written += len(data)
             counter._original(rd, name, data, offset)
 
-        RunDir.append_at = append_at  # type: ignore[method-assign]
+        RunDir.append_at = append_at  # type: ignore[method-assign,assignment]
 
     def counts(self) -> tuple[int, int]:
         return self.writes, self.written
