@@ -163,7 +163,10 @@ def _free_port() -> int:
 def moto_server() -> Iterator[str]:
     """A real local S3 endpoint (moto's server in its own process); yields its URL."""
     port = _free_port()
-    log = open(ROOT / ".moto-server.log", "wb")  # noqa: SIM115 - handed to the child process
+    import tempfile
+
+    log_path = Path(tempfile.gettempdir()) / f"rollouts-moto-{os.getpid()}.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - handed to the child process
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
