@@ -3,6 +3,8 @@
 Each worker process has one lander thread. Rollout tasks hand it their records and wait; the
 thread gathers whatever is queued, and per shard takes the lock once, appends the batch, and
 commits the landed keys to Redis before any waiting task is released (and then acknowledged).
+"Appends" are in place on a local folder (O_APPEND + fsync) and one write-once segment object per
+batch elsewhere (`infra/segments.py`); the finish step compacts the segments (`compact_shard`).
 
 Exactly once: a result whose (task, rollout) key is already in the shard's landed set is not
 written again, however often its task is delivered. The landed set, the committed file sizes and
