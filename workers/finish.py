@@ -15,6 +15,7 @@ from schemas.messages import RunRef
 from schemas.settings import CollectionSettings
 from workers.accounting import count_shard, iter_rows
 from workers.aggregation import aggregate, group_rows
+from workers.landing import compact_shard
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ def finish_shard(run: RunRef, redis_url: str) -> dict[str, Any]:
     config = ServersConfig.model_validate(manifest.config)
     settings = CollectionSettings.model_validate(manifest.settings)
     sid = keys.shard_id(rd.url, run.shard)
+    # Every appended file becomes one object before anything reads it for the reports: after a
+    # run finishes, any JSONL reader reads it.
+    compact_shard(client(redis_url), rd, run.shard)
     raw = client(redis_url).get(keys.shard_run_failed(sid))
     run_error = raw.decode() if isinstance(raw, bytes) else None
 
