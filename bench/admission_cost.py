@@ -22,7 +22,9 @@ from schemas.messages import CallPolicy, CollectRequest, RunRef
 from workers.admission import DURATIONS_KEPT, Gate
 
 
-def measure(threads: int, items: list[CollectRequest], work: Callable[[CollectRequest], None]) -> float:
+def measure(
+    threads: int, items: list[CollectRequest], work: Callable[[CollectRequest], None]
+) -> float:
     """CPU seconds of this process per item."""
     parts = [items[i::threads] for i in range(threads)]
     runners = [threading.Thread(target=lambda p=p: [work(q) for q in p]) for p in parts]
@@ -71,11 +73,15 @@ def main() -> None:
 
         base = measure(a.threads, requests(), get)
         rows = [("one Redis GET (baseline)", base)]
-        rows.append(("begin + release, one Lua call each", measure(a.threads, requests(), unbatched)))
-        rows.append(("begin + batched release (as shipped)", measure(a.threads, requests(), batched)))
+        rows.append(
+            ("begin + release, one Lua call each", measure(a.threads, requests(), unbatched))
+        )
+        rows.append(
+            ("begin + batched release (as shipped)", measure(a.threads, requests(), batched))
+        )
         gate.releaser.flush()
         print(f"{a.rollouts} rollouts from {a.threads} threads\n")
-        print("| per rollout | client CPU ms | × GET |")
+        print("| per rollout | client CPU ms | ratio to GET |")
         print("|---|---:|---:|")
         for name, cpu in rows:
             print(f"| {name} | {1000 * cpu:.3f} | {cpu / base:.1f} |")

@@ -21,6 +21,9 @@ def shard_id(output_dir_url: str, shard: str) -> str:
 def shard_state(sid: str) -> str:
     """Hash: `opener` token, committed byte sizes of the shard's files, `planned`, `run_id`, `built`.
 
+    The committed sizes (`results_size`, `failures_size`) are *logical* sizes: where the next
+    append of that file goes, whether the store appends in place or writes segment objects.
+
     `built` marks that the landed set and the sizes were loaded from storage; when the hash is
     missing (Redis restarted empty) the next writer rebuilds it from the files under the lock.
     """
@@ -107,6 +110,14 @@ def agent_leases(agent_url: str) -> str:
     return f"{PREFIX}:agent:{digest}:leases"
 
 
+def shard_status_tick(sid: str) -> str:
+    """String with a short expiry: set (NX) by the writer whose turn it is to save the status file.
+
+    Keeps `rollouts-S_status.json` to one write every few seconds across all worker processes.
+    """
+    return f"{PREFIX}:shard:{sid}:status_tick"
+
+
 def all_shard_keys(sid: str) -> list[str]:
     """Keys a fresh run of the shard deletes before it opens."""
     return [
@@ -120,4 +131,5 @@ def all_shard_keys(sid: str) -> list[str]:
         shard_starts(sid),
         shard_generation(sid),
         shard_durations(sid),
+        shard_status_tick(sid),
     ]

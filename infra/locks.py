@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,8 +13,12 @@ from redis.exceptions import LockError
 
 from schemas.errors import TransientError
 
-LOCK_TTL_S = 30.0
+# How long a dead holder blocks the shard: the lock's expiry (a live holder extends it).
+LOCK_TTL_S = float(os.environ.get("ROLLOUTS_LOCK_TTL_S", "30"))
 ACQUIRE_TIMEOUT_S = 120.0
+# Held for one storage write (milliseconds): a waiter that slept redis-py's default 100 ms would
+# leave the shard idle most of the time when several processes take turns.
+ACQUIRE_POLL_S = 0.005
 
 
 @contextmanager
@@ -28,7 +33,13 @@ def held(
     A holder that dies (SIGKILL) leaves the lock to expire, so the shard is never locked forever;
     a live holder with a slow write keeps it by the heartbeat.
     """
-    lock = r.lock(name, timeout=ttl_s, blocking_timeout=acquire_timeout_s, thread_local=False)
+    lock = r.lock(
+        name,
+        timeout=ttl_s,
+        sleep=ACQUIRE_POLL_S,
+        blocking_timeout=acquire_timeout_s,
+        thread_local=False,
+    )
     if not lock.acquire():
         raise TransientError(f"could not acquire {name} within {acquire_timeout_s:.0f}s")
     stop = threading.Event()

@@ -16,7 +16,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-READ_BLOCK = 1 << 20
+from infra import segments
+from schemas.errors import StorageError
 
 QUALITY_SUMMARY = "quality_summary.json"
 ROLLOUT_VERDICTS = "rollout_verdicts.jsonl"
@@ -71,12 +72,36 @@ def _storage_options(protocol: str) -> dict[str, Any]:
     """Options from the standard environment variables (SPEC §9: AWS_ENDPOINT_URL and friends)."""
     if protocol in ("s3", "s3a"):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        return {"endpoint_url": endpoint} if endpoint else {}
+        # Several processes write one prefix: a cached listing would hide their segments.
+        options: dict[str, Any] = {"use_listings_cache": False}
+        if endpoint:
+            options["endpoint_url"] = endpoint
+        return options
+    if protocol in ("gs", "gcs"):
+        return {"use_listings_cache": False}
     return {}
 
 
+class WriteConflictError(StorageError):
+    """Raised when bytes already exist where a writer meant to append: another writer got there.
+
+    The writer re-reads what is there (adopting it) and writes after it; nothing was overwritten.
+    """
+
+
+def _may_have_segments(name: str) -> bool:
+    # Only the JSONL files are appended to; JSON documents are replaced whole (write_atomic).
+    return name.endswith(".jsonl")
+
+
 class RunDir:
-    """A run directory: a local folder or an object-store prefix, addressed by URL."""
+    """A run directory: a local folder or an object-store prefix, addressed by URL.
+
+    A JSONL file here is a *logical* file: on a local folder one file appended in place; on an
+    object store its base object plus write-once segments (`infra/segments.py`) until the finish
+    step compacts them. `exists`, `size`, `read_bytes`, `iter_lines` and `iter_line_range` read
+    the logical file, so every reader sees a shard correctly before and after compaction.
+    """
 
     def __init__(self, url: str) -> None:
         protocol = url.split("://", 1)[0] if "://" in url else "file"
@@ -89,24 +114,55 @@ class RunDir:
     def is_local(self) -> bool:
         return isinstance(self.fs, LocalFileSystem)
 
+    @property
+    def can_append(self) -> bool:
+        """Whether appends go in place (O_APPEND on a local folder) rather than to segments."""
+        return self.is_local
+
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
     def makedirs(self) -> None:
         self.fs.makedirs(self.root, exist_ok=True)
 
+    def _has_segments(self, name: str) -> bool:
+        # A local folder appends in place and never has segments: no listing on its hot path.
+        return not self.can_append and _may_have_segments(name)
+
+    def _parts(self, name: str) -> tuple[segments.Part | None, list[segments.Part]]:
+        listed = (
+            segments.list_segments(self.fs, self.root, name) if self._has_segments(name) else []
+        )
+        return segments.base_part(self.fs, self.path(name)), listed
+
+    def segments(self, name: str) -> list[segments.Part]:
+        """The segment objects of `name` not yet compacted into its base, in file order."""
+        if not self._has_segments(name):
+            return []
+        return segments.list_segments(self.fs, self.root, name)
+
     def exists(self, name: str) -> bool:
-        return bool(self.fs.exists(self.path(name)))
+        if bool(self.fs.exists(self.path(name))):
+            return True
+        return bool(self.segments(name))
 
     def size(self, name: str) -> int:
-        try:
-            return int(self.fs.size(self.path(name)))
-        except FileNotFoundError:
-            return 0
+        """The logical size in bytes (0 when absent)."""
+        if self.can_append:
+            try:
+                return os.stat(self.path(name)).st_size
+            except FileNotFoundError:
+                return 0
+        base, listed = self._parts(name)
+        return segments.logical_end(base, listed)
 
     def read_bytes(self, name: str) -> bytes:
-        data: bytes = self.fs.cat_file(self.path(name))
-        return data
+        if not self._has_segments(name):
+            data: bytes = self.fs.cat_file(self.path(name))
+            return data
+        if not self.exists(name):
+            raise FileNotFoundError(self.path(name))
+        return b"".join(block for _, block in self.iter_bytes(name))
 
     def write_atomic(self, name: str, data: bytes) -> None:
         """Replace `name` with `data` so readers see the old or the new content, never a mix."""
@@ -123,44 +179,107 @@ class RunDir:
             self.fs.pipe_file(target, data)
 
     def remove(self, name: str) -> None:
+        """Remove the logical file: its base and any segments."""
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(name))
+        listed = self.segments(name)
+        if listed:
+            self.fs.rm([p.path for p in listed])
+        if self.is_local:
+            with contextlib.suppress(OSError):
+                os.rmdir(segments.segment_dir(self.root, name))
+
+    def iter_bytes(self, name: str, start: int = 0) -> Iterator[tuple[int, bytes]]:
+        """Yield `(offset, block)` of the logical file from byte `start`, in order."""
+        seg_dir_of = (self.root, name) if self._has_segments(name) else None
+        yield from segments.iter_chunks(self.fs, self.path(name), seg_dir_of, start)
 
     def iter_lines(self, name: str, start: int = 0) -> Iterator[tuple[int, bytes]]:
-        """Yield `(offset, line)` for each complete line from byte `start`; a torn last line is skipped."""
-        try:
-            f = self.fs.open(self.path(name), "rb")
-        except FileNotFoundError:
-            return
-        with f:
-            f.seek(start)
-            offset = start
-            pending = b""
-            while True:
-                block = f.read(READ_BLOCK)
-                if not block:
-                    break
-                pending += block
-                lines = pending.split(b"\n")
-                pending = lines.pop()
-                for line in lines:
-                    yield offset, line
-                    offset += len(line) + 1
+        """Yield `(offset, line)` for each complete line from byte `start` (a line boundary).
 
-    def append_lines(self, name: str, data: bytes) -> None:
-        """Append whole lines; the caller holds the shard lock."""
-        if not self.is_local:
-            raise NotImplementedError("appends on object stores go through segment objects")
-        with open(self.path(name), "ab") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        Offsets are logical: the same before and after compaction. A torn last line is skipped.
+        """
+        yield from segments.split_lines(self.iter_bytes(name, start))
+
+    def iter_line_range(self, name: str, start: int, end: int) -> Iterator[tuple[int, bytes]]:
+        """Yield `(offset, line)` for each complete line that *begins* in bytes `[start, end)`.
+
+        `start` and `end` may fall anywhere: cutting a file at any byte positions gives ranges
+        whose lines, together, are every line exactly once (for distributed readers).
+        """
+        if start >= end:
+            return
+        from_ = max(0, start - 1)
+        lines = segments.split_lines(self.iter_bytes(name, from_))
+        for offset, line in lines:
+            if offset < start:
+                # The line holding byte start-1: the first line of the range begins after it.
+                continue
+            if offset >= end:
+                return
+            yield offset, line
+
+    def append_at(self, name: str, data: bytes, offset: int) -> None:
+        """Append whole lines as bytes `[offset, offset + len(data))`; the caller holds the lock.
+
+        `offset` is the committed logical size. On a local folder the lines go in place with
+        O_APPEND and an fsync; elsewhere as one write-once segment object. Raises
+        `WriteConflictError` when bytes exist at or past `offset` already (a writer that died
+        before committing, or one that lost the lock).
+        """
+        if self.can_append:
+            with open(self.path(name), "ab") as f:
+                actual = os.fstat(f.fileno()).st_size
+                if actual != offset:
+                    raise WriteConflictError(
+                        f"{self.path(name)} holds {actual} bytes where {offset} were committed"
+                    )
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            return
+        target = f"{segments.segment_dir(self.root, name)}/{segments.segment_name(offset)}"
+        try:
+            self.fs.pipe_file(target, data, mode="create")
+        except FileExistsError:
+            raise WriteConflictError(f"{target} was written by another writer") from None
 
     def truncate(self, name: str, size: int) -> None:
         """Cut a torn tail back to `size` bytes; the caller holds the shard lock."""
-        if not self.is_local:
+        if not self.can_append:
             raise NotImplementedError("objects are written whole and have no torn tail")
         with open(self.path(name), "r+b") as f:
             f.truncate(size)
             f.flush()
             os.fsync(f.fileno())
+
+    def compact(self, name: str) -> int:
+        """Rewrite `name` as one object holding the whole logical file; returns segments merged.
+
+        The caller holds the shard lock. The new base replaces the old one atomically, and only
+        then are the segments deleted, so a reader at any moment sees the logical file whole.
+        """
+        listed = self.segments(name)
+        if not listed:
+            return 0
+        base = segments.base_part(self.fs, self.path(name))
+        end = segments.logical_end(base, listed)
+        if base is None or base.end < end:
+            target = self.path(name)
+            if self.is_local:
+                tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+                with open(tmp, "wb") as f:
+                    self._copy_logical(name, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target)
+            else:
+                # A streamed (multipart) upload becomes visible only when complete.
+                with self.fs.open(target, "wb") as f:
+                    self._copy_logical(name, f)
+        self.fs.rm([p.path for p in listed])
+        return len(listed)
+
+    def _copy_logical(self, name: str, out: Any) -> None:
+        for _, block in self.iter_bytes(name):
+            out.write(block)

@@ -9,6 +9,7 @@ from typing import Any
 import click
 import orjson
 from rich.console import Console
+from rich.markup import escape
 
 from infra.store import RunDir
 from producer.overrides import parse_overrides
@@ -21,7 +22,9 @@ _errors = Console(stderr=True)
 
 
 def _fail(exc: RolloutsError) -> None:
-    _errors.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
+    # Escaped: messages quote names like [simple_agent] that rich would read as markup.
+    message = escape(str(exc))
+    _errors.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
     code = getattr(exc, "exit_code", 1)
     sys.exit(code)
 
@@ -32,7 +35,9 @@ def main() -> None:
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.option("--config", "config_path", default=None, help="Servers config (YAML).")
+@click.option(
+    "--config", "config_path", default=None, help="Servers config (YAML; normalised or NeMo Gym's)."
+)
 @click.option("--input", "input_path", default=None, help="Rows to run (JSONL).")
 @click.option("--output-dir", default=None, help="Run directory: a folder or an fsspec URL.")
 @click.option("--shard", default=None, help="Shard label.  [default: 0]")
@@ -76,6 +81,17 @@ def main() -> None:
 @click.option(
     "--overwrite", is_flag=True, help="Replace an earlier run of this shard in the folder."
 )
+@click.option(
+    "--head-server",
+    default=None,
+    help="A running NeMo Gym head server (http://host:port) to read the servers config from.",
+)
+@click.option(
+    "--allow-unsupported-pairing",
+    is_flag=True,
+    default=None,
+    help="Skip the allowed_agents checks.",
+)
 @click.option("--events", is_flag=True, help="Local workers send task events (for Flower).")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def run(
@@ -93,6 +109,8 @@ def run(
     redis_url: str | None,
     no_wait: bool,
     overwrite: bool,
+    head_server: str | None,
+    allow_unsupported_pairing: bool | None,
     events: bool,
     overrides: tuple[str, ...],
 ) -> None:
@@ -103,6 +121,15 @@ def run(
     """
     try:
         settings: dict[str, Any] = parse_overrides(list(overrides))
+        for key, value in (
+            ("agent_name", agent),
+            ("num_repeats", num_repeats),
+            ("route_failures_to_sidecar", route_failures_to_sidecar),
+            ("max_resident_tasks", max_resident_tasks),
+            ("allow_unsupported_pairing", allow_unsupported_pairing),
+        ):
+            if value is not None:
+                settings[key] = value
         spelled = nemo_gym_spelling(settings, input_path, output_dir, shard)
         input_path, output_dir, shard, resume = spelled
         if resume and output_dir is not None:
@@ -110,22 +137,17 @@ def run(
                 execute_resume(
                     ResumeOptions(
                         output_dir=output_dir, shard=shard, config_path=config_path,
-                        overrides=settings, workers=workers, concurrency=concurrency,
-                        broker_url=broker, redis_url=redis_url, wait=not no_wait, events=events,
+                        head_server=head_server, overrides=settings, workers=workers,
+                        concurrency=concurrency, broker_url=broker, redis_url=redis_url,
+                        wait=not no_wait, events=events,
                     ),
                     _console,
                 )
             )  # fmt: skip
-        if config_path is None or input_path is None or output_dir is None:
-            raise UsageError("run needs --config, --input and --output-dir")
-        for key, value in (
-            ("agent_name", agent),
-            ("num_repeats", num_repeats),
-            ("route_failures_to_sidecar", route_failures_to_sidecar),
-            ("max_resident_tasks", max_resident_tasks),
-        ):
-            if value is not None:
-                settings[key] = value
+        if input_path is None or output_dir is None:
+            raise UsageError(
+                "run needs --input and --output-dir (or +input_jsonl_fpath and +output_jsonl_fpath)"
+            )
         opts = RunOptions(
             config_path=config_path,
             input_path=input_path,
@@ -138,6 +160,7 @@ def run(
             broker_url=broker,
             redis_url=redis_url,
             wait=not no_wait,
+            head_server=head_server,
             events=events,
         )
         sys.exit(execute_run(opts, _console))

@@ -24,12 +24,12 @@ import redis
 from celery import Celery
 
 from infra import jsonl, keys
-from infra.runs import write_manifest
+from infra.runs import maybe_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
-from producer.planning import PlanContext, plan_file
+from producer.planning import PlanContext, WarningSink, write_plan
 from schemas import fields as F
 from schemas.config import ServersConfig
-from schemas.errors import PlanningError, Problem, RunExistsError
+from schemas.errors import PlanningError, Problem, RunExistsError, StorageError
 from schemas.messages import (
     COLLECT_TASK,
     FINISH_TASK,
@@ -77,6 +77,26 @@ def shard_artifacts_present(rd: RunDir, shard: str) -> list[str]:
     return [name for name in ShardFiles(shard).all() if rd.exists(name)]
 
 
+def existing_run_problem(rd: RunDir, shard: str, present: list[str]) -> Problem:
+    """The problem of a fresh run into a folder whose shard belongs to an earlier run."""
+    try:
+        manifest = maybe_manifest(rd, shard)
+    except StorageError:
+        manifest = None
+    if manifest is not None:
+        owner = (
+            f"run {manifest.run_id} ({manifest.state}, {manifest.planned} rollouts planned, "
+            f"created {manifest.created_at})"
+        )
+    else:
+        owner = "an earlier run (no readable manifest)"
+    return Problem(
+        f"already holds shard {shard} of {owner}: {', '.join(present)}; pass --overwrite to "
+        f"replace it, or resume it with `rollouts resume {rd.url} --shard {shard}`",
+        file=rd.url,
+    )
+
+
 def open_run(
     *,
     input_path: str,
@@ -85,38 +105,50 @@ def open_run(
     config: ServersConfig,
     settings: CollectionSettings,
     overwrite: bool = False,
+    on_warning: WarningSink | None = None,
 ) -> OpenedRun:
     """Plan the input and write the materialized inputs and manifest; nothing is enqueued yet.
 
-    Every input problem is raised before the run directory is touched.
+    Every problem (the shard label, the run directory, every input row) is raised in one error
+    before the run directory is touched.
     """
-    if not F.valid_shard_label(shard):
-        raise PlanningError(
-            [Problem(f"invalid shard label {shard!r}: use letters, digits, '.', '_', '-'")]
+    problems: list[Problem] = []
+    label_ok = F.valid_shard_label(shard)
+    if not label_ok:
+        problems.append(
+            Problem(
+                f"invalid shard label {shard!r}: use letters, digits, '.', '_', '-'", field="shard"
+            )
         )
-    if not os.path.isfile(input_path):
-        raise PlanningError([Problem("input file not found", file=input_path)])
     rd = RunDir(output_dir)
-    present = shard_artifacts_present(rd, shard)
-    if present and not overwrite:
-        raise RunExistsError(
-            f"{rd.url} already holds shard {shard} of an earlier run ({', '.join(present)}); "
-            "pass --overwrite to replace it, or resume it with `rollouts resume`"
-        )
+    present = shard_artifacts_present(rd, shard) if label_ok else []
+    existing = existing_run_problem(rd, shard, present) if present and not overwrite else None
+    if not os.path.isfile(input_path):
+        problems.append(Problem("input file not found", file=input_path))
+        raise PlanningError([*problems, *([existing] if existing else [])])
     run_id = new_run_id()
     files = ShardFiles(shard)
     tmpdir = tempfile.mkdtemp(prefix="rollouts-plan-")
     try:
-        local = os.path.join(tmpdir, files.materialized)
-        digest = hashlib.sha256()
-        planned = 0
-        with open(local, "wb") as out:
-            for row in plan_file(input_path, config, settings, PlanContext(run_id, shard)):
-                line = jsonl.dumps_line(row)
-                digest.update(line)
-                out.write(line)
-                planned += 1
-        if planned == 0:
+        local = os.path.join(tmpdir, "materialized_inputs.jsonl")
+        try:
+            plan = write_plan(
+                input_path,
+                local,
+                config,
+                settings,
+                PlanContext(run_id, shard),
+                on_warning=on_warning,
+            )
+        except PlanningError as exc:
+            raise PlanningError(
+                [*problems, *exc.problems, *([existing] if existing else [])], header=exc.header
+            ) from None
+        if problems:
+            raise PlanningError([*problems, *([existing] if existing else [])])
+        if existing is not None:
+            raise RunExistsError(f"{existing.render()}")
+        if plan.planned == 0:
             raise PlanningError([Problem("no rows to run", file=input_path)])
         rd.makedirs()
         if overwrite:
@@ -136,9 +168,11 @@ def open_run(
         input=InputSource(path=os.path.abspath(input_path), sha256=sha256_file(input_path)),
         config=config.redacted(),
         settings=settings.model_dump(mode="json"),
-        planned=planned,
-        materialized_sha256=digest.hexdigest(),
-        generations=[Generation(token=token, kind="run", started_at=utc_now(), enqueued=planned)],
+        planned=plan.planned,
+        materialized_sha256=plan.sha256,
+        generations=[
+            Generation(token=token, kind="run", started_at=utc_now(), enqueued=plan.planned)
+        ],
     )
     write_manifest(rd, manifest)
     return OpenedRun(

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from types import TracebackType
 
@@ -54,17 +55,23 @@ class WorkerProcesses:
         self.loglevel = loglevel
         self.events = events
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.log_dir = ""
 
-    def start(self) -> None:
+    def start(self, log_dir: str | None = None) -> None:
+        """Start the workers; their output goes to `log_dir/worker-N.log` (a new temp folder by default)."""
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="rollouts-workers-")
         env = worker_env(self.broker_url, self.redis_url)
         for i in range(self.count):
-            self.procs.append(
-                subprocess.Popen(
-                    worker_command(i, self.concurrency, self.loglevel, self.events),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
+            with open(os.path.join(self.log_dir, f"worker-{i}.log"), "ab") as log:
+                self.procs.append(
+                    subprocess.Popen(
+                        worker_command(i, self.concurrency, self.loglevel, self.events),
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
                 )
-            )
 
     def stop(self, timeout: float = 30.0) -> None:
         for p in self.procs:

@@ -1,12 +1,19 @@
-"""NeMo Gym-style `+key=value` overrides (`+num_repeats=4`, `+agent_map.math_env=math_agent`)."""
+"""NeMo Gym-style `+key=value` overrides (`+num_repeats=4`, `+agent_map.math_env=math_agent`).
+
+As in NeMo Gym's Hydra command line, `+key=value`, `++key=value` and `key=value` all set a key;
+dots address nested keys and values are read as YAML (`4`, `true`, `[a, b]`, `{a: b}`).
+"""
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from schemas.errors import PlanningError, Problem
+from schemas.settings import CollectionSettings
 
 
 def parse_overrides(tokens: list[str]) -> dict[str, Any]:
@@ -14,8 +21,8 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     problems = []
     for token in tokens:
-        body = token[2:] if token.startswith("++") else token[1:] if token.startswith("+") else None
-        if body is None or "=" not in body:
+        body = token[2:] if token.startswith("++") else token.removeprefix("+")
+        if "=" not in body or body.startswith("="):
             problems.append(Problem(f"expected +key=value, got {token!r}", field=token))
             continue
         key, raw = body.split("=", 1)
@@ -39,3 +46,22 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
     if problems:
         raise PlanningError(problems, header="invalid overrides")
     return out
+
+
+def validate_settings(values: dict[str, Any]) -> CollectionSettings:
+    """Collection settings from flags and overrides; every problem at once, unknown keys with a guess."""
+    try:
+        return CollectionSettings.model_validate(values)
+    except ValidationError as exc:
+        known = [*CollectionSettings.model_fields, "max_resident_rollout_tasks"]
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"])
+            message = err["msg"]
+            if err["type"] == "extra_forbidden":
+                close = difflib.get_close_matches(str(err["loc"][0]), known, n=1)
+                message = "unknown setting" + (f" (did you mean {close[0]!r}?)" if close else "")
+            elif message.startswith("Value error, "):
+                message = message[len("Value error, ") :]
+            problems.append(Problem(message, field=where or None))
+        raise PlanningError(problems, header="invalid collection settings") from None

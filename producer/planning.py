@@ -1,23 +1,53 @@
 """Planning: rows in, planned rollouts out (SPEC §3), with every problem found before dispatch.
 
-The planner streams: it reads one input line at a time and emits that line's planned copies, so
-memory holds only the task numbering (a digest per distinct unnumbered line) and per-task
-rollout counters, never the rows.
+The planner streams: it reads one input line at a time and emits that line's planned copies.
+What it keeps is compact per-task state (`producer/plan_state.py`): a 64-bit digest per distinct
+unnumbered line for task numbering and a 32-bit rollout counter per task. Routing is cached per
+distinct (agent_ref.name, task_source) (`producer/routing.py`), problems are grouped per distinct
+message (`producer/problems.py`), `task_ids` and explicit rollout ids follow
+`producer/plan_identity.py`, and interleaved orders spill to temporary files
+(`producer/ordering.py`).
+
+Steps per row, in SPEC §3's order: task number (caller-stamped or by identical line), `task_ids`
+selection (each task once, before repetition), checks, agent resolution, fan-out, repeats,
+stamps. `limit` stops reading after N lines.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from infra import jsonl
+from producer.ordering import Planned, in_run_order
+from producer.plan_identity import ExplicitRolloutIds, TaskSelection
+from producer.plan_state import DigestTable, RolloutCounters, digest64
+from producer.problems import ProblemLog
+from producer.routing import Router, pairing_bypassed
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem
 from schemas.settings import CollectionSettings
+
+WarningSink = Callable[[str], None]
+
+_BOM = b"\xef\xbb\xbf"
+RESPONSES_CREATE_PARAMS = F.RESPONSES_CREATE_PARAMS
+AGENT_REF, TASK_SOURCE, ROLLOUT_ID = F.AGENT_REF, F.TASK_SOURCE, F.ROLLOUT_ID
+TASK_INDEX, ROLLOUT_INDEX, ENVIRONMENT_SERVER = F.TASK_INDEX, F.ROLLOUT_INDEX, F.ENVIRONMENT_SERVER
+RUN_ID, SHARD = F.RUN_ID, F.SHARD
+
+
+def print_warning(message: str) -> None:
+    """Warnings go to stderr as text (not Python warnings, which a test suite may turn into errors)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -29,140 +59,215 @@ class PlanContext:
 
 
 @dataclass
+class PlanSummary:
+    """What writing a plan produced."""
+
+    planned: int
+    sha256: str
+
+
 class Planner:
     """Turns input rows into planned rollouts, collecting problems instead of stopping at the first."""
 
-    config: ServersConfig
-    settings: CollectionSettings
-    context: PlanContext
-    source: str = "<rows>"
-    problems: list[Problem] = field(default_factory=list)
-    planned: int = 0
-    _task_by_line: dict[bytes, int] = field(default_factory=dict)
-    _next_rollout: dict[Any, int] = field(default_factory=dict)
+    def __init__(
+        self,
+        config: ServersConfig,
+        settings: CollectionSettings,
+        context: PlanContext,
+        source: str = "<rows>",
+        *,
+        on_warning: WarningSink | None = None,
+        expected_rows: int = 0,
+    ) -> None:
+        self.config = config
+        self.settings = settings
+        self.context = context
+        self._run_id, self._shard = context.run_id, context.shard
+        self.source = source
+        self.on_warning = on_warning or print_warning
+        self.planned = 0
+        self.log = ProblemLog(source)
+        self.router = Router(config, settings, bypass_pairing=pairing_bypassed(settings))
+        # Sized for the rows expected, so the tables do not rehash mid-run.
+        self._tasks = DigestTable(capacity=expected_rows)
+        self._counters = RolloutCounters(capacity=expected_rows)
+        self._explicit_ids = ExplicitRolloutIds()
+        self._select = TaskSelection(settings.task_ids) if settings.task_ids is not None else None
+        self._remaps: Counter[tuple[str, str]] = Counter()
+        self._stamped_tasks = 0
+        self._numbered_tasks = 0
+        self._finished = False
+
+    @property
+    def problems(self) -> list[Problem]:
+        return self.log.problems()
 
     def problem(self, message: str, line: int | None, field_: str | None = None) -> None:
-        self.problems.append(Problem(message, file=self.source, line=line, field=field_))
+        self.log.add(message, line, field_)
 
     def feed_line(self, line_no: int, raw: bytes) -> list[dict[str, Any]]:
-        """Plan one raw input line (1-based `line_no`); blank lines plan nothing."""
+        """Plan one raw input line (1-based `line_no`) into dicts; blank lines plan nothing."""
+        return [jsonl.loads(line) for _, _, line in self.plan_line(line_no, raw)]
+
+    def feed_row(
+        self, line_no: int, row: dict[str, Any], identity: bytes | None = None
+    ) -> list[dict[str, Any]]:
+        """Plan one parsed row into dicts; `identity` makes two rows the same task (the raw line)."""
+        return [jsonl.loads(line) for _, _, line in self.plan_row(line_no, row, identity)]
+
+    def plan_line(self, line_no: int, raw: bytes) -> list[Planned]:
         text = raw.strip()
+        if line_no == 1 and text.startswith(_BOM):
+            text = text[len(_BOM) :].strip()
         if not text:
             return []
         try:
             row = jsonl.loads(text)
         except jsonl.JSONDecodeError as exc:
-            self.problem(f"not valid JSON: {exc}", line_no)
+            self.log.add(f"not valid JSON: {exc}", line_no)
             return []
         if not isinstance(row, dict):
-            self.problem(f"a row must be a JSON object, got {type(row).__name__}", line_no)
+            self.log.add(f"a row must be a JSON object, got {_json_type(row)}", line_no)
             return []
-        return self.feed_row(line_no, row, identity=text)
+        return self.plan_row(line_no, row, identity=text)
 
-    def feed_row(
+    def plan_row(
         self, line_no: int, row: dict[str, Any], identity: bytes | None = None
-    ) -> list[dict[str, Any]]:
-        """Plan one parsed row; `identity` is what makes two rows the same task (the raw line)."""
-        ok = True
-        if F.RESPONSES_CREATE_PARAMS not in row:
-            self.problem("missing responses_create_params", line_no, F.RESPONSES_CREATE_PARAMS)
-            ok = False
-        agent = self.resolve_agent(row, line_no)
-        if agent is None:
-            ok = False
-        server = self.environment_for(agent, line_no) if agent is not None else None
-        if F.ROLLOUT_ID in row and not F.valid_rollout_id(row[F.ROLLOUT_ID]):
-            self.problem(
-                f"invalid rollout id {row[F.ROLLOUT_ID]!r}: letters, digits, '.', '_', '-', "
-                "starting with a letter or digit",
-                line_no,
-                F.ROLLOUT_ID,
-            )
-            ok = False
-        repeats = self.repeats_for(agent)
-        if not ok or agent is None or server is None:
+    ) -> list[Planned]:
+        """Plan one parsed row; it is read, never modified."""
+        get = row.get
+        stamped = get(TASK_INDEX)
+        if stamped is None:
+            self._numbered_tasks += 1
+            if identity is None:
+                identity = orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
+            task: int | None = self._tasks.setdefault(digest64(identity), self._tasks.count)
+        else:
+            task = self._stamped_task(stamped, line_no)
+        if task is not None and self._select is not None and not self._select.keep(row, task):
             return []
-        task = self.task_index(row, identity)
-        out = []
-        for _ in range(repeats):
-            copy_ = copy.deepcopy(row)
-            ref = row.get(F.AGENT_REF)
-            if not (isinstance(ref, dict) and ref.get("name") == agent):
-                copy_[F.AGENT_REF] = {"name": agent}
-            copy_[F.TASK_INDEX] = task
-            copy_[F.ROLLOUT_INDEX] = self._take_rollout_index(task)
-            copy_[F.ENVIRONMENT_SERVER] = server
-            copy_[F.RUN_ID] = self.context.run_id
-            copy_[F.SHARD] = self.context.shard
-            out.append(copy_)
+        ref = get(AGENT_REF)
+        source = get(TASK_SOURCE)
+        named = ref.get("name") if type(ref) is dict else None
+        well_formed = (
+            type(get(RESPONSES_CREATE_PARAMS)) is dict
+            and (ref is None or (type(named) is str and named != ""))
+            and (source is None or type(source) is str)
+        )
+        if not well_formed:
+            self._shape_problems(row, line_no)
+            if type(source) is not str:
+                source = None
+            if type(named) is not str or not named:
+                named = None
+        stamp = get(ENVIRONMENT_SERVER)
+        route = self.router.route(named, source, stamp if type(stamp) is str else None)
+        log = self.log
+        for message, field_ in route.problems:
+            log.add(message, line_no, field_)
+        explicit = get(ROLLOUT_ID)
+        if explicit is not None:
+            well_formed = (
+                self._explicit_ids.check(explicit, line_no, route.copies, self._id_problem)
+                and well_formed
+            )
+        if not well_formed or task is None or log.failed or not route.targets:
+            return []  # once planning has failed, rows are only checked, never materialized
+        if route.remapped is not None:
+            self._remaps[route.remapped] += 1
+        if explicit is not None:
+            self._explicit_ids.planned(explicit, line_no, task, self._counters.count(task))
+        out: list[Planned] = []
+        copy = dict(row)
+        take = self._counters.take
+        for target in route.targets:
+            agent = target.agent
+            copy[AGENT_REF] = ref if named == agent else {"name": agent}
+            for _ in range(target.repeats):
+                rollout = take(task)
+                copy[TASK_INDEX] = task
+                copy[ROLLOUT_INDEX] = rollout
+                copy[ENVIRONMENT_SERVER] = target.environment
+                copy[RUN_ID] = self._run_id
+                copy[SHARD] = self._shard
+                out.append((rollout, agent, orjson.dumps(copy, option=orjson.OPT_APPEND_NEWLINE)))
         self.planned += len(out)
         return out
 
-    def resolve_agent(self, row: dict[str, Any], line_no: int) -> str | None:
-        amap = self.settings.agent_map
-        named = F.agent_name(row)
-        default = amap.get("_default", self.settings.agent_name)
-        candidate = amap.get(named) if named is not None else None
-        if candidate is None:
-            source = row.get(F.TASK_SOURCE)
-            candidate = amap.get(source) if isinstance(source, str) else None
-        candidate = candidate or default or named
-        if candidate is None:
-            self.problem(
-                "no agent: the row has no agent_ref and no --agent was given", line_no, F.AGENT_REF
+    def _shape_problems(self, row: dict[str, Any], line_no: int) -> None:
+        log = self.log
+        if RESPONSES_CREATE_PARAMS not in row:
+            log.add("missing responses_create_params", line_no, RESPONSES_CREATE_PARAMS)
+        elif not isinstance(row[RESPONSES_CREATE_PARAMS], dict):
+            log.add(
+                "responses_create_params must be a JSON object", line_no, RESPONSES_CREATE_PARAMS
             )
-            return None
-        if candidate not in self.config.agents:
-            known = ", ".join(sorted(self.config.agents)) or "none"
-            self.problem(
-                f"agent {candidate!r} is not in the config (agents: {known})", line_no, F.AGENT_REF
+        ref = row.get(AGENT_REF)
+        name = ref.get("name") if isinstance(ref, dict) else None
+        if ref is not None and not (isinstance(name, str) and name):
+            log.add("agent_ref must be an object with a non-empty string name", line_no, AGENT_REF)
+        source = row.get(TASK_SOURCE)
+        if source is not None and not isinstance(source, str):
+            log.add("task_source must be a string", line_no, TASK_SOURCE)
+
+    def _stamped_task(self, stamped: Any, line_no: int) -> int | None:
+        """A caller-stamped `_ng_task_index`, kept when it is a non-negative integer."""
+        if type(stamped) is int and stamped >= 0:
+            self._stamped_tasks += 1
+            return stamped
+        self.log.add(
+            f"_ng_task_index must be a non-negative integer, got {stamped!r}", line_no, TASK_INDEX
+        )
+        return None
+
+    def finish(self) -> None:
+        """Checks that need every row, then warnings; runs once."""
+        if self._finished:
+            return
+        self._finished = True
+        self._explicit_ids.finish(self._counters.count, self._id_problem)
+        self._warn()
+
+    def _id_problem(self, message: str, line_no: int) -> None:
+        self.log.add(message, line_no, ROLLOUT_ID)
+
+    def _warn(self) -> None:
+        repeats = self.settings.num_repeats
+        if isinstance(repeats, dict):
+            unused = sorted(set(repeats) - self.router.used_repeat_keys - {"_default"})
+            if unused:
+                self.on_warning(
+                    "num_repeats names keys that no row used (possible typo?): " + ", ".join(unused)
+                )
+        if self._remaps:
+            pairs = ", ".join(
+                f"{a} -> {b} ({n} rows)" for (a, b), n in sorted(self._remaps.items())
             )
-            return None
-        return candidate
-
-    def environment_for(self, agent: str, line_no: int) -> str | None:
-        servers = self.config.environments_of(agent)
-        if len(servers) > 1:
-            self.problem(
-                f"agent {agent!r} is fronted by several environment servers: {servers}", line_no
+            self.on_warning(
+                f"agent_map overrode the agent_ref of rows that named an agent: {pairs}"
             )
-            return None
-        if not servers:
-            return agent
-        if servers[0] not in self.config.environments:
-            self.problem(
-                f"agent {agent!r} names environment {servers[0]!r}, which is not in the config",
-                line_no,
+        if self._select is not None and self._select.missing():
+            missing = self._select.missing()
+            shown = ", ".join(missing[:20]) + (
+                f" and {len(missing) - 20} more" if len(missing) > 20 else ""
             )
-            return None
-        return servers[0]
-
-    def repeats_for(self, agent: str | None) -> int:
-        n = self.settings.num_repeats
-        if isinstance(n, int):
-            return n
-        if agent is not None and agent in n:
-            return n[agent]
-        return n.get("_default", 1)
-
-    def task_index(self, row: dict[str, Any], identity: bytes | None) -> int:
-        if isinstance(row.get(F.TASK_INDEX), int):
-            return int(row[F.TASK_INDEX])
-        blob = identity if identity is not None else jsonl.dumps_line(row)
-        digest = hashlib.blake2b(blob, digest_size=16).digest()
-        found = self._task_by_line.get(digest)
-        if found is None:
-            found = self._task_by_line[digest] = len(self._task_by_line)
-        return found
-
-    def _take_rollout_index(self, task: int) -> int:
-        n = self._next_rollout.get(task, 0)
-        self._next_rollout[task] = n + 1
-        return n
+            self.on_warning(f"task_ids matched no row: {shown}")
+        if self._stamped_tasks and self._numbered_tasks:
+            self.on_warning(
+                f"{self._stamped_tasks} rows carry _ng_task_index and {self._numbered_tasks} do "
+                "not; numbers given to the latter may coincide with the former's"
+            )
 
     def raise_problems(self) -> None:
-        if self.problems:
-            raise PlanningError(self.problems, header=f"cannot plan {self.source}")
+        self.finish()
+        if self.log:
+            raise self.log.error()
+
+
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
 
 
 def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
@@ -171,38 +276,130 @@ def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
         yield from enumerate(f, start=1)
 
 
+def estimate_lines(path: str, sample_bytes: int = 1 << 20, cap: int = 100_000_000) -> int:
+    """Lines in a local file, estimated from the first `sample_bytes` (for sizing the tables)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        sample = f.read(sample_bytes)
+    if not sample:
+        return 0
+    return min(cap, int(size * max(1, sample.count(b"\n")) / len(sample)) + 1)
+
+
+def plan_lines(planner: Planner, lines: Iterable[tuple[int, bytes]]) -> Iterator[bytes]:
+    """The planned lines of `lines` in run order; raises PlanningError once every line was read."""
+    limit = planner.settings.limit or None
+
+    def planned() -> Iterator[Planned]:
+        for line_no, raw in lines:
+            if limit is not None and line_no > limit:
+                break
+            yield from planner.plan_line(line_no, raw)
+
+    yield from in_run_order(
+        planned(),
+        interleave_repeats=planner.settings.interleave_repeats,
+        interleave_by_agent=planner.settings.interleave_by_agent,
+        on_complete=planner.raise_problems,
+    )
+
+
 def plan_file(
-    path: str, config: ServersConfig, settings: CollectionSettings, context: PlanContext
+    path: str,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    context: PlanContext,
+    *,
+    on_warning: WarningSink | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Stream the planned rows of an input file; raises PlanningError at the end if any line was bad."""
-    planner = Planner(config, settings, context, source=path)
-    limit = settings.limit or None
-    for line_no, raw in iter_lines(path):
-        if limit is not None and line_no > limit:
-            break
-        yield from planner.feed_line(line_no, raw)
-    planner.raise_problems()
+    planner = Planner(config, settings, context, source=path, on_warning=on_warning)
+    for line in plan_lines(planner, iter_lines(path)):
+        yield jsonl.loads(line)
+
+
+def write_plan(
+    path: str,
+    out_path: str,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    context: PlanContext,
+    *,
+    on_warning: WarningSink | None = None,
+) -> PlanSummary:
+    """Plan `path` into the local file `out_path` (the materialized inputs); raises PlanningError."""
+    expected = estimate_lines(path)
+    if settings.limit:
+        expected = min(expected, settings.limit)
+    planner = Planner(
+        config, settings, context, source=path, on_warning=on_warning, expected_rows=expected
+    )
+    digest = hashlib.sha256()
+    count = 0
+    with open(out_path, "wb") as out:
+        for line in plan_lines(planner, iter_lines(path)):
+            digest.update(line)
+            out.write(line)
+            count += 1
+    return PlanSummary(count, digest.hexdigest())
 
 
 def preprocess_examples(
     rows: Iterable[dict[str, Any]],
-    config: ServersConfig,
+    config: ServersConfig | Mapping[str, Any],
     settings: CollectionSettings | None = None,
     run_id: str = "direct",
     shard: str = "0",
+    *,
+    task_ids: Iterable[str | int] | None = None,
+    on_warning: WarningSink | None = None,
 ) -> list[dict[str, Any]]:
-    """The expanded, stamped copies of `rows` (SPEC §10); the input rows are not mutated."""
-    planner = Planner(config, settings or CollectionSettings(), PlanContext(run_id, shard))
-    out: list[dict[str, Any]] = []
-    for n, row in enumerate(rows, start=1):
-        out.extend(planner.feed_row(n, row, identity=jsonl.dumps_line(_sorted(row))))
-    planner.raise_problems()
-    return out
+    """The expanded, stamped copies of `rows` (SPEC §10); the input rows are not mutated.
+
+    `config` is a `ServersConfig` or a mapping in either accepted format (SPEC §2); `task_ids`
+    keeps only those tasks, each once, before repetition. Raises PlanningError with every
+    problem, rows numbered from 1.
+    """
+    if not isinstance(config, ServersConfig):
+        from producer.config_loading import parse_servers_config
+
+        config = parse_servers_config(dict(config), "<config>")
+    settings = settings or CollectionSettings()
+    if task_ids is not None:
+        settings = settings.model_copy(update={"task_ids": list(task_ids)})
+    planner = Planner(config, settings, PlanContext(run_id, shard), on_warning=on_warning)
+    limit = settings.limit or None
+
+    def planned() -> Iterator[Planned]:
+        for n, row in enumerate(rows, start=1):
+            if limit is not None and n > limit:
+                break
+            if not isinstance(row, dict):
+                planner.log.add(f"a row must be a mapping, got {type(row).__name__}", n)
+                continue
+            try:
+                identity = orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
+            except (orjson.JSONEncodeError, TypeError) as exc:
+                planner.log.add(f"the row is not JSON-serializable: {exc}", n)
+                continue
+            yield from planner.plan_row(n, row, identity)
+
+    ordered = in_run_order(
+        planned(),
+        interleave_repeats=settings.interleave_repeats,
+        interleave_by_agent=settings.interleave_by_agent,
+        on_complete=planner.raise_problems,
+    )
+    return [jsonl.loads(line) for line in ordered]
 
 
-def _sorted(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _sorted(value[k]) for k in sorted(value)}
-    if isinstance(value, list):
-        return [_sorted(v) for v in value]
-    return value
+__all__ = [
+    "PlanContext",
+    "PlanSummary",
+    "Planner",
+    "PlanningError",
+    "plan_file",
+    "plan_lines",
+    "preprocess_examples",
+    "write_plan",
+]

@@ -21,12 +21,11 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from infra import keys
-from infra.locks import held
 from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
 from producer.celery_client import client_app
-from producer.config_loading import load_servers_config
+from producer.config_loading import load_run_config
 from producer.dispatch import OpenedRun, iter_materialized, new_token
 from producer.live import redact_url
 from producer.local_cluster import LocalCluster
@@ -39,7 +38,7 @@ from schemas.messages import RunRef
 from schemas.records import Generation, Manifest, utc_now
 from schemas.settings import DEFAULT_MAX_ATTEMPTS, CollectionSettings
 from workers.accounting import iter_rows
-from workers.landing import ShardState
+from workers.landing import open_shard
 
 MAX_ATTEMPTS_ENV = "NEMO_GYM_MAX_ROLLOUT_ATTEMPTS"
 # Settings that shape the planned rollouts: fixed once the materialized inputs exist.
@@ -60,6 +59,7 @@ class ResumeOptions:
     shard: str = "0"
     max_attempts: int | None = None
     config_path: str | None = None
+    head_server: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
     workers: int = 2
     concurrency: int = 256
@@ -154,9 +154,8 @@ def verify_materialized(rd: RunDir, manifest: Manifest) -> None:
     if not rd.exists(files.materialized):
         raise UsageError(f"{rd.path(files.materialized)}: missing; this shard cannot be resumed")
     digest = hashlib.sha256()
-    with rd.fs.open(rd.path(files.materialized), "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    for _, block in rd.iter_bytes(files.materialized):
+        digest.update(block)
     if digest.hexdigest() != manifest.materialized_sha256:
         raise UsageError(
             f"{rd.path(files.materialized)}: its SHA-256 differs from the one in "
@@ -231,25 +230,25 @@ def open_resume(
     r = client(redis_url)
     sid = keys.shard_id(rd.url, shard)
     token = new_token()
-    with held(r, keys.shard_lock(sid)):
-        manifest = read_manifest(rd, shard)
-        manifest.generations.append(
-            Generation(
-                token=token,
-                kind="resume",
-                started_at=utc_now(),
-                enqueued=enqueued,
-                redis_url=redact_url(redis_url),
-                overrides=overrides,
-            )
+    manifest = read_manifest(rd, shard)
+    manifest.generations.append(
+        Generation(
+            token=token,
+            kind="resume",
+            started_at=utc_now(),
+            enqueued=enqueued,
+            redis_url=redact_url(redis_url),
+            overrides=overrides,
         )
-        manifest.state = "running"
-        manifest.error = None
-        manifest.settings = settings.model_dump(mode="json")
-        write_manifest(rd, manifest)
-        # Rebuilt from storage with the new token as opener: earlier tasks are fenced out from here.
-        ShardState(r, rd, shard).rebuild()
-        r.delete(keys.shard_run_failed(sid), keys.shard_cancel(sid), keys.shard_waiting(sid))
+    )
+    manifest.state = "running"
+    manifest.error = None
+    manifest.settings = settings.model_dump(mode="json")
+    write_manifest(rd, manifest)
+    # The shard's Redis state rebuilt from storage under its lock, with the new token as opener:
+    # the earlier generation's tasks are fenced out from here.
+    open_shard(r, rd, shard)
+    r.delete(keys.shard_run_failed(sid), keys.shard_cancel(sid), keys.shard_waiting(sid))
     return OpenedRun(
         rd, manifest, RunRef(run_id=manifest.run_id, output_dir=rd.url, shard=shard, token=token)
     )
@@ -282,8 +281,8 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
         settings = settings.model_copy(update={"max_attempts": max_attempts})
         changed["max_attempts"] = max_attempts
     config = (
-        load_servers_config(opts.config_path)
-        if opts.config_path
+        load_run_config(opts.config_path, opts.head_server)
+        if opts.config_path or opts.head_server
         else ServersConfig.model_validate(manifest.config)
     )
     plan, outcomes = plan_resume(rd, opts.shard, max_attempts)

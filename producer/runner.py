@@ -6,19 +6,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
 from rich.console import Console
 
 from infra.redis_client import client
 from infra.runs import write_manifest
 from producer.celery_client import client_app
-from producer.config_loading import load_servers_config
+from producer.config_loading import load_run_config
 from producer.dispatch import OpenedRun, iter_materialized, open_run, reset_shard_state
 from producer.live import redact_url
 from producer.local_cluster import LocalCluster
+from producer.overrides import validate_settings
 from producer.report import print_counts, print_metrics
 from producer.supervise import dispatch_generation, raise_for_outcome
-from schemas.errors import PlanningError, Problem
+from schemas.config import ServersConfig
 from schemas.settings import CollectionSettings
 
 DEFAULT_WORKERS = 2
@@ -29,7 +29,7 @@ DEFAULT_CONCURRENCY = 256
 class RunOptions:
     """Everything `rollouts run` was asked to do."""
 
-    config_path: str
+    config_path: str | None
     input_path: str
     output_dir: str
     shard: str = "0"
@@ -40,23 +40,26 @@ class RunOptions:
     broker_url: str | None = None
     redis_url: str | None = None
     wait: bool = True
+    head_server: str | None = None
+    """A running NeMo Gym head server to read the servers config from, instead of config_path."""
     events: bool = False
+    """Local workers send task events (for Flower)."""
 
 
 def build_settings(values: dict[str, Any]) -> CollectionSettings:
-    try:
-        return CollectionSettings.model_validate(values)
-    except ValidationError as exc:
-        problems = [
-            Problem(err["msg"], field=".".join(str(p) for p in err["loc"])) for err in exc.errors()
-        ]
-        raise PlanningError(problems, header="invalid collection settings") from None
+    return validate_settings(values)
 
 
 def dispatch_and_wait(
-    opened: OpenedRun, opts: RunOptions, broker_url: str, redis_url: str, console: Console
+    opened: OpenedRun,
+    opts: RunOptions,
+    broker_url: str,
+    redis_url: str,
+    console: Console,
+    config: ServersConfig | None = None,
 ) -> dict[str, Any] | None:
-    config = load_servers_config(opts.config_path)
+    if config is None:
+        config = load_run_config(opts.config_path, opts.head_server)
     settings = CollectionSettings.model_validate(opened.manifest.settings)
     app = client_app(broker_url, redis_url)
     reset_shard_state(client(redis_url), opened)
@@ -73,7 +76,7 @@ def dispatch_and_wait(
 def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     """Run to the end and return the exit code; raises UsageError for bad input (exit 2)."""
     console = console or Console()
-    config = load_servers_config(opts.config_path)
+    config = load_run_config(opts.config_path, opts.head_server)
     settings = build_settings(opts.settings)
     opened = open_run(
         input_path=opts.input_path,
@@ -86,11 +89,11 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     broker = opts.broker_url or os.environ.get("ROLLOUTS_BROKER_URL")
     if broker:
         redis_url = opts.redis_url or os.environ.get("ROLLOUTS_REDIS_URL") or broker
-        result = dispatch_and_wait(opened, opts, broker, redis_url, console)
+        result = dispatch_and_wait(opened, opts, broker, redis_url, console, config)
     else:
         console.print(f"starting an embedded Redis and {opts.workers} local worker processes")
         with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:
-            result = dispatch_and_wait(opened, opts, cluster.url, cluster.url, console)
+            result = dispatch_and_wait(opened, opts, cluster.url, cluster.url, console, config)
     console.print(f"run directory: {opened.rd.url}")
     if result is None:
         return 0

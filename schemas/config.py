@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _SECRET_KEY = re.compile(r"api_key|apikey|token|secret|password", re.IGNORECASE)
+# `scheme://user:password@host`: the password part of a URL's userinfo.
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*:)[^/@\s]*(?P<at>@)")
 REDACTED = "***"
 
 
@@ -56,6 +58,8 @@ class EnvironmentConfig(BaseModel):
     """Harness types this environment admits; None admits any."""
     datasets: list[DatasetEntry] = Field(default_factory=list)
     """Datasets whose rows say `task_source: <this environment>`."""
+    agents: list[str] = Field(default_factory=list)
+    """Agents this environment fronts besides those naming it as their `environment`."""
 
 
 class ResourcesServerConfig(BaseModel):
@@ -83,15 +87,47 @@ class ServersConfig(BaseModel):
     resources_servers: dict[str, ResourcesServerConfig] = Field(default_factory=dict)
     """Resources server instances by name."""
 
+    @model_validator(mode="after")
+    def _unique_instance_names(self) -> ServersConfig:
+        # Rows name instances (agent_ref, task_source) without saying which kind they are.
+        clashes = sorted(
+            (set(self.agents) & set(self.environments))
+            | (set(self.agents) & set(self.resources_servers))
+            | (set(self.environments) & set(self.resources_servers))
+        )
+        if clashes:
+            raise ValueError(
+                f"instance names must be unique across agents, environments and "
+                f"resources_servers; used more than once: {', '.join(clashes)}"
+            )
+        return self
+
+    def kind_of(self, name: str) -> str | None:
+        """`agent`, `environment`, `resources server`, or None for a name the config lacks."""
+        if name in self.agents:
+            return "agent"
+        if name in self.environments:
+            return "environment"
+        if name in self.resources_servers:
+            return "resources server"
+        return None
+
+    def instance_names(self) -> list[str]:
+        return [*self.agents, *self.environments, *self.resources_servers]
+
     def environments_of(self, agent: str) -> list[str]:
-        """The environment servers that front `agent`: its own `environment`, else those naming it in datasets."""
+        """The environment servers that front `agent`.
+
+        Its own `environment` when set; else every environment listing it in `agents` or pinning
+        it in a dataset entry.
+        """
         cfg = self.agents[agent]
         if cfg.environment is not None:
             return [cfg.environment]
         return sorted(
             name
             for name, env in self.environments.items()
-            if any(d.agent == agent for d in env.datasets)
+            if agent in env.agents or any(d.agent == agent for d in env.datasets)
         )
 
     def aggregation_url(self, server: str) -> str:
@@ -110,7 +146,7 @@ class ServersConfig(BaseModel):
 
 
 def redact(value: Any) -> Any:
-    """A copy of `value` with the values of secret-looking keys replaced by `***`."""
+    """A copy of `value` with secret-looking keys' values and URL passwords replaced by `***`."""
     if isinstance(value, dict):
         return {
             k: (REDACTED if isinstance(k, str) and _SECRET_KEY.search(k) else redact(v))
@@ -118,4 +154,11 @@ def redact(value: Any) -> Any:
         }
     if isinstance(value, list):
         return [redact(v) for v in value]
+    if isinstance(value, str) and "@" in value:
+        return redact_url(value)
     return value
+
+
+def redact_url(url: str) -> str:
+    """`url` with the password of its userinfo (`scheme://user:password@host`) replaced by `***`."""
+    return _URL_PASSWORD.sub(lambda m: f"{m['head']}{REDACTED}{m['at']}", url)

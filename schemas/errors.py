@@ -35,15 +35,42 @@ class Problem:
     file: str | None = None
     line: int | None = None
     field: str | None = None
+    lines: tuple[int, ...] = ()
+    """Every 1-based line the problem applies to, ascending, when it applies to several."""
 
     def render(self) -> str:
         where = []
         if self.file is not None:
-            where.append(self.file if self.line is None else f"{self.file}:{self.line}")
+            if self.lines:
+                where.append(f"{self.file}:{render_lines(self.lines)}")
+            else:
+                where.append(self.file if self.line is None else f"{self.file}:{self.line}")
         if self.field is not None:
             where.append(f"field {self.field!r}")
         prefix = ", ".join(where)
         return f"{prefix}: {self.message}" if prefix else self.message
+
+
+MAX_RENDERED_RANGES = 200
+
+
+def render_lines(lines: tuple[int, ...]) -> str:
+    """Ascending line numbers as `3,5,7-12`, with runs of three or more collapsed into a range."""
+    parts: list[str] = []
+    i = 0
+    while i < len(lines) and len(parts) < MAX_RENDERED_RANGES:
+        j = i
+        while j + 1 < len(lines) and lines[j + 1] == lines[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{lines[i]}-{lines[j]}")
+        else:
+            parts.extend(str(n) for n in lines[i : j + 1])
+        i = j + 1
+    text = ",".join(parts)
+    if i < len(lines):
+        text += f" (and {len(lines) - i} more lines)"
+    return text
 
 
 class PlanningError(UsageError):
@@ -51,6 +78,7 @@ class PlanningError(UsageError):
 
     def __init__(self, problems: list[Problem], header: str = "planning failed") -> None:
         self.problems = problems
+        self.header = header
         lines = [f"{header} ({len(problems)} problem{'s' if len(problems) != 1 else ''}):"]
         lines += [f"  - {p.render()}" for p in problems]
         super().__init__("\n".join(lines))

@@ -91,6 +91,33 @@ class CollectionSettings(BaseModel):
             raise ValueError(f"num_repeats dict values must be >= 1, got {value}")
         return value
 
+    @field_validator("fan_out")
+    @classmethod
+    def _fan_out_lists(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for key, agents in value.items():
+            if not agents:
+                raise ValueError(
+                    f"fan_out[{key!r}] is an empty list, which would drop every matching row; "
+                    "remove the key or list at least one agent"
+                )
+            repeated = sorted({a for a in agents if agents.count(a) > 1})
+            if repeated:
+                raise ValueError(
+                    f"fan_out[{key!r}] lists the same agent more than once: {repeated}; "
+                    "each listed agent already runs every matching row, use num_repeats to repeat"
+                )
+        return value
+
+    @field_validator("task_ids", mode="before")
+    @classmethod
+    def _task_ids_list(cls, value: Any) -> Any:
+        # `+task_ids=7` and `+task_ids=a,b` arrive as a scalar and a comma-separated string.
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, int) and not isinstance(value, bool):
+            return [value]
+        return value
+
     @model_validator(mode="after")
     def _agent_name_is_default(self) -> CollectionSettings:
         default = self.agent_map.get("_default")

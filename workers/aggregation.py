@@ -50,6 +50,8 @@ def server_of(row: dict[str, Any], config: ServersConfig) -> str | None:
     if agent is None or agent not in config.agents:
         return None
     servers = config.environments_of(agent)
+    if not servers:
+        return agent  # an agent without an environment server is aggregated at its own URL
     return servers[0] if len(servers) == 1 else None
 
 

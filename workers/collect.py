@@ -164,8 +164,9 @@ def _collect(req: CollectRequest, redis_url: str) -> dict[str, Any]:
         return _summary(row, "duplicate")
     if ticket.verdict == "fenced":
         log.warning(
-            "rollout %s skipped: shard %s of %s was reopened by a later dispatch",
-            F.rollout_id(row), req.run.shard, req.run.output_dir,
+            "rollout %s not started: shard %s of %s was opened by another writer (%s) since "
+            "this task's writer (%s)",
+            F.rollout_id(row), req.run.shard, req.run.output_dir, ticket.detail, req.run.token,
         )  # fmt: skip
         return _summary(row, "fenced")
     if ticket.verdict in ("drained", "failed", "cancelled"):

@@ -16,6 +16,7 @@ from schemas.messages import RunRef
 from schemas.settings import CollectionSettings
 from workers.accounting import count_shard, iter_rows
 from workers.aggregation import aggregate, group_rows
+from workers.landing import compact_shard
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> dict[str, Any]
         return {"state": "superseded"}
     config = ServersConfig.model_validate(manifest.config)
     settings = CollectionSettings.model_validate(manifest.settings)
+    # Every appended file becomes one object before anything reads it for the reports: after a
+    # run finishes, any JSONL reader reads it.
+    compact_shard(client(redis_url), rd, run.shard)
     r = client(redis_url)
     failed_raw, cancel_raw = r.mget(keys.shard_run_failed(sid), keys.shard_cancel(sid))
     run_error = failed_raw.decode() if isinstance(failed_raw, bytes) else None

@@ -3,6 +3,8 @@
 Each worker process has one lander thread. Rollout tasks hand it their records and wait; the
 thread gathers whatever is queued, and per shard takes the lock once, appends the batch, and
 commits the landed keys to Redis before any waiting task is released (and then acknowledged).
+"Appends" are in place on a local folder (O_APPEND + fsync) and one write-once segment object per
+batch elsewhere (`infra/segments.py`); the finish step compacts the segments (`compact_shard`).
 
 Exactly once: a result whose (task, rollout) key is already in the shard's landed set is not
 written again, however often its task is delivered. The landed set, the committed file sizes and
@@ -19,26 +21,38 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import redis
 
 from infra import jsonl, keys
 from infra.locks import held
 from infra.redis_client import client
-from infra.runs import read_manifest, write_status
-from infra.store import RunDir, ShardFiles
-from schemas import fields as F
+from infra.runs import write_status
+from infra.store import RunDir, WriteConflictError
 from schemas.errors import ShardFencedError, StorageError
 from schemas.messages import RunRef
 from schemas.records import ShardStatus
+from workers.shard_state import ShardState, failure_counter, key_str
+
+__all__ = [
+    "LandReport",
+    "Lander",
+    "ShardState",
+    "compact_shard",
+    "key_str",
+    "lander",
+    "open_shard",
+    "shard_status",
+]
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 1024
 STATUS_EVERY_S = 2.0
+# Conflicts in a row before a batch gives up (each one means another writer's bytes were adopted).
+MAX_CONFLICTS = 8
 
 
 @dataclass
@@ -58,114 +72,6 @@ class _Pending:
     future: concurrent.futures.Future[LandReport] = field(default_factory=concurrent.futures.Future)
 
 
-def key_str(row: dict[str, Any]) -> str:
-    task, rollout = F.rollout_key(row)
-    return f"{task}:{rollout}"
-
-
-def _failure_counter(row: dict[str, Any]) -> str:
-    return f"failed:{row.get(F.FAILURE_CLASS) or 'unknown'}"
-
-
-class ShardState:
-    """Opening, rebuilding and repairing a shard's Redis state; callers hold the shard lock."""
-
-    def __init__(self, r: redis.Redis, rd: RunDir, shard: str) -> None:
-        self.r = r
-        self.rd = rd
-        self.files = ShardFiles(shard)
-        self.sid = keys.shard_id(rd.url, shard)
-
-    def _read(self) -> dict[str, str]:
-        raw: dict[bytes, bytes] = self.r.hgetall(keys.shard_state(self.sid))  # type: ignore[assignment]
-        return {k.decode(): v.decode() for k, v in raw.items()}
-
-    def load(self) -> dict[str, str]:
-        """The shard's state, rebuilt from storage if Redis lost it, with any uncommitted tail adopted."""
-        state = self._read()
-        if state.get("built") != "1":
-            return self.rebuild()
-        adopted = False
-        for name, field_ in (
-            (self.files.results, "results_size"),
-            (self.files.failures, "failures_size"),
-        ):
-            actual, committed = self.rd.size(name), int(state.get(field_, "0"))
-            if actual < committed:
-                log.warning("%s shrank below its committed size; rebuilding", self.rd.path(name))
-                return self.rebuild()
-            if actual > committed:
-                self._adopt_tail(name, field_, committed)
-                adopted = True
-        return self._read() if adopted else state
-
-    def _scan(self, name: str, start: int) -> tuple[list[dict[str, Any]], int]:
-        """Parse the complete lines from `start`; cut a torn last line. Returns rows and the new end."""
-        rows: list[dict[str, Any]] = []
-        end = start
-        for offset, line in self.rd.iter_lines(name, start):
-            end = offset + len(line) + 1
-            if not line.strip():
-                continue
-            try:
-                value = jsonl.loads(line)
-            except jsonl.JSONDecodeError:
-                log.warning("%s: unreadable line at byte %d kept as is", self.rd.path(name), offset)
-                continue
-            if isinstance(value, dict):
-                rows.append(value)
-        if self.rd.size(name) > end:
-            log.warning("%s: cutting a torn last line at byte %d", self.rd.path(name), end)
-            self.rd.truncate(name, end)
-        return rows, end
-
-    def _adopt_tail(self, name: str, field_: str, committed: int) -> None:
-        rows, end = self._scan(name, committed)
-        pipe = self.r.pipeline(transaction=True)
-        if name == self.files.results:
-            ks = [key_str(row) for row in rows if F.TASK_INDEX in row and F.ROLLOUT_INDEX in row]
-            if ks:
-                pipe.sadd(keys.shard_landed(self.sid), *ks)
-                pipe.hincrby(keys.shard_counts(self.sid), "landed", len(set(ks)))
-        else:
-            for row in rows:
-                pipe.hincrby(keys.shard_counts(self.sid), _failure_counter(row), 1)
-        pipe.hset(keys.shard_state(self.sid), field_, end)
-        pipe.execute()
-
-    def rebuild(self) -> dict[str, str]:
-        """Reload everything from storage: the opener token from the manifest, keys from the files."""
-        manifest = read_manifest(self.rd, self.files.shard)
-        results, results_end = self._scan(self.files.results, 0)
-        failures, failures_end = self._scan(self.files.failures, 0)
-        landed = {key_str(row) for row in results if F.TASK_INDEX in row and F.ROLLOUT_INDEX in row}
-        counts: dict[str, int] = defaultdict(int)
-        counts["landed"] = len(landed)
-        for row in failures:
-            counts[_failure_counter(row)] += 1
-        state: dict[str, str] = {
-            "opener": manifest.token,
-            "run_id": manifest.run_id,
-            "shard": manifest.shard,
-            "planned": str(manifest.planned),
-            "results_size": str(results_end),
-            "failures_size": str(failures_end),
-            "built": "1",
-        }
-        pipe = self.r.pipeline(transaction=True)
-        pipe.delete(
-            keys.shard_landed(self.sid), keys.shard_counts(self.sid), keys.shard_state(self.sid)
-        )
-        members = sorted(landed)
-        for i in range(0, len(members), 10000):
-            pipe.sadd(keys.shard_landed(self.sid), *members[i : i + 10000])
-        pipe.hset(keys.shard_counts(self.sid), mapping=cast("Mapping[Any, Any]", counts))
-        pipe.hset(keys.shard_state(self.sid), mapping=cast("Mapping[Any, Any]", state))
-        pipe.execute()
-        log.info("rebuilt Redis state of %s shard %s from storage", self.rd.url, self.files.shard)
-        return state
-
-
 class Lander:
     """The per-process group-commit writer."""
 
@@ -175,13 +81,18 @@ class Lander:
         self._queue: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
         self._dirs: dict[str, RunDir] = {}
         self._status_written: dict[str, float] = {}
+        self._carry: list[_Pending] = []
         self._thread = threading.Thread(target=self._loop, name="rollouts-lander", daemon=True)
         self._thread.start()
 
     def land(
         self, run: RunRef, result: dict[str, Any] | None, failures: list[dict[str, Any]]
     ) -> LandReport:
-        """Make the records durable (or refuse them) and return what happened; blocks until then."""
+        """Make the records durable (or refuse them) and return what happened; blocks until then.
+
+        Raises `ShardFencedError` when the shard was opened by a newer writer than `run.token`:
+        nothing of this task was written.
+        """
         pending = _Pending(run, result, failures)
         self._queue.put(pending)
         return pending.future.result()
@@ -192,14 +103,21 @@ class Lander:
             rd = self._dirs[url] = RunDir(url)
         return rd
 
+    def _drain(self, batch: list[_Pending]) -> list[_Pending]:
+        while len(batch) < MAX_BATCH:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
     def _loop(self) -> None:
+        # No waiting for more before writing: records that arrive while a batch is written (or
+        # while the lock is awaited, see `_commit`) form the next batch. Measured in
+        # bench/storage.py; a lone writer is not delayed.
         while True:
-            batch = [self._queue.get()]
-            while len(batch) < MAX_BATCH:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            carried, self._carry = self._carry, []
+            batch = self._drain(carried or [self._queue.get()])
             groups: dict[tuple[str, str], list[_Pending]] = defaultdict(list)
             for p in batch:
                 groups[(p.run.output_dir, p.run.shard)].append(p)
@@ -214,6 +132,12 @@ class Lander:
     def _commit(self, rd: RunDir, shard: str, group: list[_Pending]) -> None:
         st = ShardState(self.r, rd, shard)
         with held(self.r, keys.shard_lock(st.sid)):
+            # Records that arrived while the lock was awaited (other processes writing) join
+            # this batch: the busier the shard, the larger each write.
+            key = (group[0].run.output_dir, shard)
+            for p in self._drain([]):
+                same = (p.run.output_dir, p.run.shard) == key
+                (group if same else self._carry).append(p)
             state = st.load()
             opener = state.get("opener")
             accepted = []
@@ -229,49 +153,100 @@ class Lander:
                     accepted.append(p)
             if not accepted:
                 return
-            with_result = [p for p in accepted if p.result is not None]
-            ks = [key_str(p.result) for p in with_result if p.result is not None]
-            present = self.r.smismember(keys.shard_landed(st.sid), ks) if ks else []
             reports = {id(p): LandReport() for p in accepted}
+            self._land_results(st, state, accepted, reports)
+            self._land_failures(st, state, accepted, reports)
+        for p in accepted:
+            p.future.set_result(reports[id(p)])
+        self._maybe_write_status(st, state)
+
+    def _append(self, st: ShardState, state: dict[str, str], name: str, data: bytes) -> bool:
+        """Append at the committed size; on a conflict adopt what is there and return False."""
+        field_ = st.size_field(name)
+        offset = int(state.get(field_, "0"))
+        try:
+            st.rd.append_at(name, data, offset)
+        except WriteConflictError as exc:
+            log.warning("%s; adopting it", exc)
+            end = st.adopt(name, offset)
+            if end == offset:
+                state.update(st.rebuild())
+            else:
+                state.update(st.read())
+            return False
+        state[field_] = str(offset + len(data))
+        return True
+
+    def _land_results(
+        self,
+        st: ShardState,
+        state: dict[str, str],
+        accepted: list[_Pending],
+        reports: dict[int, LandReport],
+    ) -> None:
+        with_result = [p for p in accepted if p.result is not None]
+        if not with_result:
+            return
+        ks = [key_str(p.result) for p in with_result if p.result is not None]
+        for _ in range(MAX_CONFLICTS):
+            present = self.r.smismember(keys.shard_landed(st.sid), ks)
             new_keys: list[str] = []
             seen: set[str] = set()
-            results_data = bytearray()
+            data = bytearray()
             for p, k, already in zip(with_result, ks, present, strict=True):
+                report = reports[id(p)]
+                report.landed = report.duplicate = False
                 if already or k in seen:
-                    reports[id(p)].duplicate = True
+                    report.duplicate = True
                     continue
                 seen.add(k)
                 new_keys.append(k)
-                results_data += jsonl.dumps_line(p.result)
-                reports[id(p)].landed = True
-            failures_data = bytearray()
-            failure_counts: dict[str, int] = defaultdict(int)
-            for p in accepted:
-                for row in p.failures:
-                    failures_data += jsonl.dumps_line(row)
-                    failure_counts[_failure_counter(row)] += 1
-                reports[id(p)].failures_written = len(p.failures)
-            if results_data:
-                rd.append_lines(st.files.results, bytes(results_data))
-            if failures_data:
-                rd.append_lines(st.files.failures, bytes(failures_data))
+                data += jsonl.dumps_line(p.result)
+                report.landed = True
+            if data and not self._append(st, state, st.files.results, bytes(data)):
+                continue  # someone else's bytes were there: re-check our keys against them
             pipe = self.r.pipeline(transaction=True)
             if new_keys:
                 pipe.sadd(keys.shard_landed(st.sid), *new_keys)
                 pipe.hincrby(keys.shard_counts(st.sid), "landed", len(new_keys))
-            dups = sum(1 for r_ in reports.values() if r_.duplicate)
+                pipe.hset(keys.shard_state(st.sid), "results_size", state["results_size"])
+            dups = len(with_result) - len(new_keys)
             if dups:
                 pipe.hincrby(keys.shard_counts(st.sid), "duplicates", dups)
-            for name, n in failure_counts.items():
-                pipe.hincrby(keys.shard_counts(st.sid), name, n)
-            if results_data:
-                pipe.hincrby(keys.shard_state(st.sid), "results_size", len(results_data))
-            if failures_data:
-                pipe.hincrby(keys.shard_state(st.sid), "failures_size", len(failures_data))
             pipe.execute()
+            return
+        raise StorageError(
+            f"{st.rd.path(st.files.results)}: gave up after {MAX_CONFLICTS} conflicts"
+        )
+
+    def _land_failures(
+        self,
+        st: ShardState,
+        state: dict[str, str],
+        accepted: list[_Pending],
+        reports: dict[int, LandReport],
+    ) -> None:
+        data = bytearray()
+        counts: dict[str, int] = defaultdict(int)
         for p in accepted:
-            p.future.set_result(reports[id(p)])
-        self._maybe_write_status(st, state)
+            for row in p.failures:
+                data += jsonl.dumps_line(row)
+                counts[failure_counter(row)] += 1
+            reports[id(p)].failures_written = len(p.failures)
+        if not data:
+            return
+        for _ in range(MAX_CONFLICTS):
+            if not self._append(st, state, st.files.failures, bytes(data)):
+                continue
+            pipe = self.r.pipeline(transaction=True)
+            for name, n in counts.items():
+                pipe.hincrby(keys.shard_counts(st.sid), name, n)
+            pipe.hset(keys.shard_state(st.sid), "failures_size", state["failures_size"])
+            pipe.execute()
+            return
+        raise StorageError(
+            f"{st.rd.path(st.files.failures)}: gave up after {MAX_CONFLICTS} conflicts"
+        )
 
     def _maybe_write_status(self, st: ShardState, state: dict[str, str]) -> None:
         now = time.monotonic()
@@ -279,6 +254,10 @@ class Lander:
             return
         self._status_written[st.sid] = now
         try:
+            # One writer per interval across all processes: the first to claim the tick.
+            tick = keys.shard_status_tick(st.sid)
+            if not self.r.set(tick, self.pid, nx=True, px=int(STATUS_EVERY_S * 1000)):
+                return
             write_status(st.rd, shard_status(self.r, st.sid, state))
         except (OSError, StorageError, redis.RedisError) as exc:
             log.warning("could not write status of %s: %s", st.rd.url, exc)
@@ -313,3 +292,28 @@ def lander(redis_url: str) -> Lander:
         if _lander is None or _lander.pid != os.getpid():
             _lander = Lander(redis_url)
         return _lander
+
+
+def open_shard(r: redis.Redis, rd: RunDir, shard: str) -> dict[str, str]:
+    """Make the manifest's current token the shard's opener, under the lock, from storage.
+
+    For a resume: write the manifest with its new generation first, then call this. Writers of
+    older tokens are refused from then on; a batch already under the lock finishes first.
+    """
+    st = ShardState(r, rd, shard)
+    with held(r, keys.shard_lock(st.sid)):
+        return st.rebuild()
+
+
+def compact_shard(r: redis.Redis, rd: RunDir, shard: str) -> dict[str, int]:
+    """Rewrite each appended file of the shard as one object; returns segments merged per file.
+
+    Run by the finish step, under the shard lock. A no-op on a local folder (appends go in
+    place) and for a file with no segments.
+    """
+    st = ShardState(r, rd, shard)
+    merged: dict[str, int] = {}
+    with held(r, keys.shard_lock(st.sid)):
+        for name in (st.files.results, st.files.failures):
+            merged[name] = rd.compact(name)
+    return merged

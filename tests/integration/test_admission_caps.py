@@ -81,11 +81,15 @@ def test_max_resident_tasks_caps_the_cluster_and_recovers_after_a_worker_dies(
         victim.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         victim.wait(10)
-        dead = [m for m in r.zrange(keys.shard_leases(sid), 0, -1) if f":{victim.pid}:" in m.decode()]
+        dead = [
+            m for m in r.zrange(keys.shard_leases(sid), 0, -1) if f":{victim.pid}:" in m.decode()
+        ]
         assert dead, "the killed worker held no slot"
         # Its leases expire (3 s here) and the slots go back into use.
         wait_for(
-            lambda: not any(r.zscore(keys.shard_leases(sid), m) for m in dead), 20, "dead leases to go"
+            lambda: not any(r.zscore(keys.shard_leases(sid), m) for m in dead),
+            20,
+            "dead leases to go",
         )
         code = run.wait(240)
         log = (tmp_path / "run.log").read_text()

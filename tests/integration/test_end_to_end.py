@@ -12,35 +12,44 @@ import pytest
 
 from examples.metrics import aggregate_metrics
 from examples.servers import RunningServers
+from infra.store import RunDir
 from producer.runner import RunOptions, execute_run
 from schemas import fields as F
-from tests.conftest import Workers, agent_stats, demo_rows, read_jsonl, write_rows
+from tests.conftest import Workers, agent_stats, demo_rows, read_object_jsonl, write_rows
 
 pytestmark = pytest.mark.integration
 
 
 def test_500_rollouts_land_exactly_once_and_aggregate(
-    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
+    redis_url: str,
+    workers: Workers,
+    servers: RunningServers,
+    config_file: str,
+    tmp_path: Path,
+    run_dir_url: str,
 ) -> None:
     workers.start(count=2, concurrency=32)
     workers.wait_ready()
     rows = demo_rows(125)
     data = write_rows(tmp_path / "rows.jsonl", rows)
-    out = tmp_path / "run"
+    out = run_dir_url
+    rd = RunDir(out)
 
     code = execute_run(
         RunOptions(
             config_path=config_file,
             input_path=data,
-            output_dir=str(out),
+            output_dir=out,
             settings={"num_repeats": 4},
             broker_url=redis_url,
         )
     )
 
     assert code == 0
-    planned = read_jsonl(out / "rollouts-0_materialized_inputs.jsonl")
-    results = read_jsonl(out / "rollouts-0.jsonl")
+    planned = read_object_jsonl(out, "rollouts-0_materialized_inputs.jsonl")
+    results = read_object_jsonl(out, "rollouts-0.jsonl")
+    # The finish step left every file as one object: no segments remain.
+    assert rd.segments("rollouts-0.jsonl") == []
     assert len(planned) == 500
     keys = Counter((r[F.TASK_INDEX], r[F.ROLLOUT_INDEX]) for r in results)
     assert set(keys) == {(r[F.TASK_INDEX], r[F.ROLLOUT_INDEX]) for r in planned}
@@ -50,17 +59,18 @@ def test_500_rollouts_land_exactly_once_and_aggregate(
         plan = by_key[(result[F.TASK_INDEX], result[F.ROLLOUT_INDEX])]
         for field in (F.AGENT_REF, F.ENVIRONMENT_SERVER, F.RUN_ID, F.SHARD, "task_id"):
             assert result[field] == plan[field]
-        assert result[F.ENVIRONMENT_SERVER] == {"math_agent": "math_env", "count_agent": "count_env"}[
-            result[F.AGENT_REF]["name"]
-        ]
+        assert (
+            result[F.ENVIRONMENT_SERVER]
+            == {"math_agent": "math_env", "count_agent": "count_env"}[result[F.AGENT_REF]["name"]]
+        )
         assert "reward" in result and "response" in result
-    assert not (out / "rollouts-0_failures.jsonl").exists()
+    assert not rd.exists("rollouts-0_failures.jsonl")
 
     # Both worker processes took part.
     for log in workers.logs:
         assert "rollouts.collect" in log.read_text()
 
-    entries = orjson.loads((out / "rollouts-0_aggregate_metrics.json").read_bytes())
+    entries = orjson.loads(rd.read_bytes("rollouts-0_aggregate_metrics.json"))
     assert [e[F.ENVIRONMENT_SERVER] for e in entries] == ["count_env", "math_env"]
     for entry in entries:
         env = servers.environments[entry[F.ENVIRONMENT_SERVER]]
@@ -74,13 +84,14 @@ def test_500_rollouts_land_exactly_once_and_aggregate(
         assert entry["agent_metrics"] == answer["agent_metrics"]
         assert entry["key_metrics"] == answer["key_metrics"]
         assert entry["group_level_metrics"] == answer["group_level_metrics"]
-        assert entry["agent_ref"]["name"] == {"math_env": "math_agent", "count_env": "count_agent"}[
-            entry[F.ENVIRONMENT_SERVER]
-        ]
-    manifest = orjson.loads((out / "rollouts-0_manifest.json").read_bytes())
+        assert (
+            entry["agent_ref"]["name"]
+            == {"math_env": "math_agent", "count_env": "count_agent"}[entry[F.ENVIRONMENT_SERVER]]
+        )
+    manifest = orjson.loads(rd.read_bytes("rollouts-0_manifest.json"))
     assert manifest["state"] == "completed"
     assert manifest["planned"] == 500
-    status = orjson.loads((out / "rollouts-0_status.json").read_bytes())
+    status = orjson.loads(rd.read_bytes("rollouts-0_status.json"))
     assert status["landed"] == 500
 
 

@@ -1,0 +1,151 @@
+"""Processes and measurements shared by the benchmark scenarios."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from infra.embedded import EmbeddedRedis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU of the processes and their children so far."""
+    total = 0.0
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs = [p, *p.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for q in procs:
+            try:
+                t = q.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system
+    return total
+
+
+def peak_rss_mb(pid: int | None = None) -> float:
+    """Peak resident set of a process (this one by default), from /proc."""
+    path = f"/proc/{pid or os.getpid()}/status"
+    with open(path) as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@dataclass
+class AgentProcess:
+    """The example servers in their own process, so their CPU is not the system's."""
+
+    latency_ms: float = 0.0
+    agents: str = "math_agent"
+    proc: subprocess.Popen[bytes] | None = None
+    config_path: str = ""
+
+    def __enter__(self) -> AgentProcess:
+        fd, self.config_path = tempfile.mkstemp(prefix="bench-servers-", suffix=".yaml")
+        os.close(fd)
+        os.unlink(self.config_path)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "examples.servers", "--write-config", self.config_path,
+             "--latency-ms", str(self.latency_ms), "--agents", self.agents],
+            cwd=ROOT, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not os.path.exists(self.config_path) or os.path.getsize(self.config_path) == 0:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("example servers did not start")
+            time.sleep(0.05)
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+        if os.path.exists(self.config_path):
+            os.unlink(self.config_path)
+
+
+@dataclass
+class BenchCluster:
+    """A private Redis and worker processes of a given Celery app."""
+
+    app_module: str = "workers.app"
+    workers: int = 2
+    concurrency: int = 256
+    pool: str = "threads"
+    redis: EmbeddedRedis = field(default_factory=EmbeddedRedis)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="bench-workers-"))
+
+    @property
+    def url(self) -> str:
+        return self.redis.url
+
+    def start_workers(self) -> None:
+        env = dict(os.environ, ROLLOUTS_BROKER_URL=self.url, ROLLOUTS_REDIS_URL=self.url)
+        for i in range(self.workers):
+            cmd = [
+                sys.executable, "-m", "celery", "-A", self.app_module, "worker",
+                "-P", self.pool, "-c", str(self.concurrency), "-n", f"bench{i}-{os.getpid()}@%h",
+                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+            ]  # fmt: skip
+            with open(os.path.join(self.logdir, f"w{i}.log"), "wb") as log:
+                self.procs.append(
+                    subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                )
+        deadline = time.monotonic() + 60
+        for i in range(self.workers):
+            path = os.path.join(self.logdir, f"w{i}.log")
+            while "ready." not in Path(path).read_text(errors="replace"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {i} not ready: {Path(path).read_text()[-2000:]}")
+                time.sleep(0.05)
+
+    def pids(self) -> list[int]:
+        out = [p.pid for p in self.procs]
+        if self.redis.pid is not None:
+            out.append(self.redis.pid)
+        return out
+
+    def __enter__(self) -> BenchCluster:
+        self.redis.start()
+        self.start_workers()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.redis.close()
+
+
+def table(headers: list[str], rows: list[list[object]]) -> str:
+    def fmt(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,147 @@
+"""Logical JSONL files on stores without append: a base object plus write-once segment objects.
+
+An object store cannot append, and rewriting a shard per record moves O(shard) bytes. So a
+logical file `NAME` is stored as its base object `NAME` followed by segment objects under the
+hidden prefix `.segments/NAME/`, each named by the logical byte offset of its first byte
+(`0000000000004096.seg`). Names therefore sort in file order and two writers can never write the
+same bytes under different names: a segment is created with a conditional PUT (`If-None-Match:
+*` on S3), so the second writer at an offset gets a conflict instead of overwriting.
+
+Compaction rewrites the base as the whole logical file, then deletes the segments. A reader that
+sees both treats a segment that ends inside the base as already compacted, so reading is correct
+before, during and after compaction: the logical file only ever grows, whichever objects hold it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import fsspec
+
+from schemas.errors import StorageError
+
+log = logging.getLogger(__name__)
+
+SEGMENTS_DIR = ".segments"
+SEGMENT_SUFFIX = ".seg"
+OFFSET_DIGITS = 16
+READ_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Part:
+    """One object holding bytes `[start, start + size)` of a logical file."""
+
+    path: str
+    start: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
+
+def segment_dir(root: str, name: str) -> str:
+    return f"{root}/{SEGMENTS_DIR}/{name}"
+
+
+def segment_name(start: int) -> str:
+    return f"{start:0{OFFSET_DIGITS}d}{SEGMENT_SUFFIX}"
+
+
+def list_segments(fs: fsspec.AbstractFileSystem, root: str, name: str) -> list[Part]:
+    """The segments of `name` in file order (one LIST request)."""
+    try:
+        entries = fs.ls(segment_dir(root, name), detail=True)
+    except FileNotFoundError:
+        return []
+    parts = []
+    for entry in entries:
+        base = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
+        stem = base.removesuffix(SEGMENT_SUFFIX)
+        if entry.get("type") == "directory" or stem == base or not stem.isdigit():
+            continue
+        parts.append(Part(fs._strip_protocol(entry["name"]), int(stem), int(entry["size"])))
+    parts.sort(key=lambda p: p.start)
+    return parts
+
+
+def base_part(fs: fsspec.AbstractFileSystem, path: str) -> Part | None:
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        return None
+    if info.get("type") == "directory":
+        return None
+    return Part(path, 0, int(info["size"]))
+
+
+def logical_end(base: Part | None, segments: list[Part]) -> int:
+    return max([base.end if base else 0] + [s.end for s in segments])
+
+
+def _read(fs: fsspec.AbstractFileSystem, path: str, start: int, end: int) -> Iterator[bytes]:
+    while start < end:
+        stop = min(end, start + READ_BLOCK)
+        block: bytes = fs.cat_file(path, start=start, end=stop)
+        if not block:
+            return
+        yield block
+        start += len(block)
+
+
+def iter_chunks(
+    fs: fsspec.AbstractFileSystem,
+    base_path: str,
+    seg_dir_of: tuple[str, str] | None,
+    start: int = 0,
+) -> Iterator[tuple[int, bytes]]:
+    """Yield `(logical offset, bytes)` of the logical file from `start`, in order.
+
+    The segment listing is taken first and the base read after it, so a compaction running
+    meanwhile can only make the base cover more segments, never fewer.
+    """
+    segments = list_segments(fs, *seg_dir_of) if seg_dir_of is not None else []
+    base = base_part(fs, base_path)
+    pos = start
+    if base is not None and pos < base.end:
+        for block in _read(fs, base.path, pos, base.end):
+            yield pos, block
+            pos += len(block)
+    for seg in segments:
+        if seg.end <= pos:
+            continue  # compacted into the base already, or before `start`
+        if seg.start > pos:
+            log.error("%s: bytes %d-%d are missing between segments", base_path, pos, seg.start)
+            pos = seg.start
+        try:
+            for block in _read(fs, seg.path, pos - seg.start, seg.size):
+                yield pos, block
+                pos += len(block)
+        except FileNotFoundError:
+            # A compaction deleted it after our listing: its bytes are in the base now.
+            base = base_part(fs, base_path)
+            if base is None or base.end < seg.end:
+                raise StorageError(
+                    f"{seg.path} vanished and {base_path} does not hold its bytes"
+                ) from None
+            for block in _read(fs, base.path, pos, seg.end):
+                yield pos, block
+                pos += len(block)
+
+
+def split_lines(chunks: Iterator[tuple[int, bytes]]) -> Iterator[tuple[int, bytes]]:
+    """Complete lines with their offsets; a last line without its newline is left out."""
+    pending = b""
+    offset = -1
+    for at, block in chunks:
+        if offset < 0:
+            offset = at
+        pending += block
+        lines = pending.split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            yield offset, line
+            offset += len(line) + 1

@@ -1,0 +1,96 @@
+"""The ecosystem's worker command runs our tasks, and refuses anything but JSON."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+
+from examples.servers import RunningServers
+from infra.redis_client import client
+from producer.celery_client import client_app
+from producer.config_loading import load_servers_config
+from producer.dispatch import call_policy, iter_materialized, open_run, reset_shard_state
+from producer.runner import RunOptions, execute_run
+from schemas.messages import COLLECT_TASK, QUEUE
+from schemas.settings import CollectionSettings
+from tests.conftest import Workers, agent_stats, demo_rows, read_jsonl, write_rows
+
+pytestmark = pytest.mark.integration
+
+CELERY = str(Path(sys.executable).parent / "celery")
+
+
+def test_plain_celery_worker_command_runs_a_run(
+    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
+) -> None:
+    workers.start(count=1, command=[CELERY, "-A", "workers.app", "worker", "-l", "INFO"])
+    workers.wait_ready()
+    data = write_rows(tmp_path / "rows.jsonl", demo_rows(10))
+
+    code = execute_run(
+        RunOptions(
+            config_file,
+            data,
+            str(tmp_path / "run"),
+            settings={"num_repeats": 2},
+            broker_url=redis_url,
+        )
+    )
+
+    assert code == 0
+    assert len(read_jsonl(tmp_path / "run" / "rollouts-0.jsonl")) == 20
+    assert "[tasks]" in workers.output() and "rollouts.collect" in workers.output()
+
+
+def test_pickle_payload_is_refused(
+    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
+) -> None:
+    workers.start(count=1, command=[CELERY, "-A", "workers.app", "worker", "-l", "INFO"])
+    workers.wait_ready()
+    config = load_servers_config(config_file)
+    settings = CollectionSettings()
+    data = write_rows(tmp_path / "rows.jsonl", demo_rows(2))
+    opened = open_run(
+        input_path=data,
+        output_dir=str(tmp_path / "run"),
+        shard="0",
+        config=config,
+        settings=settings,
+    )
+    reset_shard_state(client(redis_url), opened)
+    app = client_app(redis_url, redis_url)
+    rows = list(iter_materialized(opened.rd, "0"))
+
+    def payload(row: dict[str, object]) -> dict[str, object]:
+        agent = row["agent_ref"]["name"]  # type: ignore[index]
+        return {
+            "run": opened.run.model_dump(mode="json"),
+            "agent_url": config.agents[agent].url,  # type: ignore[index]
+            "policy": call_policy(settings).model_dump(mode="json"),
+            "row": row,
+        }
+
+    app.send_task(COLLECT_TASK, args=(payload(rows[0]),), serializer="pickle")
+    accepted = app.send_task(COLLECT_TASK, args=(payload(rows[1]),))
+    summary = accepted.get(timeout=60)
+
+    assert summary["outcome"] == "landed"
+    deadline = time.monotonic() + 30
+    while "Refusing to deserialize" not in workers.output() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "Refusing to deserialize untrusted content of type pickle" in workers.output()
+    assert redis.Redis.from_url(redis_url).llen(QUEUE) == 0
+    landed = read_jsonl(tmp_path / "run" / "rollouts-0.jsonl")
+    assert [r["_ng_task_index"] for r in landed] == [rows[1]["_ng_task_index"]]
+    requests = sum(agent_stats(servers, a)["requests"] for a in servers.agents)
+    assert requests == 1
+    app.close()
+    assert (
+        orjson.loads((tmp_path / "run" / "rollouts-0_manifest.json").read_bytes())["state"]
+        == "running"
+    )

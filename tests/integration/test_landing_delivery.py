@@ -1,0 +1,274 @@
+"""Landing under redelivery, fencing and concurrency: real Redis, worker processes, HTTP, moto S3.
+
+Each test runs on a local folder and on an s3:// prefix of a moto server (`run_dir_url`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from examples.servers import RunningServers
+from infra import keys
+from infra.runs import read_manifest, write_manifest
+from infra.store import RunDir, ShardFiles
+from producer.celery_client import client_app
+from producer.config_loading import load_servers_config
+from producer.dispatch import (
+    OpenedRun,
+    call_policy,
+    enqueue,
+    iter_materialized,
+    open_run,
+    reset_shard_state,
+    wait_for_finish,
+)
+from schemas import fields as F
+from schemas.messages import COLLECT_TASK, RunRef
+from schemas.records import Generation, utc_now
+from schemas.settings import CollectionSettings
+from tests.conftest import Workers, agent_stats, demo_rows, write_rows
+from workers.landing import open_shard
+
+pytestmark = pytest.mark.integration
+
+FILES = ShardFiles("0")
+
+
+def open_shard_run(
+    tmp_path: Path, config_file: str, out: str, rows: int, redis_url: str, **settings: Any
+) -> OpenedRun:
+    data = write_rows(tmp_path / "rows.jsonl", demo_rows(rows))
+    opened = open_run(
+        input_path=data,
+        output_dir=out,
+        shard="0",
+        config=load_servers_config(config_file),
+        settings=CollectionSettings.model_validate(settings),
+    )
+    r = redis.Redis.from_url(redis_url)
+    reset_shard_state(r, opened)
+    r.close()
+    return opened
+
+
+def run_chord(opened: OpenedRun, config_file: str, redis_url: str) -> dict[str, Any]:
+    app = client_app(redis_url, redis_url)
+    settings = CollectionSettings.model_validate(opened.manifest.settings)
+    rows = iter_materialized(opened.rd, "0")
+    config = load_servers_config(config_file)
+    finish_id = enqueue(app, opened, rows, opened.manifest.planned, config, settings)
+    result = wait_for_finish(app, finish_id)
+    app.close()
+    return result
+
+
+def collect_payload(run: RunRef, row: dict[str, Any], config_file: str) -> dict[str, Any]:
+    config = load_servers_config(config_file)
+    return {
+        "run": run.model_dump(mode="json"),
+        "agent_url": config.agents[F.agent_name(row) or ""].url,
+        "policy": call_policy(CollectionSettings()).model_dump(mode="json"),
+        "row": row,
+    }
+
+
+def shard_lines(out: str) -> list[dict[str, Any]]:
+    """Every line of the results file, read as one plain object; each must parse."""
+    rd = RunDir(out)
+    data: bytes = rd.fs.cat_file(rd.path(FILES.results))
+    assert data.endswith(b"\n")
+    return [orjson.loads(line) for line in data.splitlines()]
+
+
+def assert_exactly_once(out: str, planned: int) -> None:
+    keys_ = Counter(F.rollout_key(row) for row in shard_lines(out))
+    planned_keys = {F.rollout_key(row) for row in iter_materialized(RunDir(out), "0")}
+    assert len(planned_keys) == planned
+    assert set(keys_) == planned_keys, "a rollout is missing"
+    assert max(keys_.values()) == 1, "a rollout landed twice"
+    assert RunDir(out).segments(FILES.results) == []
+
+
+def counters(redis_url: str, out: str) -> dict[str, int]:
+    r = redis.Redis.from_url(redis_url)
+    raw = r.hgetall(keys.shard_counts(keys.shard_id(RunDir(out).url, "0")))
+    r.close()
+    return {k.decode(): int(v) for k, v in raw.items()}  # type: ignore[union-attr]
+
+
+def test_a_task_delivered_twice_lands_once(
+    redis_url: str,
+    workers: Workers,
+    servers: RunningServers,
+    config_file: str,
+    tmp_path: Path,
+    run_dir_url: str,
+) -> None:
+    workers.start(count=2, concurrency=8)
+    workers.wait_ready()
+    opened = open_shard_run(tmp_path, config_file, run_dir_url, 40, redis_url)
+    app = client_app(redis_url, redis_url)
+    twice = list(iter_materialized(opened.rd, "0"))[:10]
+    extra = [
+        app.send_task(COLLECT_TASK, args=(collect_payload(opened.run, row, config_file),))
+        for row in twice
+    ]
+
+    assert run_chord(opened, config_file, redis_url)["state"] == "completed"
+    outcomes = Counter(res.get(timeout=60)["outcome"] for res in extra)
+    app.close()
+
+    assert_exactly_once(run_dir_url, 40)
+    # A second delivery that starts after its rollout landed is stopped at admission, before
+    # calling the agent; one that ran calls the agent and is refused at landing. One of each landed.
+    requests = sum(agent_stats(servers, a)["requests"] for a in servers.agents)
+    assert 40 <= requests <= 50
+    assert counters(redis_url, run_dir_url)["duplicates"] == requests - 40
+    assert outcomes["duplicate"] + outcomes["landed"] == 10
+
+
+@pytest.mark.parametrize("point", ["mid", "after"])
+def test_redelivery_after_sigkill_mid_write_leaves_one_whole_line(
+    redis_url: str,
+    workers: Workers,
+    servers: RunningServers,
+    config_file: str,
+    tmp_path: Path,
+    run_dir_url: str,
+    point: str,
+) -> None:
+    marker = tmp_path / "stalled"
+    # Short lock expiry and visibility timeout: the killed worker's lock and message come back
+    # in seconds rather than the production 30 s and 4 h.
+    env = {"ROLLOUTS_LOCK_TTL_S": "2", "ROLLOUTS_VISIBILITY_TIMEOUT_S": "3"}
+    workers.start(
+        count=1,
+        command=[
+            sys.executable, "-m", "tests.integration.stalling_worker", "-A", "workers.app",
+            "worker", "-c", "1", "-n", f"stall-{os.getpid()}@%h", "--without-gossip",
+            "--without-mingle", "--without-heartbeat", "-l", "INFO",
+        ],
+        env={**env, "STALL_AT": point, "STALL_MARKER": str(marker)},
+    )  # fmt: skip
+    workers.wait_ready()
+    opened = open_shard_run(tmp_path, config_file, run_dir_url, 20, redis_url)
+    app = client_app(redis_url, redis_url)
+    settings = CollectionSettings.model_validate(opened.manifest.settings)
+    finish_id = enqueue(
+        app,
+        opened,
+        iter_materialized(opened.rd, "0"),
+        20,
+        load_servers_config(config_file),
+        settings,
+    )
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert time.monotonic() < deadline, workers.output()[-3000:]
+        time.sleep(0.05)
+    stalled = workers.procs[0]
+    rd = RunDir(run_dir_url)
+    if point == "mid" and rd.can_append:
+        assert not rd.read_bytes(FILES.results).endswith(b"\n")  # a torn line is on disk
+    os.kill(stalled.pid, signal.SIGKILL)
+    stalled.wait()
+    workers.procs.pop(0)
+    (tmp_path / "worker-0.log").rename(tmp_path / "stalled-worker.log")
+    workers.logs.pop(0)
+    # Kombu restores unacknowledged messages older than the visibility timeout when a consumer
+    # starts (and then only every ~100 s): start the next worker once the message is that old.
+    time.sleep(3.5)
+
+    workers.start(count=1, concurrency=4, env=env)
+    workers.wait_ready()
+    result = wait_for_finish(app, finish_id)
+    app.close()
+
+    assert result["state"] == "completed"
+    assert_exactly_once(run_dir_url, 20)
+    log = workers.logs[0].read_text()
+    if point == "after":
+        # The killed writer's whole batch was adopted; its redelivered task found it landed.
+        assert "adopted" in log
+        assert counters(redis_url, run_dir_url).get("duplicates", 0) >= 1
+    elif rd.can_append:
+        assert "cutting a torn last line" in log
+
+
+def test_a_writer_superseded_by_a_resume_is_fenced_and_writes_nothing(
+    redis_url: str,
+    workers: Workers,
+    servers: RunningServers,
+    config_file: str,
+    tmp_path: Path,
+    run_dir_url: str,
+) -> None:
+    workers.start(count=1, concurrency=4)
+    workers.wait_ready()
+    opened = open_shard_run(
+        tmp_path, config_file, run_dir_url, 4, redis_url, route_failures_to_sidecar=True
+    )
+    rows = list(iter_materialized(opened.rd, "0"))
+    app = client_app(redis_url, redis_url)
+
+    def collect(run: RunRef, row: dict[str, Any]) -> str:
+        res = app.send_task(COLLECT_TASK, args=(collect_payload(run, row, config_file),))
+        outcome: str = res.get(timeout=60)["outcome"]
+        return outcome
+
+    assert collect(opened.run, rows[0]) == "landed"
+    # A resume: a new dispatch generation in the manifest, then the shard opened for it.
+    rd = RunDir(run_dir_url)
+    manifest = read_manifest(rd, "0")
+    manifest.generations.append(
+        Generation(token="resumed-token", kind="resume", started_at=utc_now(), enqueued=3)
+    )
+    write_manifest(rd, manifest)
+    r = redis.Redis.from_url(redis_url)
+    open_shard(r, rd, "0")
+    r.close()
+    size = rd.size(FILES.results)
+    resumed = opened.run.model_copy(update={"token": "resumed-token"})
+
+    assert collect(opened.run, rows[1]) == "fenced"
+    assert collect(opened.run, rows[0]) == "fenced"
+    assert rd.size(FILES.results) == size
+    assert not rd.exists(FILES.failures)
+    assert collect(resumed, rows[1]) == "landed"
+    assert collect(resumed, rows[0]) == "duplicate"
+    app.close()
+    # No finish ran: read the logical file (segments, on S3) as status and resume do.
+    assert [F.rollout_key(orjson.loads(line)) for _, line in rd.iter_lines(FILES.results)] == [
+        F.rollout_key(rows[0]),
+        F.rollout_key(rows[1]),
+    ]
+    assert "opened by another writer" in workers.output()
+
+
+def test_eight_worker_processes_append_to_one_shard(
+    redis_url: str,
+    workers: Workers,
+    servers: RunningServers,
+    config_file: str,
+    tmp_path: Path,
+    run_dir_url: str,
+) -> None:
+    workers.start(count=8, concurrency=16)
+    workers.wait_ready(timeout=90)
+    opened = open_shard_run(tmp_path, config_file, run_dir_url, 100, redis_url, num_repeats=4)
+
+    assert run_chord(opened, config_file, redis_url)["state"] == "completed"
+
+    assert_exactly_once(run_dir_url, 400)
+    took_part = [log for log in workers.logs if "rollouts.collect" in log.read_text()]
+    assert len(took_part) == 8

@@ -1,0 +1,414 @@
+"""Fail before dispatch (SPEC §3): one test per validation rule, each through `rollouts run`.
+
+Every test runs `python -m producer.cli run` as a subprocess against the real example agent and
+environment servers, with a real Redis as the broker (`--no-wait`, no workers). A bad input must
+exit 2 with one message that names every offending line and no other, while no server received
+a request, nothing reached the broker and the run directory was not touched. The control test
+shows the same harness does see a dispatch when the input is good.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+import yaml
+
+from examples.servers import RunningServers
+from tests.conftest import agent_stats, demo_rows
+
+pytestmark = pytest.mark.integration
+
+
+def run_cli(
+    config: dict[str, Any] | str,
+    rows: list[Any],
+    tmp_path: Path,
+    redis_url: str,
+    *extra: str,
+    out: Path | None = None,
+) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
+    """`rollouts run` on `rows` (dicts, or raw strings written as they are); returns (proc, input, out)."""
+    if isinstance(config, dict):
+        config_path = tmp_path / "servers.yaml"
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        config = str(config_path)
+    data = tmp_path / "rows.jsonl"
+    with open(data, "wb") as f:
+        for row in rows:
+            f.write((row.encode() if isinstance(row, str) else orjson.dumps(row)) + b"\n")
+    out = out or tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "producer.cli", "run", "--config", config, "--input", str(data),
+        "--output-dir", str(out), "--broker", redis_url, "--no-wait", *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return proc, data, out
+
+
+def named_lines(stderr: str, data: Path) -> set[int]:
+    """Every line number the error message names for `data` (`rows.jsonl:3,5,7-9`)."""
+    lines: set[int] = set()
+    for spec in re.findall(re.escape(str(data)) + r":([0-9][0-9,\-]*)", stderr):
+        for part in spec.strip(",").split(","):
+            first, _, last = part.partition("-")
+            lines.update(range(int(first), int(last or first) + 1))
+    return lines
+
+
+def assert_refused(
+    proc: subprocess.CompletedProcess[str],
+    data: Path,
+    out: Path,
+    servers: RunningServers,
+    redis_url: str,
+    bad_lines: set[int],
+    *fragments: str,
+) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert named_lines(proc.stderr, data) == bad_lines, proc.stderr
+    for fragment in fragments:
+        assert fragment in proc.stderr, proc.stderr
+    assert not out.exists()
+    assert_nothing_dispatched(servers, redis_url)
+
+
+def assert_nothing_dispatched(servers: RunningServers, redis_url: str) -> None:
+    for agent in servers.agents:
+        assert agent_stats(servers, agent)["requests"] == 0
+    assert all(env.requests == 0 for env in servers.environments.values())
+    r = redis.Redis.from_url(redis_url)
+    try:
+        assert r.dbsize() == 0, r.keys()
+    finally:
+        r.close()
+
+
+def rows_with(bad: dict[int, Any], n: int = 6) -> list[Any]:
+    """n good demo rows with the rows of `bad` (1-based line -> row) in place."""
+    rows: list[Any] = list(demo_rows(n))
+    for line, row in bad.items():
+        rows[line - 1] = row
+    return rows
+
+
+def rcp(text: str = "x") -> dict[str, Any]:
+    return {"input": [{"role": "user", "content": text}]}
+
+
+def with_resources(servers: RunningServers) -> dict[str, Any]:
+    """The demo config plus a resources server `math_rs` that math_agent binds."""
+    config = copy.deepcopy(servers.config())
+    config["agents"]["math_agent"]["resources_server"] = "math_rs"
+    config["resources_servers"] = {"math_rs": {"allowed_agents": ["simple_agent"]}}
+    return config
+
+
+def test_control_good_input_is_dispatched(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    proc, _, out = run_cli(servers.config(), demo_rows(6), tmp_path, redis_url)
+
+    assert proc.returncode == 0, proc.stderr
+    assert "enqueued 6 rollouts" in proc.stdout
+    assert (out / "rollouts-0_materialized_inputs.jsonl").exists()
+    r = redis.Redis.from_url(redis_url)
+    try:
+        assert r.dbsize() > 0
+    finally:
+        r.close()
+
+
+def test_line_that_is_not_json(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+    rows = rows_with({2: '{"responses_create_params": ', 5: "not json at all"})
+    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
+    assert_refused(proc, data, out, servers, redis_url, {2, 5}, "not valid JSON")
+
+
+def test_row_that_is_not_an_object(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+    rows = rows_with({1: "[1, 2]", 4: '"text"', 6: "42"})
+    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
+    assert_refused(proc, data, out, servers, redis_url, {1, 4, 6}, "must be a JSON object")
+
+
+def test_row_without_responses_create_params(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    rows = rows_with({3: {"agent_ref": {"name": "math_agent"}}, 4: {"task_source": "math_env"}})
+    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
+    assert_refused(proc, data, out, servers, redis_url, {3, 4}, "missing responses_create_params")
+
+
+def test_row_with_no_resolvable_agent(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    rows = rows_with(
+        {2: {"responses_create_params": rcp()}, 6: {"responses_create_params": rcp("y")}}
+    )
+    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
+    assert_refused(proc, data, out, servers, redis_url, {2, 6}, "no agent for this row")
+
+
+def test_agent_absent_from_the_config_with_did_you_mean(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    rows = rows_with(
+        {
+            1: {"responses_create_params": rcp(), "agent_ref": {"name": "math_agnet"}},
+            5: {"responses_create_params": rcp("z"), "agent_ref": {"name": "math_agnet"}},
+        }
+    )
+    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {1, 5}, "'math_agnet'", "did you mean 'math_agent'?"
+    )
+
+
+def test_agent_map_naming_an_absent_agent(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    # Every count_agent row (even lines) is re-routed to an agent the config lacks.
+    proc, data, out = run_cli(
+        servers.config(), demo_rows(6), tmp_path, redis_url, "+agent_map.count_agent=cnt_agent"
+    )
+    assert_refused(proc, data, out, servers, redis_url, {2, 4, 6}, "agent_map['count_agent']")
+
+
+def test_unknown_task_source(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+    rows = rows_with(
+        {
+            2: {"responses_create_params": rcp(), "task_source": "math_enf"},
+            3: {"responses_create_params": rcp("q"), "task_source": "nowhere"},
+        }
+    )
+    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {2, 3}, "did you mean 'math_env'?", "'nowhere'"
+    )
+
+
+def test_unroutable_task_source(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+    # Both agents bind shared_rs, and nothing pins one of them: task_source alone cannot choose.
+    config = copy.deepcopy(servers.config())
+    for agent in config["agents"].values():
+        agent["resources_server"] = "shared_rs"
+    config["resources_servers"] = {"shared_rs": {}, "lonely_rs": {}}
+    rows = rows_with(
+        {
+            3: {"responses_create_params": rcp(), "task_source": "shared_rs"},
+            4: {"responses_create_params": rcp("b"), "task_source": "lonely_rs"},
+        }
+    )
+    proc, data, out = run_cli(config, rows, tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {3, 4},
+        "agents count_agent, math_agent are bound", "no agent is bound to it",
+        "+agent_map.shared_rs=<agent>",
+    )  # fmt: skip
+
+
+def test_conflicting_dataset_pins(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+    config = with_resources(servers)
+    config["resources_servers"]["math_rs"]["datasets"] = [
+        {"name": "gsm8k", "agent": "math_agent"},
+        {"name": "counting", "agent": "count_agent"},
+    ]
+    rows = rows_with({1: {"responses_create_params": rcp(), "task_source": "math_rs"}})
+    rows.append({"responses_create_params": rcp("c"), "task_source": "math_rs"})
+    proc, data, out = run_cli(config, rows, tmp_path, redis_url)
+    assert_refused(
+        proc,
+        data,
+        out,
+        servers,
+        redis_url,
+        {1, 7},
+        "pin conflicting agents (count_agent, math_agent)",
+    )
+
+
+def test_allowed_agents_of_the_task_source(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    # Rows from math_rs (which admits only judge_agent) are sent to count_agent by agent_ref.
+    config = with_resources(servers)
+    config["resources_servers"]["math_rs"]["allowed_agents"] = ["judge_agent"]
+    config["agents"]["math_agent"].pop("resources_server")
+    rows = rows_with(
+        {
+            2: {"responses_create_params": rcp(), "task_source": "math_rs", "agent_ref": {"name": "count_agent"}},
+            5: {"responses_create_params": rcp("t"), "task_source": "math_rs", "agent_ref": {"name": "math_agent"}},
+        }
+    )  # fmt: skip
+    proc, data, out = run_cli(config, rows, tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {2, 5},
+        "resources server 'math_rs' (the row's task_source), which accepts only: judge_agent",
+    )  # fmt: skip
+
+
+def test_allowed_agents_of_the_bound_environment(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    config = copy.deepcopy(servers.config())
+    config["environments"]["count_env"]["allowed_agents"] = ["tool_agent"]
+    proc, data, out = run_cli(config, demo_rows(5), tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {2, 4},
+        "environment 'count_env', which fronts agent 'count_agent', which accepts only: tool_agent",
+    )  # fmt: skip
+
+
+def test_allowed_agents_of_the_bound_resources_server(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    config = with_resources(servers)
+    config["resources_servers"]["math_rs"]["allowed_agents"] = ["tool_agent"]
+    proc, data, out = run_cli(config, demo_rows(4), tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {1, 3},
+        "resources server 'math_rs', which agent 'math_agent' binds",
+    )  # fmt: skip
+
+
+def test_allowed_agents_of_the_dataset_entry(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    # An agent edited to another harness after the dataset admitted one (the seeds' Harbor case):
+    # the entry of the row's task_source, and every entry the agent itself declares.
+    config = copy.deepcopy(servers.config())
+    config["agents"]["math_agent"]["type"] = "codex_agent"
+    config["environments"]["math_env"]["allowed_agents"] = None
+    config["environments"]["math_env"]["datasets"] = [
+        {"name": "harbor", "allowed_agents": ["simple_agent"]}
+    ]
+    config["agents"]["count_agent"]["datasets"] = [
+        {"name": "counting", "allowed_agents": ["counting_agent"]}
+    ]
+    rows = rows_with({3: {"responses_create_params": rcp(), "task_source": "math_env"}})
+    proc, data, out = run_cli(config, rows, tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {2, 3, 4, 6},
+        "dataset 'harbor' declared by 'math_env', which accepts only: simple_agent",
+        "dataset 'counting' declared by agent 'count_agent', which accepts only: counting_agent",
+    )  # fmt: skip
+
+
+def test_pairing_bypass_lets_the_run_through(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    config = copy.deepcopy(servers.config())
+    config["environments"]["count_env"]["allowed_agents"] = ["tool_agent"]
+    proc, _, out = run_cli(config, demo_rows(4), tmp_path, redis_url, "--allow-unsupported-pairing")
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "rollouts-0_materialized_inputs.jsonl").exists()
+
+
+def test_agent_without_an_environment_server(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    config = copy.deepcopy(servers.config())
+    config["agents"]["count_agent"]["environment"] = "count_envv"
+    proc, data, out = run_cli(config, demo_rows(4), tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {2, 4},
+        "agent 'count_agent' names environment 'count_envv', which is not in the config",
+    )  # fmt: skip
+
+
+def test_agent_with_several_environment_servers(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    config = copy.deepcopy(servers.config())
+    del config["agents"]["math_agent"]["environment"]
+    config["environments"]["math_env"]["agents"] = ["math_agent"]
+    config["environments"]["count_env"]["agents"] = ["math_agent"]
+    proc, data, out = run_cli(config, demo_rows(5), tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {1, 3, 5},
+        "agent 'math_agent' is fronted by several environment servers (count_env, math_env)",
+    )  # fmt: skip
+
+
+def test_invalid_rollout_id(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+    rows = rows_with({})
+    rows[1] = {**rows[1], "_ng_rollout_id": ".hidden"}
+    rows[2] = {**rows[2], "_ng_rollout_id": "has space"}
+    rows[3] = {**rows[3], "_ng_rollout_id": "fine-id"}
+    rows[4] = {**rows[4], "_ng_rollout_id": "fine-id"}
+    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {2, 3, 5},
+        "invalid rollout id '.hidden'", "is already used on line 4",
+    )  # fmt: skip
+
+
+def test_invalid_shard_label(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+    rows = rows_with({4: "{broken"})
+    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url, "--shard", "a/b")
+    assert_refused(proc, data, out, servers, redis_url, {4}, "invalid shard label 'a/b'")
+
+
+def test_run_directory_holding_another_runs_shard(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    first, _, out = run_cli(servers.config(), demo_rows(4), tmp_path, redis_url)
+    assert first.returncode == 0, first.stderr
+    manifest = orjson.loads((out / "rollouts-0_manifest.json").read_bytes())
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    r = redis.Redis.from_url(redis_url)
+    r.flushall()
+    r.close()
+
+    second = tmp_path / "second"
+    second.mkdir()
+    proc, data, _ = run_cli(servers.config(), rows_with({2: "[]"}), second, redis_url, out=out)
+
+    assert proc.returncode == 2, proc.stderr
+    assert f"already holds shard 0 of run {manifest['run_id']}" in proc.stderr
+    assert "--overwrite" in proc.stderr
+    assert named_lines(proc.stderr, data) == {2}
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert_nothing_dispatched(servers, redis_url)
+
+    # Alone, the same problem is still exit 2; --overwrite replaces the earlier run.
+    alone, _, _ = run_cli(servers.config(), demo_rows(4), second, redis_url, out=out)
+    assert alone.returncode == 2 and manifest["run_id"] in alone.stderr
+    assert_nothing_dispatched(servers, redis_url)
+    replaced, _, _ = run_cli(
+        servers.config(), demo_rows(4), second, redis_url, "--overwrite", out=out
+    )
+    assert replaced.returncode == 0, replaced.stderr
+    assert (
+        orjson.loads((out / "rollouts-0_manifest.json").read_bytes())["run_id"]
+        != manifest["run_id"]
+    )
+
+
+def test_every_problem_in_one_error(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    rows = rows_with(
+        {
+            2: "{oops",
+            3: {"agent_ref": {"name": "math_agent"}},
+            5: {"responses_create_params": rcp(), "agent_ref": {"name": "nobody"}},
+            7: {"responses_create_params": rcp(), "task_source": "nowhere"},
+            9: {"responses_create_params": rcp(), "agent_ref": {"name": "math_agent"}, "_ng_rollout_id": "-x"},
+        },
+        n=10,
+    )  # fmt: skip
+    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url, "--shard", "bad label")
+    assert_refused(
+        proc, data, out, servers, redis_url, {2, 3, 5, 7, 9},
+        "not valid JSON", "missing responses_create_params", "'nobody'", "'nowhere'",
+        "invalid rollout id '-x'", "invalid shard label 'bad label'",
+    )  # fmt: skip
+    assert proc.stderr.count("error:") == 1

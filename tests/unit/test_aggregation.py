@@ -1,0 +1,111 @@
+"""Grouping, stripping and labelling for /aggregate_metrics, without servers."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from schemas.config import ServersConfig
+from workers import aggregation
+from workers.aggregation import group_rows, label_servers, strip_row
+
+CONFIG = ServersConfig.model_validate(
+    {
+        "agents": {
+            "a": {"url": "http://a", "environment": "e1"},
+            "b": {"url": "http://b", "environment": "e2"},
+            "solo": {"url": "http://solo"},
+        },
+        "environments": {"e1": {"url": "http://e1"}, "e2": {"url": "http://e2"}},
+    }
+)
+
+
+def test_strip_keeps_only_usage_and_incomplete_details_of_the_response() -> None:
+    row = {
+        "responses_create_params": {"input": "q"},
+        "response": {
+            "output": [1],
+            "usage": {"input_tokens": 3},
+            "incomplete_details": None,
+            "id": "r",
+        },
+        "ng_trajectory": {},
+        "ng_model_call_capture": {},
+        "reward": 1.0,
+        "_ng_task_index": 0,
+    }
+    assert strip_row(row) == {
+        "response": {"usage": {"input_tokens": 3}, "incomplete_details": None},
+        "reward": 1.0,
+        "_ng_task_index": 0,
+    }
+    assert strip_row({"response": {"output": []}, "reward": 0}) == {"reward": 0}
+
+
+def test_rows_group_by_stamp_then_by_the_agents_environment_in_task_rollout_order() -> None:
+    rows = [
+        {"_ng_task_index": 1, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}},
+        {
+            "_ng_task_index": 0,
+            "_ng_rollout_index": 1,
+            "agent_ref": {"name": "a"},
+            "_ng_environment_server": "e2",
+        },
+        {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}},
+        {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "solo"}},
+        {"_ng_task_index": 0, "_ng_rollout_index": 0},
+    ]
+    groups = group_rows(rows, CONFIG)
+    assert sorted(groups) == ["e1", "e2", "solo"]
+    assert [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in groups["e1"].rows] == [
+        (0, 0),
+        (1, 0),
+    ]
+    assert groups["e2"].agents == ["a"]
+    assert CONFIG.aggregation_url("solo") == "http://solo"
+
+
+def test_labels_are_agent_names_unless_an_agent_spans_servers() -> None:
+    assert label_servers({"es1": "a", "es2": "a", "es3": "b"}) == {
+        "es1": "es1",
+        "es2": "es2",
+        "es3": "b",
+    }
+    assert label_servers({"e1": "a", "e2": None}) == {"e1": "a", "e2": "e2"}
+    # A server named like another server's agent forces a second round of renaming.
+    assert label_servers({"x": "y", "y": None}) == {"x": "x", "y": "y"}
+
+
+def test_a_failed_server_keeps_an_entry_with_empty_collections_and_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "e2":
+            return httpx.Response(500, text="boom")
+        rows = orjson.loads(request.content)["verify_responses"]
+        return httpx.Response(
+            200,
+            json={"agent_metrics": {"n": len(rows)}, "key_metrics": {}, "group_level_metrics": []},
+        )
+
+    real = httpx.AsyncClient
+
+    def fake_client(**kwargs: Any) -> httpx.AsyncClient:
+        return real(transport=httpx.MockTransport(handler), **kwargs)
+
+    monkeypatch.setattr(aggregation.httpx, "AsyncClient", fake_client)
+    rows = [
+        {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}, "reward": 1},
+        {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "b"}, "reward": 0},
+    ]
+    entries, error = asyncio.run(aggregation.aggregate(group_rows(rows, CONFIG), CONFIG))
+    assert [e["_ng_environment_server"] for e in entries] == ["e1", "e2"]
+    assert entries[0]["agent_metrics"] == {"n": 1}
+    assert entries[1]["agent_metrics"] == {} and entries[1]["group_level_metrics"] == []
+    assert "500" in entries[1]["aggregation_error"]
+    assert isinstance(error, httpx.HTTPStatusError)

@@ -1,0 +1,201 @@
+"""The lander on a local folder and on memory://: exactly once, fencing, recovery from storage.
+
+Redis here is the session's real server (flushed per test); storage is a tmp dir or memory://.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from infra import keys
+from infra.runs import read_manifest, write_manifest
+from infra.store import RunDir, ShardFiles
+from schemas import fields as F
+from schemas.errors import ShardFencedError
+from schemas.messages import RunRef
+from schemas.records import Generation, InputSource, Manifest, utc_now
+from workers.landing import Lander, compact_shard, open_shard
+
+FILES = ShardFiles("0")
+
+
+@pytest.fixture(params=["local", "memory"])
+def rd(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunDir]:
+    if request.param == "local":
+        run = RunDir(str(tmp_path / "run"))
+    else:
+        run = RunDir(f"memory://landing-{uuid.uuid4().hex}")
+    run.makedirs()
+    yield run
+    if not run.is_local:
+        run.fs.rm(run.root, recursive=True)
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def lander(redis_url: str) -> Lander:
+    return Lander(redis_url)
+
+
+def open_run(r: redis.Redis, rd: RunDir, planned: int = 100) -> RunRef:
+    token = uuid.uuid4().hex
+    manifest = Manifest(
+        run_id="run-test",
+        shard="0",
+        created_at=utc_now(),
+        input=InputSource(path="rows.jsonl", sha256="0"),
+        config={},
+        settings={},
+        planned=planned,
+        materialized_sha256="0",
+        generations=[Generation(token=token, kind="run", started_at=utc_now(), enqueued=planned)],
+    )
+    write_manifest(rd, manifest)
+    open_shard(r, rd, "0")
+    return RunRef(run_id="run-test", output_dir=rd.url, shard="0", token=token)
+
+
+def resume(r: redis.Redis, rd: RunDir) -> RunRef:
+    """What a resume does to the shard: a new generation in the manifest, then open it."""
+    manifest = read_manifest(rd, "0")
+    token = uuid.uuid4().hex
+    manifest.generations.append(
+        Generation(token=token, kind="resume", started_at=utc_now(), enqueued=1)
+    )
+    write_manifest(rd, manifest)
+    open_shard(r, rd, "0")
+    return RunRef(run_id="run-test", output_dir=rd.url, shard="0", token=token)
+
+
+def result(task: int, rollout: int = 0, **extra: Any) -> dict[str, Any]:
+    return {F.TASK_INDEX: task, F.ROLLOUT_INDEX: rollout, "reward": 1.0, **extra}
+
+
+def failure(task: int) -> dict[str, Any]:
+    return {F.TASK_INDEX: task, F.ROLLOUT_INDEX: 0, F.FAILURE_CLASS: "agent_run_error"}
+
+
+def landed_keys(rd: RunDir) -> Counter[tuple[int, int]]:
+    return Counter(
+        (row[F.TASK_INDEX], row[F.ROLLOUT_INDEX])
+        for row in (orjson.loads(line) for _, line in rd.iter_lines(FILES.results))
+    )
+
+
+def test_a_result_delivered_twice_lands_once(r: redis.Redis, rd: RunDir, lander: Lander) -> None:
+    run = open_run(r, rd)
+    first = lander.land(run, result(1), [])
+    again = lander.land(run, result(1, note="second delivery"), [failure(1)])
+    assert first.landed and not first.duplicate
+    assert again.duplicate and not again.landed and again.failures_written == 1
+    # Twice within one batch, from concurrent tasks.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        reports = list(pool.map(lambda _: lander.land(run, result(2), []), range(8)))
+    assert sum(rep.landed for rep in reports) == 1
+    assert landed_keys(rd) == {(1, 0): 1, (2, 0): 1}
+    counts = r.hgetall(keys.shard_counts(keys.shard_id(rd.url, "0")))
+    assert counts[b"landed"] == b"2" and counts[b"duplicates"] == b"8"
+
+
+def test_a_superseded_writer_is_fenced_and_writes_nothing(
+    r: redis.Redis, rd: RunDir, lander: Lander
+) -> None:
+    stale = open_run(r, rd)
+    lander.land(stale, result(1), [])
+    size_before = rd.size(FILES.results)
+
+    fresh = resume(r, rd)
+
+    with pytest.raises(ShardFencedError):
+        lander.land(stale, result(2), [failure(2)])
+    assert rd.size(FILES.results) == size_before
+    assert not rd.exists(FILES.failures)
+    assert lander.land(fresh, result(2), []).landed
+    assert landed_keys(rd) == {(1, 0): 1, (2, 0): 1}
+
+
+def test_exactly_once_survives_redis_losing_everything(
+    r: redis.Redis, rd: RunDir, lander: Lander
+) -> None:
+    stale = open_run(r, rd)
+    run = resume(r, rd)
+    for task in range(5):
+        lander.land(run, result(task), [failure(task)])
+    r.flushall()
+
+    # Rebuilt from storage: the landed keys, the sizes, and the opener from the manifest.
+    reports = [lander.land(run, result(task), []) for task in range(7)]
+    assert [rep.duplicate for rep in reports] == [True] * 5 + [False] * 2
+    with pytest.raises(ShardFencedError):
+        lander.land(stale, result(9), [])
+    assert landed_keys(rd) == {(t, 0): 1 for t in range(7)}
+    assert sum(1 for _ in rd.iter_lines(FILES.failures)) == 5
+
+
+def test_records_of_a_writer_that_died_before_committing_are_adopted(
+    r: redis.Redis, rd: RunDir, lander: Lander
+) -> None:
+    run = open_run(r, rd)
+    lander.land(run, result(1), [])
+    # A writer wrote task 2's line (whole: an object PUT, or a completed local append) and died
+    # before committing to Redis; its task is then redelivered.
+    rd.append_at(FILES.results, orjson.dumps(result(2)) + b"\n", rd.size(FILES.results))
+
+    again = lander.land(run, result(2), [])
+    later = lander.land(run, result(3), [])
+
+    assert again.duplicate and later.landed
+    assert landed_keys(rd) == {(1, 0): 1, (2, 0): 1, (3, 0): 1}
+
+
+def test_a_torn_last_line_on_a_local_folder_is_cut(
+    r: redis.Redis, tmp_path: Path, lander: Lander
+) -> None:
+    rd = RunDir(str(tmp_path / "run"))
+    rd.makedirs()
+    run = open_run(r, rd)
+    lander.land(run, result(1), [])
+    line = orjson.dumps(result(2)) + b"\n"
+    with open(rd.path(FILES.results), "ab") as f:
+        f.write(line[: len(line) // 2])  # killed mid-write
+
+    assert lander.land(run, result(2), []).landed
+
+    data = rd.read_bytes(FILES.results)
+    assert [orjson.loads(x) for x in data.splitlines()] == [result(1), result(2)]
+
+
+def test_concurrent_tasks_share_batches_and_compaction_keeps_every_line(
+    r: redis.Redis, rd: RunDir, lander: Lander
+) -> None:
+    run = open_run(r, rd, planned=200)
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        reports = list(pool.map(lambda t: lander.land(run, result(t), []), range(200)))
+    assert all(rep.landed for rep in reports)
+    before = list(rd.iter_lines(FILES.results))
+    merged = compact_shard(r, rd, "0")
+    assert rd.segments(FILES.results) == []
+    if not rd.can_append:
+        assert 0 < merged[FILES.results] <= 200
+    assert list(rd.iter_lines(FILES.results)) == before
+    assert landed_keys(rd) == {(t, 0): 1 for t in range(200)}
+    # Landing goes on after compaction, and Redis loss after it is still recoverable.
+    r.delete(keys.shard_state(keys.shard_id(rd.url, "0")))
+    assert lander.land(run, result(5), []).duplicate
+    assert lander.land(run, result(200), []).landed
+    assert landed_keys(rd)[(200, 0)] == 1
