@@ -148,3 +148,42 @@ def test_nemo_gym_resume_counts_attempts_and_never_retries_terminal_failures(
     assert m["state"] == "completed"
     # The finish step aggregated old and new results together.
     assert sum(aggregated.values()) == len(results) == 7
+
+
+def test_resume_and_status_on_any_store(
+    redis_url: str, workers: Workers, run_dir_url: str, tmp_path: Path
+) -> None:
+    from infra.runs import read_manifest
+    from infra.store import RunDir
+
+    servers = start_servers()
+    try:
+        workers.start(count=1, concurrency=8)
+        workers.wait_ready()
+        rows = demo_rows(6)
+        rows[0]["fault"] = {"kind": "http500", "times": 1}
+        proc = cli(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", run_dir_url,
+            "--broker", redis_url, "+route_failures_to_sidecar=true",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        proc = cli(
+            "run", f"+output_jsonl_fpath={run_dir_url}/rollouts-0.jsonl",
+            "+resume_from_cache=true", "--broker", redis_url,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        status = cli("status", run_dir_url, "--json", "--redis", redis_url)
+    finally:
+        servers.stop()
+    rd = RunDir(run_dir_url)
+    results = [orjson.loads(line) for _, line in rd.iter_lines("rollouts-0.jsonl")]
+    failures = [orjson.loads(line) for _, line in rd.iter_lines("rollouts-0_failures.jsonl")]
+    assert sorted(F.rollout_id(r) for r in results) == ["0-0-a1", "1-0", "2-0", "3-0", "4-0", "5-0"]
+    assert [F.rollout_id(r) for r in failures] == ["0-0"]
+    assert [g.kind for g in read_manifest(rd, "0").generations] == ["run", "resume"]
+    assert status.returncode == 0, status.stderr
+    report = orjson.loads(status.stdout)
+    assert (report["planned"], report["landed"], report["failed"], report["failure_rows"]) == (
+        6, 6, {}, 1,
+    )  # fmt: skip
