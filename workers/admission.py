@@ -42,7 +42,7 @@ STARTS_KEEP_S = 7 * 24 * 3600
 DURATIONS_KEPT = 1000
 MARGIN_REFRESH_S = 2.0
 FLAGS_REFRESH_S = 0.5
-WAIT_MIN_S, WAIT_MAX_S = 0.05, 0.5
+WAIT_MIN_S, WAIT_MAX_S = 0.02, 0.25
 REDIS_RETRY_S = 120.0
 
 # KEYS: state landed failed cancel generation counts starts leases waiting agent_leases
@@ -112,6 +112,7 @@ return {'run', ''}
 
 # Releases of many rollouts at once. Per release, KEYS: leases agent_leases starts generation
 # durations; ARGV: member key token field duration. ARGV[1] is how many durations to keep.
+# An empty `key` frees the slot only (the call ended); the accounting follows once it landed.
 END_LUA = """
 local keep = tonumber(ARGV[1])
 for i = 0, #KEYS / 5 - 1 do
@@ -119,8 +120,10 @@ for i = 0, #KEYS / 5 - 1 do
   local member, key, token, field, duration = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
   redis.call('ZREM', KEYS[k + 1], member)
   redis.call('ZREM', KEYS[k + 2], member)
-  if redis.call('HINCRBY', KEYS[k + 3], key, -1) <= 0 then redis.call('HDEL', KEYS[k + 3], key) end
-  if redis.call('HGET', KEYS[k + 4], 'token') == token then redis.call('HINCRBY', KEYS[k + 4], field, 1) end
+  if key ~= '' then
+    if redis.call('HINCRBY', KEYS[k + 3], key, -1) <= 0 then redis.call('HDEL', KEYS[k + 3], key) end
+    if redis.call('HGET', KEYS[k + 4], 'token') == token then redis.call('HINCRBY', KEYS[k + 4], field, 1) end
+  end
   if tonumber(duration) >= 0 then
     redis.call('LPUSH', KEYS[k + 5], duration)
     redis.call('LTRIM', KEYS[k + 5], 0, keep - 1)
@@ -375,20 +378,30 @@ class Gate:
             time.sleep(random.uniform(delay / 2, delay))
             delay = min(delay * 1.5, WAIT_MAX_S)
 
+    def free_slot(self, ticket: Ticket, token: str) -> None:
+        """Give the slot back as soon as the `/run` call ended, before the records land."""
+        self.renewer.remove(ticket.member)
+        self.releaser.put(self._release_keys(ticket), [ticket.member, "", token, "", -1])
+
     def release(
         self, ticket: Ticket, token: str, field: str = "done", duration_s: float | None = None
     ) -> None:
-        """Give the slot back and count the outcome (asynchronously, batched with other releases)."""
+        """Give the slot back (if still held) and count the outcome, batched with other releases."""
         self.renewer.remove(ticket.member)
-        call_keys = [
+        duration: str | float = -1 if duration_s is None else duration_s
+        self.releaser.put(
+            self._release_keys(ticket), [ticket.member, ticket.key, token, field, duration]
+        )
+
+    @staticmethod
+    def _release_keys(ticket: Ticket) -> list[str]:
+        return [
             keys.shard_leases(ticket.sid),
             ticket.agent_key,
             keys.shard_starts(ticket.sid),
             keys.shard_generation(ticket.sid),
             keys.shard_durations(ticket.sid),
         ]  # fmt: skip
-        duration: str | float = -1 if duration_s is None else duration_s
-        self.releaser.put(call_keys, [ticket.member, ticket.key, token, field, duration])
 
     def stop_reason(self, sid: str) -> str | None:
         """`failed: ...`, `cancel` or `drain` when the run was stopped; read at most every half second."""

@@ -185,8 +185,10 @@ def _collect(req: CollectRequest, redis_url: str) -> dict[str, Any]:
     if outcome is None:
         g.release(ticket, req.run.token, field="cancelled")
         return _summary(row, "cancelled", reason=stopped)
-    result, failures, word = sort_outcome(outcome)
     duration = time.monotonic() - started
+    # The slot covers the /run call: the next rollout may start while this one lands.
+    g.free_slot(ticket, req.run.token)
+    result, failures, word = sort_outcome(outcome)
     try:
         summary = _land_and_report(
             req, redis_url, sid, result, failures, word, outcome.requests_sent

@@ -193,3 +193,18 @@ def test_p75_interpolates() -> None:
     assert p75([1, 2, 3, 4, 5]) == 4.0
     assert p75([10.0, 20.0]) == pytest.approx(17.5)
     assert p75([3.0]) == 3.0
+
+
+def test_the_slot_is_freed_when_the_call_ends_and_the_delivery_counted_once_it_landed(
+    gate: Gate, r: redis.Redis
+) -> None:
+    ticket = gate.admit(request(9, max_resident_tasks=1), SID)
+    gate.free_slot(ticket, TOKEN)
+    gate.releaser.flush()
+    assert live_leases(r) == 0
+    assert r.hget(keys.shard_starts(SID), "9:0") == b"1"  # not landed yet: still unfinished
+    assert r.hget(keys.shard_generation(SID), "done") is None
+    gate.release(ticket, TOKEN)
+    gate.releaser.flush()
+    assert r.hget(keys.shard_starts(SID), "9:0") is None
+    assert r.hget(keys.shard_generation(SID), "done") == b"1"
