@@ -33,6 +33,7 @@ from producer.local_cluster import LocalCluster
 from producer.report import print_counts, print_health, print_metrics
 from schemas import fields as F
 from schemas.errors import PlanningError, Problem, RunFailedError, UsageError
+from schemas.health import STOPPED_BY_SIGTERM
 from schemas.settings import CollectionSettings
 from workers.finish import settings_limits
 from workers.health.provisional import write_provisional
@@ -147,7 +148,7 @@ def stop_run(
     """Stop the shard's rollouts and write the provisional summary; returns the error to raise."""
     r = client(redis_url)
     sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
-    r.set(keys.shard_run_failed(sid), "stopped by SIGTERM", nx=True)
+    r.set(keys.shard_run_failed(sid), STOPPED_BY_SIGTERM, nx=True)
     _settle(redis_url, opened)
     settings = CollectionSettings.model_validate(opened.manifest.settings)
     where = opened.rd.path("quality_summary.json")

@@ -47,6 +47,9 @@ ROLLOUT_CHECKS: tuple[str, ...] = tuple(
     c for c in ALL_CHECKS if c not in TASK_CHECKS and c != RUN_CHECK
 )
 
+STOPPED_BY_SIGTERM = "stopped by SIGTERM"
+"""The stop reason `rollouts run` records for its shard when it receives SIGTERM."""
+
 SummaryState = Literal["complete", "provisional", "disabled"]
 LIMIT_NAMES: tuple[str, ...] = ("max_failed_rollouts", "max_failed_fraction")
 

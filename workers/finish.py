@@ -1,8 +1,8 @@
 """The chord callback's work: aggregate metrics per environment server, final status, health, manifest.
 
 The health check runs at the end of every run (also a failed one: its partial results are
-judged); it never fails the run: an error in it is logged and reported, and the run's state
-stands.
+judged; a run stopped by SIGTERM keeps the provisional summary written when it stopped); it never
+fails the run: an error in it is logged and reported, and the run's state stands.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
 from infra.store import RunDir, ShardFiles
 from schemas.config import ServersConfig
-from schemas.health import QUALITY_SUMMARY, Limits
+from schemas.health import QUALITY_SUMMARY, STOPPED_BY_SIGTERM, Limits
 from schemas.messages import RunRef
 from schemas.settings import CollectionSettings
 from workers.accounting import count_shard, iter_rows
@@ -118,7 +118,10 @@ def finish_shard(run: RunRef, redis_url: str) -> dict[str, Any]:
         aggregation_error = write_aggregate(rd, run.shard, config)
     counts = count_shard(rd, run.shard)
     write_status(rd, counts.status(manifest.run_id, run.shard))
-    if not settings.disable_aggregation:
+    if run_error == STOPPED_BY_SIGTERM:
+        # The provisional summary written at the stop stays until `rollouts health-check`.
+        log.info("%s shard %s was stopped: its provisional summary is kept", rd.url, run.shard)
+    elif not settings.disable_aggregation:
         health = check_shard_health(rd, run.shard, settings)
 
     manifest.state = "failed" if run_error else "completed"

@@ -63,8 +63,10 @@ class MergeReport:
 
 def _is_shard(name: str) -> bool:
     stem = stem_of(name)
-    return name.endswith(".jsonl") and name not in EXCLUDED_NAMES and not stem.endswith(
-        SIDECAR_SUFFIXES
+    return (
+        name.endswith(".jsonl")
+        and name not in EXCLUDED_NAMES
+        and not stem.endswith(SIDECAR_SUFFIXES)
     )
 
 
@@ -90,10 +92,19 @@ def expand(input_glob: str, output: RunDir, output_name: str) -> list[Shard]:
 
 def _key(row: Any, shard: Shard, line_no: int) -> list[Any]:
     if not isinstance(row, dict):
-        raise PlanningError([Problem("not a JSON object", file=shard.rd.path(shard.name), line=line_no)])
+        raise PlanningError(
+            [Problem("not a JSON object", file=shard.rd.path(shard.name), line=line_no)]
+        )
     if F.TASK_INDEX not in row:
         raise PlanningError(
-            [Problem("no task index", file=shard.rd.path(shard.name), line=line_no, field=F.TASK_INDEX)]
+            [
+                Problem(
+                    "no task index",
+                    file=shard.rd.path(shard.name),
+                    line=line_no,
+                    field=F.TASK_INDEX,
+                )
+            ]
         )
     return [*tagged(row[F.TASK_INDEX]), *tagged(row.get(F.ROLLOUT_INDEX, 0))]
 
@@ -121,7 +132,9 @@ def merge_shards(input_glob: str, output_url: str) -> MergeReport:
                 try:
                     row = jsonl.loads(line)
                 except jsonl.JSONDecodeError:
-                    problem = Problem("not valid JSON", file=shard.rd.path(shard.name), line=line_no)
+                    problem = Problem(
+                        "not valid JSON", file=shard.rd.path(shard.name), line=line_no
+                    )
                     raise PlanningError([problem], header="cannot merge the shards") from None
                 writer.add([*_key(row, shard, line_no), index, line_no, line.decode()])
             shard.sha256 = h.hexdigest()
@@ -153,9 +166,7 @@ def _write_merged(report: MergeReport, scratch: RunDir, runs: list[str]) -> None
                     {
                         F.TASK_INDEX: group[0][1],
                         F.ROLLOUT_INDEX: group[0][3],
-                        "rows": [
-                            {"shard": report.shards[e[4]].label, "line": e[5]} for e in group
-                        ],
+                        "rows": [{"shard": report.shards[e[4]].label, "line": e[5]} for e in group],
                     }
                 )
 

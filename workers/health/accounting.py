@@ -37,6 +37,8 @@ class Accounting:
     sources: list[SourceCounts]
     records_read: bool = True
     """False for a provisional summary: landed comes from Redis, per-record counts are unknown."""
+    groups_known: bool = True
+    """Whether the owed rollouts per (agent, environment server) are known."""
     failed: Counter[str] = field(default_factory=Counter)
     group_owed: Counter[Group] = field(default_factory=Counter)
     group_failed: Counter[tuple[str | None, str | None, str]] = field(default_factory=Counter)
@@ -116,6 +118,8 @@ def excessive_failures(
         return "unobserved", "no max_failed_rollouts or max_failed_fraction is set", []
     if not acc.inventory_complete:
         return "unobserved", "no materialized inputs to count owed rollouts against", []
+    if not acc.groups_known:
+        return "unobserved", "the owed rollouts per agent were not counted before the stop", []
     findings = []
     for (agent, env, cls), failed in sorted(
         acc.group_failed.items(), key=lambda kv: tuple(str(x) for x in kv[0])

@@ -8,6 +8,7 @@ jobs' results into the reports either way.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import uuid
@@ -27,6 +28,11 @@ log = logging.getLogger(__name__)
 
 LOCAL_RANGE_BYTES = 1 << 40
 DISTRIBUTED_RANGE_BYTES = 64 << 20
+
+
+def distributed_range_bytes() -> int:
+    """Bytes per job of a distributed recheck (ROLLOUTS_HEALTH_RANGE_BYTES overrides 64 MiB)."""
+    return int(os.environ.get("ROLLOUTS_HEALTH_RANGE_BYTES", DISTRIBUTED_RANGE_BYTES))
 
 
 def _ranges(size: int, range_bytes: int) -> list[tuple[int, int | None]]:
@@ -116,7 +122,7 @@ def plan_recheck(
         limits=limits,
         overrides=overrides,
         scratch=scratch,
-        range_bytes=DISTRIBUTED_RANGE_BYTES if distributed else LOCAL_RANGE_BYTES,
+        range_bytes=distributed_range_bytes() if distributed else LOCAL_RANGE_BYTES,
     )
 
 

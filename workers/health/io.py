@@ -74,8 +74,11 @@ def file_digest(rd: RunDir, name: str) -> tuple[int, str]:
 
 
 @contextmanager
-def open_writer(rd: RunDir, name: str) -> Iterator[IO[bytes]]:
-    """A binary file that replaces `name` when the block exits cleanly (and never on error)."""
+def open_writer(rd: RunDir, name: str, durable: bool = True) -> Iterator[IO[bytes]]:
+    """A binary file that replaces `name` when the block exits cleanly (and never on error).
+
+    `durable` syncs a local file before it replaces the target (reports; not scratch files).
+    """
     target = rd.path(name)
     if rd.is_local:
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
@@ -83,8 +86,9 @@ def open_writer(rd: RunDir, name: str) -> Iterator[IO[bytes]]:
         try:
             with open(tmp, "wb") as f:
                 yield f
-                f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, target)
         finally:
             with contextlib.suppress(FileNotFoundError):

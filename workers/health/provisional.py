@@ -66,8 +66,8 @@ def provisional_accounting(
     if built != b"1":
         # Redis lost the shard's state; its counters would undercount.
         raise RuntimeError(f"Redis holds no state for {rd.url} shard {shard}")
-    source = SourceCounts(has_inventory=group_owed is not None, drained=counts.get("drained", 0))
-    acc = Accounting([source], records_read=False)
+    source = SourceCounts(has_inventory=True, drained=counts.get("drained", 0))
+    acc = Accounting([source], records_read=False, groups_known=group_owed is not None)
     source.owed = planned
     source.landed = int(landed)
     if group_owed is not None:

@@ -265,7 +265,10 @@ def _stats(d: Digest, record: dict[str, Any], t: Trajectory | None) -> None:
         d.capture_completion += _int(c.tokens_out) or 0
     d.model_call_errors = sum(by_status.values())
     d.errors_by_status = dict(by_status)
-    d.ended_on_error = bool(_ended_on_failed_call(t)) if t.calls else False
+    try:
+        d.ended_on_error = bool(_ended_on_failed_call(t))
+    except Exception:  # the check itself reports this as check_execution_error
+        d.ended_on_error = False
     identities = Counter(c.identity for c in t.calls if c.identity is not None)
     d.duplicated_calls = sum(n - 1 for n in identities.values() if n > 1)
 

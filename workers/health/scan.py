@@ -62,7 +62,7 @@ def _scan(job: ScanJob) -> ScanResult:
     ignored = frozenset(job.ignored)
     late_name = f"{prefix}-late.jsonl"
     late_count = 0
-    with open_writer(scratch, late_name) as late:
+    with open_writer(scratch, late_name, durable=False) as late:
         for offset, line in iter_range(rd, job.name, job.start, job.end):
             result.lines += 1
             result.bytes += len(line) + 1

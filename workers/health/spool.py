@@ -61,7 +61,8 @@ class RunWriter:
             return
         self._buffer.sort(key=lambda item: item[0])
         name = f"{self.prefix}-{len(self.names):04d}.run"
-        self.rd.write_atomic(name, b"\n".join(line for _, line in self._buffer) + b"\n")
+        with open_writer(self.rd, name, durable=False) as f:
+            f.write(b"\n".join(line for _, line in self._buffer) + b"\n")
         self.names.append(name)
         self._buffer = []
         self._bytes = 0
@@ -86,7 +87,7 @@ def merge(rd: RunDir, names: list[str], key_len: int, prefix: str = "merge") -> 
         for i in range(0, len(names), MAX_FANIN):
             group = names[i : i + MAX_FANIN]
             name = f"{prefix}-l{level}-{i // MAX_FANIN:04d}.run"
-            with open_writer(rd, name) as f:
+            with open_writer(rd, name, durable=False) as f:
                 for entry in _merge_now(rd, group, key_len):
                     f.write(orjson.dumps(entry, option=orjson.OPT_APPEND_NEWLINE))
             for old in group:
