@@ -23,7 +23,7 @@ import orjson
 
 from schemas import fields as F
 from schemas.config import ServersConfig
-from workers.health.spool import tagged
+from workers.health.spool import compact, tagged
 
 AGGREGATE_TIMEOUT_S = 600.0
 
@@ -71,7 +71,7 @@ def group_rows(rows: Iterable[dict[str, Any]], config: ServersConfig) -> dict[st
             continue
         group = groups[server]
         key = (tagged(row.get(F.TASK_INDEX, 0)), tagged(row.get(F.ROLLOUT_INDEX, 0)))
-        group.rows.append((key, orjson.dumps(strip_row(row))))
+        group.rows.append((key, compact(orjson.dumps(strip_row(row)))))
         agent = F.agent_name(row)
         if agent is not None and agent not in group.agents:
             group.agents.append(agent)

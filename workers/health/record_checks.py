@@ -16,14 +16,13 @@ from infra import jsonl
 from schemas.health import ROLLOUT_CHECKS
 from workers.health import response_checks
 from workers.health.digest import Digest
-from workers.health.registry import BY_ID, mask_of
+from workers.health.registry import mask_of
 from workers.health.response_checks import Finding
 from workers.health.trajectory import CONTRADICTION_GAPS, Trajectory, TrajectoryInvalid, nonempty
 from workers.health.trajectory import has_tool_call as _has_tool_call
 from workers.health.trajectory import response_has_content as _has_content
 
 LENGTH_FINISH = frozenset({"length", "max_output_tokens", "max_tokens"})
-EVALUATED_ALWAYS = ("check_execution_error", "record_unreadable", "rollout_duplicate_identity")
 
 
 def _int(value: Any) -> int | None:
@@ -182,28 +181,13 @@ def _runaway(t: Trajectory) -> list[Finding]:
     ]
 
 
-def _observable(check: str, record: dict[str, Any], t: Trajectory | None) -> bool:
-    """Whether the record carries the evidence `check` (one that reads the trajectory) needs."""
-    reads = BY_ID[check].reads
-    if t is None or not t.observed:
-        return False
-    if "agent_turns" in reads:
-        return t.turns_observed
-    if "observed_model_calls" in reads:
-        return t.calls_observed and bool(t.calls)
-    if "owned_calls" in reads:
-        if not t.calls_observed:
-            return False
-        if check == "trajectory_capture_mismatch":
-            return bool(t.owned.references or t.contradictions())
-        if check == "model_call_runaway_generation" and any(
-            c.finish_reason in LENGTH_FINISH and c.response is None for c in t.owned.matched
-        ):
-            return False
-        return bool(t.owned.matched)
+def _observable(record: dict[str, Any], t: Trajectory) -> dict[str, bool]:
+    """Which trajectory checks have the evidence they read, for an observed trajectory."""
+    calls = t.calls_observed
+    owned = calls and bool(t.owned.matched)
     prompt, completion = transcript_tokens(record)
-    return (
-        t.calls_observed
+    bound = (
+        calls
         and t.turn_scope_complete
         and t.bound.complete
         and bool(t.bound.matched)
@@ -211,6 +195,20 @@ def _observable(check: str, record: dict[str, Any], t: Trajectory | None) -> boo
         and completion is not None
         and all(c.tokens_in is not None and c.tokens_out is not None for c in t.bound.matched)
     )
+    return {
+        "rollout_missing_agent_turns": t.turns_observed,
+        "rollout_ended_on_failed_model_call": calls and bool(t.calls),
+        "agent_turn_hollow": t.turns_observed,
+        "model_call_zero_completion_tokens": owned,
+        "model_call_missing_token_counts": owned,
+        "trajectory_capture_mismatch": calls and bool(t.owned.references or t.contradictions()),
+        "model_call_failed": owned,
+        "rollout_token_count_mismatch": bound,
+        "model_call_runaway_generation": owned
+        and not any(
+            c.finish_reason in LENGTH_FINISH and c.response is None for c in t.owned.matched
+        ),
+    }
 
 
 TrajectoryCheck = Callable[[dict[str, Any], Trajectory], list[Finding]]
@@ -230,7 +228,17 @@ RESPONSE_CHECKS: dict[str, Callable[[dict[str, Any]], list[Finding] | None]] = {
     "rollout_response_empty": response_checks.empty,
     "rollout_context_window_exceeded": response_checks.context_window_exceeded,
 }
-ALL_BUT_UNREADABLE = mask_of(c for c in ROLLOUT_CHECKS if c != "record_unreadable")
+_plans: dict[frozenset[str], tuple[list[str], list[str], int]] = {}
+
+
+def _plan(ignored: frozenset[str]) -> tuple[list[str], list[str], int]:
+    """(trajectory checks, response checks) not ignored, and the mask of the former."""
+    found = _plans.get(ignored)
+    if found is None:
+        trajectory = [c for c in TRAJECTORY_CHECKS if c not in ignored]
+        response = [c for c in RESPONSE_CHECKS if c not in ignored]
+        found = _plans[ignored] = (trajectory, response, mask_of(trajectory))
+    return found
 
 
 def unreadable_digest(error: str, ignored: frozenset[str]) -> Digest:
@@ -257,20 +265,50 @@ def _stats(d: Digest, record: dict[str, Any], t: Trajectory | None) -> None:
     d.policy_calls_observed = t.turn_scope_complete and t.bound.complete
     d.model_calls = len(t.bound.matched)
     d.successful_model_calls = sum(1 for c in t.bound.matched if c.successful)
-    by_status: Counter[str] = Counter()
+    by_status: dict[str, int] = {}
     for c in t.calls:
         if c.failed:
-            by_status[str(c.status_code) if c.status_code is not None else "unknown"] += 1
+            status = str(c.status_code) if c.status_code is not None else "unknown"
+            by_status[status] = by_status.get(status, 0) + 1
         d.capture_prompt += _int(c.tokens_in) or 0
         d.capture_completion += _int(c.tokens_out) or 0
     d.model_call_errors = sum(by_status.values())
-    d.errors_by_status = dict(by_status)
+    d.errors_by_status = by_status
+    if by_status:
+        try:
+            d.ended_on_error = bool(_ended_on_failed_call(t))
+        except Exception:  # the check itself reports this as check_execution_error
+            d.ended_on_error = False
+    if len(t.calls) > 1:
+        identities = Counter(c.identity for c in t.calls if c.identity is not None)
+        d.duplicated_calls = sum(n - 1 for n in identities.values() if n > 1)
+
+
+def _run(
+    d: Digest,
+    check: str,
+    ignored: frozenset[str],
+    unobserved: list[str],
+    fn: Callable[..., list[Finding] | None],
+    *args: Any,
+) -> None:
+    """One check on the record: its findings, or unobserved (no evidence, or the check raised)."""
     try:
-        d.ended_on_error = bool(_ended_on_failed_call(t))
-    except Exception:  # the check itself reports this as check_execution_error
-        d.ended_on_error = False
-    identities = Counter(c.identity for c in t.calls if c.identity is not None)
-    d.duplicated_calls = sum(n - 1 for n in identities.values() if n > 1)
+        found = fn(*args)
+    except Exception as exc:  # a check's bug must not hide the record's other findings
+        unobserved.append(check)
+        if "check_execution_error" not in ignored:
+            detail = {
+                "reason": "check raised an unexpected exception",
+                "failed_check": check,
+                "error": type(exc).__name__,
+            }
+            d.findings.append(("check_execution_error", None, detail))
+        return
+    if found is None:
+        unobserved.append(check)
+    else:
+        d.findings.extend((check, locator, detail) for locator, detail in found)
 
 
 def check_line(line: bytes, ignored: frozenset[str]) -> Digest:
@@ -307,33 +345,19 @@ def check_record(record: dict[str, Any], ignored: frozenset[str]) -> Digest:
     if explicit is None and trajectory is not None:
         explicit = trajectory.rollout_id
     d.rollout_id = None if explicit is None else str(explicit)
+    trajectory_checks, response_checks, trajectory_mask = _plan(ignored)
     unobserved: list[str] = []
-    for check in ROLLOUT_CHECKS:
-        if check in ignored or check in EVALUATED_ALWAYS:
-            continue
-        try:
-            if check in RESPONSE_CHECKS:
-                found = RESPONSE_CHECKS[check](record)
-                if found is None:
-                    unobserved.append(check)
-                    continue
-            elif not _observable(check, record, trajectory):
+    if trajectory is None or not trajectory.observed:
+        d.unobserved = trajectory_mask
+    else:
+        observable = _observable(record, trajectory)
+        for check in trajectory_checks:
+            if not observable[check]:
                 unobserved.append(check)
                 continue
-            else:
-                assert trajectory is not None
-                found = TRAJECTORY_CHECKS[check](record, trajectory)
-        except Exception as exc:  # a check's bug must not hide the record's other findings
-            unobserved.append(check)
-            if "check_execution_error" not in ignored:
-                detail = {
-                    "reason": "check raised an unexpected exception",
-                    "failed_check": check,
-                    "error": type(exc).__name__,
-                }
-                d.findings.append(("check_execution_error", None, detail))
-            continue
-        d.findings.extend((check, locator, detail) for locator, detail in found)
-    d.unobserved = mask_of(unobserved)
+            _run(d, check, ignored, unobserved, TRAJECTORY_CHECKS[check], record, trajectory)
+    for check in response_checks:
+        _run(d, check, ignored, unobserved, RESPONSE_CHECKS[check], record)
+    d.unobserved |= mask_of(unobserved)
     _stats(d, record, trajectory)
     return d

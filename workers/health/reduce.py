@@ -42,21 +42,28 @@ class Totals:
     duplicated_calls: int = 0
     duplicated_rollouts: int = 0
     tokens: Counter[str] = field(default_factory=Counter)
+    masks: Counter[int] = field(default_factory=Counter)
+    """Records per unobserved mask (few distinct ones): the rollout checks' coverage."""
 
     def __post_init__(self) -> None:
-        for check in (*ROLLOUT_CHECKS, *TASK_CHECKS):
+        for check in TASK_CHECKS:
             self.coverage[check] = Counter()
+
+    def rollout_coverage(self) -> None:
+        """Fill the rollout checks' coverage from the mask counts (call once, at the end)."""
+        for check in ROLLOUT_CHECKS:
+            bit = 1 << ROLLOUT_INDEX[check]
+            if check in self.ignored:
+                counts = Counter({"ignored": self.records})
+            else:
+                unobserved = sum(n for mask, n in self.masks.items() if mask & bit)
+                counts = Counter({"unobserved": unobserved, "evaluated": self.records - unobserved})
+            self.coverage[check] = counts
 
     def add_record(self, d: Digest, verdict: str, findings: list[tuple[str, Any, Any]]) -> None:
         self.records += 1
         self.captures += 1 if d.capture_observed else 0
-        for check in ROLLOUT_CHECKS:
-            if check in self.ignored:
-                self.coverage[check]["ignored"] += 1
-            elif d.unobserved >> ROLLOUT_INDEX[check] & 1:
-                self.coverage[check]["unobserved"] += 1
-            else:
-                self.coverage[check]["evaluated"] += 1
+        self.masks[d.unobserved] += 1
         self.verdicts[verdict] += 1
         for check, _, _ in findings:
             self.issues[check] += 1
@@ -79,6 +86,16 @@ class Repeat:
     verdict: str
     policy_calls_observed: bool
     successful_model_calls: int
+
+
+_names: dict[int, list[str]] = {}
+
+
+def _unobserved_names(mask: int) -> list[str]:
+    found = _names.get(mask)
+    if found is None:
+        found = _names[mask] = checks_in(mask)
+    return found
 
 
 def verdict_of(findings: list[Any], unobserved_mask: int) -> str:
@@ -119,6 +136,7 @@ class Reducer:
         if group:
             self._rollout(group)
         self._close_task()
+        self.totals.rollout_coverage()
 
     def _rollout(self, group: list[list[Any]]) -> None:
         source = group[0][0]
@@ -188,7 +206,7 @@ class Reducer:
                 else {"check": c, "locator": loc, "detail": det}
                 for c, loc, det in findings
             ],
-            "unobserved": checks_in(d.unobserved),
+            "unobserved": _unobserved_names(d.unobserved),
         }
         if d.stage is not None:
             line["stage_index"] = d.stage

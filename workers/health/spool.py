@@ -34,6 +34,15 @@ def tagged(value: Any) -> tuple[int, Any]:
     return (1, orjson.dumps(value).decode())
 
 
+def compact(data: bytes) -> bytes:
+    """A right-sized copy of orjson's output, for keeping.
+
+    orjson returns small documents inside a buffer of several KiB; a million kept as they are
+    would hold gigabytes.
+    """
+    return bytes(memoryview(data))
+
+
 def untagged(tag: int, value: Any) -> Any:
     return None if tag == -1 else value
 
@@ -50,7 +59,7 @@ class RunWriter:
         self._bytes = 0
 
     def add(self, entry: list[Any]) -> None:
-        line = orjson.dumps(entry)
+        line = compact(orjson.dumps(entry))
         self._buffer.append((entry[: self.key_len], line))
         self._bytes += len(line) + 1
         if len(self._buffer) >= RUN_ITEMS or self._bytes >= RUN_BYTES:
