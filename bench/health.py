@@ -104,8 +104,16 @@ def write_folder(folder: Path, rollouts: int) -> int:
 @dataclass
 class Measure:
     wall_s: float
+    cpu_s: float
     cli_rss_mb: float
     worker_rss_mb: list[float]
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _hwm_mb(pid: int) -> float:
@@ -116,7 +124,7 @@ def _hwm_mb(pid: int) -> float:
     return 0.0
 
 
-def _run_cli(args: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+def _run_cli(args: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float]:
     started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "producer.cli", *args],
@@ -134,7 +142,7 @@ def _run_cli(args: list[str], env: dict[str, str] | None = None) -> tuple[float,
         )
     if proc.stderr:
         proc.stderr.close()
-    return wall, usage.ru_maxrss / 1024
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 def _reports(folder: Path) -> str:
@@ -145,8 +153,8 @@ def _reports(folder: Path) -> str:
 
 
 def measure_local(folder: Path) -> tuple[Measure, str]:
-    wall, rss = _run_cli(["health-check", str(folder)])
-    return Measure(wall, rss, []), _reports(folder)
+    wall, cpu, rss = _run_cli(["health-check", str(folder)])
+    return Measure(wall, cpu, rss, []), _reports(folder)
 
 
 def measure_distributed(folder: Path, workers: int) -> tuple[Measure, str]:
@@ -157,14 +165,16 @@ def measure_distributed(folder: Path, workers: int) -> tuple[Measure, str]:
         pool.start()
         time.sleep(3)  # let the workers connect before the clock starts
         env = {**os.environ, "ROLLOUTS_HEALTH_RANGE_BYTES": str(32 << 20)}
-        wall, rss = _run_cli(
+        before = sum(_cpu_s(p.pid) for p in pool.procs)
+        wall, cpu, rss = _run_cli(
             ["health-check", str(folder), "--distributed", "--broker", redis.url], env
         )
+        cpu += sum(_cpu_s(p.pid) for p in pool.procs) - before
         worker_rss = [_hwm_mb(p.pid) for p in pool.procs]
     finally:
         pool.stop()
         redis.close()
-    return Measure(wall, rss, worker_rss), _reports(folder)
+    return Measure(wall, cpu, rss, worker_rss), _reports(folder)
 
 
 def main() -> None:
@@ -200,9 +210,9 @@ def main() -> None:
     print()
     print(
         "| rollouts | data MB | mode | processes | wall s | MB/s | MB/s per process | "
-        "peak RSS MB (CLI / workers) | speed vs local |"
+        "CPU s (all processes) | MB per CPU-s | peak RSS MB (CLI / workers) | speed vs local |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---|---:|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for size, data, local, dist in rows:
         mb = data / 1e6
         for mode, m, procs in (("local", local, 1), ("distributed", dist, len(dist.worker_rss_mb))):
@@ -211,7 +221,8 @@ def main() -> None:
             )
             print(
                 f"| {size:,} | {mb:,.0f} | {mode} | {procs} | {m.wall_s:.1f} | {mb / m.wall_s:.1f} | "
-                f"{mb / m.wall_s / procs:.1f} | {rss} | {local.wall_s / m.wall_s:.2f}x |"
+                f"{mb / m.wall_s / procs:.1f} | {m.cpu_s:.1f} | {mb / m.cpu_s:.1f} | {rss} | "
+                f"{local.wall_s / m.wall_s:.2f}x |"
             )
     print(
         "\nReports (quality_summary.json, rollout_verdicts.jsonl) identical local vs distributed."
