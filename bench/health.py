@@ -146,9 +146,12 @@ def _run_cli(args: list[str], env: dict[str, str] | None = None) -> tuple[float,
 
 
 def _reports(folder: Path) -> str:
+    # Streamed: this process forks the next measured one, whose peak RSS counts ours at the fork.
     h = hashlib.sha256()
     for name in ("quality_summary.json", "rollout_verdicts.jsonl"):
-        h.update((folder / name).read_bytes())
+        with open(folder / name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
     return h.hexdigest()
 
 

@@ -126,3 +126,29 @@ def test_shards_number_their_rollouts_on_their_own(tmp_path: Path) -> None:
     assert list(summary["tasks"]) == ["rollouts-a.jsonl:0", "rollouts-b.jsonl:0"]
     lines = [orjson.loads(x) for x in (folder / "rollout_verdicts.jsonl").read_bytes().splitlines()]
     assert [x["source"] for x in lines] == ["rollouts-a.jsonl"] * 2 + ["rollouts-b.jsonl"] * 2
+
+
+def test_object_store_folder_gives_the_same_reports(tmp_path: Path) -> None:
+    """On an fsspec store without local paths (memory://), reports and scratch go through fsspec."""
+    import fsspec
+
+    folder = crafted_folder(tmp_path)
+    run_local(plan_recheck(str(folder)))
+    expected = _reports(folder)
+    fs = fsspec.filesystem("memory")
+    url = "memory://health-store/run"
+    try:
+        for path in folder.iterdir():
+            if path.name.startswith("rollouts-"):
+                fs.pipe(f"/health-store/run/{path.name}", path.read_bytes())
+        plan = plan_recheck(url, distributed=True)  # scratch inside the run directory
+        assert plan.scratch.startswith(f"{RunDir(url).url}/.health-scratch-")
+        run_local(make_plan(plan.report_dir, plan.sources, scratch=plan.scratch, range_bytes=500))
+        got = (
+            fs.cat("/health-store/run/quality_summary.json"),
+            fs.cat("/health-store/run/rollout_verdicts.jsonl"),
+        )
+        assert got == expected
+        assert not fs.exists("/health-store/run/" + plan.scratch.rsplit("/", 1)[1])
+    finally:
+        fs.rm("/health-store", recursive=True)
