@@ -41,7 +41,8 @@ class Totals:
     ended_on_error: int = 0
     duplicated_calls: int = 0
     duplicated_rollouts: int = 0
-    tokens: Counter[str] = field(default_factory=Counter)
+    tokens: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    """prompt, completion, capture_prompt, capture_completion."""
     masks: Counter[int] = field(default_factory=Counter)
     """Records per unobserved mask (few distinct ones): the rollout checks' coverage."""
 
@@ -67,16 +68,18 @@ class Totals:
         self.verdicts[verdict] += 1
         for check, _, _ in findings:
             self.issues[check] += 1
-        self.errors_total += d.model_call_errors
-        self.errors_by_status.update(d.errors_by_status)
-        self.errors_rollouts += 1 if d.model_call_errors else 0
+        if d.model_call_errors:
+            self.errors_total += d.model_call_errors
+            self.errors_by_status.update(d.errors_by_status)
+            self.errors_rollouts += 1
         self.ended_on_error += 1 if d.ended_on_error else 0
         self.duplicated_calls += d.duplicated_calls
         self.duplicated_rollouts += 1 if d.duplicated_calls else 0
-        self.tokens["prompt"] += d.transcript_prompt
-        self.tokens["completion"] += d.transcript_completion
-        self.tokens["capture_prompt"] += d.capture_prompt
-        self.tokens["capture_completion"] += d.capture_completion
+        tokens = self.tokens
+        tokens[0] += d.transcript_prompt
+        tokens[1] += d.transcript_completion
+        tokens[2] += d.capture_prompt
+        tokens[3] += d.capture_completion
 
 
 @dataclass
@@ -159,9 +162,13 @@ class Reducer:
         if (source, task) != self._task:
             self._close_task()
             self._task = (source, task)
-        by_stage: dict[tuple[int, Any], list[list[Any]]] = {}
-        for e in records:
-            by_stage.setdefault((e[6], e[7]), []).append(e)
+        by_stage: dict[tuple[int, Any], list[list[Any]]]
+        if len(records) == 1:
+            by_stage = {(records[0][6], records[0][7]): records}
+        else:
+            by_stage = {}
+            for e in records:
+                by_stage.setdefault((e[6], e[7]), []).append(e)
         verdicts: list[str] = []
         policy = True
         successful = 0

@@ -102,10 +102,13 @@ def run_section(
                 "replayed": totals.duplicated_calls,
                 "rollouts": totals.duplicated_rollouts,
             },
-            "tokens": {
-                k: totals.tokens[k]
-                for k in ("prompt", "completion", "capture_prompt", "capture_completion")
-            },
+            "tokens": dict(
+                zip(
+                    ("prompt", "completion", "capture_prompt", "capture_completion"),
+                    totals.tokens,
+                    strict=True,
+                )
+            ),
         }
     else:
         coverage = {c: _coverage_of_run_check(None) for c in ALL_CHECKS if c != RUN_CHECK}
