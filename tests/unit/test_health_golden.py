@@ -517,3 +517,19 @@ def test_disabled_summary(tmp_path: Path) -> None:
     assert set(run["issues"].values()) == {None}
     assert run["accounting"]["landed"] is None and run["accounting"]["owed"] is None
     assert not (folder / "rollout_verdicts.jsonl").exists()
+
+
+def test_shard_that_landed_nothing_is_still_accounted(tmp_path: Path) -> None:
+    folder = tmp_path / "lost"
+    folder.mkdir()
+    write_lines(folder / "rollouts-0_materialized_inputs.jsonl", owed(1, 2))
+    write_lines(folder / "rollouts-0_failures.jsonl", [failure(0, 0, "agent_run_error")])
+    (folder / "rollouts-0_manifest.json").write_bytes(
+        orjson.dumps({"settings": {"max_failed_rollouts": 1}})
+    )
+    run = check(folder)["run"]
+    assert run["sources"] == ["rollouts-0.jsonl"]
+    acc = run["accounting"]
+    assert (acc["owed"], acc["landed"], acc["missing"], acc["failed"]["total"]) == (2, 0, 1, 1)
+    assert run["healthy"] is False
+    assert len(run["reasons"]) == 2

@@ -70,16 +70,19 @@ def merged_records(rd: RunDir) -> list[str]:
 
 
 def shard_sources(rd: RunDir) -> list[Source]:
-    """The folder's shards (a `rollouts-S.jsonl` with its manifest or inventory), and `rollouts.jsonl`."""
+    """The folder's shards (`rollouts-S` with a manifest or an inventory), and `rollouts.jsonl`.
+
+    A shard with a manifest but no results file yet (every rollout failed) is one too: its
+    accounting shows what it owed and how that failed.
+    """
     names = set(_names(rd))
-    out = []
-    for name in sorted(names):
-        m = SHARD_FILE.match(name)
-        if m is None:
-            continue
-        stem = stem_of(name)
-        if f"{stem}_manifest.json" in names or f"{stem}_materialized_inputs.jsonl" in names:
-            out.append(source_for(rd, name, name))
+    stems = set()
+    for name in names:
+        if name.startswith("rollouts-") and name.endswith("_manifest.json"):
+            stems.add(name[: -len("_manifest.json")])
+        elif SHARD_FILE.match(name) and f"{stem_of(name)}_materialized_inputs.jsonl" in names:
+            stems.add(stem_of(name))
+    out = [source_for(rd, f"{stem}.jsonl", f"{stem}.jsonl") for stem in sorted(stems)]
     if "rollouts.jsonl" in names:
         out.append(source_for(rd, "rollouts.jsonl", "rollouts.jsonl"))
     return out
