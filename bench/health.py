@@ -13,6 +13,7 @@ must write byte-identical reports.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import shutil
@@ -125,24 +126,34 @@ def _hwm_mb(pid: int) -> float:
 
 
 def _run_cli(args: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float]:
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "producer.cli", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.monotonic() - started
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"health-check failed: {proc.stderr.read().decode() if proc.stderr else ''}"
+    """(wall s, CPU s, peak RSS MB) of one CLI run.
+
+    The peak is the child's own VmHWM, polled: rusage's ru_maxrss survives exec, so it would
+    count this (parent) process's size at the fork.
+    """
+    with tempfile.TemporaryFile() as err:
+        started = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "producer.cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
         )
-    if proc.stderr:
-        proc.stderr.close()
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+        peak = 0.0
+        while True:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                peak = max(peak, _hwm_mb(proc.pid))
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            time.sleep(0.05)
+        wall = time.monotonic() - started
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            err.seek(0)
+            raise RuntimeError(f"health-check failed: {err.read().decode()}")
+    return wall, usage.ru_utime + usage.ru_stime, peak
 
 
 def _reports(folder: Path) -> str:
