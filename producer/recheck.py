@@ -8,6 +8,7 @@ do for a run).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from typing import Any
@@ -57,6 +58,10 @@ def run_distributed(plan: HealthPlan, broker_url: str, redis_url: str) -> dict[s
         time.sleep(POLL_S)
     value = result.get(propagate=False, disable_sync_subtasks=False)
     if result.failed() or not isinstance(value, dict):
+        # The combine step removes the scratch folder; after a failed job nobody else will.
+        scratch = RunDir(plan.scratch)
+        with contextlib.suppress(OSError):
+            scratch.fs.rm(scratch.root, recursive=True)
         raise RunFailedError(f"the distributed health check failed: {value!r}")
     return value
 

@@ -533,3 +533,18 @@ def test_shard_that_landed_nothing_is_still_accounted(tmp_path: Path) -> None:
     assert (acc["owed"], acc["landed"], acc["missing"], acc["failed"]["total"]) == (2, 0, 1, 1)
     assert run["healthy"] is False
     assert len(run["reasons"]) == 2
+
+
+def test_earlier_summary_limits_are_read_without_its_tasks(tmp_path: Path) -> None:
+    from infra.store import RunDir
+    from workers.health.sources import earlier_run
+
+    folder = crafted_folder(tmp_path)
+    check(folder, limit_overrides={"max_failed_rollouts": "4"})
+    run = earlier_run(RunDir(str(folder)))
+    assert run == read_summary(folder)["run"]
+    (folder / "quality_summary.json").write_bytes(orjson.dumps(read_summary(folder)))  # compact
+    assert earlier_run(RunDir(str(folder))) == run
+    # A merged folder's shards have no manifest here: the earlier summary's limits judge.
+    (folder / "rollouts-0_manifest.json").unlink(missing_ok=True)
+    assert check(folder)["run"]["limits"]["max_failed_rollouts"] == 4

@@ -15,7 +15,7 @@ from infra import jsonl
 from infra.store import RunDir
 from schemas.errors import StorageError, UsageError
 from schemas.health import LIMIT_NAMES, MERGED_SHARDS_SUFFIX, QUALITY_SUMMARY, Limits, Source
-from workers.health.io import file_digest
+from workers.health.io import file_digest, iter_range
 
 SHARD_FILE = re.compile(r"^rollouts-(.+)\.jsonl$")
 SIDECAR_SUFFIXES = ("_failures", "_materialized_inputs")
@@ -147,14 +147,40 @@ def persisted_limits(report: RunDir, sources: list[Source]) -> Limits:
         settings = manifest.get("settings") if isinstance(manifest, dict) else None
         if isinstance(settings, dict):
             return Limits(**{n: settings.get(n) for n in LIMIT_NAMES})
-    summary = _read_json(report, QUALITY_SUMMARY)
-    limits = summary.get("run", {}).get("limits") if isinstance(summary, dict) else None
+    run = earlier_run(report)
+    limits = run.get("limits") if run is not None else None
     if isinstance(limits, dict):
         try:
             return Limits(**{n: limits.get(n) for n in LIMIT_NAMES})
         except ValueError:
             return Limits()
     return Limits()
+
+
+SUMMARY_HEAD_LIMIT = 16 << 20
+
+
+def earlier_run(rd: RunDir) -> dict[str, Any] | None:
+    """The `run` object of the folder's earlier summary, read without its `tasks` (which can be
+    hundreds of MB): the indented layout puts `"tasks"` after `run`, on a line of its own."""
+    head: list[bytes] = []
+    size = 0
+    for _, line in iter_range(rd, QUALITY_SUMMARY):
+        if line.startswith(b'  "tasks"'):
+            text = b"\n".join(head).rstrip().rstrip(b",") + b"\n}"
+            try:
+                data = jsonl.loads(text)
+            except jsonl.JSONDecodeError:
+                return None
+            run = data.get("run") if isinstance(data, dict) else None
+            return run if isinstance(run, dict) else None
+        head.append(line)
+        size += len(line)
+        if size > SUMMARY_HEAD_LIMIT:
+            return None
+    data = jsonl.loads(b"\n".join(head)) if head else None
+    run = data.get("run") if isinstance(data, dict) else None
+    return run if isinstance(run, dict) else None
 
 
 def apply_overrides(
