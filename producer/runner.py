@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import signal
-import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 from pydantic import ValidationError
@@ -31,15 +25,10 @@ from producer.dispatch import (
 )
 from producer.local_cluster import LocalCluster
 from producer.report import print_counts, print_health, print_metrics
-from schemas import fields as F
+from producer.stop import Stopped, counted, stop_on_sigterm, stop_run
 from schemas.errors import PlanningError, Problem, RunFailedError, UsageError
-from schemas.health import STOPPED_BY_SIGTERM
 from schemas.settings import CollectionSettings
-from workers.finish import settings_limits
-from workers.health.provisional import write_provisional
 from workers.health.registry import normalize_ignored
-
-log = logging.getLogger(__name__)
 
 DEFAULT_WORKERS = 2
 DEFAULT_CONCURRENCY = 256
@@ -93,86 +82,6 @@ def _progress_reader(opened: OpenedRun, redis_url: str, progress: Progress, task
     return update
 
 
-class Stopped(BaseException):
-    """Raised in the main thread when `rollouts run` receives SIGTERM."""
-
-
-@contextlib.contextmanager
-def stop_on_sigterm() -> Iterator[None]:
-    """While inside, SIGTERM raises Stopped (a scheduler stopping the job) instead of killing us."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise Stopped()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _counted(
-    rows: Iterator[dict[str, Any]], groups: Counter[tuple[str | None, str | None]]
-) -> Iterator[dict[str, Any]]:
-    """Count the rollouts per (agent, environment server) as they are enqueued."""
-    for row in rows:
-        env = row.get(F.ENVIRONMENT_SERVER)
-        groups[(F.agent_name(row), env if isinstance(env, str) else None)] += 1
-        yield row
-
-
-SETTLE_S = 2.5
-
-
-def _settle(redis_url: str, opened: OpenedRun) -> None:
-    """Wait (briefly) until landing stops: in-flight rollouts see the stop flag and are cancelled."""
-    r = client(redis_url)
-    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
-    deadline = time.monotonic() + SETTLE_S
-    last, stable_since = None, time.monotonic()
-    while time.monotonic() < deadline:
-        now = r.hgetall(keys.shard_counts(sid))
-        if now != last:
-            last, stable_since = now, time.monotonic()
-        elif time.monotonic() - stable_since >= 0.6:
-            return
-        time.sleep(0.1)
-
-
-def stop_run(
-    opened: OpenedRun,
-    redis_url: str,
-    groups: Counter[tuple[str | None, str | None]] | None,
-    console: Console,
-) -> RunFailedError:
-    """Stop the shard's rollouts and write the provisional summary; returns the error to raise."""
-    r = client(redis_url)
-    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
-    r.set(keys.shard_run_failed(sid), STOPPED_BY_SIGTERM, nx=True)
-    _settle(redis_url, opened)
-    settings = CollectionSettings.model_validate(opened.manifest.settings)
-    where = opened.rd.path("quality_summary.json")
-    try:
-        run = write_provisional(
-            opened.rd,
-            opened.manifest.shard,
-            r,
-            planned=opened.manifest.planned,
-            group_owed=groups,
-            limits=settings_limits(settings),
-            ignored=settings.health_check_ignored_checks,
-        )
-    except Exception as exc:  # a report must not hide the stop itself
-        log.exception("could not write the provisional summary of %s", opened.rd.url)
-        return RunFailedError(f"the run was stopped by SIGTERM; no provisional summary: {exc}")
-    acc = run["accounting"]
-    console.print(
-        f"stopped by SIGTERM: landed {acc['landed']}/{acc['owed']}, failed "
-        f"{acc['failed']['total']}; provisional quality summary: {where}"
-    )
-    return RunFailedError(f"the run was stopped by SIGTERM; provisional summary at {where}")
-
-
 def dispatch_and_wait(
     opened: OpenedRun, opts: RunOptions, broker_url: str, redis_url: str, console: Console
 ) -> dict[str, Any] | None:
@@ -198,7 +107,7 @@ def _dispatch_and_wait(
     settings = CollectionSettings.model_validate(opened.manifest.settings)
     app = client_app(broker_url, redis_url)
     reset_shard_state(client(redis_url), opened)
-    rows = _counted(iter_materialized(opened.rd, opened.manifest.shard), groups)
+    rows = counted(iter_materialized(opened.rd, opened.manifest.shard), groups)
     finish_id = enqueue(app, opened, rows, opened.manifest.planned, config, settings)
     console.print(f"enqueued {opened.manifest.planned} rollouts of {opened.manifest.run_id}")
     if not opts.wait:
