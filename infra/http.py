@@ -9,7 +9,9 @@ A process builds these lazily and again after a fork (each process owns its own 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import contextlib
 import os
 import threading
 from collections.abc import Coroutine
@@ -116,7 +118,27 @@ class _ProcessIO:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.loop = EventLoopThread()
-        self.http: HttpPool = self.loop.run(_make_pool())
+        self._http: HttpPool | None = None
+        self._lock = threading.Lock()
+        atexit.register(self.close)
+
+    @property
+    def http(self) -> HttpPool:
+        """The `/run` client, made on first use (a process that only aggregates never opens one)."""
+        pool = self._http
+        if pool is None:
+            with self._lock:
+                if self._http is None:
+                    self._http = self.loop.run(_make_pool())
+                pool = self._http
+        return pool
+
+    def close(self) -> None:
+        """Close the client's connections (at exit, so nothing is reported unclosed)."""
+        pool, self._http = self._http, None
+        if pool is not None and os.getpid() == self.pid and self.loop.thread.is_alive():
+            with contextlib.suppress(Exception):
+                self.loop.submit(pool.aclose()).result(timeout=5)
 
 
 async def _make_pool() -> HttpPool:
