@@ -50,7 +50,9 @@ def run_demo(
                     config_path=config,
                     input_path=dataset,
                     output_dir=output_dir,
-                    settings={"num_repeats": repeats},
+                    # A failure limit lets the health check judge the run (without one it says
+                    # "unknown": nothing to compare failures against).
+                    settings={"num_repeats": repeats, "max_failed_fraction": 0.05},
                     workers=workers,
                     concurrency=64,
                 ),

@@ -415,5 +415,87 @@ def flower(
     os.execvpe(cmd[0], cmd, env)
 
 
+@main.command("health-check")
+@click.argument("run_dir")
+@click.option("--rollouts-file", default=None, help="Check this rollouts file alone.")
+@click.option(
+    "--limit",
+    "limits",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Override a persisted limit (max_failed_rollouts, max_failed_fraction; =none removes).",
+)
+@click.option("--ignore", default=None, metavar="A,B", help="Check ids to skip.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as compact JSON.")
+@click.option(
+    "--distributed", is_flag=True, help="Run the recheck as Celery jobs on the cluster's workers."
+)
+@click.option("--broker", default=None, help="Broker URL (else ROLLOUTS_BROKER_URL).")
+@click.option("--redis", "redis_url", default=None, help="Result backend (default: the broker).")
+def health_check(
+    run_dir: str,
+    rollouts_file: str | None,
+    limits: tuple[str, ...],
+    ignore: str | None,
+    as_json: bool,
+    distributed: bool,
+    broker: str | None,
+    redis_url: str | None,
+) -> None:
+    """Recheck RUN_DIR from its persisted artifacts and write its health reports."""
+    from producer.recheck import health_check as run_check
+    from producer.recheck import parse_limits
+
+    try:
+        sys.exit(
+            run_check(
+                run_dir,
+                rollouts_file=rollouts_file,
+                limits=parse_limits(limits),
+                ignore=ignore,
+                as_json=as_json,
+                distributed=distributed,
+                broker_url=broker or os.environ.get("ROLLOUTS_BROKER_URL"),
+                redis_url=redis_url or os.environ.get("ROLLOUTS_REDIS_URL"),
+                console=_console,
+            )
+        )
+    except RolloutsError as exc:
+        _fail(exc)
+
+
+@main.command("aggregate")
+@click.option(
+    "--input-glob", "-i", required=True, help="Shards to merge (comma-separated glob patterns)."
+)
+@click.option("--output", "-o", required=True, help="The merged rollouts file to write.")
+@click.option("--config", "config_path", default=None, help="Servers config (default: manifests).")
+@click.option("--ignore", default=None, metavar="A,B", help="Health check ids to skip.")
+@click.option("--no-health-check", is_flag=True, help="Skip the health check.")
+def aggregate(
+    input_glob: str,
+    output: str,
+    config_path: str | None,
+    ignore: str | None,
+    no_health_check: bool,
+) -> None:
+    """Merge shards sorted by (task, rollout), aggregate their metrics, check their health."""
+    from producer.recheck import aggregate as run_aggregate
+
+    try:
+        sys.exit(
+            run_aggregate(
+                input_glob,
+                output,
+                config_path=config_path,
+                ignore=ignore,
+                health=not no_health_check,
+                console=_console,
+            )
+        )
+    except RolloutsError as exc:
+        _fail(exc)
+
+
 if __name__ == "__main__":
     main()

@@ -11,6 +11,7 @@ from rich.table import Table
 from infra import jsonl
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
+from workers.health.summary import console_line
 
 
 def _fmt(value: Any) -> str:
@@ -20,11 +21,14 @@ def _fmt(value: Any) -> str:
 
 
 def print_metrics(console: Console, rd: RunDir, shard: str, keys_only: bool = True) -> None:
-    files = ShardFiles(shard)
-    if not rd.exists(files.aggregate):
+    print_metrics_file(console, rd, ShardFiles(shard).aggregate, keys_only)
+
+
+def print_metrics_file(console: Console, rd: RunDir, name: str, keys_only: bool = True) -> None:
+    if not rd.exists(name):
         console.print("no aggregate metrics were written")
         return
-    entries = jsonl.loads(rd.read_bytes(files.aggregate))
+    entries = jsonl.loads(rd.read_bytes(name))
     for entry in entries:
         server = entry.get(F.ENVIRONMENT_SERVER)
         label = (entry.get("agent_ref") or {}).get("name")
@@ -45,3 +49,15 @@ def print_counts(console: Console, result: dict[str, Any]) -> None:
         f"landed {result.get('landed')}/{result.get('planned')} rollouts; state {result.get('state')}"
         + (f"; error: {result['error']}" if result.get("error") else "")
     )
+
+
+def print_health(console: Console, health: dict[str, Any] | None) -> None:
+    """The health verdict of a finished run (the finish step's brief of its quality summary)."""
+    if health is None:
+        return
+    if health.get("error"):
+        console.print(
+            f"health check failed (the run is not affected): {escape(str(health['error']))}"
+        )
+        return
+    console.print(escape(console_line(health, str(health.get("path")))), highlight=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,10 +17,13 @@ from producer.dispatch import OpenedRun, iter_materialized, open_run, reset_shar
 from producer.live import redact_url
 from producer.local_cluster import LocalCluster
 from producer.overrides import validate_settings
-from producer.report import print_counts, print_metrics
+from producer.report import print_counts, print_health, print_metrics
+from producer.stop import Stopped, counted, stop_on_sigterm, stop_run
 from producer.supervise import dispatch_generation, raise_for_outcome
 from schemas.config import ServersConfig
+from schemas.errors import PlanningError, Problem, UsageError
 from schemas.settings import CollectionSettings
+from workers.health.registry import normalize_ignored
 
 DEFAULT_WORKERS = 2
 DEFAULT_CONCURRENCY = 256
@@ -47,7 +51,15 @@ class RunOptions:
 
 
 def build_settings(values: dict[str, Any]) -> CollectionSettings:
-    return validate_settings(values)
+    settings = validate_settings(values)
+    try:
+        normalize_ignored(settings.health_check_ignored_checks)
+    except UsageError as exc:
+        raise PlanningError(
+            [Problem(str(exc), field="health_check_ignored_checks")],
+            header="invalid collection settings",
+        ) from None
+    return settings
 
 
 def dispatch_and_wait(
@@ -60,13 +72,32 @@ def dispatch_and_wait(
 ) -> dict[str, Any] | None:
     if config is None:
         config = load_run_config(opts.config_path, opts.head_server)
+    groups: Counter[tuple[str | None, str | None]] = Counter()
+    try:
+        with stop_on_sigterm():
+            return _dispatch_and_wait(opened, opts, broker_url, redis_url, console, config, groups)
+    except Stopped:
+        # Stopped while enqueueing: the per-group counts are partial, so fractions are unknown.
+        complete = sum(groups.values()) == opened.manifest.planned
+        raise stop_run(opened, redis_url, groups if complete else None, console) from None
+
+
+def _dispatch_and_wait(
+    opened: OpenedRun,
+    opts: RunOptions,
+    broker_url: str,
+    redis_url: str,
+    console: Console,
+    config: ServersConfig,
+    groups: Counter[tuple[str | None, str | None]],
+) -> dict[str, Any] | None:
     settings = CollectionSettings.model_validate(opened.manifest.settings)
     app = client_app(broker_url, redis_url)
     reset_shard_state(client(redis_url), opened)
     # Where this generation coordinates, so `rollouts status` and `cancel` find it.
     opened.manifest.generations[-1].redis_url = redact_url(redis_url)
     write_manifest(opened.rd, opened.manifest)
-    rows = iter_materialized(opened.rd, opened.manifest.shard)
+    rows = counted(iter_materialized(opened.rd, opened.manifest.shard), groups)
     return dispatch_generation(
         app, opened, rows, opened.manifest.planned, config, settings, redis_url, console,
         wait=opts.wait,
@@ -98,6 +129,7 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     if result is None:
         return 0
     print_metrics(console, opened.rd, opened.manifest.shard)
+    print_health(console, result.get("health"))
     print_counts(console, result)
     raise_for_outcome(result)
     return 0

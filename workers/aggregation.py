@@ -3,7 +3,11 @@
 Rows are grouped by their `_ng_environment_server` stamp (a row without one goes to the server
 that fronts its agent), one `POST /aggregate_metrics` per server runs concurrently, and the
 file holds one entry per server, sorted by server. A failed request keeps its entry with empty
-collections and `aggregation_error`.
+collections and `aggregation_error`, and the first original exception is handed back so that a
+caller that asks for it can re-raise it once the partial file is saved.
+
+Each server's rows are kept as their encoded bytes (stripped of the heavy fields), not as
+dicts: the request body is those bytes joined, so memory is the body's size, once.
 """
 
 from __future__ import annotations
@@ -19,16 +23,22 @@ import orjson
 
 from schemas import fields as F
 from schemas.config import ServersConfig
+from workers.health.spool import compact, tagged
 
 AGGREGATE_TIMEOUT_S = 600.0
 
 
 @dataclass
 class ServerRows:
-    """The stripped rows of one environment server, and the agents seen in them (first first)."""
+    """The stripped, encoded rows of one environment server, and the agents seen in them (first first)."""
 
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[tuple[Any, bytes]] = field(default_factory=list)
     agents: list[str] = field(default_factory=list)
+
+    def body(self) -> bytes:
+        """`{"verify_responses": [...]}` with the rows in (task, rollout) order."""
+        self.rows.sort(key=lambda item: item[0])
+        return b'{"verify_responses":[' + b",".join(data for _, data in self.rows) + b"]}"
 
 
 def strip_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -62,12 +72,11 @@ def group_rows(rows: Iterable[dict[str, Any]], config: ServersConfig) -> dict[st
         if server is None:
             continue
         group = groups[server]
-        group.rows.append(strip_row(row))
+        key = (tagged(row.get(F.TASK_INDEX, 0)), tagged(row.get(F.ROLLOUT_INDEX, 0)))
+        group.rows.append((key, compact(orjson.dumps(strip_row(row)))))
         agent = F.agent_name(row)
         if agent is not None and agent not in group.agents:
             group.agents.append(agent)
-    for group in groups.values():
-        group.rows.sort(key=lambda r: (r.get(F.TASK_INDEX, 0), r.get(F.ROLLOUT_INDEX, 0)))
     return dict(groups)
 
 
@@ -99,13 +108,24 @@ def empty_entry(label: str, server: str, error: str | None = None) -> dict[str, 
     return entry
 
 
+class UnknownServerError(LookupError):
+    """Raised when rows are stamped with an environment server the config does not name."""
+
+
 async def _post_one(
-    client: httpx.AsyncClient, url: str, label: str, server: str, rows: list[dict[str, Any]]
+    client: httpx.AsyncClient, config: ServersConfig, label: str, server: str, rows: ServerRows
 ) -> tuple[dict[str, Any], BaseException | None]:
     try:
+        if server not in config.environments and server not in config.agents:
+            raise UnknownServerError(
+                f"rows are stamped with environment server {server!r}, which is not in the "
+                f"config (available: {sorted(config.environments)}); aggregate with the config "
+                "that produced them"
+            )
+        url = config.aggregation_url(server)
         response = await client.post(
             url.rstrip("/") + "/aggregate_metrics",
-            content=orjson.dumps({"verify_responses": rows}),
+            content=rows.body(),
             headers={"content-type": "application/json"},
         )
         response.raise_for_status()
@@ -131,10 +151,7 @@ async def aggregate(
     servers = sorted(groups)
     async with httpx.AsyncClient(timeout=AGGREGATE_TIMEOUT_S) as client:
         done = await asyncio.gather(
-            *(
-                _post_one(client, config.aggregation_url(s), labels[s], s, groups[s].rows)
-                for s in servers
-            )
+            *(_post_one(client, config, labels[s], s, groups[s]) for s in servers)
         )
     entries = [entry for entry, _ in done]
     first_error = next((exc for _, exc in done if exc is not None), None)

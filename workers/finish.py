@@ -1,8 +1,14 @@
-"""The chord callback's work: aggregate metrics per environment server, final status, manifest state."""
+"""The chord callback's work: aggregate metrics per environment server, final status, health, manifest.
+
+The health check runs at the end of every run (also a failed one: its partial results are
+judged; a run stopped by SIGTERM keeps the provisional summary written when it stopped); it never
+fails the run: an error in it is logged and reported, and the run's state stands.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from infra import jsonl, keys
@@ -12,26 +18,85 @@ from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
 from infra.store import RunDir, ShardFiles
 from schemas.config import ServersConfig
+from schemas.health import QUALITY_SUMMARY, STOPPED_BY_SIGTERM, Limits
 from schemas.messages import RunRef
 from schemas.settings import CollectionSettings
 from workers.accounting import count_shard, iter_rows
 from workers.aggregation import aggregate, group_rows
+from workers.health.check import check_sources_here, write_disabled
+from workers.health.sources import source_for
 from workers.landing import compact_shard
 
 log = logging.getLogger(__name__)
 
 
-def write_aggregate(rd: RunDir, shard: str, config: ServersConfig) -> str | None:
-    """Aggregate the shard's results and save the file; returns the first error's text, if any."""
-    files = ShardFiles(shard)
-    groups = group_rows(iter_rows(rd, files.results), config)
+def write_aggregate_file(
+    rd: RunDir,
+    name: str,
+    rows: Iterable[dict[str, Any]],
+    config: ServersConfig,
+    raise_on_error: bool = False,
+) -> str | None:
+    """Aggregate `rows` per environment server and save `name`; returns the first error's text.
+
+    The file is written even when a request failed (that entry carries `aggregation_error`);
+    with `raise_on_error`, the first original exception is raised after it is saved. Nothing
+    is written when there are no rows to score.
+    """
+    groups = group_rows(rows, config)
     if not groups:
         return None
     entries, error = process_io().loop.run(aggregate(groups, config))
-    rd.write_atomic(files.aggregate, jsonl.dumps_pretty(entries))
-    if error is not None:
-        return f"{type(error).__name__}: {error}"
-    return None
+    rd.write_atomic(name, jsonl.dumps_pretty(entries))
+    if error is None:
+        return None
+    if raise_on_error:
+        raise error
+    return f"{type(error).__name__}: {error}"
+
+
+def write_aggregate(rd: RunDir, shard: str, config: ServersConfig) -> str | None:
+    """Aggregate the shard's results and save the file; returns the first error's text, if any."""
+    files = ShardFiles(shard)
+    return write_aggregate_file(rd, files.aggregate, iter_rows(rd, files.results), config)
+
+
+def settings_limits(settings: CollectionSettings) -> Limits:
+    return Limits(
+        max_failed_rollouts=settings.max_failed_rollouts,
+        max_failed_fraction=settings.max_failed_fraction,
+    )
+
+
+def health_brief(run: dict[str, Any], path: str) -> dict[str, Any]:
+    """The part of a summary a caller prints: state, verdict, reasons, verdict counts."""
+    keys_ = ("state", "healthy", "reasons", "verdicts", "ignored_checks")
+    return {**{k: run[k] for k in keys_}, "path": path}
+
+
+def check_shard_health(rd: RunDir, shard: str, settings: CollectionSettings) -> dict[str, Any]:
+    """Write the shard's quality summary (or the disabled one); never raises."""
+    files = ShardFiles(shard)
+    path = rd.path(QUALITY_SUMMARY)
+    try:
+        if settings.disable_health_check:
+            run = write_disabled(
+                rd.url,
+                [files.results],
+                settings.health_check_ignored_checks,
+                settings_limits(settings),
+            )
+        else:
+            run = check_sources_here(
+                rd.url,
+                [source_for(rd, files.results, files.results)],
+                ignored=settings.health_check_ignored_checks,
+                limits=settings_limits(settings),
+            )
+    except Exception as exc:  # a report must not stop the run
+        log.exception("health check of %s shard %s failed; the run is not affected", rd.url, shard)
+        return {"error": f"{type(exc).__name__}: {exc}", "path": path}
+    return health_brief(run, path)
 
 
 def completion_rejection(landed: int, planned: int, where: str) -> str:
@@ -92,6 +157,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> dict[str, Any]
     cancelled = cancel_raw.decode() if isinstance(cancel_raw, bytes) else None
 
     aggregation_error = None
+    health: dict[str, Any] | None = None
     if not settings.disable_aggregation:
         aggregation_error = write_aggregate(rd, run.shard, config)
     counts = count_shard(rd, run.shard)
@@ -106,6 +172,11 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> dict[str, Any]
         )
         mark_rejected(rd, run.shard, rejection)
     write_status(rd, status)
+    if run_error == STOPPED_BY_SIGTERM:
+        # The provisional summary written at the stop stays until `rollouts health-check`.
+        log.info("%s shard %s was stopped: its provisional summary is kept", rd.url, run.shard)
+    elif not settings.disable_aggregation:
+        health = check_shard_health(rd, run.shard, settings)
 
     manifest.state = "failed" if run_error else "cancelled" if cancelled else "completed"
     manifest.error = run_error
@@ -128,4 +199,5 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> dict[str, Any]
         "failed": dict(counts.failed),
         "drained": status.drained,
         "aggregation_error": aggregation_error,
+        "health": health,
     }

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from infra.store import RunDir
+from schemas.health import (
+    HEALTH_COMBINE_TASK,
+    HEALTH_SCAN_TASK,
+    QUALITY_SUMMARY,
+    HealthPlan,
+    ScanJob,
+    ScanResult,
+)
 from schemas.messages import COLLECT_TASK, FINISH_TASK, CollectRequest, FinishRequest
 from workers.app import app, state_redis_url
 from workers.collect import collect
-from workers.finish import finish_shard
+from workers.finish import finish_shard, health_brief
+from workers.health import combine, scan
 
 
 @app.task(name=COLLECT_TASK, acks_late=True)
@@ -20,3 +30,17 @@ def collect_task(payload: dict[str, Any]) -> dict[str, Any]:
 def finish_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Finish a shard: aggregate metrics, final status, manifest state."""
     return finish_shard(FinishRequest.model_validate(payload).run, state_redis_url())
+
+
+@app.task(name=HEALTH_SCAN_TASK, acks_late=True)
+def health_scan_task(payload: dict[str, Any]) -> dict[str, Any]:
+    """One recheck job: spool a byte range of one file of a run."""
+    return scan(ScanJob.model_validate(payload)).model_dump(mode="json")
+
+
+@app.task(name=HEALTH_COMBINE_TASK, acks_late=True)
+def health_combine_task(results: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
+    """The chord callback of a distributed recheck: write the reports, return the verdict."""
+    checked = HealthPlan.model_validate(plan)
+    run = combine(checked, [ScanResult.model_validate(r) for r in results])
+    return health_brief(run, RunDir(checked.report_dir).path(QUALITY_SUMMARY))

@@ -62,10 +62,8 @@ def test_rows_group_by_stamp_then_by_the_agents_environment_in_task_rollout_orde
     ]
     groups = group_rows(rows, CONFIG)
     assert sorted(groups) == ["e1", "e2", "solo"]
-    assert [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in groups["e1"].rows] == [
-        (0, 0),
-        (1, 0),
-    ]
+    e1 = orjson.loads(groups["e1"].body())["verify_responses"]
+    assert [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in e1] == [(0, 0), (1, 0)]
     assert groups["e2"].agents == ["a"]
     assert CONFIG.aggregation_url("solo") == "http://solo"
 

@@ -1,0 +1,110 @@
+"""Stopping `rollouts run` on SIGTERM: stop the shard's rollouts, write the provisional summary.
+
+A cluster scheduler sends SIGTERM and kills the job a little later; the summary must be on
+storage before that, so it is the accounting alone (see workers/health/provisional.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+from rich.console import Console
+
+from infra import keys
+from infra.redis_client import client
+from producer.dispatch import OpenedRun
+from schemas import fields as F
+from schemas.errors import RunFailedError
+from schemas.health import QUALITY_SUMMARY, STOPPED_BY_SIGTERM
+from schemas.settings import CollectionSettings
+from workers.finish import settings_limits
+from workers.health.provisional import write_provisional
+
+log = logging.getLogger(__name__)
+
+
+class Stopped(BaseException):
+    """Raised in the main thread when `rollouts run` receives SIGTERM."""
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """While inside, SIGTERM raises Stopped (a scheduler stopping the job) instead of killing us."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise Stopped()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def counted(
+    rows: Iterator[dict[str, Any]], groups: Counter[tuple[str | None, str | None]]
+) -> Iterator[dict[str, Any]]:
+    """Count the rollouts per (agent, environment server) as they are enqueued."""
+    for row in rows:
+        env = row.get(F.ENVIRONMENT_SERVER)
+        groups[(F.agent_name(row), env if isinstance(env, str) else None)] += 1
+        yield row
+
+
+SETTLE_S = 2.5
+
+
+def _settle(redis_url: str, opened: OpenedRun) -> None:
+    """Wait (briefly) until landing stops: in-flight rollouts see the stop flag and are cancelled."""
+    r = client(redis_url)
+    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
+    deadline = time.monotonic() + SETTLE_S
+    last, stable_since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        now = r.hgetall(keys.shard_counts(sid))
+        if now != last:
+            last, stable_since = now, time.monotonic()
+        elif time.monotonic() - stable_since >= 0.6:
+            return
+        time.sleep(0.1)
+
+
+def stop_run(
+    opened: OpenedRun,
+    redis_url: str,
+    groups: Counter[tuple[str | None, str | None]] | None,
+    console: Console,
+) -> RunFailedError:
+    """Stop the shard's rollouts and write the provisional summary; returns the error to raise."""
+    r = client(redis_url)
+    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
+    r.set(keys.shard_run_failed(sid), STOPPED_BY_SIGTERM, nx=True)
+    _settle(redis_url, opened)
+    settings = CollectionSettings.model_validate(opened.manifest.settings)
+    where = opened.rd.path(QUALITY_SUMMARY)
+    try:
+        run = write_provisional(
+            opened.rd,
+            opened.manifest.shard,
+            r,
+            planned=opened.manifest.planned,
+            group_owed=groups,
+            limits=settings_limits(settings),
+            ignored=settings.health_check_ignored_checks,
+        )
+    except Exception as exc:  # a report must not hide the stop itself
+        log.exception("could not write the provisional summary of %s", opened.rd.url)
+        return RunFailedError(f"the run was stopped by SIGTERM; no provisional summary: {exc}")
+    acc = run["accounting"]
+    console.print(
+        f"stopped by SIGTERM: landed {acc['landed']}/{acc['owed']}, failed "
+        f"{acc['failed']['total']}; provisional quality summary: {where}"
+    )
+    return RunFailedError(f"the run was stopped by SIGTERM; provisional summary at {where}")

@@ -1,0 +1,157 @@
+"""Health-check contracts: check ids, limits, report names, and the payloads of the recheck jobs.
+
+The ids are NeMo Gym 0.7.0's fourteen (in its registry order), then the three that read the
+record's own `response`, then the run-level check of the run accounting (SPEC §8).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+QUALITY_SUMMARY = "quality_summary.json"
+ROLLOUT_VERDICTS = "rollout_verdicts.jsonl"
+MERGED_SHARDS_SUFFIX = "_merged_shards.json"
+
+HEALTH_SCAN_TASK = "rollouts.health_scan"
+"""Task name of one recheck job over a byte range of one file."""
+HEALTH_COMBINE_TASK = "rollouts.health_combine"
+"""Task name of the chord callback that combines the recheck jobs into the reports."""
+
+NEMO_CHECKS: tuple[str, ...] = (
+    "check_execution_error",
+    "record_unreadable",
+    "rollout_duplicate_identity",
+    "rollout_missing_agent_turns",
+    "rollout_ended_on_failed_model_call",
+    "agent_turn_hollow",
+    "model_call_zero_completion_tokens",
+    "model_call_missing_token_counts",
+    "trajectory_capture_mismatch",
+    "model_call_failed",
+    "rollout_token_count_mismatch",
+    "model_call_runaway_generation",
+    "task_consistently_unhealthy",
+    "task_no_successful_model_calls",
+)
+RESPONSE_CHECKS: tuple[str, ...] = (
+    "rollout_response_truncated",
+    "rollout_response_empty",
+    "rollout_context_window_exceeded",
+)
+RUN_CHECK = "run_excessive_failures"
+ALL_CHECKS: tuple[str, ...] = (*NEMO_CHECKS, *RESPONSE_CHECKS, RUN_CHECK)
+TASK_CHECKS: tuple[str, ...] = ("task_consistently_unhealthy", "task_no_successful_model_calls")
+ROLLOUT_CHECKS: tuple[str, ...] = tuple(
+    c for c in ALL_CHECKS if c not in TASK_CHECKS and c != RUN_CHECK
+)
+
+STOPPED_BY_SIGTERM = "stopped by SIGTERM"
+"""The stop reason `rollouts run` records for its shard when it receives SIGTERM."""
+
+SummaryState = Literal["complete", "provisional", "disabled"]
+LIMIT_NAMES: tuple[str, ...] = ("max_failed_rollouts", "max_failed_fraction")
+
+
+class Limits(BaseModel):
+    """The limits `run_excessive_failures` judges by; None is no limit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_failed_rollouts: int | None = Field(default=None, ge=0)
+    """A group fails once this many of its rollouts failed."""
+    max_failed_fraction: float | None = Field(default=None, ge=0, le=1)
+    """A group fails once this fraction of its owed rollouts failed."""
+
+    def any(self) -> bool:
+        return self.max_failed_rollouts is not None or self.max_failed_fraction is not None
+
+
+class Source(BaseModel):
+    """One rollouts file a check reads, with the sidecars found beside it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: str
+    """Its path relative to the folder the reports are written in (`run.sources`)."""
+    dir: str
+    """URL of the folder that holds it."""
+    name: str
+    """Its file name in that folder."""
+    failures: str | None = None
+    """File name of its failures sidecar, when one exists."""
+    materialized: str | None = None
+    """File name of its materialized inputs (the inventory of owed rollouts), when one exists."""
+    drained: int | None = None
+    """Rollouts drained (never started), from its status record; None when unknown."""
+
+
+FileKind = Literal["results", "failures", "materialized"]
+
+
+class ScanJob(BaseModel):
+    """One recheck job: the lines that start inside [start, end) of one file of one source."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scratch: str
+    """URL of the folder the job writes its sorted runs into."""
+    job: int
+    """The job's number within the plan (names its runs)."""
+    source: int
+    """Index of the source in the plan."""
+    kind: FileKind
+    """Which of the source's files it reads."""
+    dir: str
+    """URL of the file's folder."""
+    name: str
+    """The file's name."""
+    label: str
+    """The source's label (for locators)."""
+    start: int
+    """First byte of the range."""
+    end: int | None
+    """End of the range (exclusive); None reads to the end."""
+    ignored: list[str] = Field(default_factory=list)
+    """Check ids to skip."""
+
+
+class ScanResult(BaseModel):
+    """What one job wrote and counted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job: int
+    """The job's number."""
+    runs: list[str] = Field(default_factory=list)
+    """Names of its sorted runs in the scratch folder."""
+    late: str | None = None
+    """Name of its run of records whose identity needs the global line numbering."""
+    lines: int = 0
+    """Lines whose start lies in the range, blank ones included."""
+    nonblank: int = 0
+    """Non-blank lines among them."""
+    bytes: int = 0
+    """Bytes of those lines."""
+
+
+class HealthPlan(BaseModel):
+    """Everything the combine step needs besides the jobs' results."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    report_dir: str
+    """URL of the folder the reports are written in."""
+    scratch: str
+    """URL of the scratch folder (removed when done)."""
+    sources: list[Source]
+    """The rollouts files checked, in order."""
+    jobs: list[ScanJob]
+    """The jobs, in file order."""
+    ignored: list[str] = Field(default_factory=list)
+    """Check ids to skip."""
+    limits: Limits = Field(default_factory=Limits)
+    """The limits in force."""
+    limit_overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Limits set explicitly for this check: name -> {"persisted": old, "value": new}."""

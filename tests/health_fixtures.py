@@ -1,0 +1,173 @@
+"""Builders of crafted rollout records and run folders for the health-check tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+TRAJECTORY_CHECKS = [
+    "rollout_missing_agent_turns",
+    "rollout_ended_on_failed_model_call",
+    "agent_turn_hollow",
+    "model_call_zero_completion_tokens",
+    "model_call_missing_token_counts",
+    "trajectory_capture_mismatch",
+    "model_call_failed",
+    "rollout_token_count_mismatch",
+    "model_call_runaway_generation",
+]
+
+
+def response(
+    text: str | None = "4",
+    *,
+    status: str = "completed",
+    reason: str | None = None,
+    output: list[Any] | None = None,
+    usage: tuple[int, int] = (10, 5),
+) -> dict[str, Any]:
+    if output is None:
+        output = [
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text}],
+            }
+        ]
+    out: dict[str, Any] = {
+        "id": "resp",
+        "status": status,
+        "output": output,
+        "usage": {"input_tokens": usage[0], "output_tokens": usage[1]},
+    }
+    if reason is not None:
+        out["incomplete_details"] = {"reason": reason}
+    return out
+
+
+def call(
+    cid: str,
+    *,
+    status: int = 200,
+    finish: str = "stop",
+    tokens: dict[str, int] | None = None,
+    started_at: Any = None,
+    error: str | None = None,
+    raw: Any = "default",
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "response_id": f"resp-{cid}",
+        "model_ref": {"type": "responses_api_models", "name": "policy"},
+        "status_code": status,
+        "finish_reason": finish,
+        "error_category": error,
+    }
+    c: dict[str, Any] = {
+        "model_call_id": cid,
+        "response_metadata": meta,
+        "token_stats": tokens
+        if tokens is not None
+        else {"prompt_tokens": 10, "completion_tokens": 5},
+        "response": {"output_text": "x"} if raw == "default" else raw,
+    }
+    if started_at is not None:
+        c["started_at"] = started_at
+    return c
+
+
+def turn(n: int, answer: Any = "ok", refs: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"turn_no": n, "answer": answer, "model_calls": [{"model_call_id": r} for r in refs]}
+
+
+def trajectory(
+    turns: list[dict[str, Any]],
+    calls: list[dict[str, Any]],
+    gaps: list[dict[str, Any]] = (),  # type: ignore[assignment]
+) -> dict[str, Any]:
+    return {
+        "schema_version": "1.0",
+        "invocations": [],
+        "turns": turns,
+        "model_calls": calls,
+        "tool_calls": [],
+        "gaps": list(gaps),
+    }
+
+
+STEPS_OK = [{"step_number": 1, "status": "generated"}]
+
+
+def record(
+    task: int | None,
+    rollout: int,
+    *,
+    traj: dict[str, Any] | None = None,
+    resp: dict[str, Any] | None = None,
+    steps: list[dict[str, Any]] | None = STEPS_OK,
+    reward: Any = 1.0,
+    agent: str = "math_agent",
+    env: str = "math_env",
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "_ng_rollout_index": rollout,
+        "agent_ref": {"name": agent},
+        "_ng_environment_server": env,
+        "reward": reward,
+        "response": resp if resp is not None else response(),
+    }
+    if task is not None:
+        row["_ng_task_index"] = task
+    if traj is not None:
+        row["ng_trajectory"] = traj
+    if steps is not None:
+        row["step_usage"] = steps
+    return row
+
+
+def healthy_trajectory() -> dict[str, Any]:
+    return trajectory([turn(0, "4", ("c1",))], [call("c1")])
+
+
+def write_lines(path: Path, items: list[Any]) -> None:
+    with open(path, "wb") as f:
+        for item in items:
+            f.write(item if isinstance(item, bytes) else orjson.dumps(item))
+            f.write(b"\n")
+
+
+def owed(tasks: int, repeats: int, agent: str = "math_agent", env: str = "math_env") -> list[Any]:
+    return [
+        {
+            "_ng_task_index": t,
+            "_ng_rollout_index": r,
+            "agent_ref": {"name": agent},
+            "_ng_environment_server": env,
+            "responses_create_params": {"input": "q"},
+        }
+        for t in range(tasks)
+        for r in range(repeats)
+    ]
+
+
+def failure(task: int, rollout: int, cls: str, agent: str = "math_agent") -> dict[str, Any]:
+    return {
+        "_ng_task_index": task,
+        "_ng_rollout_index": rollout,
+        "agent_ref": {"name": agent},
+        "_ng_environment_server": "math_env",
+        "_ng_failure_class": cls,
+        "_ng_failure_message": "boom",
+    }
+
+
+def read_verdicts(folder: Path) -> list[dict[str, Any]]:
+    return [
+        orjson.loads(line) for line in (folder / "rollout_verdicts.jsonl").read_bytes().splitlines()
+    ]
+
+
+def read_summary(folder: Path) -> dict[str, Any]:
+    summary: dict[str, Any] = orjson.loads((folder / "quality_summary.json").read_bytes())
+    return summary

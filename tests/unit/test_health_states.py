@@ -1,0 +1,102 @@
+"""Summary states at the end of a run: disabled, provisional (from Redis), and a check that fails."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import fakeredis
+import pytest
+
+from infra import keys
+from infra.store import RunDir
+from schemas.health import Limits
+from schemas.settings import CollectionSettings
+from tests.health_fixtures import failure, read_summary, record, write_lines
+from workers import finish
+from workers.health.provisional import write_provisional
+
+
+def shard_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    write_lines(folder / "rollouts-0.jsonl", [record(0, 0), record(0, 1)])
+    return folder
+
+
+def test_disabled_setting_writes_the_disabled_summary(tmp_path: Path) -> None:
+    folder = shard_folder(tmp_path)
+    brief = finish.check_shard_health(
+        RunDir(str(folder)),
+        "0",
+        CollectionSettings(disable_health_check=True, max_failed_rollouts=3),
+    )
+    assert brief["state"] == "disabled" and brief["healthy"] is None
+    run = read_summary(folder)["run"]
+    assert run["state"] == "disabled"
+    assert run["limits"]["max_failed_rollouts"] == 3
+    assert run["sources"] == ["rollouts-0.jsonl"]
+
+
+def test_a_failing_check_is_logged_and_never_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(finish, "check_sources_here", broken)
+    brief = finish.check_shard_health(
+        RunDir(str(shard_folder(tmp_path))), "0", CollectionSettings()
+    )
+    assert brief["error"] == "OSError: disk on fire"
+    assert "health check of" in caplog.text
+
+
+def test_provisional_summary_from_redis_and_the_sidecar(tmp_path: Path) -> None:
+    folder = shard_folder(tmp_path)
+    write_lines(
+        folder / "rollouts-0_failures.jsonl",
+        [
+            failure(0, 1, "agent_request_failed"),  # later landed: not failed
+            failure(1, 0, "agent_request_failed"),
+            failure(1, 0, "agent_run_error"),  # latest stands
+            failure(1, 1, "agent_run_error"),
+        ],
+    )
+    rd = RunDir(str(folder))
+    r = fakeredis.FakeRedis()
+    sid = keys.shard_id(rd.url, "0")
+    r.hset(keys.shard_state(sid), mapping={"built": "1", "opener": "t"})
+    r.sadd(keys.shard_landed(sid), "0:0", "0:1")
+    r.hset(keys.shard_counts(sid), mapping={"landed": 2, "drained": 1, "failed:agent_run_error": 2})
+
+    run = write_provisional(
+        rd,
+        "0",
+        r,
+        planned=10,
+        group_owed=Counter({("math_agent", "math_env"): 10}),
+        limits=Limits(max_failed_rollouts=2),
+        ignored=[],
+    )
+
+    assert read_summary(folder)["run"] == run
+    acc = run["accounting"]
+    assert (acc["owed"], acc["landed"], acc["drained"]) == (10, 2, 1)
+    assert acc["failed"] == {"total": 2, "by_class": {"agent_run_error": 2}}
+    assert acc["missing"] == 10 - 2 - 2 - 1
+    assert acc["scored"] is None and acc["duplicates"] is None
+    [finding] = acc["run_excessive_failures"]["findings"]
+    assert finding["detail"]["failed"] == 2 and finding["detail"]["owed"] == 10
+    assert run["state"] == "provisional"
+    assert run["healthy"] is False  # a limit is already reached: no need to read the records
+    assert run["verdicts"] == {"healthy": None, "unhealthy": None, "unobserved": None}
+
+    # Stopped while enqueueing: the per-group counts are unknown, so the check cannot judge.
+    run = write_provisional(
+        rd, "0", r, planned=10, group_owed=None, limits=Limits(max_failed_rollouts=2), ignored=[]
+    )
+    assert run["accounting"]["run_excessive_failures"]["coverage"] == "unobserved"
+    assert run["accounting"]["owed"] == 10
+    assert run["healthy"] is None
+    assert run["reasons"][0].startswith("provisional")

@@ -1,0 +1,154 @@
+"""The streaming machinery: byte ranges, external sort, streamed report writing, range splits."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infra.store import RunDir
+from tests.health_fixtures import healthy_trajectory, read_summary, record, write_lines
+from tests.unit.test_health_golden import crafted_folder
+from workers.health import make_plan, plan_recheck, run_local, spool
+from workers.health.io import file_digest, iter_range
+from workers.health.sources import shard_sources
+from workers.health.summary import summary_chunks
+
+
+@given(
+    lines=st.lists(st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"x")), max_size=12),
+    cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=5),
+    final_newline=st.booleans(),
+)
+@settings(max_examples=200, deadline=None)
+def test_ranges_cover_every_line_once(
+    tmp_path_factory: pytest.TempPathFactory,
+    lines: list[bytes],
+    cuts: list[int],
+    final_newline: bool,
+) -> None:
+    folder = tmp_path_factory.mktemp("ranges")
+    data = b"\n".join(lines) + (b"\n" if final_newline and lines else b"")
+    (folder / "f.jsonl").write_bytes(data)
+    rd = RunDir(str(folder))
+    bounds = sorted({0, *(c for c in cuts if c < len(data))})
+    ranges = [(b, bounds[i + 1] if i + 1 < len(bounds) else None) for i, b in enumerate(bounds)]
+    got = [item for start, end in ranges for item in iter_range(rd, "f.jsonl", start, end)]
+    expected = []
+    offset = 0
+    for line in data.split(b"\n")[: -1 if data.endswith(b"\n") else None] if data else []:
+        expected.append((offset, line))
+        offset += len(line) + 1
+    assert got == expected
+    size, sha = file_digest(rd, "f.jsonl")
+    import hashlib
+
+    assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_summary_stream_is_orjson_pretty(tmp_path: Path) -> None:
+    run = {"a": [1, {"b": None}], "c": {}, "d": "x\ny"}
+    tasks = {"0": {"repeats": 2, "flags": []}, "10": {"repeats": 1, "flags": ["t"]}}
+    whole = orjson.dumps(
+        {"run": run, "tasks": tasks}, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE
+    )
+    assert b"".join(summary_chunks(run, tasks.items())) == whole
+    empty = orjson.dumps(
+        {"run": run, "tasks": {}}, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE
+    )
+    assert b"".join(summary_chunks(run, ())) == empty
+
+
+def test_merge_cascades_past_the_fan_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spool, "RUN_ITEMS", 7)
+    monkeypatch.setattr(spool, "MAX_FANIN", 3)
+    rd = RunDir(str(tmp_path))
+    writer = spool.RunWriter(rd, "t", 2)
+    values = [
+        [random.randrange(50), *spool.tagged(random.choice([1, "a", 3, "b"])), i]
+        for i in range(100)
+    ]
+    for v in values:
+        writer.add(v)
+    names = writer.close()
+    assert len(names) == 15
+    merged = list(spool.merge(rd, names, 2))
+    assert [m[:2] for m in merged] == sorted(v[:2] for v in values)
+    assert sorted(m[3] for m in merged) == list(range(100))
+
+
+def _reports(folder: Path) -> tuple[bytes, bytes]:
+    return (folder / "quality_summary.json").read_bytes(), (
+        folder / "rollout_verdicts.jsonl"
+    ).read_bytes()
+
+
+@pytest.mark.parametrize("range_bytes", [7, 97, 1000])
+def test_any_range_split_gives_identical_reports(tmp_path: Path, range_bytes: int) -> None:
+    folder = crafted_folder(tmp_path)
+    run_local(plan_recheck(str(folder)))
+    whole = _reports(folder)
+    plan = plan_recheck(str(folder))
+    split = make_plan(plan.report_dir, plan.sources, scratch=plan.scratch, range_bytes=range_bytes)
+    assert len(split.jobs) > len(plan.jobs)
+    run_local(split)
+    assert _reports(folder) == whole
+
+
+def test_shards_number_their_rollouts_on_their_own(tmp_path: Path) -> None:
+    """Two shards reusing task indices: no duplicates across them; tasks keyed per shard."""
+    folder = tmp_path / "two"
+    folder.mkdir()
+    for shard in ("a", "b"):
+        write_lines(
+            folder / f"rollouts-{shard}.jsonl",
+            [record(0, r, traj=healthy_trajectory()) for r in range(2)],
+        )
+        write_lines(
+            folder / f"rollouts-{shard}_materialized_inputs.jsonl",
+            [{"_ng_task_index": 0, "_ng_rollout_index": r} for r in range(2)],
+        )
+    assert [s.label for s in shard_sources(RunDir(str(folder)))] == [
+        "rollouts-a.jsonl",
+        "rollouts-b.jsonl",
+    ]
+    run_local(plan_recheck(str(folder)))
+    summary = read_summary(folder)
+    run: dict[str, Any] = summary["run"]
+    assert run["sources"] == ["rollouts-a.jsonl", "rollouts-b.jsonl"]
+    assert run["issues"]["rollout_duplicate_identity"] == 0
+    assert run["accounting"]["owed"] == 4 and run["accounting"]["landed"] == 4
+    assert list(summary["tasks"]) == ["rollouts-a.jsonl:0", "rollouts-b.jsonl:0"]
+    lines = [orjson.loads(x) for x in (folder / "rollout_verdicts.jsonl").read_bytes().splitlines()]
+    assert [x["source"] for x in lines] == ["rollouts-a.jsonl"] * 2 + ["rollouts-b.jsonl"] * 2
+
+
+def test_object_store_folder_gives_the_same_reports(tmp_path: Path) -> None:
+    """On an fsspec store without local paths (memory://), reports and scratch go through fsspec."""
+    import fsspec
+
+    folder = crafted_folder(tmp_path)
+    run_local(plan_recheck(str(folder)))
+    expected = _reports(folder)
+    fs = fsspec.filesystem("memory")
+    url = "memory://health-store/run"
+    try:
+        for path in folder.iterdir():
+            if path.name.startswith("rollouts-"):
+                fs.pipe(f"/health-store/run/{path.name}", path.read_bytes())
+        plan = plan_recheck(url, distributed=True)  # scratch inside the run directory
+        assert plan.scratch.startswith(f"{RunDir(url).url}/.health-scratch-")
+        run_local(make_plan(plan.report_dir, plan.sources, scratch=plan.scratch, range_bytes=500))
+        got = (
+            fs.cat("/health-store/run/quality_summary.json"),
+            fs.cat("/health-store/run/rollout_verdicts.jsonl"),
+        )
+        assert got == expected
+        assert not fs.exists("/health-store/run/" + plan.scratch.rsplit("/", 1)[1])
+    finally:
+        fs.rm("/health-store", recursive=True)

@@ -1,0 +1,158 @@
+"""Run accounting and `run_excessive_failures`: what the run owed, what landed, what failed.
+
+Counts are per rollout, never per attempt: a rollout's latest failure row stands, and a rollout
+that later landed is not failed. With an inventory (the materialized inputs), only owed rollouts
+count: a record or failure row outside it is reported apart (`not_owed`). Each input numbers its
+rollouts on its own. Memory holds only counters per (agent, environment server, class) group.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.health import RUN_CHECK, Limits
+
+Group = tuple[str | None, str | None]
+
+
+@dataclass
+class SourceCounts:
+    """One input's counts."""
+
+    has_inventory: bool
+    drained: int | None = None
+    owed: int = 0
+    landed: int = 0
+    scored: int = 0
+    no_outcome: int = 0
+    not_owed: int = 0
+
+
+@dataclass
+class Accounting:
+    """The accounting of every input of a check, built one rollout at a time."""
+
+    sources: list[SourceCounts]
+    records_read: bool = True
+    """False for a provisional summary: landed comes from Redis, per-record counts are unknown."""
+    groups_known: bool = True
+    """Whether the owed rollouts per (agent, environment server) are known."""
+    failed: Counter[str] = field(default_factory=Counter)
+    group_owed: Counter[Group] = field(default_factory=Counter)
+    group_failed: Counter[tuple[str | None, str | None, str]] = field(default_factory=Counter)
+    duplicates: int = 0
+    unreadable: int = 0
+    failures_not_owed: int = 0
+
+    def add_rollout(
+        self,
+        source: int,
+        owed: list[Any] | None,
+        records: int,
+        all_scored: bool,
+        latest_failure: list[Any] | None,
+    ) -> None:
+        """One (task, rollout) of one input: its inventory row, record count, latest failure."""
+        s = self.sources[source]
+        if owed is not None:
+            s.owed += 1
+            self.group_owed[(owed[0], owed[1])] += 1
+        if records:
+            if s.has_inventory and owed is None:
+                s.not_owed += 1
+                return
+            s.landed += 1
+            s.scored += 1 if all_scored else 0
+            return
+        if latest_failure is not None:
+            if s.has_inventory and owed is None:
+                self.failures_not_owed += 1
+                return
+            cls, agent, env = latest_failure
+            if owed is not None:
+                agent, env = agent if agent is not None else owed[0], env or owed[1]
+            self.failed[cls] += 1
+            self.group_failed[(agent, env, cls)] += 1
+            return
+        if owed is not None:
+            s.no_outcome += 1
+
+    @property
+    def inventory_complete(self) -> bool:
+        return all(s.has_inventory for s in self.sources)
+
+    def as_dict(self) -> dict[str, Any]:
+        complete = self.inventory_complete
+        drained_known = [s.drained for s in self.sources if s.drained is not None]
+        drained = sum(drained_known) if drained_known else None
+        missing = None
+        if complete:
+            missing = sum(max(0, s.no_outcome - (s.drained or 0)) for s in self.sources)
+        return {
+            "owed": sum(s.owed for s in self.sources) if complete else None,
+            "landed": sum(s.landed for s in self.sources),
+            "scored": sum(s.scored for s in self.sources) if self.records_read else None,
+            "failed": {
+                "total": sum(self.failed.values()),
+                "by_class": dict(sorted(self.failed.items())),
+            },
+            "missing": missing,
+            "drained": drained,
+            "duplicates": self.duplicates if self.records_read else None,
+            "not_owed": (sum(s.not_owed for s in self.sources) + self.failures_not_owed)
+            if self.records_read
+            else None,
+            "unreadable": self.unreadable if self.records_read else None,
+        }
+
+
+def excessive_failures(
+    acc: Accounting, limits: Limits, ignored: bool
+) -> tuple[str, str | None, list[dict[str, Any]]]:
+    """(coverage, why unobserved, findings): one finding per group reaching a limit."""
+    if ignored:
+        return "ignored", None, []
+    if not limits.any():
+        return "unobserved", "no max_failed_rollouts or max_failed_fraction is set", []
+    if not acc.inventory_complete:
+        return "unobserved", "no materialized inputs to count owed rollouts against", []
+    if not acc.groups_known:
+        return "unobserved", "the owed rollouts per agent were not counted before the stop", []
+    findings = []
+    for (agent, env, cls), failed in sorted(
+        acc.group_failed.items(), key=lambda kv: tuple(str(x) for x in kv[0])
+    ):
+        owed = acc.group_owed.get((agent, env), 0)
+        fraction = failed / owed if owed else None
+        reached = []
+        if limits.max_failed_rollouts is not None and failed >= limits.max_failed_rollouts:
+            reached.append("max_failed_rollouts")
+        if (
+            limits.max_failed_fraction is not None
+            and fraction is not None
+            and fraction >= limits.max_failed_fraction
+        ):
+            reached.append("max_failed_fraction")
+        if not reached:
+            continue
+        findings.append(
+            {
+                "check": RUN_CHECK,
+                "locator": {"agent": agent, "_ng_environment_server": env, "failure_class": cls},
+                "detail": {
+                    "failed": failed,
+                    "owed": owed,
+                    "fraction": round(fraction, 6) if fraction is not None else None,
+                    "limits_reached": reached,
+                    **limits.model_dump(),
+                },
+                "verdict": "unhealthy",
+                "reason": (
+                    f"{failed} of {owed} rollouts of agent {agent} on {env} failed with {cls} "
+                    f"({', '.join(f'{n}={getattr(limits, n)}' for n in reached)})"
+                ),
+            }
+        )
+    return "evaluated", None, findings

@@ -1,0 +1,171 @@
+"""Entry points of the health check: plan the jobs, run them here, write the reports.
+
+A plan splits every file of every source into byte ranges (one job each); the same plan runs
+in this process (`run_local`) or as a Celery chord (`--distributed`), and `combine` turns the
+jobs' results into the reports either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Any
+
+from infra.store import RunDir
+from schemas.errors import UsageError
+from schemas.health import QUALITY_SUMMARY, HealthPlan, Limits, ScanJob, Source
+from workers.health.combine import combine
+from workers.health.io import open_writer
+from workers.health.registry import normalize_ignored
+from workers.health.scan import scan
+from workers.health.sources import apply_overrides, discover, persisted_limits
+from workers.health.summary import run_section, summary_chunks
+
+log = logging.getLogger(__name__)
+
+LOCAL_RANGE_BYTES = 1 << 40
+DISTRIBUTED_RANGE_BYTES = 64 << 20
+
+
+def distributed_range_bytes() -> int:
+    """Bytes per job of a distributed recheck (ROLLOUTS_HEALTH_RANGE_BYTES overrides 64 MiB)."""
+    return int(os.environ.get("ROLLOUTS_HEALTH_RANGE_BYTES", DISTRIBUTED_RANGE_BYTES))
+
+
+def _ranges(size: int, range_bytes: int) -> list[tuple[int, int | None]]:
+    if size <= range_bytes:
+        return [(0, None)]
+    bounds = list(range(0, size, range_bytes))
+    return [(b, bounds[i + 1] if i + 1 < len(bounds) else None) for i, b in enumerate(bounds)]
+
+
+def plan_jobs(
+    sources: list[Source], scratch: str, ignored: list[str], range_bytes: int
+) -> list[ScanJob]:
+    """Byte-range jobs over every file, results files first (their order numbers positional records)."""
+    jobs: list[ScanJob] = []
+    for kind in ("results", "failures", "materialized"):
+        for i, source in enumerate(sources):
+            name = source.name if kind == "results" else getattr(source, kind)
+            if name is None:
+                continue
+            rd = RunDir(source.dir)
+            for start, end in _ranges(rd.size(name), range_bytes):
+                jobs.append(
+                    ScanJob(
+                        scratch=scratch,
+                        job=len(jobs),
+                        source=i,
+                        kind=kind,
+                        dir=source.dir,
+                        name=name,
+                        label=source.label,
+                        start=start,
+                        end=end,
+                        ignored=ignored,
+                    )
+                )
+    return jobs
+
+
+def make_plan(
+    report_dir: str,
+    sources: list[Source],
+    *,
+    ignored: list[str] | tuple[str, ...] = (),
+    limits: Limits | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    scratch: str | None = None,
+    range_bytes: int = LOCAL_RANGE_BYTES,
+) -> HealthPlan:
+    report = RunDir(report_dir)
+    ignored_list = list(normalize_ignored(list(ignored)))
+    scratch = scratch or f"{report.url}/.health-scratch-{uuid.uuid4().hex[:12]}"
+    return HealthPlan(
+        report_dir=report.url,
+        scratch=scratch,
+        sources=sources,
+        jobs=plan_jobs(sources, scratch, ignored_list, range_bytes),
+        ignored=ignored_list,
+        limits=limits or Limits(),
+        limit_overrides=overrides or {},
+    )
+
+
+def run_local(plan: HealthPlan) -> dict[str, Any]:
+    """Every job here, one after another, then the combine step; returns the summary's `run`."""
+    return combine(plan, [scan(job) for job in plan.jobs])
+
+
+def plan_recheck(
+    run_dir: str,
+    *,
+    rollouts_file: str | None = None,
+    limit_overrides: dict[str, str | None] | None = None,
+    ignored: list[str] | tuple[str, ...] = (),
+    distributed: bool = False,
+) -> HealthPlan:
+    """The plan of `rollouts health-check RUN_DIR`: sources verified, limits resolved."""
+    rd = RunDir(run_dir)
+    if not rd.fs.isdir(rd.root):
+        raise UsageError(f"run directory not found: {run_dir}")
+    sources = discover(rd, rollouts_file)
+    limits, overrides = apply_overrides(persisted_limits(rd, sources), limit_overrides or {})
+    scratch = None if distributed else _local_scratch()
+    return make_plan(
+        rd.url,
+        sources,
+        ignored=ignored,
+        limits=limits,
+        overrides=overrides,
+        scratch=scratch,
+        range_bytes=distributed_range_bytes() if distributed else LOCAL_RANGE_BYTES,
+    )
+
+
+def _local_scratch() -> str:
+    return tempfile.mkdtemp(prefix="rollouts-health-")
+
+
+def check_sources_here(
+    report_dir: str,
+    sources: list[Source],
+    *,
+    ignored: list[str] | tuple[str, ...] = (),
+    limits: Limits | None = None,
+) -> dict[str, Any]:
+    """Check `sources` in this process and write the reports into `report_dir`."""
+    scratch = _local_scratch()
+    try:
+        plan = make_plan(report_dir, sources, ignored=ignored, limits=limits, scratch=scratch)
+        return run_local(plan)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def write_disabled(
+    report_dir: str, sources: list[str], ignored: list[str], limits: Limits
+) -> dict[str, Any]:
+    """The summary of a run with `disable_health_check`: state disabled, nothing counted."""
+    run = run_section(
+        state="disabled",
+        totals=None,
+        accounting=None,
+        limits=limits,
+        overrides={},
+        sources=sources,
+        ignored=ignored,
+        check=None,
+    )
+    write_summary(RunDir(report_dir), run)
+    return run
+
+
+def write_summary(rd: RunDir, run: dict[str, Any]) -> None:
+    """A summary without tasks (provisional, disabled)."""
+    with open_writer(rd, QUALITY_SUMMARY) as f:
+        for chunk in summary_chunks(run, ()):
+            f.write(chunk)

@@ -1,0 +1,114 @@
+"""The provisional summary of a stopped run: its accounting, fast, without reading a rollout.
+
+After SIGTERM a cluster scheduler kills the job within seconds to minutes, and reading a large
+shard takes longer, so the summary is built from what is small: the shard's Redis state (the
+landed set is the exactly-once guard, so its size is exactly the distinct rollouts in
+`rollouts-S.jsonl`; read in one MULTI with the counters so they agree), the failures sidecar
+(failure rows are small), the manifest's planned count, and the rollouts per (agent,
+environment server) that the dispatcher counted while enqueueing. Duplicates and scores come
+from reading the records, so they stay null; `healthy` is false when a failure limit is already
+reached, else null.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import redis
+
+from infra import jsonl, keys
+from infra.store import RunDir, ShardFiles
+from schemas import fields as F
+from schemas.health import RUN_CHECK, Limits
+from workers.health.accounting import Accounting, SourceCounts, excessive_failures
+from workers.health.check import write_summary
+from workers.health.registry import normalize_ignored
+from workers.health.summary import run_section
+
+MEMBER_BATCH = 10_000
+
+
+def _latest_failures(rd: RunDir, name: str) -> dict[tuple[int, int], tuple[str, Any, Any]]:
+    latest: dict[tuple[int, int], tuple[str, Any, Any]] = {}
+    for _, line in rd.iter_lines(name):
+        if not line.strip():
+            continue
+        try:
+            row = jsonl.loads(line)
+            key = (int(row[F.TASK_INDEX]), int(row[F.ROLLOUT_INDEX]))
+        except (jsonl.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+        cls = row.get(F.FAILURE_CLASS)
+        latest[key] = (
+            str(cls) if cls is not None else "unknown",
+            F.agent_name(row),
+            row.get(F.ENVIRONMENT_SERVER),
+        )
+    return latest
+
+
+def provisional_accounting(
+    r: redis.Redis,
+    rd: RunDir,
+    shard: str,
+    planned: int,
+    group_owed: Counter[tuple[str | None, str | None]] | None,
+) -> Accounting:
+    """The stopped shard's accounting from Redis, the sidecar and the dispatcher's counts."""
+    sid = keys.shard_id(rd.url, shard)
+    pipe = r.pipeline(transaction=True)
+    pipe.hget(keys.shard_state(sid), "built")
+    pipe.scard(keys.shard_landed(sid))
+    pipe.hgetall(keys.shard_counts(sid))
+    built, landed, raw_counts = pipe.execute()
+    counts = {k.decode(): int(v) for k, v in raw_counts.items()}
+    if built != b"1":
+        # Redis lost the shard's state; its counters would undercount.
+        raise RuntimeError(f"Redis holds no state for {rd.url} shard {shard}")
+    source = SourceCounts(has_inventory=True, drained=counts.get("drained", 0))
+    acc = Accounting([source], records_read=False, groups_known=group_owed is not None)
+    source.owed = planned
+    source.landed = int(landed)
+    if group_owed is not None:
+        acc.group_owed.update(group_owed)
+    latest = _latest_failures(rd, ShardFiles(shard).failures)
+    failed_keys = list(latest)
+    for i in range(0, len(failed_keys), MEMBER_BATCH):
+        batch = failed_keys[i : i + MEMBER_BATCH]
+        members = [f"{t}:{ro}" for t, ro in batch]
+        for key, present in zip(batch, r.smismember(keys.shard_landed(sid), members), strict=True):
+            if present:
+                continue
+            cls, agent, env = latest[key]
+            acc.failed[cls] += 1
+            acc.group_failed[(agent, env, cls)] += 1
+    source.no_outcome = max(0, planned - source.landed - sum(acc.failed.values()))
+    return acc
+
+
+def write_provisional(
+    rd: RunDir,
+    shard: str,
+    r: redis.Redis,
+    *,
+    planned: int,
+    group_owed: Counter[tuple[str | None, str | None]] | None,
+    limits: Limits,
+    ignored: list[str],
+) -> dict[str, Any]:
+    """Write the provisional `quality_summary.json` of a stopped shard; returns its `run`."""
+    acc = provisional_accounting(r, rd, shard, planned, group_owed)
+    ignored_ids = list(normalize_ignored(ignored))
+    run = run_section(
+        state="provisional",
+        totals=None,
+        accounting=acc,
+        limits=limits,
+        overrides={},
+        sources=[ShardFiles(shard).results],
+        ignored=ignored_ids,
+        check=excessive_failures(acc, limits, RUN_CHECK in ignored_ids),
+    )
+    write_summary(rd, run)
+    return run

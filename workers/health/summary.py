@@ -1,0 +1,190 @@
+"""The quality summary: NeMo Gym's shape (`run.ignored_checks`, `artifacts`, `verdicts`, `issues`,
+`stats`, `tasks`) plus ours (`state`, `healthy`, `reasons`, `accounting`, `limits`, `sources`).
+
+`healthy` is true only when the run is whole and its failures are within the limits; false when
+the evidence says otherwise (a group over a limit, owed rollouts with no outcome or drained,
+duplicate records); null when it cannot say (no limit set, no inventory, a provisional or
+disabled summary). `reasons` says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import orjson
+
+from schemas.health import ALL_CHECKS, RUN_CHECK, Limits, SummaryState
+from workers.health.accounting import Accounting
+from workers.health.reduce import VERDICTS, Totals
+
+PROVISIONAL_REASON = (
+    "provisional: the run was stopped before it finished; this is its accounting only "
+    "(rollouts were not read); `rollouts health-check` writes the full summary"
+)
+DISABLED_REASON = "the health check is disabled (disable_health_check)"
+
+
+def _limits(limits: Limits, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {**limits.model_dump(), "overrides": overrides}
+
+
+def _coverage_of_run_check(coverage: str | None) -> dict[str, int | None]:
+    if coverage is None:
+        return {"evaluated": None, "unobserved": None, "ignored": None}
+    return {k: 1 if coverage == k else 0 for k in ("evaluated", "unobserved", "ignored")}
+
+
+def verdict(
+    state: SummaryState,
+    accounting: dict[str, Any],
+    coverage: str,
+    unobserved_reason: str | None,
+    findings: list[dict[str, Any]],
+) -> tuple[bool | None, list[str]]:
+    """(healthy, reasons) from the accounting and the run-level check."""
+    unhealthy = [f["reason"] for f in findings]
+    if state == "complete":
+        owed, missing, drained = accounting["owed"], accounting["missing"], accounting["drained"]
+        if missing:
+            unhealthy.append(f"{missing} of {owed} owed rollouts have no outcome")
+        if drained:
+            unhealthy.append(f"{drained} owed rollouts were drained (never started)")
+        if accounting["duplicates"]:
+            unhealthy.append(
+                f"{accounting['duplicates']} records repeat a rollout identity already recorded"
+            )
+    if unhealthy:
+        return False, unhealthy
+    unknown = []
+    if state == "provisional":
+        unknown.append(PROVISIONAL_REASON)
+    if coverage == "unobserved" and unobserved_reason:
+        unknown.append(f"{RUN_CHECK} is unobserved: {unobserved_reason}")
+    if state == "complete" and accounting["owed"] is None and coverage != "unobserved":
+        unknown.append("no materialized inputs: the owed rollouts are unknown")
+    return (None, unknown) if unknown else (True, [])
+
+
+def run_section(
+    *,
+    state: SummaryState,
+    totals: Totals | None,
+    accounting: Accounting | None,
+    limits: Limits,
+    overrides: dict[str, dict[str, Any]],
+    sources: list[str],
+    ignored: Iterable[str],
+    check: tuple[str, str | None, list[dict[str, Any]]] | None,
+) -> dict[str, Any]:
+    """The `run` object; `totals` None leaves the per-record counts null (records not read)."""
+    if totals is not None:
+        coverage: dict[str, Any] = {
+            c: {k: totals.coverage[c][k] for k in ("evaluated", "unobserved", "ignored")}
+            for c in ALL_CHECKS
+            if c != RUN_CHECK
+        }
+        issues: dict[str, Any] = {c: totals.issues[c] for c in ALL_CHECKS}
+        artifacts: dict[str, Any] = {
+            "records": totals.records,
+            "captures": totals.captures,
+            "coverage": coverage,
+        }
+        verdicts: dict[str, Any] = {v: totals.verdicts[v] for v in VERDICTS}
+        stats: dict[str, Any] | None = {
+            "model_call_errors": {
+                "total": totals.errors_total,
+                "by_status": dict(sorted(totals.errors_by_status.items())),
+                "rollouts_affected": totals.errors_rollouts,
+                "ended_on_error": totals.ended_on_error,
+            },
+            "duplicated_calls": {
+                "replayed": totals.duplicated_calls,
+                "rollouts": totals.duplicated_rollouts,
+            },
+            "tokens": dict(
+                zip(
+                    ("prompt", "completion", "capture_prompt", "capture_completion"),
+                    totals.tokens,
+                    strict=True,
+                )
+            ),
+        }
+    else:
+        coverage = {c: _coverage_of_run_check(None) for c in ALL_CHECKS if c != RUN_CHECK}
+        issues = dict.fromkeys(ALL_CHECKS)
+        artifacts = {"records": None, "captures": None, "coverage": coverage}
+        verdicts = dict.fromkeys(VERDICTS)
+        stats = None
+    cov, why, findings = check if check is not None else (None, None, [])
+    coverage[RUN_CHECK] = _coverage_of_run_check(cov)
+    if check is not None:
+        issues[RUN_CHECK] = len(findings)
+    acc = accounting.as_dict() if accounting is not None else _null_accounting()
+    acc[RUN_CHECK] = {"coverage": cov, "unobserved_reason": why, "findings": findings}
+    if state == "disabled":
+        healthy, reasons = None, [DISABLED_REASON]
+    else:
+        healthy, reasons = verdict(state, acc, cov or "unobserved", why, findings)
+    return {
+        "ignored_checks": sorted(ignored),
+        "artifacts": artifacts,
+        "verdicts": verdicts,
+        "issues": issues,
+        "stats": stats,
+        "state": state,
+        "healthy": healthy,
+        "reasons": reasons,
+        "accounting": acc,
+        "limits": _limits(limits, overrides),
+        "sources": sources,
+    }
+
+
+def _null_accounting() -> dict[str, Any]:
+    return {
+        "owed": None,
+        "landed": None,
+        "scored": None,
+        "failed": {"total": None, "by_class": None},
+        "missing": None,
+        "drained": None,
+        "duplicates": None,
+        "not_owed": None,
+        "unreadable": None,
+    }
+
+
+def _indent(data: bytes, level: int) -> bytes:
+    # JSON strings never hold a raw newline, so every newline is between tokens.
+    return data.replace(b"\n", b"\n" + b"  " * level)
+
+
+def summary_chunks(run: dict[str, Any], tasks: Iterable[tuple[str, Any]]) -> Iterator[bytes]:
+    """The summary as orjson would print it with two-space indents, with `tasks` streamed."""
+    yield b'{\n  "run": ' + _indent(orjson.dumps(run, option=orjson.OPT_INDENT_2), 1)
+    first = True
+    for key, value in tasks:
+        head = b',\n  "tasks": {\n    ' if first else b",\n    "
+        body = _indent(orjson.dumps(value, option=orjson.OPT_INDENT_2), 2)
+        yield head + orjson.dumps(key) + b": " + body
+        first = False
+    yield b',\n  "tasks": {}\n}\n' if first else b"\n  }\n}\n"
+
+
+def console_line(run: dict[str, Any], path: str) -> str:
+    """NeMo Gym's two console lines, then ours with the run verdict."""
+    v = run["verdicts"]
+    lines = []
+    if v["healthy"] is not None:
+        checked = sum(v[k] for k in VERDICTS)
+        ignored = f" (ignored: {', '.join(run['ignored_checks'])})" if run["ignored_checks"] else ""
+        lines.append(
+            f"Rollout health: {checked} checked, {v['healthy']} healthy, "
+            f"{v['unhealthy']} unhealthy, {v['unobserved']} unobserved{ignored}"
+        )
+    lines.append(f"Quality summary: {path}")
+    word = {True: "healthy", False: "UNHEALTHY", None: "unknown"}[run["healthy"]]
+    lines.append(f"Run health ({run['state']}): {word}")
+    lines.extend(f"  - {reason}" for reason in run["reasons"])
+    return "\n".join(lines)
