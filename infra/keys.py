@@ -86,8 +86,9 @@ def shard_starts(sid: str) -> str:
 
 def shard_generation(sid: str) -> str:
     """Hash of the current dispatch generation: `token`, `enqueued`, `started_at`, `deadline`,
-    and its outcome counters `done`, `duplicate`, `drained`, `cancelled` (tasks of an older
-    generation do not count here)."""
+    and its outcome counters `done`, `duplicate`, `drained` (the budget ran out), `stopped` (not
+    started: the run was cancelled or failed), `cancelled` (cancelled in flight). Tasks of an
+    older generation do not count here."""
     return f"{PREFIX}:shard:{sid}:generation"
 
 

@@ -17,6 +17,9 @@ from celery import Celery
 from infra import keys
 from schemas.messages import QUEUE
 
+COUNTERS = ("done", "duplicate", "drained", "stopped", "cancelled")
+"""The generation's outcome counters; together they are the tasks that reached an end."""
+
 
 @dataclass
 class LiveSnapshot:
@@ -34,7 +37,7 @@ class LiveSnapshot:
     waiting: int = 0
     finishing: bool = False
     counters: dict[str, int] = field(default_factory=dict)
-    """The generation's counters: done, duplicate, drained, cancelled."""
+    """The generation's counters: done, duplicate, drained, stopped, cancelled."""
     shard_counts: dict[str, int] = field(default_factory=dict)
     """The landing counters: landed, duplicates, failed:<class> (rows)."""
     stop: str | None = None
@@ -44,7 +47,7 @@ class LiveSnapshot:
     def resolved(self) -> int:
         """Tasks of this generation that reached an end."""
         c = self.counters
-        return sum(c.get(k, 0) for k in ("done", "duplicate", "drained", "cancelled"))
+        return sum(c.get(k, 0) for k in COUNTERS)
 
     @property
     def active(self) -> bool:
@@ -94,9 +97,7 @@ def snapshot(r: redis.Redis, sid: str) -> LiveSnapshot:
     snap.enqueued = int(gen.get("enqueued", 0))
     snap.started_at = float(gen["started_at"]) if "started_at" in gen else None
     snap.deadline = float(gen["deadline"]) if gen.get("deadline") else None
-    snap.counters = {
-        k: int(v) for k, v in gen.items() if k in ("done", "duplicate", "drained", "cancelled")
-    }
+    snap.counters = {k: int(v) for k, v in gen.items() if k in COUNTERS}
     for member in leases:
         parts = member.decode().split("|")
         snap.in_flight_by_agent[parts[1] if len(parts) > 1 else ""] += 1

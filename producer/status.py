@@ -201,6 +201,7 @@ class StatusReader:
             "waiting": None,
             "queued": None,
             "drained": None,
+            "stopped": None,
             "cancelled": None,
             "rate_per_s": None,
             "eta_s": None,
@@ -224,6 +225,7 @@ class StatusReader:
             report["queued"] = 0 if manifest.state in FINAL_STATES else None
             return
         report["drained"] = snap.counters.get("drained", 0)
+        report["stopped"] = snap.counters.get("stopped", 0)
         report["cancelled"] = snap.counters.get("cancelled", 0)
         running = manifest.state == "running"
         queued = snap.enqueued - snap.resolved - snap.in_flight - snap.waiting
@@ -275,6 +277,8 @@ def summary_line(report: dict[str, Any]) -> str:
         f"in flight {fmt(report['in_flight'])} · waiting {fmt(report['waiting'])} · "
         f"queued {fmt(report['queued'])} · drained {fmt(report['drained'])}"
     )
+    if report.get("stopped"):
+        line += f" · not started (stopped) {report['stopped']}"
     if report.get("rate_per_s") is not None:
         line += f" · {report['rate_per_s']:.1f}/s"
     if report.get("eta_s") is not None:

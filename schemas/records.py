@@ -91,7 +91,7 @@ class ShardStatus(BaseModel):
     failed: dict[str, int] = Field(default_factory=dict)
     """Failure rows by class."""
     drained: int = 0
-    """Rollouts not started: the dispatch budget ran out, or the run was cancelled or failed."""
+    """Rollouts not started because the dispatch budget ran out."""
     cancelled: int = 0
     """Rollouts whose `/run` call was cancelled mid-flight (cancel or a failed run); no row."""
     in_flight: int = 0

@@ -57,8 +57,12 @@ local function count(field)
 end
 local function not_started(verdict, detail)
   redis.call('ZREM', KEYS[9], member)
-  count('drained')
-  redis.call('HINCRBY', KEYS[6], 'drained', 1)
+  if verdict == 'drained' then
+    count('drained')
+    redis.call('HINCRBY', KEYS[6], 'drained', 1)
+  else
+    count('stopped')
+  end
   return {verdict, detail}
 end
 local failed = redis.call('GET', KEYS[3])

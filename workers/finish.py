@@ -181,7 +181,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> dict[str, Any]
     manifest.state = "failed" if run_error else "cancelled" if cancelled else "completed"
     manifest.error = run_error
     if cancelled and not run_error:
-        manifest.error = "cancelled (drained)" if cancelled == "drain" else "cancelled"
+        manifest.error = "cancelled with --drain" if cancelled == "drain" else "cancelled"
     if aggregation_error and not manifest.error:
         manifest.error = f"aggregation failed: {aggregation_error}"
     if rejection is not None:
@@ -198,6 +198,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> dict[str, Any]
         "planned": counts.planned,
         "failed": dict(counts.failed),
         "drained": status.drained,
+        "stopped": generation.get("stopped", 0),
         "aggregation_error": aggregation_error,
         "health": health,
     }

@@ -47,6 +47,7 @@ def test_cancel_stops_the_run_and_resume_finishes_it(
         m = manifest(out)
         status = orjson.loads((out / "rollouts-0_status.json").read_bytes())
         landed = set(rows_by_key(out / "rollouts-0.jsonl"))
+        report = orjson.loads(cli("status", str(out), "--json").stdout)
         assert cli("cancel", str(out)).stdout.startswith("nothing to cancel")
         proc = cli("resume", str(out), "--broker", redis_url, "+max_resident_tasks=null")
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -54,10 +55,11 @@ def test_cancel_stops_the_run_and_resume_finishes_it(
         servers.stop()
     assert stats["requests"] == 4  # nothing started after the cancel
     assert m["state"] == "cancelled"
-    assert status["drained"] == 26
+    assert status["drained"] == 0  # the budget drained nothing: the cancel stopped them
+    assert report["stopped"] == 26 and report["in_flight"] == 0
     if drain:
         assert stats["cancelled"] == 0 and len(landed) == 4
-        assert m["error"] == "cancelled (drained)"
+        assert m["error"] == "cancelled with --drain"
     else:
         assert stats["cancelled"] == 4 and not landed, (stats, status, landed)
         assert status["cancelled"] == 4

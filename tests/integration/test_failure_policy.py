@@ -199,7 +199,9 @@ def test_route_failures_off_fails_the_run_on_the_first_error(
     assert m["state"] == "failed"
     assert "rollout 2-0 failed" in m["error"]
     status = orjson.loads((out / "rollouts-0_status.json").read_bytes())
-    assert status["drained"] >= 30
+    assert status["drained"] == 0  # not started because the run failed: stopped, not drained
+    report = orjson.loads(cli("status", str(out), "--json", "--redis", redis_url).stdout)
+    assert report["stopped"] >= 30
     assert status["failed"] == {"agent_run_error": 1}
 
 

@@ -133,7 +133,7 @@ def test_a_task_delivered_twice_lands_once(
     # calling the agent; one that ran calls the agent and is refused at landing. One of each landed.
     requests = sum(agent_stats(servers, a)["requests"] for a in servers.agents)
     assert 40 <= requests <= 50
-    assert counters(redis_url, run_dir_url)["duplicates"] == requests - 40
+    assert counters(redis_url, run_dir_url).get("duplicates", 0) == requests - 40
     assert outcomes["duplicate"] + outcomes["landed"] == 10
 
 

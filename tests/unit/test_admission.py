@@ -160,7 +160,8 @@ def test_fenced_landed_and_stop_flags(gate: Gate, r: redis.Redis) -> None:
     r.set(keys.shard_run_failed(SID), "rollout 1-0 failed: boom")
     assert gate.admit(request(4), SID).verdict == "failed"
     assert gate.stop_reason(SID) == "failed: rollout 1-0 failed: boom"
-    assert int(r.hget(keys.shard_generation(SID), "drained")) == 2
+    assert int(r.hget(keys.shard_generation(SID), "stopped")) == 2
+    assert r.hget(keys.shard_counts(SID), "drained") is None  # only the budget drains
     r.delete(keys.shard_run_failed(SID), keys.shard_cancel(SID))
     r.hset(keys.shard_state(SID), "opener", "someone-else")
     assert gate.admit(request(5), SID).verdict == "fenced"
