@@ -41,6 +41,10 @@ broker_transport_options = {
     # The default of 10 connections per channel starves hundreds of threads acking at once;
     # acks then fail, results are lost and the chord never fires.
     "max_connections": 4096,
+    # How often a worker looks for messages whose holder died (unacked past the visibility
+    # timeout): kombu's default sweep (~100 s) only matters with a short timeout, e.g. in tests.
+    "unacked_restore_interval": max(1, min(10, VISIBILITY_TIMEOUT_S // 4)),
+    "unacked_restore_throttle": 1 if VISIBILITY_TIMEOUT_S < 600 else 10,
 }
 result_backend_transport_options = {"visibility_timeout": VISIBILITY_TIMEOUT_S}
 redis_max_connections = 4096

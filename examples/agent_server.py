@@ -4,6 +4,8 @@ Knobs for tests and benchmarks (command-line flags, or `POST /admin/knobs` with 
 latency, a random fault rate over chosen fault kinds, and a request log. A row can also ask for
 its own fault (`"fault": {"kind": "http500", "times": 1}`: its first request fails) or its own
 latency (`"agent_latency_ms": 2000`). Fault kinds: http500, http503, reset, malformed, list, hang.
+A row's `"result_extra": {...}` is merged into its result (e.g. an agent-chosen failure row with
+`_ng_failure_class`, or `_ng_no_persist`).
 
 `GET /stats` reports requests, in-flight calls now and at most, and cancelled calls (the client
 closed the connection mid-call).
@@ -178,11 +180,13 @@ class AgentServer:
                 "total_tokens": in_tokens + out_tokens,
             },
         }
+        extra = row.get("result_extra")
         return {
             **row,
             "response": response,
             "reward": 1.0 if correct else 0.0,
             "extracted_answer": answer,
+            **(extra if isinstance(extra, dict) else {}),
         }
 
     async def get_stats(self, request: web.Request) -> web.Response:

@@ -54,6 +54,63 @@ def shard_run_failed(sid: str) -> str:
     return f"{PREFIX}:shard:{sid}:failed"
 
 
+def shard_cancel(sid: str) -> str:
+    """String: `cancel` or `drain`, set by `rollouts cancel`; cleared when the shard is resumed."""
+    return f"{PREFIX}:shard:{sid}:cancel"
+
+
+def shard_leases(sid: str) -> str:
+    """Sorted set: one member per rollout of the shard running now, scored by its lease expiry.
+
+    Members read `<holder>|<agent>|<task>:<rollout>`; scores are Redis server time, so no two
+    machines' clocks are compared. Its live size is the run's in-flight count and what
+    `max_resident_tasks` caps. A holder renews its leases while alive; a dead worker's leases
+    expire and their slots come back by themselves.
+    """
+    return f"{PREFIX}:shard:{sid}:leases"
+
+
+def shard_waiting(sid: str) -> str:
+    """Sorted set: rollouts a worker has taken but that wait for a slot, scored by expiry."""
+    return f"{PREFIX}:shard:{sid}:waiting"
+
+
+def shard_starts(sid: str) -> str:
+    """Hash `task:rollout` -> deliveries that started and did not finish.
+
+    A count above the attempt limit means workers died on the rollout that many times: the next
+    delivery writes a `worker_lost` failure instead of calling the agent again.
+    """
+    return f"{PREFIX}:shard:{sid}:starts"
+
+
+def shard_generation(sid: str) -> str:
+    """Hash of the current dispatch generation: `token`, `enqueued`, `started_at`, `deadline`,
+    and its outcome counters `done`, `duplicate`, `drained` (the budget ran out), `stopped` (not
+    started: the run was cancelled or failed), `cancelled` (cancelled in flight). Tasks of an
+    older generation do not count here."""
+    return f"{PREFIX}:shard:{sid}:generation"
+
+
+def shard_durations(sid: str) -> str:
+    """List of recent successful rollout durations (seconds), newest first: the drain margin's p75."""
+    return f"{PREFIX}:shard:{sid}:durations"
+
+
+def shard_finishing(sid: str) -> str:
+    """Lock held while the shard's finish step runs: one finish at a time, and proof to a waiting
+    producer that the run is not stalled while a long aggregation runs."""
+    return f"{PREFIX}:shard:{sid}:finishing"
+
+
+def agent_leases(agent_url: str) -> str:
+    """Sorted set: `/run` calls in flight to one agent server across all runs, scored by lease
+    expiry; what the agent's `max_concurrency` caps. Keyed by the agent's URL: the server is what
+    the cap protects."""
+    digest = hashlib.sha1(agent_url.rstrip("/").encode()).hexdigest()[:20]
+    return f"{PREFIX}:agent:{digest}:leases"
+
+
 def shard_status_tick(sid: str) -> str:
     """String with a short expiry: set (NX) by the writer whose turn it is to save the status file.
 
@@ -69,5 +126,11 @@ def all_shard_keys(sid: str) -> list[str]:
         shard_landed(sid),
         shard_counts(sid),
         shard_run_failed(sid),
+        shard_cancel(sid),
+        shard_leases(sid),
+        shard_waiting(sid),
+        shard_starts(sid),
+        shard_generation(sid),
+        shard_durations(sid),
         shard_status_tick(sid),
     ]

@@ -7,10 +7,13 @@ import sys
 from typing import Any
 
 import click
+import orjson
 from rich.console import Console
 from rich.markup import escape
 
+from infra.store import RunDir
 from producer.overrides import parse_overrides
+from producer.resume import ResumeOptions, execute_resume, nemo_gym_output, resumable
 from producer.runner import DEFAULT_CONCURRENCY, DEFAULT_WORKERS, RunOptions, execute_run
 from schemas.errors import RolloutsError, RunFailedError, UsageError
 
@@ -35,9 +38,9 @@ def main() -> None:
 @click.option(
     "--config", "config_path", default=None, help="Servers config (YAML; normalised or NeMo Gym's)."
 )
-@click.option("--input", "input_path", required=True, help="Rows to run (JSONL).")
-@click.option("--output-dir", required=True, help="Run directory: a folder or an fsspec URL.")
-@click.option("--shard", default="0", show_default=True, help="Shard label.")
+@click.option("--input", "input_path", default=None, help="Rows to run (JSONL).")
+@click.option("--output-dir", default=None, help="Run directory: a folder or an fsspec URL.")
+@click.option("--shard", default=None, help="Shard label.  [default: 0]")
 @click.option("--agent", default=None, help="Agent for rows that name none.")
 @click.option("--num-repeats", type=int, default=None, help="Rollouts per task.")
 @click.option(
@@ -89,12 +92,13 @@ def main() -> None:
     default=None,
     help="Skip the allowed_agents checks.",
 )
+@click.option("--events", is_flag=True, help="Local workers send task events (for Flower).")
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 def run(
     config_path: str | None,
-    input_path: str,
-    output_dir: str,
-    shard: str,
+    input_path: str | None,
+    output_dir: str | None,
+    shard: str | None,
     agent: str | None,
     num_repeats: int | None,
     route_failures_to_sidecar: bool | None,
@@ -107,9 +111,14 @@ def run(
     overwrite: bool,
     head_server: str | None,
     allow_unsupported_pairing: bool | None,
+    events: bool,
     overrides: tuple[str, ...],
 ) -> None:
-    """Run every row of INPUT, repeated, across the cluster."""
+    """Run every row of INPUT, repeated, across the cluster.
+
+    NeMo Gym's spelling also works: +input_jsonl_fpath=ROWS +output_jsonl_fpath=DIR/rollouts-S.jsonl,
+    and with +resume_from_cache=true a shard that exists there is resumed instead.
+    """
     try:
         settings: dict[str, Any] = parse_overrides(list(overrides))
         for key, value in (
@@ -121,6 +130,24 @@ def run(
         ):
             if value is not None:
                 settings[key] = value
+        spelled = nemo_gym_spelling(settings, input_path, output_dir, shard)
+        input_path, output_dir, shard, resume = spelled
+        if resume and output_dir is not None:
+            sys.exit(
+                execute_resume(
+                    ResumeOptions(
+                        output_dir=output_dir, shard=shard, config_path=config_path,
+                        head_server=head_server, overrides=settings, workers=workers,
+                        concurrency=concurrency, broker_url=broker, redis_url=redis_url,
+                        wait=not no_wait, events=events,
+                    ),
+                    _console,
+                )
+            )  # fmt: skip
+        if input_path is None or output_dir is None:
+            raise UsageError(
+                "run needs --input and --output-dir (or +input_jsonl_fpath and +output_jsonl_fpath)"
+            )
         opts = RunOptions(
             config_path=config_path,
             input_path=input_path,
@@ -134,6 +161,7 @@ def run(
             redis_url=redis_url,
             wait=not no_wait,
             head_server=head_server,
+            events=events,
         )
         sys.exit(execute_run(opts, _console))
     except (UsageError, RunFailedError) as exc:
@@ -202,6 +230,189 @@ def demo(tasks: int, repeats: int, workers: int, output_dir: str | None) -> None
         )
     except (UsageError, RunFailedError) as exc:
         _fail(exc)
+
+
+def nemo_gym_spelling(
+    settings: dict[str, Any], input_path: str | None, output_dir: str | None, shard: str | None
+) -> tuple[str | None, str | None, str, bool]:
+    """Take NeMo Gym's path keys out of the overrides: (input, output dir, shard, resume?)."""
+    nemo_input = settings.pop("input_jsonl_fpath", None)
+    nemo_output = settings.pop("output_jsonl_fpath", None)
+    resume = bool(settings.pop("resume_from_cache", False))
+    if nemo_input is not None:
+        if input_path is not None and input_path != str(nemo_input):
+            raise UsageError("--input and +input_jsonl_fpath name different files")
+        input_path = str(nemo_input)
+    if nemo_output is not None:
+        directory, label = nemo_gym_output(str(nemo_output))
+        if output_dir is not None and os.path.abspath(output_dir) != os.path.abspath(directory):
+            raise UsageError("--output-dir and +output_jsonl_fpath name different folders")
+        if shard is not None and shard != label:
+            raise UsageError("--shard and +output_jsonl_fpath name different shards")
+        output_dir, shard = directory, label
+    shard = shard or "0"
+    if resume and output_dir is not None and resumable(output_dir, shard):
+        return input_path, output_dir, shard, True
+    if resume:
+        _console.print(
+            "resume_from_cache: no manifest and materialized inputs of shard "
+            f"{shard} in {output_dir}; starting a fresh run"
+        )
+    return input_path, output_dir, shard, False
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("run_dir")
+@click.option("--shard", default="0", show_default=True, help="Shard label.")
+@click.option(
+    "--max-attempts",
+    type=int,
+    default=None,
+    help="Attempt limit per rollout (else NEMO_GYM_MAX_ROLLOUT_ATTEMPTS, else the run's).",
+)
+@click.option("--config", "config_path", default=None, help="Servers config (default: the run's).")
+@click.option(
+    "--workers",
+    type=int,
+    default=DEFAULT_WORKERS,
+    show_default=True,
+    help="Local worker processes (without --broker).",
+)
+@click.option(
+    "--concurrency",
+    type=int,
+    default=DEFAULT_CONCURRENCY,
+    show_default=True,
+    help="Rollouts in flight per local worker.",
+)
+@click.option("--broker", default=None, help="Broker URL (else ROLLOUTS_BROKER_URL, else local).")
+@click.option("--redis", "redis_url", default=None, help="Redis for locks and results.")
+@click.option("--no-wait", is_flag=True, help="Enqueue and return.")
+@click.option("--events", is_flag=True, help="Local workers send task events (for Flower).")
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def resume(
+    run_dir: str,
+    shard: str,
+    max_attempts: int | None,
+    config_path: str | None,
+    workers: int,
+    concurrency: int,
+    broker: str | None,
+    redis_url: str | None,
+    no_wait: bool,
+    events: bool,
+    overrides: tuple[str, ...],
+) -> None:
+    """Run the planned rollouts of RUN_DIR that have no outcome yet, then finish the shard."""
+    try:
+        opts = ResumeOptions(
+            output_dir=run_dir, shard=shard, max_attempts=max_attempts, config_path=config_path,
+            overrides=parse_overrides(list(overrides)), workers=workers, concurrency=concurrency,
+            broker_url=broker, redis_url=redis_url, wait=not no_wait, events=events,
+        )  # fmt: skip
+        sys.exit(execute_resume(opts, _console))
+    except (UsageError, RunFailedError) as exc:
+        _fail(exc)
+
+
+@main.command()
+@click.argument("run_dir")
+@click.option("--shard", default="0", show_default=True, help="Shard label.")
+@click.option("--watch", is_flag=True, help="Live progress until the shard finishes.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--interval", type=float, default=2.0, show_default=True, help="--watch refresh.")
+@click.option("--broker", default=None, help="Broker URL, when it is the run's Redis.")
+@click.option("--redis", "redis_url", default=None, help="The run's Redis (default: recorded).")
+def status(
+    run_dir: str,
+    shard: str,
+    watch: bool,
+    as_json: bool,
+    interval: float,
+    broker: str | None,
+    redis_url: str | None,
+) -> None:
+    """Planned, landed, failed by class, in flight, queued, rate and ETA, by agent and environment."""
+    from producer.control import find_redis_url, load_manifest
+    from producer.status import StatusReader, print_status
+    from producer.status import watch as watch_status
+
+    try:
+        rd = RunDir(run_dir)
+        manifest = load_manifest(rd, shard)
+        reader = StatusReader(rd, shard, find_redis_url(manifest, redis_url, broker))
+        if watch:
+            report = watch_status(_console, reader, interval)
+        elif as_json:
+            report = reader.report()
+        else:
+            report = print_status(_console, reader)
+        if as_json:
+            sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+    except (UsageError, RunFailedError) as exc:
+        _fail(exc)
+
+
+@main.command()
+@click.argument("run_dir")
+@click.option("--shard", default="0", show_default=True, help="Shard label.")
+@click.option("--drain", is_flag=True, help="Let running rollouts finish; start no new ones.")
+@click.option("--broker", default=None, help="Broker URL, when it is the run's Redis.")
+@click.option("--redis", "redis_url", default=None, help="The run's Redis (default: recorded).")
+def cancel(
+    run_dir: str, shard: str, drain: bool, broker: str | None, redis_url: str | None
+) -> None:
+    """Stop a running shard: nothing new starts; running /run calls are cancelled unless --drain."""
+    from producer.control import cancel_shard, find_redis_url, load_manifest
+
+    try:
+        rd = RunDir(run_dir)
+        manifest = load_manifest(rd, shard)
+        url = find_redis_url(manifest, redis_url, broker)
+        if url is None:
+            raise UsageError("the run's Redis is unknown; pass --redis URL")
+        _console.print(cancel_shard(rd, shard, url, drain))
+    except (UsageError, RunFailedError) as exc:
+        _fail(exc)
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--broker", default=None, help="Broker URL (else ROLLOUTS_BROKER_URL).")
+@click.option("--redis", "redis_url", default=None, help="Result backend (default: the broker).")
+@click.option("--port", type=int, default=5555, show_default=True)
+@click.option("--address", default="127.0.0.1", show_default=True)
+@click.option(
+    "--unauthenticated-api",
+    is_flag=True,
+    help="Serve Flower's HTTP API without auth (sets FLOWER_UNAUTHENTICATED_API); else use --basic-auth.",
+)
+@click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
+def flower(
+    broker: str | None,
+    redis_url: str | None,
+    port: int,
+    address: str,
+    unauthenticated_api: bool,
+    flower_args: tuple[str, ...],
+) -> None:
+    """Start Flower against the cluster's broker; rollout tasks show as rollouts.collect[RUN/SHARD ID].
+
+    Flower switches task events on in every worker it reaches; `rollouts worker --events` and
+    `rollouts run --events` start workers with them on from the first task.
+    """
+    from producer.control import flower_command
+
+    broker = broker or os.environ.get("ROLLOUTS_BROKER_URL")
+    if not broker:
+        _fail(UsageError("flower needs --broker URL (or ROLLOUTS_BROKER_URL)"))
+        return
+    env = dict(os.environ)
+    env["ROLLOUTS_BROKER_URL"] = broker
+    env["ROLLOUTS_REDIS_URL"] = redis_url or env.get("ROLLOUTS_REDIS_URL") or broker
+    if unauthenticated_api:
+        env["FLOWER_UNAUTHENTICATED_API"] = "true"
+    cmd = flower_command(broker, port, address, list(flower_args))
+    os.execvpe(cmd[0], cmd, env)
 
 
 @main.command("health-check")

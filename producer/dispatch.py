@@ -30,7 +30,14 @@ from producer.planning import PlanContext, WarningSink, write_plan
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, RunExistsError, StorageError
-from schemas.messages import COLLECT_TASK, FINISH_TASK, CallPolicy, FinishRequest, RunRef
+from schemas.messages import (
+    COLLECT_TASK,
+    FINISH_TASK,
+    Admission,
+    CallPolicy,
+    FinishRequest,
+    RunRef,
+)
 from schemas.records import Generation, InputSource, Manifest, utc_now
 from schemas.settings import CollectionSettings
 
@@ -205,7 +212,25 @@ def call_policy(settings: CollectionSettings) -> CallPolicy:
         retry_requests=settings.retry_requests,
         max_attempts=settings.max_attempts,
         route_failures_to_sidecar=settings.route_failures_to_sidecar,
+        connect_retries=settings.connect_retries,
+        backoff_base_s=settings.retry_backoff_s,
     )
+
+
+def admissions(
+    config: ServersConfig, settings: CollectionSettings, deadline: float | None
+) -> dict[str, dict[str, Any]]:
+    """The admission payload of each agent's rollouts: the run's caps, its agent's cap, the budget."""
+    return {
+        name: Admission(
+            max_resident_tasks=settings.max_resident_tasks,
+            agent_max_concurrency=agent.max_concurrency,
+            dispatch_deadline=deadline,
+            dispatch_budget_s=settings.dispatch_budget_s if deadline is not None else None,
+            drain_margin_s=settings.drain_margin_s,
+        ).model_dump(mode="json", exclude_defaults=True)
+        for name, agent in config.agents.items()
+    }
 
 
 def enqueue(
@@ -215,12 +240,19 @@ def enqueue(
     count: int,
     config: ServersConfig,
     settings: CollectionSettings,
+    deadline: float | None = None,
 ) -> str:
-    """Publish one collect task per row as a chord with the finish callback; returns the callback's id."""
+    """Publish one collect task per row as a chord with the finish callback; returns the callback's id.
+
+    `deadline` is the dispatch budget's end on the Redis server's clock, when there is a budget.
+    """
     finish_id = f"finish-{opened.manifest.run_id}-{opened.run.token[:8]}"
     finish_payload = FinishRequest(run=opened.run).model_dump(mode="json")
     callback = app.signature(FINISH_TASK, args=(finish_payload,), immutable=True)
-    callback.set(task_id=finish_id)
+    callback.set(
+        task_id=finish_id,
+        shadow=f"{FINISH_TASK}[{opened.manifest.run_id}/{opened.manifest.shard}]",
+    )
     if count == 0:
         callback.apply_async()
         return finish_id
@@ -229,15 +261,20 @@ def enqueue(
     run = opened.run.model_dump(mode="json")
     policy = call_policy(settings).model_dump(mode="json")
     urls = {name: agent.url for name, agent in config.agents.items()}
+    gates = admissions(config, settings, deadline)
+    run_label = f"{opened.manifest.run_id}/{opened.manifest.shard}"
     with app.producer_or_acquire() as producer:
         for index, row in enumerate(rows):
             rid = F.rollout_id(row)
+            agent = F.agent_name(row) or ""
             payload = {
                 "run": run,
-                "agent_url": urls[F.agent_name(row) or ""],
+                "agent_url": urls[agent],
                 "policy": policy,
                 "row": row,
             }
+            if gates[agent]:
+                payload["admission"] = gates[agent]
             app.send_task(
                 COLLECT_TASK,
                 args=(payload,),
@@ -248,6 +285,8 @@ def enqueue(
                 producer=producer,
                 add_to_parent=False,
                 argsrepr=f"run={opened.manifest.run_id} shard={opened.manifest.shard} rollout={rid}",
+                # What Flower and worker logs show as the task's name: which run, which rollout.
+                shadow=f"{COLLECT_TASK}[{run_label} {rid}]",
                 kwargsrepr="{}",
             )
     return finish_id

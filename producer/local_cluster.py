@@ -90,11 +90,14 @@ class WorkerProcesses:
 class LocalCluster:
     """Embedded Redis plus local workers, for `rollouts run` without `--broker`."""
 
-    def __init__(self, workers: int, concurrency: int, loglevel: str = "WARNING") -> None:
+    def __init__(
+        self, workers: int, concurrency: int, loglevel: str = "WARNING", events: bool = False
+    ) -> None:
         self.redis = EmbeddedRedis()
         self.workers_count = workers
         self.concurrency = concurrency
         self.loglevel = loglevel
+        self.events = events
         self.workers: WorkerProcesses | None = None
 
     @property
@@ -104,7 +107,7 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         self.redis.start()
         self.workers = WorkerProcesses(
-            self.url, self.url, self.workers_count, self.concurrency, self.loglevel
+            self.url, self.url, self.workers_count, self.concurrency, self.loglevel, self.events
         )
         self.workers.start()
         return self

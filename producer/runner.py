@@ -8,26 +8,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from infra import keys
 from infra.redis_client import client
+from infra.runs import write_manifest
 from producer.celery_client import client_app
 from producer.config_loading import load_run_config
-from producer.dispatch import (
-    OpenedRun,
-    enqueue,
-    iter_materialized,
-    open_run,
-    reset_shard_state,
-    wait_for_finish,
-)
+from producer.dispatch import OpenedRun, iter_materialized, open_run, reset_shard_state
+from producer.live import redact_url
 from producer.local_cluster import LocalCluster
 from producer.overrides import validate_settings
 from producer.report import print_counts, print_health, print_metrics
 from producer.stop import Stopped, counted, stop_on_sigterm, stop_run
+from producer.supervise import dispatch_generation, raise_for_outcome
 from schemas.config import ServersConfig
-from schemas.errors import PlanningError, Problem, RunFailedError, UsageError
+from schemas.errors import PlanningError, Problem, UsageError
 from schemas.settings import CollectionSettings
 from workers.health.registry import normalize_ignored
 
@@ -52,6 +46,8 @@ class RunOptions:
     wait: bool = True
     head_server: str | None = None
     """A running NeMo Gym head server to read the servers config from, instead of config_path."""
+    events: bool = False
+    """Local workers send task events (for Flower)."""
 
 
 def build_settings(values: dict[str, Any]) -> CollectionSettings:
@@ -64,19 +60,6 @@ def build_settings(values: dict[str, Any]) -> CollectionSettings:
             header="invalid collection settings",
         ) from None
     return settings
-
-
-def _progress_reader(opened: OpenedRun, redis_url: str, progress: Progress, task: Any) -> Any:
-    r = client(redis_url)
-    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
-
-    def update() -> None:
-        raw = r.hgetall(keys.shard_counts(sid))
-        counts = {k.decode(): int(v) for k, v in raw.items()}  # type: ignore[union-attr]
-        failed = sum(v for k, v in counts.items() if k.startswith("failed:"))
-        progress.update(task, completed=counts.get("landed", 0), failed=failed)
-
-    return update
 
 
 def dispatch_and_wait(
@@ -111,25 +94,14 @@ def _dispatch_and_wait(
     settings = CollectionSettings.model_validate(opened.manifest.settings)
     app = client_app(broker_url, redis_url)
     reset_shard_state(client(redis_url), opened)
+    # Where this generation coordinates, so `rollouts status` and `cancel` find it.
+    opened.manifest.generations[-1].redis_url = redact_url(redis_url)
+    write_manifest(opened.rd, opened.manifest)
     rows = counted(iter_materialized(opened.rd, opened.manifest.shard), groups)
-    finish_id = enqueue(app, opened, rows, opened.manifest.planned, config, settings)
-    console.print(f"enqueued {opened.manifest.planned} rollouts of {opened.manifest.run_id}")
-    if not opts.wait:
-        return None
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("failed {task.fields[failed]}"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    ) as progress:
-        task = progress.add_task("rollouts", total=opened.manifest.planned, failed=0)
-        update = _progress_reader(opened, redis_url, progress, task)
-        result = wait_for_finish(app, finish_id, on_progress=update)
-        update()
-    return result
+    return dispatch_generation(
+        app, opened, rows, opened.manifest.planned, config, settings, redis_url, console,
+        wait=opts.wait,
+    )  # fmt: skip
 
 
 def execute_run(opts: RunOptions, console: Console | None = None) -> int:
@@ -151,7 +123,7 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
         result = dispatch_and_wait(opened, opts, broker, redis_url, console, config)
     else:
         console.print(f"starting an embedded Redis and {opts.workers} local worker processes")
-        with LocalCluster(opts.workers, opts.concurrency) as cluster:
+        with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:
             result = dispatch_and_wait(opened, opts, cluster.url, cluster.url, console, config)
     console.print(f"run directory: {opened.rd.url}")
     if result is None:
@@ -159,8 +131,5 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     print_metrics(console, opened.rd, opened.manifest.shard)
     print_health(console, result.get("health"))
     print_counts(console, result)
-    if result.get("state") == "failed":
-        raise RunFailedError(f"the run failed: {result.get('error')}")
-    if result.get("aggregation_error"):
-        raise RunFailedError(f"aggregation failed: {result['aggregation_error']}")
+    raise_for_outcome(result)
     return 0

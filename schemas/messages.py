@@ -50,6 +50,23 @@ class CallPolicy(BaseModel):
     """First backoff delay; it doubles per retry, with full jitter, capped at 30 s."""
 
 
+class Admission(BaseModel):
+    """When a rollout may start: the cluster-wide caps and the dispatch budget (SPEC §5)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_resident_tasks: int | None = None
+    """At most this many rollouts of the run running at once, across the cluster."""
+    agent_max_concurrency: int | None = None
+    """At most this many `/run` calls to this rollout's agent at once, across all runs."""
+    dispatch_deadline: float | None = None
+    """No start after this instant (Redis server clock, seconds since the epoch)."""
+    dispatch_budget_s: float | None = None
+    """The budget the deadline came from, for messages."""
+    drain_margin_s: float | None = None
+    """Stop starting this long before the deadline; None: the p75 of observed durations."""
+
+
 class CollectRequest(BaseModel):
     """One rollout: the planned row and where its agent listens."""
 
@@ -63,6 +80,8 @@ class CollectRequest(BaseModel):
     """Timeouts and retries."""
     row: dict[str, Any]
     """The planned row, sent as the `/run` body."""
+    admission: Admission = Admission()
+    """Caps and budget that decide when the rollout may start."""
 
 
 class FinishRequest(BaseModel):

@@ -34,6 +34,10 @@ class Generation(BaseModel):
     """When it was opened."""
     enqueued: int
     """Rollouts it enqueued."""
+    redis_url: str | None = None
+    """The Redis its workers coordinate through (password redacted), for `status` and `cancel`."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Settings a resume changed for this generation."""
 
 
 class Manifest(BaseModel):
@@ -88,6 +92,8 @@ class ShardStatus(BaseModel):
     """Failure rows by class."""
     drained: int = 0
     """Rollouts not started because the dispatch budget ran out."""
+    cancelled: int = 0
+    """Rollouts whose `/run` call was cancelled mid-flight (cancel or a failed run); no row."""
     in_flight: int = 0
     """Rollouts running now."""
     duplicates: int = 0

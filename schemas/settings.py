@@ -52,6 +52,12 @@ class CollectionSettings(BaseModel):
     """No rollout starts later than this many seconds after dispatch began."""
     drain_margin_s: float | None = Field(default=None, ge=0)
     """Stop starting this long before the budget ends (else the p75 of observed durations)."""
+    connect_retries: int = Field(default=6, ge=0)
+    """Retries of a `/run` connection that was never established (the agent never saw it)."""
+    retry_backoff_s: float = Field(default=0.5, gt=0)
+    """First retry delay; it doubles per retry (capped at 30 s), with full jitter."""
+    stall_timeout_s: float = Field(default=60.0, gt=0)
+    """A waiting producer gives up after this long with no progress and nothing queued or running."""
     require_complete: bool = False
     """A run with fewer landed results than planned rollouts ends with exit 1."""
     count_missing_rollouts_as_zero: bool = False

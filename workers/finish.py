@@ -13,6 +13,7 @@ from typing import Any
 
 from infra import jsonl, keys
 from infra.http import process_io
+from infra.locks import held
 from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
 from infra.store import RunDir, ShardFiles
@@ -98,9 +99,47 @@ def check_shard_health(rd: RunDir, shard: str, settings: CollectionSettings) -> 
     return health_brief(run, path)
 
 
+def completion_rejection(landed: int, planned: int, where: str) -> str:
+    """The strict-completion error (`require_complete`), in NeMo Gym's words."""
+    return (
+        f"EVAL FAILED: {landed}/{planned} samples completed. Partial artifacts retained at {where}."
+    )
+
+
+def mark_rejected(rd: RunDir, shard: str, rejection: str) -> None:
+    """Record the rejection in every entry of the aggregate, so no score is read from it as complete."""
+    files = ShardFiles(shard)
+    if not rd.exists(files.aggregate):
+        return
+    entries = jsonl.loads(rd.read_bytes(files.aggregate))
+    if not isinstance(entries, list):
+        return
+    for entry in entries:
+        if isinstance(entry, dict):
+            entry["complete"] = False
+            entry["completion_rejected"] = rejection
+    rd.write_atomic(files.aggregate, jsonl.dumps_pretty(entries))
+
+
+def generation_counts(redis_url: str, sid: str, token: str) -> dict[str, int]:
+    """The current generation's Redis counters (drained, cancelled, ...), if they are this token's."""
+    raw: dict[bytes, bytes] = client(redis_url).hgetall(keys.shard_generation(sid))  # type: ignore[assignment]
+    data = {k.decode(): v.decode() for k, v in raw.items()}
+    if data.get("token") != token:
+        return {}
+    return {k: int(v) for k, v in data.items() if v.lstrip("-").isdigit()}
+
+
 def finish_shard(run: RunRef, redis_url: str) -> dict[str, Any]:
     """Finish a shard after its last rollout task returned."""
     rd = RunDir(run.output_dir)
+    sid = keys.shard_id(rd.url, run.shard)
+    # Held while finishing: one finish of a shard at a time, and a sign of life to the producer.
+    with held(client(redis_url), keys.shard_finishing(sid)):
+        return _finish(rd, sid, run, redis_url)
+
+
+def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> dict[str, Any]:
     manifest = read_manifest(rd, run.shard)
     if manifest.token != run.token:
         log.warning(
@@ -109,35 +148,57 @@ def finish_shard(run: RunRef, redis_url: str) -> dict[str, Any]:
         return {"state": "superseded"}
     config = ServersConfig.model_validate(manifest.config)
     settings = CollectionSettings.model_validate(manifest.settings)
-    sid = keys.shard_id(rd.url, run.shard)
     # Every appended file becomes one object before anything reads it for the reports: after a
     # run finishes, any JSONL reader reads it.
     compact_shard(client(redis_url), rd, run.shard)
-    raw = client(redis_url).get(keys.shard_run_failed(sid))
-    run_error = raw.decode() if isinstance(raw, bytes) else None
+    r = client(redis_url)
+    failed_raw, cancel_raw = r.mget(keys.shard_run_failed(sid), keys.shard_cancel(sid))
+    run_error = failed_raw.decode() if isinstance(failed_raw, bytes) else None
+    cancelled = cancel_raw.decode() if isinstance(cancel_raw, bytes) else None
 
     aggregation_error = None
     health: dict[str, Any] | None = None
     if not settings.disable_aggregation:
         aggregation_error = write_aggregate(rd, run.shard, config)
     counts = count_shard(rd, run.shard)
-    write_status(rd, counts.status(manifest.run_id, run.shard))
+    status = counts.status(manifest.run_id, run.shard)
+    generation = generation_counts(redis_url, sid, run.token)
+    status.drained = generation.get("drained", 0)
+    status.cancelled = generation.get("cancelled", 0)
+    rejection = None
+    if settings.require_complete and counts.landed < counts.planned:
+        rejection = completion_rejection(
+            counts.landed, counts.planned, rd.path(ShardFiles(run.shard).results)
+        )
+        mark_rejected(rd, run.shard, rejection)
+    write_status(rd, status)
     if run_error == STOPPED_BY_SIGTERM:
         # The provisional summary written at the stop stays until `rollouts health-check`.
         log.info("%s shard %s was stopped: its provisional summary is kept", rd.url, run.shard)
     elif not settings.disable_aggregation:
         health = check_shard_health(rd, run.shard, settings)
 
-    manifest.state = "failed" if run_error else "completed"
+    manifest.state = "failed" if run_error else "cancelled" if cancelled else "completed"
     manifest.error = run_error
-    if aggregation_error and not run_error:
+    if cancelled and not run_error:
+        manifest.error = "cancelled with --drain" if cancelled == "drain" else "cancelled"
+    if aggregation_error and not manifest.error:
         manifest.error = f"aggregation failed: {aggregation_error}"
+    if rejection is not None:
+        manifest.state = "failed"
+        manifest.error = f"{manifest.error}; {rejection}" if manifest.error else rejection
     write_manifest(rd, manifest)
     return {
         "state": manifest.state,
         "error": manifest.error,
+        "run_error": run_error,
+        "cancelled": cancelled,
+        "rejection": rejection,
         "landed": counts.landed,
         "planned": counts.planned,
+        "failed": dict(counts.failed),
+        "drained": status.drained,
+        "stopped": generation.get("stopped", 0),
         "aggregation_error": aggregation_error,
         "health": health,
     }

@@ -129,9 +129,11 @@ def test_a_task_delivered_twice_lands_once(
     app.close()
 
     assert_exactly_once(run_dir_url, 40)
-    # Both deliveries of each of the ten really ran and called the agent; one of each landed.
-    assert sum(agent_stats(servers, a)["requests"] for a in servers.agents) == 50
-    assert counters(redis_url, run_dir_url)["duplicates"] == 10
+    # A second delivery that starts after its rollout landed is stopped at admission, before
+    # calling the agent; one that ran calls the agent and is refused at landing. One of each landed.
+    requests = sum(agent_stats(servers, a)["requests"] for a in servers.agents)
+    assert 40 <= requests <= 50
+    assert counters(redis_url, run_dir_url).get("duplicates", 0) == requests - 40
     assert outcomes["duplicate"] + outcomes["landed"] == 10
 
 

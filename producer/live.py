@@ -1,0 +1,146 @@
+"""What a shard is doing right now, read from Redis: leases, waiting rollouts, generation counters.
+
+Files say what happened; Redis says what is happening. Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from celery import Celery
+
+from infra import keys
+from schemas.messages import QUEUE
+
+COUNTERS = ("done", "duplicate", "drained", "stopped", "cancelled")
+"""The generation's outcome counters; together they are the tasks that reached an end."""
+
+
+@dataclass
+class LiveSnapshot:
+    """A shard's live state at one instant."""
+
+    token: str | None = None
+    """The generation the counters belong to (None: Redis holds no generation, e.g. it restarted)."""
+    enqueued: int = 0
+    started_at: float | None = None
+    deadline: float | None = None
+    now: float = 0.0
+    """Redis server time of the snapshot."""
+    in_flight: int = 0
+    in_flight_by_agent: Counter[str] = field(default_factory=Counter)
+    waiting: int = 0
+    finishing: bool = False
+    counters: dict[str, int] = field(default_factory=dict)
+    """The generation's counters: done, duplicate, drained, stopped, cancelled."""
+    shard_counts: dict[str, int] = field(default_factory=dict)
+    """The landing counters: landed, duplicates, failed:<class> (rows)."""
+    stop: str | None = None
+    """Why the run stops: the first error (failed), or cancel / drain."""
+
+    @property
+    def resolved(self) -> int:
+        """Tasks of this generation that reached an end."""
+        c = self.counters
+        return sum(c.get(k, 0) for k in COUNTERS)
+
+    @property
+    def active(self) -> bool:
+        return self.in_flight > 0 or self.waiting > 0 or self.finishing
+
+    def signature(self) -> tuple[Any, ...]:
+        return (
+            self.token,
+            tuple(sorted(self.counters.items())),
+            tuple(sorted(self.shard_counts.items())),
+        )
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced, for the manifest."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def _ints(raw: dict[bytes, bytes]) -> dict[str, int]:
+    out = {}
+    for k, v in raw.items():
+        with contextlib.suppress(ValueError):
+            out[k.decode()] = int(v)
+    return out
+
+
+def snapshot(r: redis.Redis, sid: str) -> LiveSnapshot:
+    """One consistent-enough read of the shard's live keys (one round trip)."""
+    sec, usec = r.time()
+    now = sec + usec / 1e6
+    pipe = r.pipeline(transaction=False)
+    pipe.hgetall(keys.shard_generation(sid))
+    pipe.zrangebyscore(keys.shard_leases(sid), now, "+inf")
+    pipe.zcount(keys.shard_waiting(sid), now, "+inf")
+    pipe.exists(keys.shard_finishing(sid))
+    pipe.hgetall(keys.shard_counts(sid))
+    pipe.mget(keys.shard_run_failed(sid), keys.shard_cancel(sid))
+    gen_raw, leases, waiting, finishing, counts_raw, (failed, cancel) = pipe.execute()
+    gen = {k.decode(): v.decode() for k, v in gen_raw.items()}
+    snap = LiveSnapshot(now=now, waiting=int(waiting), finishing=bool(finishing))
+    snap.token = gen.get("token")
+    snap.enqueued = int(gen.get("enqueued", 0))
+    snap.started_at = float(gen["started_at"]) if "started_at" in gen else None
+    snap.deadline = float(gen["deadline"]) if gen.get("deadline") else None
+    snap.counters = {k: int(v) for k, v in gen.items() if k in COUNTERS}
+    for member in leases:
+        parts = member.decode().split("|")
+        snap.in_flight_by_agent[parts[1] if len(parts) > 1 else ""] += 1
+    snap.in_flight = len(leases)
+    snap.shard_counts = _ints(counts_raw)
+    if isinstance(failed, bytes):
+        snap.stop = f"failed: {failed.decode()}"
+    elif isinstance(cancel, bytes):
+        snap.stop = cancel.decode()
+    return snap
+
+
+def open_generation(
+    r: redis.Redis, sid: str, token: str, enqueued: int, budget_s: float | None
+) -> float | None:
+    """Start the generation's counters; returns the dispatch deadline on Redis's clock, if budgeted."""
+    sec, usec = r.time()
+    now = sec + usec / 1e6
+    deadline = now + budget_s if budget_s is not None else None
+    pipe = r.pipeline(transaction=True)
+    pipe.delete(keys.shard_generation(sid), keys.shard_durations(sid))
+    pipe.hset(
+        keys.shard_generation(sid),
+        mapping={
+            "token": token,
+            "enqueued": enqueued,
+            "started_at": repr(now),
+            "deadline": repr(deadline) if deadline is not None else "",
+        },
+    )
+    pipe.execute()
+    return deadline
+
+
+def broker_queue_length(app: Celery) -> int | None:
+    """Messages waiting in the rollouts queue (all runs), or None if the broker cannot say."""
+    try:
+        with app.connection_for_read() as conn:
+            conn.ensure_connection(max_retries=1)
+            _, count, _ = conn.default_channel.queue_declare(queue=QUEUE, passive=True)
+            return int(count)
+    except Exception as exc:
+        # A queue that does not exist (Redis lost it, or nothing was ever sent) holds nothing.
+        if "NOT_FOUND" in str(exc) or "not found" in str(exc).lower():
+            return 0
+        return None

@@ -1,0 +1,335 @@
+"""`rollouts resume`: enqueue exactly the planned rollouts that still lack an outcome (SPEC §7).
+
+A planned key is run again when it has no landed result, no terminal failure, and fewer failure
+rows (failed attempts) than the attempt limit; it is sent with `_ng_attempt_index` set to that
+number of failure rows. The resume opens a new dispatch generation (a fresh opener token, fencing
+out whatever the earlier generation still has running), and its finish step aggregates the whole
+shard: old and new results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from rich.console import Console
+
+from infra import keys
+from infra.redis_client import client
+from infra.runs import read_manifest, write_manifest
+from infra.store import RunDir, ShardFiles
+from producer.celery_client import client_app
+from producer.config_loading import load_run_config
+from producer.dispatch import OpenedRun, iter_materialized, new_token
+from producer.live import redact_url
+from producer.local_cluster import LocalCluster
+from producer.report import print_counts, print_metrics
+from producer.supervise import dispatch_generation, raise_for_outcome
+from schemas import fields as F
+from schemas.config import ServersConfig
+from schemas.errors import PlanningError, Problem, StorageError, UsageError
+from schemas.messages import RunRef
+from schemas.records import Generation, Manifest, utc_now
+from schemas.settings import DEFAULT_MAX_ATTEMPTS, CollectionSettings
+from workers.accounting import iter_rows
+from workers.landing import open_shard
+
+MAX_ATTEMPTS_ENV = "NEMO_GYM_MAX_ROLLOUT_ATTEMPTS"
+# Settings that shape the planned rollouts: fixed once the materialized inputs exist.
+PLANNING_SETTINGS = frozenset(
+    {
+        "agent_name", "agent_map", "fan_out", "num_repeats", "task_ids", "limit",
+        "interleave_repeats", "interleave_by_agent", "allow_unsupported_pairing",
+    }
+)  # fmt: skip
+_OUTPUT_NAME = re.compile(r"^rollouts-([A-Za-z0-9._-]+)\.jsonl$")
+
+
+@dataclass
+class ResumeOptions:
+    """Everything `rollouts resume` was asked to do."""
+
+    output_dir: str
+    shard: str = "0"
+    max_attempts: int | None = None
+    config_path: str | None = None
+    head_server: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    workers: int = 2
+    concurrency: int = 256
+    broker_url: str | None = None
+    redis_url: str | None = None
+    wait: bool = True
+    events: bool = False
+
+
+@dataclass
+class ResumePlan:
+    """What a resume finds in the shard and what it will run."""
+
+    planned: int = 0
+    landed: int = 0
+    failed_before: int = 0
+    """Planned keys without a result that have failure rows."""
+    terminal: int = 0
+    exhausted: int = 0
+    to_run: int = 0
+    by_attempt: Counter[int] = field(default_factory=Counter)
+
+
+@dataclass
+class ShardOutcomes:
+    """The keys a shard's files settle: landed results, failure rows per key, terminal failures."""
+
+    landed: set[tuple[int, int]] = field(default_factory=set)
+    attempts: Counter[tuple[int, int]] = field(default_factory=Counter)
+    terminal: set[tuple[int, int]] = field(default_factory=set)
+
+    @classmethod
+    def read(cls, rd: RunDir, shard: str) -> ShardOutcomes:
+        files = ShardFiles(shard)
+        out = cls()
+        for row in iter_rows(rd, files.results):
+            key = _key(row)
+            if key is not None:
+                out.landed.add(key)
+        for row in iter_rows(rd, files.failures):
+            key = _key(row)
+            if key is None:
+                continue
+            out.attempts[key] += 1
+            if row.get(F.FAILURE_TERMINAL):
+                out.terminal.add(key)
+        return out
+
+    def verdict(self, key: tuple[int, int], max_attempts: int) -> str:
+        """landed, terminal, exhausted, or run (with `attempts[key]` earlier failed attempts)."""
+        if key in self.landed:
+            return "landed"
+        if key in self.terminal:
+            return "terminal"
+        if self.attempts[key] >= max_attempts:
+            return "exhausted"
+        return "run"
+
+
+def _key(row: dict[str, Any]) -> tuple[int, int] | None:
+    try:
+        return F.rollout_key(row)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def max_attempts_limit(flag: int | None, settings: CollectionSettings, console: Console) -> int:
+    """`--max-attempts`, else NEMO_GYM_MAX_ROLLOUT_ATTEMPTS, else the run's own setting."""
+    if flag is not None:
+        if flag < 1:
+            raise UsageError(f"--max-attempts must be >= 1, got {flag}")
+        return flag
+    raw = os.environ.get(MAX_ATTEMPTS_ENV)
+    if raw is not None:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value >= 1:
+            return value
+        console.print(
+            f"[yellow]warning:[/] {MAX_ATTEMPTS_ENV}={raw!r} is not an integer >= 1; "
+            f"using {DEFAULT_MAX_ATTEMPTS}"
+        )
+        return DEFAULT_MAX_ATTEMPTS
+    return settings.max_attempts
+
+
+def verify_materialized(rd: RunDir, manifest: Manifest) -> None:
+    """Refuse a shard whose materialized inputs are not the ones its manifest recorded."""
+    files = ShardFiles(manifest.shard)
+    if not rd.exists(files.materialized):
+        raise UsageError(f"{rd.path(files.materialized)}: missing; this shard cannot be resumed")
+    digest = hashlib.sha256()
+    for _, block in rd.iter_bytes(files.materialized):
+        digest.update(block)
+    if digest.hexdigest() != manifest.materialized_sha256:
+        raise UsageError(
+            f"{rd.path(files.materialized)}: its SHA-256 differs from the one in "
+            f"{files.manifest}; the planned rollouts changed since the run was planned, "
+            "so it cannot be resumed"
+        )
+
+
+def plan_resume(rd: RunDir, shard: str, max_attempts: int) -> tuple[ResumePlan, ShardOutcomes]:
+    outcomes = ShardOutcomes.read(rd, shard)
+    plan = ResumePlan()
+    for row in iter_materialized(rd, shard):
+        plan.planned += 1
+        key = F.rollout_key(row)
+        verdict = outcomes.verdict(key, max_attempts)
+        if verdict != "landed" and outcomes.attempts[key]:
+            plan.failed_before += 1
+        if verdict == "landed":
+            plan.landed += 1
+        elif verdict == "terminal":
+            plan.terminal += 1
+        elif verdict == "exhausted":
+            plan.exhausted += 1
+        else:
+            plan.to_run += 1
+            plan.by_attempt[outcomes.attempts[key]] += 1
+    return plan, outcomes
+
+
+def rows_to_run(
+    rd: RunDir, shard: str, outcomes: ShardOutcomes, max_attempts: int
+) -> Iterator[dict[str, Any]]:
+    """The planned rows to run again, stamped with `_ng_attempt_index` when they failed before."""
+    for row in iter_materialized(rd, shard):
+        key = F.rollout_key(row)
+        if outcomes.verdict(key, max_attempts) != "run":
+            continue
+        attempts = outcomes.attempts[key]
+        if attempts > 0:
+            row[F.ATTEMPT_INDEX] = attempts
+        yield row
+
+
+def resume_settings(
+    manifest: Manifest, overrides: dict[str, Any], console: Console
+) -> tuple[CollectionSettings, dict[str, Any]]:
+    """The run's settings with this resume's overrides; planning settings cannot change."""
+    ignored = sorted(
+        k for k, v in overrides.items() if k in PLANNING_SETTINGS and manifest.settings.get(k) != v
+    )
+    if ignored:
+        console.print(
+            f"[yellow]note:[/] ignoring {', '.join(ignored)} on resume: the planned rollouts "
+            "are fixed by the materialized inputs"
+        )
+    changed = {k: v for k, v in overrides.items() if k not in PLANNING_SETTINGS}
+    try:
+        settings = CollectionSettings.model_validate({**manifest.settings, **changed})
+    except ValidationError as exc:
+        problems = [
+            Problem(err["msg"], field=".".join(str(p) for p in err["loc"])) for err in exc.errors()
+        ]
+        raise PlanningError(problems, header="invalid collection settings") from None
+    return settings, changed
+
+
+def open_resume(
+    rd: RunDir, shard: str, redis_url: str, enqueued: int, settings: CollectionSettings,
+    overrides: dict[str, Any],
+) -> OpenedRun:  # fmt: skip
+    """Record a new generation and hand the shard's Redis state to its token, under the shard lock."""
+    r = client(redis_url)
+    sid = keys.shard_id(rd.url, shard)
+    token = new_token()
+    manifest = read_manifest(rd, shard)
+    manifest.generations.append(
+        Generation(
+            token=token,
+            kind="resume",
+            started_at=utc_now(),
+            enqueued=enqueued,
+            redis_url=redact_url(redis_url),
+            overrides=overrides,
+        )
+    )
+    manifest.state = "running"
+    manifest.error = None
+    manifest.settings = settings.model_dump(mode="json")
+    write_manifest(rd, manifest)
+    # The shard's Redis state rebuilt from storage under its lock, with the new token as opener:
+    # the earlier generation's tasks are fenced out from here.
+    open_shard(r, rd, shard)
+    r.delete(keys.shard_run_failed(sid), keys.shard_cancel(sid), keys.shard_waiting(sid))
+    return OpenedRun(
+        rd, manifest, RunRef(run_id=manifest.run_id, output_dir=rd.url, shard=shard, token=token)
+    )
+
+
+def _check_agents(rd: RunDir, shard: str, outcomes: ShardOutcomes, max_attempts: int,
+                  config: ServersConfig) -> None:  # fmt: skip
+    missing: Counter[str] = Counter()
+    for row in rows_to_run(rd, shard, outcomes, max_attempts):
+        agent = F.agent_name(row) or ""
+        if agent not in config.agents:
+            missing[agent] += 1
+    if missing:
+        names = ", ".join(f"{a!r} ({n} rollouts)" for a, n in sorted(missing.items()))
+        raise UsageError(f"the config has no agent {names}; pass --config with those agents")
+
+
+def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
+    """Resume a shard to the end and return the exit code; UsageError (exit 2) for bad input."""
+    console = console or Console()
+    rd = RunDir(opts.output_dir)
+    try:
+        manifest = read_manifest(rd, opts.shard)
+    except StorageError as exc:
+        raise UsageError(str(exc)) from None
+    verify_materialized(rd, manifest)
+    settings, changed = resume_settings(manifest, opts.overrides, console)
+    max_attempts = max_attempts_limit(opts.max_attempts, settings, console)
+    if max_attempts != settings.max_attempts:
+        settings = settings.model_copy(update={"max_attempts": max_attempts})
+        changed["max_attempts"] = max_attempts
+    config = (
+        load_run_config(opts.config_path, opts.head_server)
+        if opts.config_path or opts.head_server
+        else ServersConfig.model_validate(manifest.config)
+    )
+    plan, outcomes = plan_resume(rd, opts.shard, max_attempts)
+    _check_agents(rd, opts.shard, outcomes, max_attempts, config)
+    console.print(
+        f"resuming {manifest.run_id} shard {opts.shard}: {plan.planned} planned, "
+        f"{plan.landed} landed, {plan.failed_before} failed before, {plan.terminal} terminal, "
+        f"{plan.exhausted} exhausted (attempt limit {max_attempts}); running {plan.to_run}"
+    )
+
+    def go(broker: str, redis_url: str) -> dict[str, Any] | None:
+        opened = open_resume(rd, opts.shard, redis_url, plan.to_run, settings, changed)
+        app = client_app(broker, redis_url)
+        rows = rows_to_run(rd, opts.shard, outcomes, max_attempts)
+        return dispatch_generation(
+            app, opened, rows, plan.to_run, config, settings, redis_url, console, wait=opts.wait
+        )
+
+    broker = opts.broker_url or os.environ.get("ROLLOUTS_BROKER_URL")
+    if broker:
+        result = go(broker, opts.redis_url or os.environ.get("ROLLOUTS_REDIS_URL") or broker)
+    else:
+        console.print(f"starting an embedded Redis and {opts.workers} local worker processes")
+        with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:
+            result = go(cluster.url, cluster.url)
+    console.print(f"run directory: {rd.url}")
+    if result is None:
+        return 0
+    print_metrics(console, rd, opts.shard)
+    print_counts(console, result)
+    raise_for_outcome(result)
+    return 0
+
+
+def nemo_gym_output(path: str) -> tuple[str, str]:
+    """(run directory, shard) of a NeMo Gym `output_jsonl_fpath` such as `DIR/rollouts-0.jsonl`."""
+    directory, name = os.path.split(path.rstrip("/")) if "://" not in path else path.rsplit("/", 1)
+    match = _OUTPUT_NAME.match(name)
+    if match is None:
+        raise UsageError(
+            f"output_jsonl_fpath={path!r}: the output file must be named rollouts-<shard>.jsonl"
+        )
+    return directory or ".", match.group(1)
+
+
+def resumable(output_dir: str, shard: str) -> bool:
+    """Whether the folder holds a manifest and materialized inputs of the shard to resume."""
+    rd = RunDir(output_dir)
+    files = ShardFiles(shard)
+    return rd.exists(files.manifest) and rd.exists(files.materialized)

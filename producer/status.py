@@ -1,0 +1,318 @@
+"""`rollouts status`: where a shard stands, from its files (what happened) and Redis (what is running).
+
+Counts come from the files, so they match them exactly: landed = distinct keys in
+`rollouts-S.jsonl`; failed = rollouts without a result whose latest failure row has that class.
+In flight, waiting, queued, drained and the rate come from Redis when it is reachable. `--watch`
+re-reads only the bytes appended since the last refresh.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from infra import jsonl, keys
+from infra.redis_client import client
+from infra.runs import read_manifest
+from infra.store import RunDir, ShardFiles
+from producer.live import LiveSnapshot, snapshot
+from schemas import fields as F
+from schemas.records import Manifest
+
+FINAL_STATES = ("completed", "failed", "cancelled")
+RATE_WINDOW_S = 60.0
+
+
+@dataclass
+class GroupCounts:
+    """Counts of one agent or environment server."""
+
+    planned: int = 0
+    landed: int = 0
+    failed: Counter[str] = field(default_factory=Counter)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "planned": self.planned,
+            "landed": self.landed,
+            "failed": dict(sorted(self.failed.items())),
+        }
+
+
+class FileTally:
+    """The shard's counts from its files, kept up to date by reading only what was appended."""
+
+    def __init__(self, rd: RunDir, shard: str) -> None:
+        self.rd = rd
+        self.files = ShardFiles(shard)
+        self.planned = 0
+        self.by_agent: dict[str, GroupCounts] = defaultdict(GroupCounts)
+        self.by_env: dict[str, GroupCounts] = defaultdict(GroupCounts)
+        self._planned_read = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.landed: set[tuple[int, int]] = set()
+        self.latest: dict[tuple[int, int], tuple[str, str, str]] = {}
+        self.failed: Counter[str] = Counter()
+        self.failure_rows = 0
+        self.duplicates = 0
+        self._offsets = {self.files.results: 0, self.files.failures: 0}
+        for group in (*self.by_agent.values(), *self.by_env.values()):
+            group.landed = 0
+            group.failed.clear()
+
+    @staticmethod
+    def _where(row: dict[str, Any]) -> tuple[str, str]:
+        return F.agent_name(row) or "?", str(row.get(F.ENVIRONMENT_SERVER) or "?")
+
+    def _tail(self, name: str) -> list[dict[str, Any]]:
+        start = self._offsets[name]
+        rows = []
+        end = start
+        for offset, line in self.rd.iter_lines(name, start):
+            end = offset + len(line) + 1
+            if not line.strip():
+                continue
+            try:
+                value = jsonl.loads(line)
+            except jsonl.JSONDecodeError:
+                continue
+            if isinstance(value, dict):
+                rows.append(value)
+        self._offsets[name] = end
+        return rows
+
+    def _count_failure(self, key: tuple[int, int], entry: tuple[str, str, str], sign: int) -> None:
+        cls, agent, env = entry
+        self.failed[cls] += sign
+        self.by_agent[agent].failed[cls] += sign
+        self.by_env[env].failed[cls] += sign
+        for counter in (self.failed, self.by_agent[agent].failed, self.by_env[env].failed):
+            if counter[cls] == 0:
+                del counter[cls]
+
+    def refresh(self) -> None:
+        if not self._planned_read:
+            for _, line in self.rd.iter_lines(self.files.materialized):
+                if line.strip():
+                    row = jsonl.loads(line)
+                    agent, env = self._where(row)
+                    self.planned += 1
+                    self.by_agent[agent].planned += 1
+                    self.by_env[env].planned += 1
+            self._planned_read = True
+        if any(self.rd.size(name) < offset for name, offset in self._offsets.items()):
+            self._reset()  # a torn tail was cut: count again from the start
+        for row in self._tail(self.files.results):
+            key = _key(row)
+            if key is None:
+                continue
+            if key in self.landed:
+                self.duplicates += 1
+                continue
+            self.landed.add(key)
+            agent, env = self._where(row)
+            self.by_agent[agent].landed += 1
+            self.by_env[env].landed += 1
+            if key in self.latest:
+                self._count_failure(key, self.latest[key], -1)
+        for row in self._tail(self.files.failures):
+            self.failure_rows += 1
+            key = _key(row)
+            if key is None:
+                continue
+            entry = (str(row.get(F.FAILURE_CLASS) or "unknown"), *self._where(row))
+            if key not in self.landed:
+                if key in self.latest:
+                    self._count_failure(key, self.latest[key], -1)
+                self._count_failure(key, entry, +1)
+            self.latest[key] = entry
+
+
+def _key(row: dict[str, Any]) -> tuple[int, int] | None:
+    try:
+        return F.rollout_key(row)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+@dataclass
+class StatusReader:
+    """Builds the status report of one shard, again and again for `--watch`."""
+
+    rd: RunDir
+    shard: str
+    redis_url: str | None = None
+    tally: FileTally = field(init=False)
+    samples: deque[tuple[float, int]] = field(default_factory=deque)
+    live_error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.tally = FileTally(self.rd, self.shard)
+
+    def live(self) -> LiveSnapshot | None:
+        if self.redis_url is None:
+            return None
+        try:
+            snap = snapshot(client(self.redis_url), keys.shard_id(self.rd.url, self.shard))
+        except (redis.RedisError, OSError) as exc:
+            self.live_error = str(exc)
+            return None
+        self.live_error = None
+        return snap
+
+    def report(self) -> dict[str, Any]:
+        manifest = read_manifest(self.rd, self.shard)
+        self.tally.refresh()
+        t = self.tally
+        snap = self.live()
+        current = snap is not None and snap.token == manifest.token
+        failed_total = sum(t.failed.values())
+        settled = len(t.landed) + failed_total
+        now = time.monotonic()
+        self.samples.append((now, settled))
+        while self.samples and now - self.samples[0][0] > RATE_WINDOW_S:
+            self.samples.popleft()
+        report: dict[str, Any] = {
+            "run_id": manifest.run_id,
+            "shard": self.shard,
+            "output_dir": self.rd.url,
+            "state": manifest.state,
+            "error": manifest.error,
+            "generations": len(manifest.generations),
+            "planned": manifest.planned,
+            "landed": len(t.landed),
+            "failed": dict(sorted(t.failed.items())),
+            "failed_total": failed_total,
+            "failure_rows": t.failure_rows,
+            "duplicates": t.duplicates,
+            "missing": max(0, manifest.planned - settled),
+            "in_flight": None,
+            "waiting": None,
+            "queued": None,
+            "drained": None,
+            "stopped": None,
+            "cancelled": None,
+            "rate_per_s": None,
+            "eta_s": None,
+            "live": snap is not None,
+            "by_agent": {k: v.as_json() for k, v in sorted(t.by_agent.items())},
+            "by_environment": {k: v.as_json() for k, v in sorted(t.by_env.items())},
+        }
+        if snap is not None:
+            self._add_live(report, manifest, snap, current)
+        return report
+
+    def _add_live(
+        self, report: dict[str, Any], manifest: Manifest, snap: LiveSnapshot, current: bool
+    ) -> None:
+        report["in_flight"] = snap.in_flight
+        report["waiting"] = snap.waiting
+        report["stop"] = snap.stop
+        for agent, n in snap.in_flight_by_agent.items():
+            report["by_agent"].setdefault(agent, GroupCounts().as_json())["in_flight"] = n
+        if not current:
+            report["queued"] = 0 if manifest.state in FINAL_STATES else None
+            return
+        report["drained"] = snap.counters.get("drained", 0)
+        report["stopped"] = snap.counters.get("stopped", 0)
+        report["cancelled"] = snap.counters.get("cancelled", 0)
+        running = manifest.state == "running"
+        queued = snap.enqueued - snap.resolved - snap.in_flight - snap.waiting
+        report["queued"] = max(0, queued) if running else 0
+        if snap.deadline is not None:
+            report["budget_left_s"] = round(snap.deadline - snap.now, 1)
+        rate = self._rate(snap)
+        report["rate_per_s"] = None if rate is None else round(rate, 3)
+        outstanding = report["queued"] + snap.in_flight + snap.waiting
+        if rate and running:
+            report["eta_s"] = round(outstanding / rate, 1)
+
+    def _rate(self, snap: LiveSnapshot) -> float | None:
+        if len(self.samples) >= 2:
+            (t0, n0), (t1, n1) = self.samples[0], self.samples[-1]
+            if t1 - t0 >= 1.0:
+                return (n1 - n0) / (t1 - t0)
+        if snap.started_at is not None and snap.now > snap.started_at:
+            return snap.resolved / (snap.now - snap.started_at)
+        return None
+
+
+def render(report: dict[str, Any]) -> Table:
+    """The per-agent and per-environment table of a report."""
+    table = Table(title=f"{report['run_id']} shard {report['shard']} — {report['state']}")
+    for col in ("group", "planned", "landed", "failed", "in flight"):
+        table.add_column(col, justify="left" if col == "group" else "right")
+    for kind, groups in (("agent", report["by_agent"]), ("environment", report["by_environment"])):
+        for name, g in groups.items():
+            failed = ", ".join(f"{c} {n}" for c, n in g["failed"].items()) or "0"
+            in_flight = g.get("in_flight", "") if kind == "agent" else ""
+            table.add_row(
+                f"{kind} {escape(name)}",
+                str(g["planned"]),
+                str(g["landed"]),
+                failed,
+                str(in_flight),
+            )
+    return table
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    def fmt(value: Any) -> str:
+        return "?" if value is None else str(value)
+
+    failed = ", ".join(f"{c} {n}" for c, n in report["failed"].items()) or "0"
+    line = (
+        f"planned {report['planned']} · landed {report['landed']} · failed {failed} · "
+        f"in flight {fmt(report['in_flight'])} · waiting {fmt(report['waiting'])} · "
+        f"queued {fmt(report['queued'])} · drained {fmt(report['drained'])}"
+    )
+    if report.get("stopped"):
+        line += f" · not started (stopped) {report['stopped']}"
+    if report.get("rate_per_s") is not None:
+        line += f" · {report['rate_per_s']:.1f}/s"
+    if report.get("eta_s") is not None:
+        line += f" · ETA {report['eta_s']:.0f}s"
+    if report.get("error"):
+        line += f"\nerror: {report['error']}"
+    return line
+
+
+def print_status(console: Console, reader: StatusReader) -> dict[str, Any]:
+    report = reader.report()
+    console.print(render(report))
+    console.print(escape(summary_line(report)))
+    if reader.live_error:
+        console.print(f"[yellow]live state unavailable: {escape(reader.live_error)}[/]")
+    return report
+
+
+def watch(console: Console, reader: StatusReader, interval_s: float = 2.0) -> dict[str, Any]:
+    """A live progress bar and table until the shard reaches a final state."""
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[line]}"),
+    )
+    report = reader.report()
+    bar = progress.add_task("rollouts", total=report["planned"], line="")
+    with Live(console=console, refresh_per_second=4) as live:
+        while True:
+            settled = report["landed"] + report["failed_total"]
+            progress.update(bar, completed=settled, line=escape(summary_line(report)))
+            live.update(Group(progress, render(report)))
+            if report["state"] in FINAL_STATES and not report.get("in_flight"):
+                return report
+            time.sleep(interval_s)
+            report = reader.report()

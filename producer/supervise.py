@@ -1,0 +1,180 @@
+"""Dispatching one generation of a shard and waiting for it: progress, stalls, the final verdict.
+
+The producer waits for the chord's callback (the finish step). That callback never comes when the
+chord's state or the queued tasks are gone (Redis restarted empty) or when workers died holding
+tasks (the broker redelivers those only after its visibility timeout, hours later). So the wait
+also watches for a *stall*: no progress, no rollout of this run running or waiting for a slot, no
+finish step running and nothing in the queue, for `stall_timeout_s`. A stalled run is marked
+failed and the producer exits 1 saying how to resume it; `rollouts resume` then runs exactly
+what is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from celery import Celery
+from kombu.exceptions import KombuError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from infra import keys
+from infra.redis_client import client
+from infra.runs import read_manifest, write_manifest, write_status
+from producer.dispatch import OpenedRun, enqueue
+from producer.live import LiveSnapshot, broker_queue_length, open_generation, snapshot
+from schemas.config import ServersConfig
+from schemas.errors import RunFailedError
+from schemas.settings import CollectionSettings
+from workers.accounting import count_shard
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+WARN_EVERY_S = 30.0
+
+
+def dispatch_generation(
+    app: Celery,
+    opened: OpenedRun,
+    rows: Iterator[dict[str, Any]],
+    count: int,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    redis_url: str,
+    console: Console,
+    wait: bool = True,
+) -> dict[str, Any] | None:
+    """Enqueue `count` rows as this generation's chord and, with `wait`, return the finish result."""
+    r = client(redis_url)
+    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
+    deadline = open_generation(r, sid, opened.run.token, count, settings.dispatch_budget_s)
+    finish_id = enqueue(app, opened, rows, count, config, settings, deadline)
+    console.print(
+        f"enqueued {count} rollouts of {opened.manifest.run_id} (shard {opened.manifest.shard})"
+    )
+    if not wait:
+        return None
+    return wait_for_shard(app, opened, redis_url, settings, console, finish_id, count)
+
+
+def wait_for_shard(
+    app: Celery,
+    opened: OpenedRun,
+    redis_url: str,
+    settings: CollectionSettings,
+    console: Console,
+    finish_id: str,
+    count: int,
+) -> dict[str, Any]:
+    """Wait for the finish step, showing progress; raise RunFailedError when the run stalls."""
+    r = client(redis_url)
+    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
+    result = app.AsyncResult(finish_id)
+    last_signature: tuple[Any, ...] | None = None
+    last_activity = time.monotonic()
+    last_warning = 0.0
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("landed {task.fields[landed]} · failure rows {task.fields[failed]} · "
+                   "in flight {task.fields[in_flight]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as progress:  # fmt: skip
+        bar = progress.add_task("rollouts", total=count, landed=0, failed=0, in_flight=0)
+        while True:
+            snap: LiveSnapshot | None = None
+            try:
+                if result.ready():
+                    value = result.get(propagate=False, disable_sync_subtasks=False)
+                    break
+                snap = snapshot(r, sid)
+            except (redis.RedisError, KombuError, OSError) as exc:
+                if time.monotonic() - last_warning > WARN_EVERY_S:
+                    console.print(f"[yellow]cannot read the run's state from Redis: {exc}[/]")
+                    last_warning = time.monotonic()
+            now = time.monotonic()
+            if snap is not None:
+                _show(progress, bar, snap)
+                signature = snap.signature()
+                if signature != last_signature or snap.active:
+                    last_signature, last_activity = signature, now
+                elif now - last_activity > settings.stall_timeout_s:
+                    queued = broker_queue_length(app)
+                    if queued:
+                        # Messages are waiting (ours, or another run's ahead of ours).
+                        last_activity = now
+                    else:
+                        progress.stop()
+                        raise stalled(opened, settings, queued)
+            time.sleep(POLL_S)
+        with contextlib.suppress(redis.RedisError):
+            _show(progress, bar, snapshot(r, sid))
+    if isinstance(value, dict):
+        return value
+    raise RunFailedError(
+        f"the finish step of {opened.rd.url} shard {opened.manifest.shard} failed: {value!r}; "
+        f"resume it with: rollouts resume {opened.rd.url} --shard {opened.manifest.shard}"
+    )
+
+
+def _show(progress: Progress, bar: Any, snap: LiveSnapshot) -> None:
+    failed = sum(v for k, v in snap.shard_counts.items() if k.startswith("failed:"))
+    fields: dict[str, Any] = {"in_flight": snap.in_flight}
+    if snap.token is not None:  # else Redis lost the generation's counters: keep the last view
+        fields["completed"] = snap.resolved
+    if snap.shard_counts:
+        fields.update(landed=snap.shard_counts.get("landed", 0), failed=failed)
+    progress.update(bar, **fields)
+
+
+def stalled(opened: OpenedRun, settings: CollectionSettings, queued: int | None) -> RunFailedError:
+    """Mark a stalled run failed (with its counts from storage) and say how to resume it."""
+    rd, shard = opened.rd, opened.manifest.shard
+    counts = count_shard(rd, shard)
+    failed = sum(counts.failed.values())
+    missing = max(0, counts.planned - counts.landed - failed)
+    message = (
+        f"the run stalled: {counts.landed} of {counts.planned} rollouts landed, {failed} failed, "
+        f"{missing} have no outcome, and for {settings.stall_timeout_s:g}s nothing of this run "
+        "was running, waiting or queued"
+        + ("" if queued is not None else " (the broker's queue length was unknown)")
+        + ". Workers died holding its tasks or the broker lost its messages (e.g. Redis "
+        "restarted). Resume it to run what is missing: "
+        f"rollouts resume {rd.url} --shard {shard}"
+    )
+    manifest = read_manifest(rd, shard)
+    if manifest.token == opened.run.token:
+        write_status(rd, counts.status(manifest.run_id, shard))
+        manifest.state = "failed"
+        manifest.error = message
+        write_manifest(rd, manifest)
+    return RunFailedError(message)
+
+
+def raise_for_outcome(result: dict[str, Any]) -> None:
+    """Exit 1 (RunFailedError) for a failed, cancelled, rejected or unaggregated run."""
+    if result.get("run_error"):
+        message = f"the run failed: {result['run_error']}"
+        if result.get("rejection"):
+            message += f"\n{result['rejection']}"
+        raise RunFailedError(message)
+    if result.get("rejection"):
+        raise RunFailedError(str(result["rejection"]))
+    if result.get("cancelled"):
+        raise RunFailedError(
+            f"the run was cancelled: {result.get('landed')}/{result.get('planned')} rollouts "
+            "landed; `rollouts resume` runs the rest"
+        )
+    if result.get("state") == "failed":
+        raise RunFailedError(f"the run failed: {result.get('error')}")
+    if result.get("aggregation_error"):
+        raise RunFailedError(f"aggregation failed: {result['aggregation_error']}")

@@ -1,0 +1,138 @@
+"""Cluster-wide caps measured by the agent server itself, and slots coming back after a SIGKILL."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import yaml
+
+from examples.agent_server import AgentKnobs
+from examples.servers import start_servers
+from examples.tasks import make_row
+from infra import keys
+from infra.store import RunDir
+from tests.conftest import Workers, write_rows
+from tests.ops_helpers import cli, cli_background, manifest, rows_by_key, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+class InFlightSampler:
+    """Samples the agent's in-flight count every 20 ms in a thread."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client() as c:
+            while not self._stop.is_set():
+                self.samples.append(
+                    (time.monotonic(), c.get(self.url + "/stats").json()["in_flight"])
+                )
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def test_max_resident_tasks_caps_the_cluster_and_recovers_after_a_worker_dies(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(latency_ms=300))
+    sampler = InFlightSampler(servers.urls["math_agent"])
+    r = redis.Redis.from_url(redis_url)
+    try:
+        workers.start(count=3, concurrency=16, env={"ROLLOUTS_LEASE_TTL_S": "3"})
+        workers.wait_ready()
+        rows = [make_row("arithmetic", i, "math_agent") for i in range(160)]
+        out = tmp_path / "run"
+        config = servers.write_config(str(tmp_path / "servers.yaml"))
+        run = cli_background(
+            "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
+            "--output-dir", str(out), "--broker", redis_url, "--max-resident-tasks", "5",
+            "+route_failures_to_sidecar=true", "+stall_timeout_s=8",
+            log=tmp_path / "run.log",
+        )  # fmt: skip
+        wait_for(
+            lambda: (
+                (out / "rollouts-0.jsonl").exists()
+                and len(rows_by_key(out / "rollouts-0.jsonl")) >= 20
+            ),
+            60,
+            "20 results",
+        )
+        # Kill a worker that holds slots right now: its leases stay behind until they expire.
+        sid = keys.shard_id(RunDir(str(out)).url, "0")
+        holders = [
+            m.decode().split("|")[0].split(":")[1] for m in r.zrange(keys.shard_leases(sid), 0, -1)
+        ]
+        victim = next(p for p in workers.procs if str(p.pid) in holders)
+        victim.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        victim.wait(10)
+        dead = [
+            m for m in r.zrange(keys.shard_leases(sid), 0, -1) if f":{victim.pid}:" in m.decode()
+        ]
+        assert dead, "the killed worker held no slot"
+        # Its leases expire (3 s here) and the slots go back into use.
+        wait_for(
+            lambda: not any(r.zscore(keys.shard_leases(sid), m) for m in dead),
+            20,
+            "dead leases to go",
+        )
+        code = run.wait(240)
+        log = (tmp_path / "run.log").read_text()
+        # The killed worker's reserved tasks come back only after the visibility timeout: the run
+        # stalls, says so, and a resume runs exactly what is missing.
+        assert code == 1, log
+        assert "the run stalled" in log and "rollouts resume" in log
+        assert manifest(out)["state"] == "failed"
+        proc = cli("resume", str(out), "--broker", redis_url)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    finally:
+        sampler.stop()
+        stats = httpx.get(servers.urls["math_agent"] + "/stats").json()
+        servers.stop()
+        r.close()
+    assert stats["max_in_flight"] <= 5
+    assert stats["max_in_flight"] == 5
+    after = [n for t, n in sampler.samples if t > killed_at]
+    dip = next(i for i, n in enumerate(after) if n < 5)
+    assert 5 in after[dip:], "the dead worker's slots never came back"
+    assert len(rows_by_key(out / "rollouts-0.jsonl")) == 160
+    assert manifest(out)["state"] == "completed"
+
+
+def test_agent_max_concurrency_caps_calls_to_that_agent(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(latency_ms=200))
+    try:
+        workers.start(count=2, concurrency=8)
+        workers.wait_ready()
+        config = servers.config()
+        config["agents"]["math_agent"]["max_concurrency"] = 3
+        (tmp_path / "servers.yaml").write_text(yaml.safe_dump(config))
+        rows = [make_row("arithmetic", i, "math_agent") for i in range(40)]
+        proc = cli(
+            "run", "--config", str(tmp_path / "servers.yaml"),
+            "--input", write_rows(tmp_path / "rows.jsonl", rows),
+            "--output-dir", str(tmp_path / "run"), "--broker", redis_url,
+        )  # fmt: skip
+        stats = httpx.get(servers.urls["math_agent"] + "/stats").json()
+    finally:
+        servers.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert stats["max_in_flight"] == 3
+    assert stats["completed"] == 40

@@ -1,0 +1,189 @@
+"""The dispatch budget, and resume (ours and NeMo Gym's spelling) over real workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+from celery import Celery
+
+from examples.agent_server import AgentKnobs
+from examples.servers import start_servers
+from examples.tasks import make_row
+from producer.celery_client import client_app
+from schemas import fields as F
+from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.ops_helpers import cli, manifest, request_log, requests_per_key, rows_by_key
+
+pytestmark = pytest.mark.integration
+
+
+def task_result(app: Celery, run_id: str, token: str, rid: str) -> dict[str, object]:
+    value = app.AsyncResult(f"{run_id}.{token[:8]}.{rid}").get(timeout=10)
+    assert isinstance(value, dict)
+    return value
+
+
+def test_rows_not_started_within_the_budget_are_drained_and_resume_runs_exactly_them(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    servers = start_servers(
+        {"math_agent": "math_env"}, AgentKnobs(latency_ms=1000, request_log=str(log))
+    )
+    try:
+        workers.start(count=1, concurrency=8)
+        workers.wait_ready()
+        rows = [make_row("arithmetic", i, "math_agent") for i in range(30)]
+        out = tmp_path / "run"
+        config = servers.write_config(str(tmp_path / "servers.yaml"))
+        proc = cli(
+            "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
+            "--output-dir", str(out), "--broker", redis_url, "--max-resident-tasks", "3",
+            "+dispatch_budget_s=2.5",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        m = manifest(out)
+        planned = {
+            (r[F.TASK_INDEX], r[F.ROLLOUT_INDEX])
+            for r in read_jsonl(out / "rollouts-0_materialized_inputs.jsonl")
+        }
+        landed = set(rows_by_key(out / "rollouts-0.jsonl"))
+        drained = planned - landed
+        assert 3 <= len(landed) <= 15 and drained
+        assert not (out / "rollouts-0_failures.jsonl").exists()
+        first_requests = requests_per_key(log)
+        assert set(first_requests) == landed  # drained rows never reached the agent
+        status = orjson.loads((out / "rollouts-0_status.json").read_bytes())
+        assert status["drained"] == len(drained)
+        app = client_app(redis_url, redis_url)
+        for task, rollout in sorted(drained):
+            summary = task_result(
+                app, m["run_id"], m["generations"][0]["token"], f"{task}-{rollout}"
+            )
+            assert summary["outcome"] == "drained"
+            assert summary["row"] == {
+                F.TASK_INDEX: task,
+                F.ROLLOUT_INDEX: rollout,
+                F.AGENT_REF: {"name": "math_agent"},
+                F.ENVIRONMENT_SERVER: "math_env",
+                F.RUN_ID: m["run_id"],
+                F.SHARD: "0",
+                F.FAILURE_CLASS: "cancelled",
+                F.NO_PERSIST: True,
+                F.DISPATCH_DRAINED: True,
+                "error_message": "not dispatched: dispatch budget exhausted",
+            }
+
+        proc = cli("resume", str(out), "--broker", redis_url, "+dispatch_budget_s=null")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"running {len(drained)}" in proc.stdout
+    finally:
+        servers.stop()
+    resumed = requests_per_key(log) - first_requests
+    assert set(resumed) == drained and set(resumed.values()) == {1}
+    assert set(rows_by_key(out / "rollouts-0.jsonl")) == planned
+    m = manifest(out)
+    assert [g["kind"] for g in m["generations"]] == ["run", "resume"]
+    assert m["generations"][1]["enqueued"] == len(drained)
+    assert m["generations"][1]["overrides"] == {"dispatch_budget_s": None}
+    assert m["state"] == "completed"
+
+
+def test_nemo_gym_resume_counts_attempts_and_never_retries_terminal_failures(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    servers = start_servers(knobs=AgentKnobs(request_log=str(log)))
+    try:
+        workers.start(count=1, concurrency=8)
+        workers.wait_ready()
+        rows = demo_rows(10)
+        rows[0]["fault"] = {"kind": "http500", "times": 1}  # fails once, then works
+        rows[1]["fault"] = {"kind": "http500", "times": 9}  # fails every time
+        rows[2]["result_extra"] = {
+            "_ng_failure_class": "judge_failed",
+            "_ng_failure_terminal": True,
+        }
+        rows[3]["fault"] = {"kind": "http503", "times": 9}  # replayed to the limit within the run
+        out = tmp_path / "run"
+        proc = cli(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(out),
+            "--broker", redis_url, "+route_failures_to_sidecar=true",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        first = len(request_log(log))
+        landed_before = set(rows_by_key(out / "rollouts-0.jsonl"))
+        assert landed_before == {(i, 0) for i in range(4, 10)}
+
+        # NeMo Gym's spelling, without --config (the run's own config snapshot is used).
+        proc = cli(
+            "run", f"+input_jsonl_fpath={out}/rollouts-0_materialized_inputs.jsonl",
+            f"+output_jsonl_fpath={out}/rollouts-0.jsonl", "+resume_from_cache=true",
+            "+num_repeats=1", "--broker", redis_url,
+            env={"NEMO_GYM_MAX_ROLLOUT_ATTEMPTS": "2"},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert (
+            "4 failed before, 1 terminal, 1 exhausted (attempt limit 2); running 2" in proc.stdout
+        )
+        aggregated = {name: len(env.last_rows) for name, env in servers.environments.items()}
+    finally:
+        servers.stop()
+    resumed = [e for e in request_log(log)[first:] if e["event"] == "start"]
+    assert sorted((e["task"], e["attempt"]) for e in resumed) == [(0, 1), (1, 1)]
+    results = rows_by_key(out / "rollouts-0.jsonl")
+    assert set(results) == landed_before | {(0, 0)}
+    assert results[(0, 0)][0][F.ATTEMPT_INDEX] == 1
+    assert F.rollout_id(results[(0, 0)][0]) == "0-0-a1"
+    failures = rows_by_key(out / "rollouts-0_failures.jsonl")
+    assert [r.get(F.ATTEMPT_INDEX, 0) for r in failures[(1, 0)]] == [0, 1]
+    assert len(failures[(2, 0)]) == 1 and len(failures[(3, 0)]) == 3
+    m = manifest(out)
+    assert [g["kind"] for g in m["generations"]] == ["run", "resume"]
+    assert m["generations"][0]["token"] != m["generations"][1]["token"]
+    assert m["generations"][1]["overrides"] == {"max_attempts": 2}
+    assert m["state"] == "completed"
+    # The finish step aggregated old and new results together.
+    assert sum(aggregated.values()) == len(results) == 7
+
+
+def test_resume_and_status_on_any_store(
+    redis_url: str, workers: Workers, run_dir_url: str, tmp_path: Path
+) -> None:
+    from infra.runs import read_manifest
+    from infra.store import RunDir
+
+    servers = start_servers()
+    try:
+        workers.start(count=1, concurrency=8)
+        workers.wait_ready()
+        rows = demo_rows(6)
+        rows[0]["fault"] = {"kind": "http500", "times": 1}
+        proc = cli(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", run_dir_url,
+            "--broker", redis_url, "+route_failures_to_sidecar=true",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        proc = cli(
+            "run", f"+output_jsonl_fpath={run_dir_url}/rollouts-0.jsonl",
+            "+resume_from_cache=true", "--broker", redis_url,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        status = cli("status", run_dir_url, "--json", "--redis", redis_url)
+    finally:
+        servers.stop()
+    rd = RunDir(run_dir_url)
+    results = [orjson.loads(line) for _, line in rd.iter_lines("rollouts-0.jsonl")]
+    failures = [orjson.loads(line) for _, line in rd.iter_lines("rollouts-0_failures.jsonl")]
+    assert sorted(F.rollout_id(r) for r in results) == ["0-0-a1", "1-0", "2-0", "3-0", "4-0", "5-0"]
+    assert [F.rollout_id(r) for r in failures] == ["0-0"]
+    assert [g.kind for g in read_manifest(rd, "0").generations] == ["run", "resume"]
+    assert status.returncode == 0, status.stderr
+    report = orjson.loads(status.stdout)
+    assert (report["planned"], report["landed"], report["failed"], report["failure_rows"]) == (
+        6, 6, {}, 1,
+    )  # fmt: skip

@@ -1,0 +1,129 @@
+"""Chaos: faults, SIGKILLed workers and a Redis that restarts empty mid-run; then one resume.
+
+Afterwards every planned rollout has exactly one landed result or a settled failure verdict
+(terminal, or as many failed attempts as the limit), never both, and the agent's own request log
+shows that every planned rollout was attempted.
+
+The faults are the replayable kinds (503 and reset): with `retry_requests` each delivery replays
+them up to the attempt limit, so one delivery settles a rollout. (A 500 is not replayed: such a
+rollout stays retryable until resumes use up its attempts; the failure-class tests cover it.)
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from examples.agent_server import AgentKnobs
+from examples.servers import start_servers
+from infra.embedded import EmbeddedRedis
+from schemas import fields as F
+from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.ops_helpers import cli, cli_background, key, manifest, requests_per_key, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+
+MAX_ATTEMPTS = 3
+
+
+@pytest.fixture
+def private_redis() -> Iterator[EmbeddedRedis]:
+    """A Redis of this test alone: it is restarted empty mid-run."""
+    server = EmbeddedRedis()
+    server.start()
+    yield server
+    server.close()
+
+
+def lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+@pytest.mark.timeout(600)
+def test_chaos_run_then_resume_settles_every_rollout(
+    private_redis: EmbeddedRedis, tmp_path: Path
+) -> None:
+    url = private_redis.url
+    log = tmp_path / "agent-requests.jsonl"
+    knobs = AgentKnobs(
+        latency_ms=200,
+        fault_rate=0.1,
+        fault_kinds=["http503", "reset"],
+        seed=7,
+        request_log=str(log),
+    )
+    servers = start_servers(knobs=knobs)
+    workers = Workers(url, tmp_path)
+    env = {"ROLLOUTS_LEASE_TTL_S": "5"}
+    out = tmp_path / "run"
+    results_file = out / "rollouts-0.jsonl"
+    events: list[str] = []
+    try:
+        workers.start(count=2, concurrency=32, env=env)
+        workers.wait_ready()
+        run = cli_background(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", demo_rows(1000)),
+            "--output-dir", str(out), "--broker", url, "--num-repeats", "2",
+            "+route_failures_to_sidecar=true", "+stall_timeout_s=15",
+            log=tmp_path / "run.log",
+        )  # fmt: skip
+        for threshold, victim in ((300, 0), (700, 1)):
+            wait_for(lambda t=threshold: lines(results_file) >= t, 120, f"{threshold} results")
+            workers.procs[victim].send_signal(signal.SIGKILL)
+            workers.procs[victim].wait(10)
+            events.append(f"killed worker {victim} at {lines(results_file)} results")
+            workers.start(count=1, concurrency=32, env=env)
+        wait_for(lambda: lines(results_file) >= 1100, 120, "1100 results")
+        private_redis.restart_empty()
+        events.append(f"restarted Redis empty at {lines(results_file)} results")
+
+        # The chord and the queue are gone: the producer notices the stall and says to resume.
+        assert run.wait(300) == 1, (tmp_path / "run.log").read_text()
+        run_log = (tmp_path / "run.log").read_text()
+        assert "the run stalled" in run_log and f"rollouts resume file://{out}" in run_log
+        before_resume = lines(results_file)
+        assert before_resume < 2000, events
+
+        started = time.monotonic()
+        proc = cli("resume", str(out), "--broker", url, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        events.append(f"resume took {time.monotonic() - started:.0f}s")
+        print("\n".join(events))
+    finally:
+        workers.stop()
+        servers.stop()
+
+    planned = read_jsonl(out / "rollouts-0_materialized_inputs.jsonl")
+    results = read_jsonl(results_file)
+    failures = read_jsonl(out / "rollouts-0_failures.jsonl")
+    planned_keys = {key(r) for r in planned}
+    assert len(planned_keys) == len(planned) == 2000
+
+    landed = Counter(key(r) for r in results)
+    assert max(landed.values()) == 1, "a rollout landed twice"
+    attempts = Counter(key(r) for r in failures)
+    terminal = {key(r) for r in failures if r.get(F.FAILURE_TERMINAL)}
+    settled_failed = {k for k in attempts if k in terminal or attempts[k] >= MAX_ATTEMPTS}
+    assert not (settled_failed & set(landed)), "a rollout both landed and failed for good"
+    unsettled = planned_keys - set(landed) - settled_failed
+    assert not unsettled, f"{len(unsettled)} rollouts have no outcome: {sorted(unsettled)[:10]}"
+    assert set(landed) <= planned_keys and set(attempts) <= planned_keys
+    result_ids = {F.rollout_id(r) for r in results}
+    failure_ids = {F.rollout_id(r) for r in failures}
+    assert not (result_ids & failure_ids), "an attempt is both a result and a failure row"
+
+    requested = requests_per_key(log)
+    never_attempted = planned_keys - set(requested)
+    assert not never_attempted, (
+        f"planned rollouts never sent to the agent: {sorted(never_attempted)[:10]}"
+    )
+    assert len(failures) > 100, "the 10% injected faults left few failure rows"
+    m = manifest(out)
+    assert [g["kind"] for g in m["generations"]] == ["run", "resume"]
+    assert m["state"] == "completed"

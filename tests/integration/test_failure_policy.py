@@ -1,0 +1,234 @@
+"""The failure policy through real parts: replay rules, connect retries, worker_lost, strict modes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import orjson
+import pytest
+import yaml
+
+from examples.agent_server import AgentKnobs
+from examples.servers import RunningServers, start_servers
+from examples.tasks import make_row
+from infra.embedded import free_port
+from producer.runner import RunOptions, execute_run
+from schemas import fields as F
+from schemas.errors import RunFailedError
+from tests.conftest import ROOT, Workers, agent_stats, demo_rows, write_rows
+from tests.ops_helpers import cli, cli_background, manifest, requests_per_key, rows_by_key, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def test_retry_requests_off_does_not_replay_after_sending(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    servers = start_servers(knobs=AgentKnobs(request_log=str(log)))
+    try:
+        workers.start(count=1, concurrency=8)
+        workers.wait_ready()
+        rows = demo_rows(6)
+        for row, kind in zip(rows, ("hang", "http503", "reset"), strict=False):
+            row["fault"] = {"kind": kind, "times": 9}
+        out = tmp_path / "run"
+        code = execute_run(
+            RunOptions(
+                config_path=servers.write_config(str(tmp_path / "servers.yaml")),
+                input_path=write_rows(tmp_path / "rows.jsonl", rows),
+                output_dir=str(out),
+                broker_url=redis_url,
+                settings={
+                    "route_failures_to_sidecar": True,
+                    "retry_requests": False,
+                    "rollout_timeout_s": 1.0,
+                },
+            )
+        )
+    finally:
+        servers.stop()
+    assert code == 0
+    requests = requests_per_key(log)
+    failures = rows_by_key(out / "rollouts-0_failures.jsonl")
+    results = rows_by_key(out / "rollouts-0.jsonl")
+    for k in ((0, 0), (1, 0), (2, 0)):
+        assert requests[k] == 1, k  # one request in the agent's own log: not replayed
+        assert len(failures[k]) == 1
+        assert failures[k][0][F.FAILURE_CLASS] == "agent_request_failed"
+    assert failures[(0, 0)][0]["failure_kind"] == "agent_timeout"
+    # The time limit did not kill the worker: it went on with the other rows.
+    assert all(p.poll() is None for p in workers.procs)
+    assert set(results) == {(3, 0), (4, 0), (5, 0)}
+
+
+def test_a_connection_never_established_is_retried_with_backoff(
+    redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path
+) -> None:
+    late_port, dead_port = free_port(), free_port()
+    log = tmp_path / "late.jsonl"
+    config = servers.config()
+    config["agents"]["late_agent"] = {
+        "url": f"http://127.0.0.1:{late_port}", "type": "simple_agent", "environment": "math_env",
+    }  # fmt: skip
+    config["agents"]["dead_agent"] = {
+        "url": f"http://127.0.0.1:{dead_port}", "type": "simple_agent", "environment": "math_env",
+    }  # fmt: skip
+    config_path = tmp_path / "servers.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    rows = [make_row("arithmetic", i, "late_agent") for i in range(3)]
+    rows.append(make_row("arithmetic", 3, "dead_agent"))
+    late: list[subprocess.Popen[bytes]] = []
+
+    def start_late_agent() -> None:
+        late.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "examples.agent_server", "--port", str(late_port),
+                 "--name", "late_agent", "--request-log", str(log)],
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        )  # fmt: skip
+
+    timer = threading.Timer(1.0, start_late_agent)
+    workers.start(count=1, concurrency=8)
+    workers.wait_ready()
+    timer.start()
+    out = tmp_path / "run"
+    try:
+        code = execute_run(
+            RunOptions(
+                config_path=str(config_path),
+                input_path=write_rows(tmp_path / "rows.jsonl", rows),
+                output_dir=str(out),
+                broker_url=redis_url,
+                settings={
+                    "route_failures_to_sidecar": True,
+                    "retry_requests": False,  # connect retries do not depend on it
+                    # Up to 25 s of backoff in all (about 13 s expected) before giving up.
+                    "connect_retries": 8,
+                    "retry_backoff_s": 0.1,
+                },
+            )
+        )
+    finally:
+        timer.cancel()
+        for p in late:
+            p.terminate()
+            p.wait(10)
+    assert code == 0
+    results = rows_by_key(out / "rollouts-0.jsonl")
+    failures = rows_by_key(out / "rollouts-0_failures.jsonl")
+    assert set(results) == {(0, 0), (1, 0), (2, 0)}
+    assert all(F.ATTEMPT_INDEX not in rows_[0] for rows_ in results.values())
+    assert requests_per_key(log) == {(0, 0): 1, (1, 0): 1, (2, 0): 1}
+    [dead] = failures[(3, 0)]
+    assert dead[F.FAILURE_CLASS] == "agent_request_failed"
+    assert dead["failure_kind"] == "transport_unreachable"
+    assert dead[F.FAILURE_TYPE] == "ConnectError"
+    assert dead[F.FAILURE_HTTP_STATUS] is None
+    assert set(failures) == {(3, 0)}
+
+
+def test_a_rollout_its_workers_keep_dying_on_becomes_worker_lost(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    servers = start_servers(knobs=AgentKnobs(request_log=str(log)))
+    # A short visibility timeout: the broker hands a dead worker's message to another worker soon.
+    env = {"ROLLOUTS_VISIBILITY_TIMEOUT_S": "3"}
+    rows = demo_rows(2)
+    rows[1]["fault"] = {"kind": "hang", "times": 99}
+    out = tmp_path / "run"
+    try:
+        workers.start(count=1, concurrency=1, env=env)
+        workers.wait_ready()
+        run = cli_background(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(out),
+            "--broker", redis_url, "+max_attempts=2", "+route_failures_to_sidecar=true",
+            log=tmp_path / "run.log",
+        )  # fmt: skip
+        for death in (1, 2):
+            wait_for(lambda d=death: requests_per_key(log)[(1, 0)] == d, 60, f"delivery {death}")
+            victim = workers.procs[-1]
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(10)
+            workers.start(count=1, concurrency=1, env=env)
+        assert run.wait(120) == 0, (tmp_path / "run.log").read_text()
+    finally:
+        servers.stop()
+    failures = rows_by_key(out / "rollouts-0_failures.jsonl")
+    [lost] = failures[(1, 0)]
+    assert lost[F.FAILURE_CLASS] == "worker_lost"
+    assert lost[F.FAILURE_TERMINAL] is True
+    assert "died 2 times" in lost[F.FAILURE_MESSAGE]
+    # Two deliveries reached the agent; the third was stopped before calling it.
+    assert requests_per_key(log)[(1, 0)] == 2
+    assert set(rows_by_key(out / "rollouts-0.jsonl")) == {(0, 0)}
+
+
+def test_route_failures_off_fails_the_run_on_the_first_error(
+    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
+) -> None:
+    workers.start(count=1, concurrency=4)
+    workers.wait_ready()
+    rows = demo_rows(40)
+    for row in rows:
+        row["agent_latency_ms"] = 1500
+    rows[2].update({"fault": {"kind": "http500", "times": 9}, "agent_latency_ms": 0})
+    out = tmp_path / "run"
+    proc = cli(
+        "run", "--config", config_file, "--input", write_rows(tmp_path / "rows.jsonl", rows),
+        "--output-dir", str(out), "--broker", redis_url,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "rollout 2-0 failed: agent_run_error: /run returned HTTP 500" in proc.stderr
+    # The evidence row is written.
+    failures = rows_by_key(out / "rollouts-0_failures.jsonl")
+    assert failures[(2, 0)][0][F.FAILURE_HTTP_STATUS] == 500
+    # Nothing new started and the calls in flight were cancelled.
+    stats = [agent_stats(servers, a) for a in servers.agents]
+    assert sum(s["requests"] for s in stats) <= 6
+    assert sum(s["cancelled"] for s in stats) >= 1
+    assert not (out / "rollouts-0.jsonl").exists() or len(rows_by_key(out / "rollouts-0.jsonl")) < 4
+    m = manifest(out)
+    assert m["state"] == "failed"
+    assert "rollout 2-0 failed" in m["error"]
+    status = orjson.loads((out / "rollouts-0_status.json").read_bytes())
+    assert status["drained"] == 0  # not started because the run failed: stopped, not drained
+    report = orjson.loads(cli("status", str(out), "--json", "--redis", redis_url).stdout)
+    assert report["stopped"] >= 30
+    assert status["failed"] == {"agent_run_error": 1}
+
+
+def test_require_complete_rejects_a_run_with_missing_results(
+    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
+) -> None:
+    workers.start(count=1, concurrency=8)
+    workers.wait_ready()
+    rows = demo_rows(10)
+    rows[3]["fault"] = {"kind": "http500", "times": 9}
+    rows[7]["fault"] = {"kind": "list", "times": 9}
+    out = tmp_path / "run"
+    with pytest.raises(RunFailedError, match=r"EVAL FAILED: 8/10 samples completed"):
+        execute_run(
+            RunOptions(
+                config_path=config_file,
+                input_path=write_rows(tmp_path / "rows.jsonl", rows),
+                output_dir=str(out),
+                broker_url=redis_url,
+                settings={"route_failures_to_sidecar": True, "require_complete": True},
+            )
+        )
+    entries = orjson.loads((out / "rollouts-0_aggregate_metrics.json").read_bytes())
+    assert entries, "the partial aggregate is written"
+    for entry in entries:
+        assert entry["complete"] is False
+        assert entry["completion_rejected"].startswith("EVAL FAILED: 8/10")
+    m = manifest(out)
+    assert m["state"] == "failed"
+    assert "EVAL FAILED" in m["error"]

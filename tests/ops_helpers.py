@@ -1,0 +1,93 @@
+"""Helpers for the failure, resume, status and chaos tests: the CLI as a subprocess, logs, keys."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from schemas import fields as F
+from tests.conftest import ROOT, read_jsonl
+
+Key = tuple[int, int]
+
+
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """`rollouts ARGS` in a subprocess, as a user runs it."""
+    full_env = dict(os.environ)
+    full_env.pop("ROLLOUTS_BROKER_URL", None)
+    full_env.pop("ROLLOUTS_REDIS_URL", None)
+    full_env["COLUMNS"] = "250"  # rich wraps at 80 columns without a terminal
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "producer.cli", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env,
+    )  # fmt: skip
+
+
+def cli_background(
+    *args: str, log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    full_env = dict(os.environ)
+    full_env["COLUMNS"] = "250"
+    full_env.update(env or {})
+    out = open(log, "wb")  # noqa: SIM115 - handed to the child process
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "producer.cli", *args],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env,
+        )  # fmt: skip
+    finally:
+        out.close()
+
+
+def key(row: dict[str, Any]) -> Key:
+    return int(row[F.TASK_INDEX]), int(row[F.ROLLOUT_INDEX])
+
+
+def rows_by_key(path: Path) -> dict[Key, list[dict[str, Any]]]:
+    out: dict[Key, list[dict[str, Any]]] = {}
+    if path.exists():
+        for row in read_jsonl(path):
+            out.setdefault(key(row), []).append(row)
+    return out
+
+
+def request_log(path: Path) -> list[dict[str, Any]]:
+    """The example agent's request log: one `start` and one `end` event per /run request."""
+    if not path.exists():
+        return []
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+
+
+def requests_per_key(path: Path, run_id: str | None = None) -> Counter[Key]:
+    return Counter(
+        (e["task"], e["rollout"])
+        for e in request_log(path)
+        if e["event"] == "start" and (run_id is None or e["run"] == run_id)
+    )
+
+
+def wait_for(
+    predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.1
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def manifest(out: Path, shard: str = "0") -> dict[str, Any]:
+    data: dict[str, Any] = orjson.loads((out / f"rollouts-{shard}_manifest.json").read_bytes())
+    return data

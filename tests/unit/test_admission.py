@@ -1,0 +1,211 @@
+"""The admission Lua scripts against a real Redis: caps, leases, fencing, budget, worker_lost."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from infra import keys
+from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
+from workers.admission import Gate, p75
+
+TOKEN = "tok-1"
+URL = "file:///tmp/run-admission"
+SID = keys.shard_id(URL, "0")
+
+
+def request(
+    task: int, rollout: int = 0, agent_url: str = "http://127.0.0.1:1", **admission: Any
+) -> CollectRequest:
+    return CollectRequest(
+        run=RunRef(run_id="r", output_dir=URL, shard="0", token=TOKEN),
+        agent_url=agent_url,
+        policy=CallPolicy(max_attempts=admission.pop("max_attempts", 3)),
+        row={"_ng_task_index": task, "_ng_rollout_index": rollout, "agent_ref": {"name": "a"}},
+        admission=Admission(**admission),
+    )
+
+
+@pytest.fixture
+def r(redis_url: str) -> redis.Redis:
+    conn = redis.Redis.from_url(redis_url)
+    conn.hset(keys.shard_generation(SID), mapping={"token": TOKEN, "enqueued": 10})
+    yield conn
+    conn.close()
+
+
+@pytest.fixture
+def make_gate(redis_url: str) -> Iterator[Callable[[float], Gate]]:
+    """Gates of this test; their leftover leases are forgotten afterwards (no renewal noise)."""
+    made: list[Gate] = []
+
+    def make(ttl_s: float = 30.0) -> Gate:
+        made.append(Gate(redis_url, ttl_s=ttl_s))
+        return made[-1]
+
+    yield make
+    for g in made:
+        for member in list(g.renewer._held):
+            g.renewer.remove(member)
+
+
+@pytest.fixture
+def gate(make_gate: Callable[[float], Gate], r: redis.Redis) -> Gate:
+    return make_gate(30.0)
+
+
+def live_leases(r: redis.Redis) -> int:
+    sec, usec = r.time()
+    return int(r.zcount(keys.shard_leases(SID), sec + usec / 1e6, "+inf"))
+
+
+def test_run_cap_holds_and_a_released_slot_admits_the_next(gate: Gate, r: redis.Redis) -> None:
+    tickets = [gate.admit(request(i, max_resident_tasks=2), SID) for i in range(2)]
+    assert [t.verdict for t in tickets] == ["run", "run"]
+    assert live_leases(r) == 2
+    got: list[str] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(gate.admit(request(2, max_resident_tasks=2), SID).verdict)
+    )
+    waiter.start()
+    time.sleep(0.5)
+    assert got == []
+    assert r.zcard(keys.shard_waiting(SID)) == 1
+    gate.release(tickets[0], TOKEN)
+    waiter.join(5)
+    gate.releaser.flush()
+    assert got == ["run"]
+    assert live_leases(r) == 2
+    assert r.zcard(keys.shard_waiting(SID)) == 0
+    assert int(r.hget(keys.shard_generation(SID), "done") or 0) == 1
+
+
+def test_agent_cap_is_shared_across_runs(gate: Gate, r: redis.Redis) -> None:
+    first = gate.admit(request(0, agent_max_concurrency=1), SID)
+    assert first.verdict == "run"
+    other_sid = keys.shard_id("file:///tmp/other-run", "0")
+    got: list[str] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(
+            gate.admit(request(0, agent_max_concurrency=1), other_sid).verdict
+        )
+    )
+    waiter.start()
+    time.sleep(0.4)
+    assert got == []
+    gate.release(first, TOKEN)
+    waiter.join(5)
+    assert got == ["run"]
+
+
+def test_a_dead_holders_slots_come_back_when_its_leases_expire(
+    make_gate: Callable[[float], Gate], r: redis.Redis
+) -> None:
+    dead = make_gate(0.5)
+    for i in range(2):
+        ticket = dead.admit(request(i, max_resident_tasks=2), SID)
+        dead.renewer.remove(ticket.member)  # the holder died: nobody renews
+    start = time.monotonic()
+    assert make_gate(30.0).admit(request(5, max_resident_tasks=2), SID).verdict == "run"
+    assert time.monotonic() - start < 3
+
+
+def test_renewal_brings_leases_back_after_redis_lost_them(gate: Gate, r: redis.Redis) -> None:
+    gate.admit(request(0, max_resident_tasks=3), SID)
+    gate.admit(request(1, max_resident_tasks=3), SID)
+    r.flushall()
+    assert live_leases(r) == 0
+    assert gate.renewer.renew_once() == 2
+    assert live_leases(r) == 2
+
+
+def test_release_is_not_undone_by_a_later_renewal(gate: Gate, r: redis.Redis) -> None:
+    ticket = gate.admit(request(0), SID)
+    gate.release(ticket, TOKEN)
+    gate.releaser.flush()
+    gate.renewer.renew_once()
+    assert live_leases(r) == 0
+
+
+def test_more_unfinished_deliveries_than_the_attempt_limit_is_worker_lost(
+    make_gate: Callable[[float], Gate], r: redis.Redis
+) -> None:
+    g = make_gate(0.3)
+    for _ in range(2):  # two deliveries whose worker died: no release
+        ticket = g.admit(request(7, max_attempts=2), SID)
+        assert ticket.verdict == "run"
+        g.renewer.remove(ticket.member)
+    ticket = g.admit(request(7, max_attempts=2), SID)
+    assert (ticket.verdict, ticket.detail) == ("lost", "2")
+    assert r.hget(keys.shard_starts(SID), "7:0") is None
+    # A finished delivery does not count towards it.
+    for _ in range(3):
+        g.release(g.admit(request(8, max_attempts=2), SID), TOKEN)
+        g.releaser.flush()
+    assert g.admit(request(8, max_attempts=2), SID).verdict == "run"
+
+
+def test_fenced_landed_and_stop_flags(gate: Gate, r: redis.Redis) -> None:
+    r.sadd(keys.shard_landed(SID), "3:1")
+    assert gate.admit(request(3, 1), SID).verdict == "landed"
+    assert int(r.hget(keys.shard_generation(SID), "duplicate")) == 1
+    r.set(keys.shard_cancel(SID), "drain")
+    ticket = gate.admit(request(4), SID)
+    assert (ticket.verdict, ticket.detail) == ("cancelled", "drain")
+    r.set(keys.shard_run_failed(SID), "rollout 1-0 failed: boom")
+    assert gate.admit(request(4), SID).verdict == "failed"
+    assert gate.stop_reason(SID) == "failed: rollout 1-0 failed: boom"
+    assert int(r.hget(keys.shard_generation(SID), "stopped")) == 2
+    assert r.hget(keys.shard_counts(SID), "drained") is None  # only the budget drains
+    r.delete(keys.shard_run_failed(SID), keys.shard_cancel(SID))
+    r.hset(keys.shard_state(SID), "opener", "someone-else")
+    assert gate.admit(request(5), SID).verdict == "fenced"
+    assert live_leases(r) == 0
+
+
+def test_budget_and_margin_drain(gate: Gate, r: redis.Redis) -> None:
+    sec, _ = r.time()
+    assert gate.admit(request(0, dispatch_deadline=sec - 1.0), SID).verdict == "drained"
+    ticket = gate.admit(request(1, dispatch_deadline=sec + 10.0, drain_margin_s=20.0), SID)
+    assert ticket.verdict == "drained"
+    assert 8 < float(ticket.detail) <= 10
+    assert (
+        gate.admit(request(2, dispatch_deadline=sec + 10.0, drain_margin_s=1.0), SID).verdict
+        == "run"
+    )
+    assert int(r.hget(keys.shard_counts(SID), "drained")) == 2
+
+
+def test_margin_is_the_p75_of_five_or_more_durations(gate: Gate, r: redis.Redis) -> None:
+    req = request(0, dispatch_deadline=1e12)
+    r.lpush(keys.shard_durations(SID), 1, 2, 3, 4)
+    assert gate.margin_s(SID, req) is None
+    gate._margins.clear()
+    r.lpush(keys.shard_durations(SID), 5)
+    assert gate.margin_s(SID, req) == pytest.approx(4.0)
+
+
+def test_p75_interpolates() -> None:
+    assert p75([1, 2, 3, 4, 5]) == 4.0
+    assert p75([10.0, 20.0]) == pytest.approx(17.5)
+    assert p75([3.0]) == 3.0
+
+
+def test_the_slot_is_freed_when_the_call_ends_and_the_delivery_counted_once_it_landed(
+    gate: Gate, r: redis.Redis
+) -> None:
+    ticket = gate.admit(request(9, max_resident_tasks=1), SID)
+    gate.free_slot(ticket, TOKEN)
+    gate.releaser.flush()
+    assert live_leases(r) == 0
+    assert r.hget(keys.shard_starts(SID), "9:0") == b"1"  # not landed yet: still unfinished
+    assert r.hget(keys.shard_generation(SID), "done") is None
+    gate.release(ticket, TOKEN)
+    gate.releaser.flush()
+    assert r.hget(keys.shard_starts(SID), "9:0") is None
+    assert r.hget(keys.shard_generation(SID), "done") == b"1"

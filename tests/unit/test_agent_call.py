@@ -1,0 +1,163 @@
+"""The /run retry policy with httpx.MockTransport: what is retried, replayed, and how it is recorded."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from schemas.messages import CallPolicy
+from workers import agent_call
+from workers.agent_call import BACKOFF_CAP_S, CallOutcome, backoff_s, call_run
+
+ROW = {"_ng_task_index": 4, "_ng_rollout_index": 1, "agent_ref": {"name": "a"}, "x": 1}
+
+
+class MockPool:
+    def __init__(self, handler: Callable[[httpx.Request], httpx.Response]) -> None:
+        self._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+    def client(self) -> httpx.AsyncClient:
+        return self._client
+
+
+def run(
+    handler: Callable[[httpx.Request], httpx.Response], **policy: object
+) -> tuple[CallOutcome, int]:
+    calls = 0
+
+    def counting(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        return handler(request)
+
+    async def go() -> CallOutcome:
+        pool = MockPool(counting)
+        try:
+            return await call_run(
+                pool, "http://agent", dict(ROW), CallPolicy(backoff_base_s=0.001, **policy)
+            )  # type: ignore[arg-type]
+        finally:
+            await pool.client().aclose()
+
+    return asyncio.run(go()), calls
+
+
+def sequence(
+    *responses: Callable[[httpx.Request], httpx.Response],
+) -> Callable[[httpx.Request], httpx.Response]:
+    it = iter(responses)
+    return lambda request: next(it)(request)
+
+
+def ok(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, json={**ROW, "_ng_task_index": 99, "reward": 1.0})
+
+
+def status(code: int) -> Callable[[httpx.Request], httpx.Response]:
+    return lambda request: httpx.Response(code, text="x" * 3000)
+
+
+def refused(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+def reset(request: httpx.Request) -> httpx.Response:
+    raise httpx.RemoteProtocolError("peer closed", request=request)
+
+
+def test_result_keeps_the_planned_identity() -> None:
+    outcome, calls = run(ok)
+    assert calls == 1 and outcome.failures == []
+    assert outcome.result is not None and outcome.result["_ng_task_index"] == 4
+
+
+def test_500_is_agent_run_error_not_replayed_with_a_bounded_body() -> None:
+    outcome, calls = run(status(500))
+    assert calls == 1
+    assert outcome.final_failure is not None
+    assert outcome.final_failure["_ng_failure_class"] == "agent_run_error"
+    assert len(outcome.final_failure["_ng_failure_response_body"]) == 2000
+    assert outcome.final_failure["_ng_failure_response_body"].endswith("…")
+
+
+@pytest.mark.parametrize("code", [429, 502, 503, 504])
+def test_gateway_statuses_are_replayed_with_attempt_indexes(code: int) -> None:
+    outcome, calls = run(sequence(status(code), status(code), ok))
+    assert calls == 3
+    assert [f.get("_ng_attempt_index", 0) for f in outcome.failures] == [0, 1]
+    assert {f["_ng_failure_class"] for f in outcome.failures} == {"agent_request_failed"}
+    assert outcome.result is not None and outcome.result["_ng_attempt_index"] == 2
+
+
+def test_replays_stop_at_the_attempt_limit_counting_earlier_attempts() -> None:
+    _, calls = run(reset, max_attempts=3, retry_requests=True)
+    assert calls == 3
+    row = {**ROW, "_ng_attempt_index": 2}
+
+    async def go() -> CallOutcome:
+        pool = MockPool(reset)
+        try:
+            return await call_run(pool, "http://agent", row, CallPolicy(backoff_base_s=0.001))  # type: ignore[arg-type]
+        finally:
+            await pool.client().aclose()
+
+    resumed = asyncio.run(go())
+    assert resumed.failures == [] and resumed.final_failure is not None
+    assert resumed.final_failure["_ng_attempt_index"] == 2
+    assert resumed.final_failure["failure_kind"] == "transport_peer_drop"
+
+
+def test_retry_requests_off_never_replays_but_still_retries_connecting() -> None:
+    outcome, calls = run(reset, retry_requests=False)
+    assert calls == 1 and outcome.final_failure is not None
+    outcome, calls = run(sequence(refused, refused, ok), retry_requests=False)
+    assert calls == 3 and outcome.result is not None and outcome.failures == []
+    assert "_ng_attempt_index" not in outcome.result
+
+
+def test_connect_retries_are_bounded() -> None:
+    outcome, calls = run(refused, connect_retries=2)
+    assert calls == 3
+    assert outcome.requests_sent == 0
+    assert outcome.final_failure is not None
+    assert outcome.final_failure["failure_kind"] == "transport_unreachable"
+
+
+def test_time_limit_is_a_timeout_failure_not_a_crash() -> None:
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(5)
+        return httpx.Response(200, json={})
+
+    async def go() -> CallOutcome:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(slow))
+        pool = type("P", (), {"client": lambda self: client})()
+        try:
+            return await call_run(
+                pool, "http://agent", dict(ROW), CallPolicy(timeout_s=0.05, retry_requests=False)
+            )
+        finally:
+            await client.aclose()
+
+    outcome = asyncio.run(go())
+    assert outcome.final_failure is not None
+    assert outcome.final_failure["failure_kind"] == "agent_timeout"
+
+
+def test_backoff_is_full_jitter_and_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    policy = CallPolicy(backoff_base_s=0.5)
+    monkeypatch.setattr(agent_call.random, "uniform", lambda low, high: high)
+    assert [backoff_s(policy, k) for k in range(8)] == [
+        0.5,
+        1,
+        2,
+        4,
+        8,
+        16,
+        BACKOFF_CAP_S,
+        BACKOFF_CAP_S,
+    ]
+    monkeypatch.setattr(agent_call.random, "uniform", lambda low, high: low)
+    assert backoff_s(policy, 5) == 0

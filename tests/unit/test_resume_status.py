@@ -1,0 +1,162 @@
+"""Resume planning, NeMo Gym path spelling, status tallies: plain functions over local files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from rich.console import Console
+
+from infra.store import RunDir
+from producer.live import redact_url
+from producer.resume import (
+    ShardOutcomes,
+    max_attempts_limit,
+    nemo_gym_output,
+    plan_resume,
+    rows_to_run,
+)
+from producer.status import FileTally
+from schemas.errors import UsageError
+from schemas.settings import CollectionSettings
+
+
+def write(path: Path, rows: list[dict[str, Any]], tail: bytes = b"") -> None:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows) + tail)
+
+
+def planned(n: int) -> list[dict[str, Any]]:
+    return [
+        {"_ng_task_index": i, "_ng_rollout_index": 0, "agent_ref": {"name": "a" if i % 2 else "b"},
+         "_ng_environment_server": "env"}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def fail(i: int, cls: str = "agent_run_error", attempt: int = 0, **extra: Any) -> dict[str, Any]:
+    row = {**planned(i + 1)[i], "_ng_failure_class": cls, **extra}
+    if attempt:
+        row["_ng_attempt_index"] = attempt
+    return row
+
+
+@pytest.fixture
+def shard(tmp_path: Path) -> RunDir:
+    write(tmp_path / "rollouts-0_materialized_inputs.jsonl", planned(8))
+    write(tmp_path / "rollouts-0.jsonl", [planned(8)[0], planned(8)[1], planned(8)[6]])
+    write(
+        tmp_path / "rollouts-0_failures.jsonl",
+        [
+            fail(1),  # failed, then landed
+            fail(2),  # one failure: retried with attempt index 1
+            fail(3), fail(3, attempt=1), fail(3, attempt=2),  # exhausted
+            fail(4, "judge_failed", _ng_failure_terminal=True),  # terminal
+            fail(5), fail(5, attempt=1),  # two failures: retried with attempt index 2
+        ],
+    )  # fmt: skip
+    return RunDir(str(tmp_path))
+
+
+def test_resume_runs_only_what_is_missing_and_stamps_attempts(shard: RunDir) -> None:
+    plan, outcomes = plan_resume(shard, "0", max_attempts=3)
+    assert (plan.planned, plan.landed, plan.terminal, plan.exhausted, plan.to_run) == (
+        8,
+        3,
+        1,
+        1,
+        3,
+    )
+    assert plan.failed_before == 4
+    rows = list(rows_to_run(shard, "0", outcomes, 3))
+    assert [(r["_ng_task_index"], r.get("_ng_attempt_index")) for r in rows] == [
+        (2, 1),
+        (5, 2),
+        (7, None),
+    ]
+    plan, _ = plan_resume(shard, "0", max_attempts=2)
+    assert (plan.exhausted, plan.to_run) == (2, 2)
+
+
+def test_outcome_verdicts(shard: RunDir) -> None:
+    outcomes = ShardOutcomes.read(shard, "0")
+    assert outcomes.verdict((1, 0), 3) == "landed"
+    assert outcomes.verdict((4, 0), 9) == "terminal"
+    assert outcomes.verdict((3, 0), 3) == "exhausted"
+    assert outcomes.verdict((7, 0), 1) == "run"
+
+
+def test_attempt_limit_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    console = Console(file=open("/dev/null", "w"))  # noqa: SIM115
+    settings = CollectionSettings(max_attempts=5)
+    monkeypatch.delenv("NEMO_GYM_MAX_ROLLOUT_ATTEMPTS", raising=False)
+    assert max_attempts_limit(None, settings, console) == 5
+    monkeypatch.setenv("NEMO_GYM_MAX_ROLLOUT_ATTEMPTS", "2")
+    assert max_attempts_limit(None, settings, console) == 2
+    assert max_attempts_limit(4, settings, console) == 4
+    monkeypatch.setenv("NEMO_GYM_MAX_ROLLOUT_ATTEMPTS", "zero")
+    assert max_attempts_limit(None, settings, console) == 3
+    with pytest.raises(UsageError):
+        max_attempts_limit(0, settings, console)
+    console.file.close()
+
+
+def test_nemo_gym_output_paths() -> None:
+    assert nemo_gym_output("/runs/e1/rollouts-0.jsonl") == ("/runs/e1", "0")
+    assert nemo_gym_output("s3://bucket/e1/rollouts-part.a.jsonl") == ("s3://bucket/e1", "part.a")
+    with pytest.raises(UsageError, match=r"rollouts-<shard>\.jsonl"):
+        nemo_gym_output("/runs/e1/output.jsonl")
+
+
+def test_file_tally_counts_incrementally_and_matches_the_files(tmp_path: Path) -> None:
+    rows = planned(6)
+    write(tmp_path / "rollouts-0_materialized_inputs.jsonl", rows)
+    write(tmp_path / "rollouts-0.jsonl", [rows[0]], tail=b'{"_ng_task_index": 1, "_ng_rol')
+    write(tmp_path / "rollouts-0_failures.jsonl", [fail(2), fail(3, "agent_request_failed")])
+    tally = FileTally(RunDir(str(tmp_path)), "0")
+    tally.refresh()
+    assert (tally.planned, len(tally.landed), dict(tally.failed)) == (
+        6, 1, {"agent_run_error": 1, "agent_request_failed": 1},
+    )  # fmt: skip
+    assert tally.by_agent["a"].planned == 3 and tally.by_agent["b"].planned == 3
+    # The torn line is completed, rollout 2 lands after its failure, 3 fails again differently.
+    with open(tmp_path / "rollouts-0.jsonl", "ab") as f:
+        f.write(b'lout_index": 0, "agent_ref": {"name": "a"}, "_ng_environment_server": "env"}\n')
+        f.write(orjson.dumps(rows[2]) + b"\n")
+    with open(tmp_path / "rollouts-0_failures.jsonl", "ab") as f:
+        f.write(orjson.dumps(fail(3, "worker_lost")) + b"\n")
+    tally.refresh()
+    assert sorted(tally.landed) == [(0, 0), (1, 0), (2, 0)]
+    assert dict(tally.failed) == {"worker_lost": 1}
+    assert tally.failure_rows == 3
+    assert dict(tally.by_env["env"].failed) == {"worker_lost": 1}
+    assert tally.by_agent["b"].landed == 2 and tally.by_agent["a"].landed == 1
+
+
+def test_redact_url() -> None:
+    assert redact_url("redis://:secret@host:6379/0") == "redis://:***@host:6379/0"
+    assert redact_url("redis://user:pw@host/1") == "redis://user:***@host/1"
+    assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
+
+
+def test_nemo_gym_spelling_resumes_only_a_shard_that_exists(tmp_path: Path) -> None:
+    from producer.cli import nemo_gym_spelling
+
+    out = tmp_path / "eval"
+    settings = {
+        "input_jsonl_fpath": str(out / "rollouts-a_materialized_inputs.jsonl"),
+        "output_jsonl_fpath": str(out / "rollouts-a.jsonl"),
+        "resume_from_cache": True,
+        "num_repeats": 2,
+    }
+    spelled = nemo_gym_spelling(dict(settings), None, None, None)
+    assert spelled == (settings["input_jsonl_fpath"], str(out), "a", False)  # nothing to resume yet
+    out.mkdir()
+    (out / "rollouts-a_manifest.json").write_text("{}")
+    (out / "rollouts-a_materialized_inputs.jsonl").write_text("")
+    rest = dict(settings)
+    assert nemo_gym_spelling(rest, None, None, None)[2:] == ("a", True)
+    assert rest == {"num_repeats": 2}  # the path keys are not run settings
+    with pytest.raises(UsageError, match="different shards"):
+        nemo_gym_spelling(dict(settings), None, None, "b")

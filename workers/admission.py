@@ -1,0 +1,451 @@
+"""Whether a rollout may start now: stop flags, fencing, the dispatch budget, cluster-wide caps.
+
+One Lua call per rollout decides it (`begin`), one more returns the slot (`end`). A slot is a
+*lease*: a member of a Redis sorted set scored by its expiry on the Redis server's clock. Each
+worker process renews the leases it holds from one thread; a process that dies stops renewing,
+and its slots come back when the leases expire, with nobody cleaning up. The same sorted sets
+give `rollouts status` its in-flight counts.
+
+The begin call also counts deliveries that started and never finished (`keys.shard_starts`): a
+rollout that workers died on more times than the attempt limit becomes a `worker_lost` failure
+instead of being delivered forever.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import queue
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+from celery.signals import worker_shutdown
+
+from infra import keys
+from infra.redis_client import client
+from schemas import fields as F
+from schemas.messages import CollectRequest
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+LEASE_TTL_S = float(os.environ.get("ROLLOUTS_LEASE_TTL_S", "30"))
+STARTS_KEEP_S = 7 * 24 * 3600
+DURATIONS_KEPT = 1000
+MARGIN_REFRESH_S = 2.0
+FLAGS_REFRESH_S = 0.5
+WAIT_MIN_S, WAIT_MAX_S = 0.02, 0.25
+REDIS_RETRY_S = 120.0
+
+# KEYS: state landed failed cancel generation counts starts leases waiting agent_leases
+# ARGV: token key member ttl run_cap agent_cap max_attempts deadline margin keep_s
+BEGIN_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local token, key, member, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local mine = redis.call('HGET', KEYS[5], 'token') == token
+local function count(field)
+  if mine then redis.call('HINCRBY', KEYS[5], field, 1) end
+end
+local function not_started(verdict, detail)
+  redis.call('ZREM', KEYS[9], member)
+  if verdict == 'drained' then
+    count('drained')
+    redis.call('HINCRBY', KEYS[6], 'drained', 1)
+  else
+    count('stopped')
+  end
+  return {verdict, detail}
+end
+local failed = redis.call('GET', KEYS[3])
+if failed then return not_started('failed', failed) end
+local cancel = redis.call('GET', KEYS[4])
+if cancel then return not_started('cancelled', cancel) end
+local opener = redis.call('HGET', KEYS[1], 'opener')
+if opener and opener ~= token then
+  redis.call('ZREM', KEYS[9], member)
+  return {'fenced', opener}
+end
+if redis.call('SISMEMBER', KEYS[2], key) == 1 then
+  redis.call('ZREM', KEYS[9], member)
+  count('duplicate')
+  return {'landed', ''}
+end
+local deadline = tonumber(ARGV[8])
+if deadline > 0 then
+  local remaining = deadline - now
+  local margin = tonumber(ARGV[9])
+  if remaining <= 0 or (margin >= 0 and remaining < margin) then
+    return not_started('drained', tostring(remaining))
+  end
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[8], '-inf', now)
+local run_cap = tonumber(ARGV[5])
+if run_cap > 0 and redis.call('ZCARD', KEYS[8]) >= run_cap then
+  redis.call('ZADD', KEYS[9], now + ttl, member)
+  return {'wait', 'max_resident_tasks'}
+end
+local agent_cap = tonumber(ARGV[6])
+if agent_cap > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', now)
+  if redis.call('ZCARD', KEYS[10]) >= agent_cap then
+    redis.call('ZADD', KEYS[9], now + ttl, member)
+    return {'wait', 'max_concurrency'}
+  end
+end
+redis.call('ZREM', KEYS[9], member)
+local n = redis.call('HINCRBY', KEYS[7], key, 1)
+redis.call('EXPIRE', KEYS[7], ARGV[10])
+if n > tonumber(ARGV[7]) then
+  redis.call('HDEL', KEYS[7], key)
+  count('done')
+  return {'lost', tostring(n - 1)}
+end
+redis.call('ZADD', KEYS[8], now + ttl, member)
+if agent_cap > 0 then redis.call('ZADD', KEYS[10], now + ttl, member) end
+return {'run', ''}
+"""
+
+# Releases of many rollouts at once. Per release, KEYS: leases agent_leases starts generation
+# durations; ARGV: member key token field duration. ARGV[1] is how many durations to keep.
+# An empty `key` frees the slot only (the call ended); the accounting follows once it landed.
+END_LUA = """
+local keep = tonumber(ARGV[1])
+for i = 0, #KEYS / 5 - 1 do
+  local k, a = i * 5, i * 5 + 1
+  local member, key, token, field, duration = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
+  redis.call('ZREM', KEYS[k + 1], member)
+  redis.call('ZREM', KEYS[k + 2], member)
+  if key ~= '' then
+    if redis.call('HINCRBY', KEYS[k + 3], key, -1) <= 0 then redis.call('HDEL', KEYS[k + 3], key) end
+    if redis.call('HGET', KEYS[k + 4], 'token') == token then redis.call('HINCRBY', KEYS[k + 4], field, 1) end
+  end
+  if tonumber(duration) >= 0 then
+    redis.call('LPUSH', KEYS[k + 5], duration)
+    redis.call('LTRIM', KEYS[k + 5], 0, keep - 1)
+  end
+end
+return 1
+"""
+RELEASE_BATCH = 256
+
+# KEYS: one sorted set per lease; ARGV: ttl, then the lease members in the same order.
+# ZADD without XX: after Redis lost its data, the leases of calls still running come back.
+RENEW_LUA = """
+local t = redis.call('TIME')
+local expiry = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
+for i, k in ipairs(KEYS) do redis.call('ZADD', k, expiry, ARGV[i + 1]) end
+return #KEYS
+"""
+
+
+@dataclass
+class Ticket:
+    """The begin call's verdict for one delivery of a rollout."""
+
+    verdict: str
+    """run, landed, fenced, drained, failed, cancelled or lost."""
+    detail: str
+    """The stop reason, the seconds left in the budget, or the earlier unfinished deliveries."""
+    sid: str
+    key: str
+    member: str
+    agent_key: str
+
+
+def with_redis_retry(what: str, fn: Callable[[], T], budget_s: float = REDIS_RETRY_S) -> T:
+    """Call `fn`, retrying connection errors with backoff for up to `budget_s` (Redis restarting)."""
+    deadline = time.monotonic() + budget_s
+    delay = 0.2
+    while True:
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s: Redis unavailable (%s); retrying in %.1fs", what, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def p75(values: list[float]) -> float:
+    """The 75th percentile by linear interpolation between closest ranks."""
+    ordered = sorted(values)
+    pos = 0.75 * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+class _LeaseRenewer:
+    """Renews every lease this process holds, from one thread, every third of the lease time."""
+
+    def __init__(self, r: redis.Redis, script: Any, ttl_s: float) -> None:
+        self._r = r
+        self._script = script
+        self._ttl_s = ttl_s
+        self._held: dict[str, tuple[str, ...]] = {}
+        # Held across a renewal's Redis call, so a lease removed here is never renewed (re-added)
+        # by a renewal that read it before the removal.
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="rollouts-leases", daemon=True)
+        self._thread.start()
+
+    def add(self, member: str, zsets: tuple[str, ...]) -> None:
+        with self._lock:
+            self._held[member] = zsets
+
+    def remove(self, member: str) -> None:
+        with self._lock:
+            self._held.pop(member, None)
+
+    def renew_once(self) -> int:
+        """Push every held lease's expiry forward (re-adding it if Redis lost it); returns how many."""
+        with self._lock:
+            if not self._held:
+                return 0
+            zsets: list[str] = []
+            members: list[str] = [str(self._ttl_s)]
+            for member, keys_ in self._held.items():
+                for k in keys_:
+                    zsets.append(k)
+                    members.append(member)
+            try:
+                self._script(keys=zsets, args=members, client=self._r)
+            except redis.RedisError as exc:
+                log.warning("could not renew %d leases: %s", len(self._held), exc)
+                return 0
+            return len(self._held)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self._ttl_s / 3)
+            self.renew_once()
+
+
+class _Releaser:
+    """Returns slots from one thread, many per Lua call: a task does not wait for its release.
+
+    A release lost with its process only delays the slot (its lease expires) and leaves its
+    delivery counted as unfinished, which no harm comes from below the attempt limit.
+    """
+
+    def __init__(self, r: redis.Redis, script: Any) -> None:
+        self._r = r
+        self._script = script
+        self._queue: queue.SimpleQueue[tuple[list[str], list[str | float]]] = queue.SimpleQueue()
+        self._pending = 0
+        self._done = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="rollouts-release", daemon=True)
+        self._thread.start()
+
+    def put(self, zkeys: list[str], args: list[str | float]) -> None:
+        with self._done:
+            self._pending += 1
+        self._queue.put((zkeys, args))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued release was sent to Redis (tests, shutdown)."""
+        with self._done:
+            return self._done.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < RELEASE_BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            call_keys = [k for zkeys, _ in batch for k in zkeys]
+            args: list[str | float] = [DURATIONS_KEPT]
+            for _, item_args in batch:
+                args.extend(item_args)
+            try:
+                with_redis_retry(
+                    "lease release",
+                    functools.partial(self._script, keys=call_keys, args=args, client=self._r),
+                    budget_s=30.0,
+                )
+            except redis.RedisError as exc:
+                log.warning(
+                    "could not release %d leases (they expire by themselves): %s", len(batch), exc
+                )
+            with self._done:
+                self._pending -= len(batch)
+                self._done.notify_all()
+
+
+class Gate:
+    """This process's admission: begin/end calls, lease renewal, cached stop flags and margins."""
+
+    def __init__(self, redis_url: str, ttl_s: float = LEASE_TTL_S) -> None:
+        self.pid = os.getpid()
+        self.r = client(redis_url)
+        self._begin = self.r.register_script(BEGIN_LUA)
+        self.releaser = _Releaser(self.r, self.r.register_script(END_LUA))
+        self.ttl_s = ttl_s
+        self.renewer = _LeaseRenewer(self.r, self.r.register_script(RENEW_LUA), self.ttl_s)
+        self._holder = f"{socket.gethostname()}:{self.pid}"
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._flags: dict[str, tuple[float, str | None]] = {}
+        self._margins: dict[str, tuple[float, float | None]] = {}
+        self._keys: dict[tuple[str, str], list[str]] = {}
+
+    def _member(self, agent: str, key: str) -> str:
+        with self._seq_lock:
+            self._seq += 1
+            seq = self._seq
+        return f"{self._holder}:{seq}|{agent}|{key}"
+
+    def _begin_keys(self, sid: str, agent_url: str) -> list[str]:
+        found = self._keys.get((sid, agent_url))
+        if found is None:
+            if len(self._keys) > 10_000:  # a long-lived worker of many runs
+                self._keys.clear()
+            found = self._keys[(sid, agent_url)] = [
+                keys.shard_state(sid),
+                keys.shard_landed(sid),
+                keys.shard_run_failed(sid),
+                keys.shard_cancel(sid),
+                keys.shard_generation(sid),
+                keys.shard_counts(sid),
+                keys.shard_starts(sid),
+                keys.shard_leases(sid),
+                keys.shard_waiting(sid),
+                keys.agent_leases(agent_url),
+            ]
+        return found
+
+    def margin_s(self, sid: str, req: CollectRequest) -> float | None:
+        """The drain margin: explicit, else the p75 of this run's successful durations once there are 5."""
+        adm = req.admission
+        if adm.drain_margin_s is not None:
+            return adm.drain_margin_s
+        now = time.monotonic()
+        cached = self._margins.get(sid)
+        if cached is not None and now - cached[0] < MARGIN_REFRESH_S:
+            return cached[1]
+        raw: list[bytes] = self.r.lrange(keys.shard_durations(sid), 0, -1)  # type: ignore[assignment]
+        values = [float(v) for v in raw]
+        margin = p75(values) if len(values) >= 5 else None
+        self._margins[sid] = (now, margin)
+        return margin
+
+    def admit(self, req: CollectRequest, sid: str) -> Ticket:
+        """Wait for a slot and take it, or say why the rollout must not start."""
+        row = req.row
+        key = f"{row[F.TASK_INDEX]}:{row[F.ROLLOUT_INDEX]}"
+        agent = F.agent_name(row) or ""
+        member = self._member(agent, key)
+        call_keys = self._begin_keys(sid, req.agent_url)
+        agent_key, leases = call_keys[9], call_keys[7]
+        adm = req.admission
+        delay = WAIT_MIN_S
+        while True:
+            margin = None
+            if adm.dispatch_deadline is not None:
+                margin = with_redis_retry("drain margin", lambda: self.margin_s(sid, req))
+            args: list[str | int | float] = [
+                req.run.token,
+                key,
+                member,
+                self.ttl_s,
+                adm.max_resident_tasks or 0,
+                adm.agent_max_concurrency or 0,
+                req.policy.max_attempts,
+                adm.dispatch_deadline or 0,
+                -1 if margin is None else margin,
+                STARTS_KEEP_S,
+            ]
+            answer = with_redis_retry(
+                "admission",
+                lambda args=args: self._begin(keys=call_keys, args=args, client=self.r),  # type: ignore[misc]
+            )
+            verdict, detail = (v.decode() if isinstance(v, bytes) else str(v) for v in answer)
+            if verdict != "wait":
+                ticket = Ticket(verdict, detail, sid, key, member, agent_key)
+                if verdict == "run":
+                    zsets = (leases, agent_key) if adm.agent_max_concurrency else (leases,)
+                    self.renewer.add(member, zsets)
+                return ticket
+            # Full: poll with jitter; the waiting entry itself expires unless re-added here.
+            time.sleep(random.uniform(delay / 2, delay))
+            delay = min(delay * 1.5, WAIT_MAX_S)
+
+    def free_slot(self, ticket: Ticket, token: str) -> None:
+        """Give the slot back as soon as the `/run` call ended, before the records land."""
+        self.renewer.remove(ticket.member)
+        self.releaser.put(self._release_keys(ticket), [ticket.member, "", token, "", -1])
+
+    def release(
+        self, ticket: Ticket, token: str, field: str = "done", duration_s: float | None = None
+    ) -> None:
+        """Give the slot back (if still held) and count the outcome, batched with other releases."""
+        self.renewer.remove(ticket.member)
+        duration: str | float = -1 if duration_s is None else duration_s
+        self.releaser.put(
+            self._release_keys(ticket), [ticket.member, ticket.key, token, field, duration]
+        )
+
+    @staticmethod
+    def _release_keys(ticket: Ticket) -> list[str]:
+        return [
+            keys.shard_leases(ticket.sid),
+            ticket.agent_key,
+            keys.shard_starts(ticket.sid),
+            keys.shard_generation(ticket.sid),
+            keys.shard_durations(ticket.sid),
+        ]  # fmt: skip
+
+    def stop_reason(self, sid: str) -> str | None:
+        """`failed: ...`, `cancel` or `drain` when the run was stopped; read at most every half second."""
+        now = time.monotonic()
+        cached = self._flags.get(sid)
+        if cached is not None and now - cached[0] < FLAGS_REFRESH_S:
+            return cached[1]
+        try:
+            failed, cancel = self.r.mget(keys.shard_run_failed(sid), keys.shard_cancel(sid))
+        except redis.RedisError:
+            return cached[1] if cached is not None else None
+        reason = None
+        if isinstance(failed, bytes):
+            reason = f"failed: {failed.decode()}"
+        elif isinstance(cancel, bytes):
+            reason = cancel.decode()
+        self._flags[sid] = (now, reason)
+        return reason
+
+
+_gate: Gate | None = None
+_gate_lock = threading.Lock()
+
+
+def gate(redis_url: str) -> Gate:
+    """This process's gate, created on first use (after any fork)."""
+    global _gate
+    found = _gate
+    if found is not None and found.pid == os.getpid():
+        return found
+    with _gate_lock:
+        if _gate is None or _gate.pid != os.getpid():
+            _gate = Gate(redis_url)
+        return _gate
+
+
+def _flush_releases(**_: Any) -> None:
+    """A worker that stops on purpose hands back its slots at once rather than by expiry."""
+    if _gate is not None and _gate.pid == os.getpid():
+        _gate.releaser.flush(5.0)
+
+
+worker_shutdown.connect(_flush_releases, weak=False)
