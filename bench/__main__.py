@@ -78,6 +78,7 @@ def overhead(n: int, workers: int, concurrency: int) -> str:
                 m.wall_s,
                 m.rate,
                 m.cpu_ms_per_rollout,
+                str({k: round(v, 2) for k, v in m.extra.get("cpu_ms", {}).items()}),
                 f"{m.cpu_ms_per_rollout / base:.2f}x",
             ]
             for m in results
@@ -86,7 +87,16 @@ def overhead(n: int, workers: int, concurrency: int) -> str:
             f"overhead: N={n}, instant agent, {workers} workers x {concurrency}; CPU over every process "
             "of the system (producer, workers, Redis; the agent server excluded)\n\n"
             + table(
-                ["collector", "N", "wall s", "rollouts/s", "CPU ms/rollout", "vs empty chord"], out
+                [
+                    "collector",
+                    "N",
+                    "wall s",
+                    "rollouts/s",
+                    "CPU ms/rollout",
+                    "parts",
+                    "vs empty chord",
+                ],
+                out,
             )
         )
     finally:

@@ -50,6 +50,12 @@ def run_ours(
     """A `rollouts run` against the cluster, timed from planning to the finished callback."""
     me = os.getpid()
     pids = [me, *cluster.pids()]
+    groups = {
+        "producer": [me],
+        "workers": [p.pid for p in cluster.procs],
+        "redis": [cluster.redis.pid or 0],
+    }
+    parts0 = {k: cpu_seconds(v) for k, v in groups.items()}
     cpu0 = cpu_seconds(pids)
     t0 = time.perf_counter()
     config = load_servers_config(config_path)
@@ -67,6 +73,7 @@ def run_ours(
     result = wait_for_finish(app, finish_id, poll_s=0.05)
     t1 = time.perf_counter()
     cpu1 = cpu_seconds(pids)
+    parts = {k: 1000 * (cpu_seconds(v) - parts0[k]) / n for k, v in groups.items()}
     app.close()
     assert result["landed"] == n, result
     return Measure(
@@ -74,7 +81,7 @@ def run_ours(
         n,
         t1 - t_enqueue,
         cpu1 - cpu0,
-        {"plan_s": t_enqueue - t0, "enqueue_s": t_enqueued - t_enqueue},
+        {"plan_s": t_enqueue - t0, "enqueue_s": t_enqueued - t_enqueue, "cpu_ms": parts},
     )
 
 
@@ -84,6 +91,12 @@ def run_empty_chord(cluster: BenchCluster, n: int) -> Measure:
 
     app = client_app(cluster.url, cluster.url)
     pids = [os.getpid(), *cluster.pids()]
+    groups = {
+        "producer": [os.getpid()],
+        "workers": [p.pid for p in cluster.procs],
+        "redis": [cluster.redis.pid or 0],
+    }
+    parts0 = {k: cpu_seconds(v) for k, v in groups.items()}
     cpu0 = cpu_seconds(pids)
     t0 = time.perf_counter()
     header = [app.signature("bench.noop") for _ in range(n)]
@@ -93,10 +106,13 @@ def run_empty_chord(cluster: BenchCluster, n: int) -> Measure:
         time.sleep(0.05)
     t1 = time.perf_counter()
     cpu1 = cpu_seconds(pids)
+    parts = {k: 1000 * (cpu_seconds(v) - parts0[k]) / n for k, v in groups.items()}
     value = res.get(propagate=False)
     app.close()
     assert value == n, value
-    return Measure("empty Celery chord", n, t1 - t0, cpu1 - cpu0, {"enqueue_s": t_enq - t0})
+    return Measure(
+        "empty Celery chord", n, t1 - t0, cpu1 - cpu0, {"enqueue_s": t_enq - t0, "cpu_ms": parts}
+    )
 
 
 async def _aiohttp_collect(

@@ -19,13 +19,13 @@ from infra.embedded import EmbeddedRedis
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def cpu_seconds(pids: Iterable[int]) -> float:
-    """User + system CPU of the processes and their children so far."""
+def cpu_seconds(pids: Iterable[int], children: bool = False) -> float:
+    """User + system CPU of the processes so far (and of their live children, if asked)."""
     total = 0.0
     for pid in pids:
         try:
             p = psutil.Process(pid)
-            procs = [p, *p.children(recursive=True)]
+            procs = [p, *p.children(recursive=True)] if children else [p]
         except psutil.NoSuchProcess:
             continue
         for q in procs:

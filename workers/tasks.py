@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery import Task, states
+
 from infra.store import RunDir
 from schemas.health import (
     HEALTH_COMBINE_TASK,
@@ -19,11 +21,18 @@ from workers.collect import collect
 from workers.finish import finish_shard, health_brief
 from workers.health import combine, scan
 
+# Outcomes whose summary a caller may want to read back even when the dispatch asked Celery not
+# to store results (a run's tasks do: the chord only counts them).
+KEPT_OUTCOMES = frozenset({"drained", "cancelled", "error"})
 
-@app.task(name=COLLECT_TASK, acks_late=True)
-def collect_task(payload: dict[str, Any]) -> dict[str, Any]:
+
+@app.task(name=COLLECT_TASK, acks_late=True, bind=True)
+def collect_task(self: Task, payload: dict[str, Any]) -> dict[str, Any]:
     """Run one rollout and land its result exactly once."""
-    return collect(CollectRequest.model_validate(payload), state_redis_url())
+    summary = collect(CollectRequest.model_validate(payload), state_redis_url())
+    if self.request.ignore_result and summary.get("outcome") in KEPT_OUTCOMES:
+        self.backend.store_result(self.request.id, summary, states.SUCCESS, request=self.request)
+    return summary
 
 
 @app.task(name=FINISH_TASK, acks_late=True)
