@@ -8,11 +8,13 @@ shard's files on storage (the manifest and the JSONL files), so losing Redis los
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 PREFIX = "rollouts"
 
 
+@functools.lru_cache(maxsize=4096)
 def shard_id(output_dir_url: str, shard: str) -> str:
     """The sid of shard `shard` in the run directory `output_dir_url` (a normalised URL)."""
     return hashlib.sha1(f"{output_dir_url}\x00{shard}".encode()).hexdigest()[:20]

@@ -1,10 +1,16 @@
-"""The shard lock: a Redis lock with an expiry, extended by a heartbeat while it is held."""
+"""The shard lock: a Redis lock with an expiry, extended by a heartbeat while it is held.
+
+`held` is the plain lock. `held_reading` is the lander's: it takes the lock and reads the shard's
+state in one round trip, and its release rides in the commit's transaction.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import threading
+import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -61,3 +67,127 @@ def held(
         # Expired or lost with Redis: nothing left to release.
         with contextlib.suppress(LockError, redis.RedisError):
             lock.release()
+
+
+# Take the lock and, in the same round trip, read what the holder needs first: the shard's
+# state hash and which of the batch's keys already landed.
+# KEYS: lock state landed; ARGV: token ttl_ms member...
+ACQUIRE_READING_LUA = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local present = {}
+  if #ARGV > 2 then
+    present = redis.call('SMISMEMBER', KEYS[3], unpack(ARGV, 3))
+  end
+  return {1, redis.call('HGETALL', KEYS[2]), present}
+end
+return {0}
+"""
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+EXTEND_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+
+class _Keeper:
+    """One heartbeat thread per process, extending every lock the process holds."""
+
+    def __init__(self, r: redis.Redis, ttl_s: float) -> None:
+        self.r = r
+        self.ttl_ms = int(ttl_s * 1000)
+        self.held: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.extend = r.register_script(EXTEND_LUA)
+        self.thread = threading.Thread(target=self._run, name="rollouts-lock-keeper", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.ttl_ms / 3000)
+            with self.lock:
+                held = list(self.held.items())
+            for name, token in held:
+                with contextlib.suppress(redis.RedisError):
+                    self.extend(keys=[name], args=[token, self.ttl_ms])
+
+
+_keepers: dict[tuple[int, int, float], _Keeper] = {}
+_keepers_lock = threading.Lock()
+
+
+def _keeper(r: redis.Redis, ttl_s: float) -> _Keeper:
+    key = (os.getpid(), id(r), ttl_s)
+    with _keepers_lock:
+        found = _keepers.get(key)
+        if found is None:
+            found = _keepers[key] = _Keeper(r, ttl_s)
+        return found
+
+
+class HeldLock:
+    """A held shard lock, with what was read when it was taken."""
+
+    def __init__(
+        self, r: redis.Redis, name: str, token: str, state: dict[str, str], present: list[bool]
+    ) -> None:
+        self.r = r
+        self.name = name
+        self.token = token
+        self.state = state
+        self.present = present
+        self.released = False
+        self._release = r.register_script(RELEASE_LUA)
+
+    def release_in(self, pipe: redis.client.Pipeline) -> None:
+        """Queue the release in `pipe`: it happens with the commit, in the same round trip."""
+        self._release(keys=[self.name], args=[self.token], client=pipe)
+        self.released = True
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            with contextlib.suppress(redis.RedisError):
+                self._release(keys=[self.name], args=[self.token])
+
+
+@contextmanager
+def held_reading(
+    r: redis.Redis,
+    name: str,
+    state_key: str,
+    landed_key: str,
+    members: list[str],
+    ttl_s: float = LOCK_TTL_S,
+    acquire_timeout_s: float = ACQUIRE_TIMEOUT_S,
+) -> Iterator[HeldLock]:
+    """Hold lock `name` (as `held` does) and read the state hash and the members' landed flags.
+
+    One round trip takes the lock and reads; the holder can fold the release into its commit
+    (`HeldLock.release_in`), so an uncontended batch costs two round trips in all.
+    """
+    token = uuid.uuid4().hex
+    acquire = r.register_script(ACQUIRE_READING_LUA)
+    ttl_ms = int(ttl_s * 1000)
+    deadline = time.monotonic() + acquire_timeout_s
+    while True:
+        reply = acquire(keys=[name, state_key, landed_key], args=[token, ttl_ms, *members])
+        if reply[0] == 1:
+            break
+        if time.monotonic() > deadline:
+            raise TransientError(f"could not acquire {name} within {acquire_timeout_s:.0f}s")
+        time.sleep(ACQUIRE_POLL_S)
+    flat = reply[1]
+    state = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+    lock = HeldLock(r, name, token, state, [bool(x) for x in reply[2]])
+    keeper = _keeper(r, ttl_s)
+    with keeper.lock:
+        keeper.held[name] = token
+    try:
+        yield lock
+    finally:
+        with keeper.lock:
+            keeper.held.pop(name, None)
+        lock.release()

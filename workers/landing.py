@@ -27,7 +27,7 @@ from typing import Any
 import redis
 
 from infra import jsonl, keys
-from infra.locks import held
+from infra.locks import HeldLock, held, held_reading
 from infra.redis_client import client
 from infra.runs import write_status
 from infra.store import RunDir, WriteConflictError
@@ -131,14 +131,27 @@ class Lander:
 
     def _commit(self, rd: RunDir, shard: str, group: list[_Pending]) -> None:
         st = ShardState(self.r, rd, shard)
-        with held(self.r, keys.shard_lock(st.sid)):
+        ks = [key_str(p.result) for p in group if p.result is not None]
+        lock_key, state_key = keys.shard_lock(st.sid), keys.shard_state(st.sid)
+        with held_reading(self.r, lock_key, state_key, keys.shard_landed(st.sid), ks) as lock:
             # Records that arrived while the lock was awaited (other processes writing) join
             # this batch: the busier the shard, the larger each write.
             key = (group[0].run.output_dir, shard)
+            joined: list[_Pending] = []
             for p in self._drain([]):
                 same = (p.run.output_dir, p.run.shard) == key
-                (group if same else self._carry).append(p)
-            state = st.load()
+                (joined if same else self._carry).append(p)
+            present = dict(zip(ks, lock.present, strict=True))
+            late = [key_str(p.result) for p in joined if p.result is not None]
+            if late:
+                flags = self.r.smismember(keys.shard_landed(st.sid), late)
+                present.update(zip(late, (bool(f) for f in flags), strict=True))
+            group = group + joined
+            state = st.load(lock.state)
+            if state is not lock.state and present:
+                # Rebuilt from storage or a dead writer's tail adopted: what landed changed.
+                flags = self.r.smismember(keys.shard_landed(st.sid), list(present))
+                present = dict(zip(present, (bool(f) for f in flags), strict=True))
             opener = state.get("opener")
             accepted = []
             for p in group:
@@ -154,8 +167,11 @@ class Lander:
             if not accepted:
                 return
             reports = {id(p): LandReport() for p in accepted}
-            self._land_results(st, state, accepted, reports)
-            self._land_failures(st, state, accepted, reports)
+            has_failures = any(p.failures for p in accepted)
+            self._land_results(
+                st, state, accepted, reports, present, None if has_failures else lock
+            )
+            self._land_failures(st, state, accepted, reports, lock)
         for p in accepted:
             p.future.set_result(reports[id(p)])
         self._maybe_write_status(st, state)
@@ -183,20 +199,25 @@ class Lander:
         state: dict[str, str],
         accepted: list[_Pending],
         reports: dict[int, LandReport],
+        present: dict[str, bool],
+        lock: HeldLock | None,
     ) -> None:
+        """Write the batch's new results and commit their keys (releasing `lock` with the commit)."""
         with_result = [p for p in accepted if p.result is not None]
         if not with_result:
             return
         ks = [key_str(p.result) for p in with_result if p.result is not None]
-        for _ in range(MAX_CONFLICTS):
-            present = self.r.smismember(keys.shard_landed(st.sid), ks)
+        for attempt in range(MAX_CONFLICTS):
+            if attempt:  # another writer's bytes were adopted: check our keys against them
+                flags = self.r.smismember(keys.shard_landed(st.sid), ks)
+                present = dict(zip(ks, (bool(f) for f in flags), strict=True))
             new_keys: list[str] = []
             seen: set[str] = set()
             data = bytearray()
-            for p, k, already in zip(with_result, ks, present, strict=True):
+            for p, k in zip(with_result, ks, strict=True):
                 report = reports[id(p)]
                 report.landed = report.duplicate = False
-                if already or k in seen:
+                if present.get(k) or k in seen:
                     report.duplicate = True
                     continue
                 seen.add(k)
@@ -204,7 +225,7 @@ class Lander:
                 data += jsonl.dumps_line(p.result)
                 report.landed = True
             if data and not self._append(st, state, st.files.results, bytes(data)):
-                continue  # someone else's bytes were there: re-check our keys against them
+                continue
             pipe = self.r.pipeline(transaction=True)
             if new_keys:
                 pipe.sadd(keys.shard_landed(st.sid), *new_keys)
@@ -213,6 +234,8 @@ class Lander:
             dups = len(with_result) - len(new_keys)
             if dups:
                 pipe.hincrby(keys.shard_counts(st.sid), "duplicates", dups)
+            if lock is not None:
+                lock.release_in(pipe)
             pipe.execute()
             return
         raise StorageError(
@@ -225,7 +248,9 @@ class Lander:
         state: dict[str, str],
         accepted: list[_Pending],
         reports: dict[int, LandReport],
+        lock: HeldLock,
     ) -> None:
+        """Write the batch's failure rows and commit them (releasing `lock` with the commit)."""
         data = bytearray()
         counts: dict[str, int] = defaultdict(int)
         for p in accepted:
@@ -242,6 +267,7 @@ class Lander:
             for name, n in counts.items():
                 pipe.hincrby(keys.shard_counts(st.sid), name, n)
             pipe.hset(keys.shard_state(st.sid), "failures_size", state["failures_size"])
+            lock.release_in(pipe)
             pipe.execute()
             return
         raise StorageError(

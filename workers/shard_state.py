@@ -58,14 +58,16 @@ class ShardState:
         raw: dict[bytes, bytes] = self.r.hgetall(keys.shard_state(self.sid))  # type: ignore[assignment]
         return {k.decode(): v.decode() for k, v in raw.items()}
 
-    def load(self) -> dict[str, str]:
+    def load(self, state: dict[str, str] | None = None) -> dict[str, str]:
         """The shard's state, rebuilt from storage if Redis lost it, with any uncommitted tail adopted.
 
         On a local folder the tail check is a `stat` per file. On an object store it would be a
         LIST per batch, so it is left to the write: a segment already at the committed offset
-        makes the conditional PUT fail, and the writer adopts it then (`adopt`).
+        makes the conditional PUT fail, and the writer adopts it then (`adopt`). `state` is the hash
+        as the caller already read it (with the lock), to save a round trip.
         """
-        state = self.read()
+        if state is None:
+            state = self.read()
         if state.get("built") != "1":
             return self.rebuild()
         if not self.rd.can_append:
