@@ -94,6 +94,7 @@ class Completions:
         self._drained = False
         self._late: list[Settled] | None = None
         self._closing: asyncio.Future[None] | None = None
+        self._pump_scheduled = False
         transport.on_outcome = self._deliver
 
     def __iter__(self) -> Completions:
@@ -132,11 +133,14 @@ class Completions:
         """Called from the listener thread for every settled row."""
         self._inbox.append(self._convert(outcome))
         loop = self._loop
-        if loop is not None:
+        # One wake-up of the caller's loop per burst of outcomes, not one per outcome.
+        if loop is not None and not self._pump_scheduled:
+            self._pump_scheduled = True
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed
                 loop.call_soon_threadsafe(self._pump)
 
     def _pump(self) -> None:
+        self._pump_scheduled = False
         while self._inbox:
             settled = self._inbox.popleft()
             if self._closed:

@@ -30,7 +30,7 @@ from schemas import fields as F
 from schemas.errors import PlanningError
 from schemas.messages import QUEUE
 from schemas.settings import CollectionSettings
-from tests.conftest import ROOT, Workers, agent_stats
+from tests.conftest import ROOT, Workers, agent_stats, read_object_jsonl
 from tests.ops_helpers import cli, manifest, request_log, wait_for
 
 pytestmark = pytest.mark.integration
@@ -181,7 +181,7 @@ def test_max_resident_tasks_caps_rollouts_running_at_once(
 ) -> None:
     servers = math_agent(tmp_path, latency_ms=300)
     try:
-        workers.start(count=2, concurrency=8)
+        workers.start(count=1, concurrency=16)
         workers.wait_ready()
         rows = planned(servers, 24)
 
@@ -371,3 +371,37 @@ def test_example_trainer_loop_stops_early() -> None:
     assert found is not None, proc.stdout
     # 16 taken; with at most 8 resident, no more than 8 others were ever sent.
     assert int(found[1]) == 16 and 16 <= int(found[2]) <= 24
+
+
+def test_a_fully_consumed_call_records_a_completed_shard_on_s3(
+    redis_url: str, workers: Workers, tmp_path: Path, s3_bucket: str
+) -> None:
+    servers = math_agent(tmp_path)
+    out = f"{s3_bucket}/runs/api"
+    try:
+        workers.start(count=1, concurrency=8)
+        workers.wait_ready()
+        rows = planned(servers, 3, repeats=2)
+
+        async def go() -> tuple[list[Any], Any]:
+            completions = run_examples(
+                rows, servers.config(), broker_url=redis_url, record_output_dir=out,
+                settings={"max_failed_fraction": 0.1},
+            )  # fmt: skip
+            got = [await future for future in completions]
+            await completions.aclose()
+            return got, completions.finished
+
+        got, finished = asyncio.run(go())
+        check = cli("health-check", out)
+    finally:
+        servers.stop()
+    assert len(got) == 6 and finished is not None and finished["state"] == "completed"
+    assert finished["health"]["healthy"] is True
+    results = read_object_jsonl(out, "rollouts-0.jsonl")  # one plain object, compacted
+    assert sorted(key(r) for r in results) == sorted(key(r) for r in rows)
+    assert {r[F.RUN_ID] for r in results} == {
+        read_object_jsonl(out, "rollouts-0_materialized_inputs.jsonl")[0][F.RUN_ID]
+    }
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "Rollout health: 6 checked" in check.stdout
