@@ -14,7 +14,7 @@ from producer.api import Call, _converter
 from producer.api_dispatch import Outcome
 from producer.completions import Completions, Settled
 from schemas import fields as F
-from schemas.errors import RolloutFailedError
+from schemas.errors import RolloutFailedError, ShardFencedError
 from schemas.outcomes import RolloutFailureRecord
 from schemas.settings import CollectionSettings
 
@@ -209,3 +209,21 @@ def test_enriched_results_carry_ng_perf() -> None:
     perf = {"rollout_latency_ms": 12.5, "queue_wait_ms": 3.0}
     settled = convert(Outcome(0, "ok", {"reward": 1.0}, perf=perf))
     assert settled.value is not None and settled.value[1]["ng_perf"] == perf
+
+
+@pytest.mark.parametrize(
+    ("kind", "raised"),
+    [
+        ("error", RolloutFailedError),
+        ("fenced", ShardFencedError),
+        ("cancelled", asyncio.CancelledError),
+    ],
+)
+def test_system_errors_and_cancellation_propagate_even_from_run_outcomes(
+    kind: str, raised: type[BaseException]
+) -> None:
+    settings = CollectionSettings(route_failures_to_sidecar=True)
+    convert = _converter(ROWS, settings, Call(enrich=False, records=True), None, "x")
+    settled = convert(Outcome(0, kind, error="the worker could not land it"))  # type: ignore[arg-type]
+    with pytest.raises(raised):
+        settled.unwrap()
