@@ -113,6 +113,7 @@ class Invocation:
         self._publisher: threading.Thread | None = None
         self._listener: threading.Thread | None = None
         self._running = self._r.register_script(RUNNING_LUA)
+        self._blmpop = True
         if self.total == 0:
             self._finish_done = not target.record
 
@@ -188,8 +189,7 @@ class Invocation:
         delay = 0.2
         while not self._stop_listening.is_set() and not self.all_settled():
             try:
-                item = self._r.blpop([key], timeout=LISTEN_TIMEOUT_S)
-                batch = [] if item is None else [item[1], *(self._r.lpop(key, POP_BATCH) or [])]
+                batch = self._pop(key)
                 delay = 0.2
             except redis.RedisError as exc:
                 log.warning("run_examples: cannot read replies from Redis (%s); retrying", exc)
@@ -200,6 +200,18 @@ class Invocation:
                 self._handle(raw)
         if self.all_settled():
             self.finish_once()
+
+    def _pop(self, key: str) -> list[Any]:
+        """Up to POP_BATCH replies, waiting up to LISTEN_TIMEOUT_S for the first: one round trip
+        (BLMPOP) on Redis 7+, two (BLPOP, then LPOP of the rest) before it."""
+        if self._blmpop:
+            try:
+                found = self._r.blmpop(LISTEN_TIMEOUT_S, 1, key, direction="LEFT", count=POP_BATCH)
+                return [] if found is None else list(found[1])
+            except redis.ResponseError:
+                self._blmpop = False
+        item: Any = self._r.blpop([key], timeout=LISTEN_TIMEOUT_S)
+        return [] if item is None else [item[1], *(self._r.lpop(key, POP_BATCH) or [])]
 
     def drain_replies(self) -> None:
         """Handle what is on the reply list now, without blocking (the close's last look)."""
