@@ -76,7 +76,9 @@ def _settings(
     base: CollectionSettings | Mapping[str, Any] | None, **options: Any
 ) -> CollectionSettings:
     values = base.model_dump() if isinstance(base, CollectionSettings) else dict(base or {})
-    values.update(options)
+    # An option left at its default keeps what `base` says; one set to something else wins.
+    defaults = CollectionSettings.model_fields
+    values.update({k: v for k, v in options.items() if v != defaults[k].default})
     try:
         return CollectionSettings.model_validate(values)
     except ValidationError as exc:
@@ -180,7 +182,7 @@ def run_examples(
       identity. Implies `enrich_results`. An existing shard is refused unless
       `record_overwrite`.
     - `settings`: any other collection setting (`rollout_timeout_s`, `max_attempts`, health
-      limits, ...); the explicit options above win.
+      limits, ...); an option above that is not left at its default wins over it.
     - `run_id`: the run the rows belong to (stamped on copies as `_ng_run_id`).
     - `broker_url`, `redis_url`: default `ROLLOUTS_BROKER_URL`, `ROLLOUTS_REDIS_URL` (else the
       broker). `close_timeout_s` bounds how long a close waits for running rollouts to stop.

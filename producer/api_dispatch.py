@@ -114,8 +114,6 @@ class Invocation:
         self._listener: threading.Thread | None = None
         self._running = self._r.register_script(RUNNING_LUA)
         self._blmpop = True
-        if self.total == 0:
-            self._finish_done = not target.record
 
     # Publishing
 
@@ -307,7 +305,7 @@ class Invocation:
             time.sleep(IDLE_POLL_S)
 
     def finish_once(self) -> None:
-        """Finish the recorded shard as `rollouts run` would (once), or drop the call's keys."""
+        """Finish the recorded shard as `rollouts run` would, then drop the call's keys; once."""
         with self._finish_lock:
             if self._finish_done:
                 return
@@ -315,10 +313,11 @@ class Invocation:
             try:
                 if self.target.record:
                     self._finish_shard()
-                else:
-                    self._drop_keys()
-            except (redis.RedisError, OSError) as exc:
-                log.error("run_examples: closing %s failed: %s", self.invocation, exc)
+                self._drop_keys()
+            except Exception as exc:  # the last step of a thread: reported, never raised into it
+                log.exception("run_examples: closing %s failed", self.invocation)
+                if self.target.record and self.finished is None:
+                    self.finished = {"state": "unknown", "error": f"{type(exc).__name__}: {exc}"}
 
     def _finish_shard(self) -> None:
         if self.first_failure is not None:
@@ -326,12 +325,14 @@ class Invocation:
         self.finished = finish_shard(self.target.run, self.target.redis_url)
 
     def _drop_keys(self) -> None:
-        api = [keys.api_replies(self.invocation), keys.api_active(self.invocation)]
+        names = [keys.api_replies(self.invocation), keys.api_active(self.invocation)]
+        if not self.target.record:  # the call's own admission state; a shard's stays
+            names += keys.all_shard_keys(self._sid)
         if self.all_settled() or not self._started:
-            self._r.delete(*keys.all_shard_keys(self._sid), *api)
+            self._r.delete(*names)
             return
         # Tasks may still be queued: they must find the cancel flag, and leave nothing for ever.
         pipe = self._r.pipeline(transaction=True)
-        for key in [*keys.all_shard_keys(self._sid), *api]:
-            pipe.expire(key, KEY_TTL_S)
+        for name in names:
+            pipe.expire(name, KEY_TTL_S)
         pipe.execute()

@@ -79,9 +79,12 @@ def test_results_arrive_in_completion_order(
                 await completions.aclose()
 
         got = asyncio.run(consume())
+        time.sleep(0.2)  # the workers' batched slot releases
+        left = redis.Redis.from_url(redis_url).keys("rollouts:*")
     finally:
         servers.stop()
     assert [row[F.TASK_INDEX] for row, _ in got] == [1, 2, 3, 4, 5, 0]
+    assert left == []  # a call that settled every row leaves no state in Redis
     for row, result in got:
         assert any(row is given for given in rows)  # the caller's own row object
         assert key(result) == key(row) and result["reward"] in (0.0, 1.0)
@@ -123,12 +126,14 @@ def test_aclose_after_10_of_100_closes_running_calls_and_starts_nothing_more(
         wait_for(lambda: r.llen(QUEUE) == 0, 60, "the queue to empty")
         time.sleep(1.0)
         final = httpx.get(agent + "/stats").json()
+        ttls = {k: r.ttl(k) for k in r.keys("rollouts:*")}
     finally:
         servers.stop()
         r.close()
     assert sorted(key(row) for row, _ in got) == [(i, 0) for i in range(10)]
     assert stats["requests"] == 18
     assert final["requests"] == 18 and final["cancelled"] == 8, final
+    assert ttls and all(ttl > 0 for ttl in ttls.values()), ttls  # closed early: all expire
     events = request_log(tmp_path / "agent.log")
     assert not [e for e in events if e["event"] == "start" and e["start"] > closed_at]
     ends = [e for e in events if e["event"] == "end"]

@@ -14,7 +14,7 @@ from producer.api import Call, _converter
 from producer.api_dispatch import Outcome
 from producer.completions import Completions, Settled
 from schemas import fields as F
-from schemas.errors import RolloutFailedError, ShardFencedError
+from schemas.errors import PlanningError, RolloutFailedError, ShardFencedError
 from schemas.outcomes import RolloutFailureRecord
 from schemas.settings import CollectionSettings
 
@@ -227,3 +227,14 @@ def test_system_errors_and_cancellation_propagate_even_from_run_outcomes(
     settled = convert(Outcome(0, kind, error="the worker could not land it"))  # type: ignore[arg-type]
     with pytest.raises(raised):
         settled.unwrap()
+
+
+def test_options_left_at_their_defaults_keep_the_settings_values() -> None:
+    from producer.api import _settings
+
+    base = {"max_resident_tasks": 8, "route_failures_to_sidecar": True, "rollout_timeout_s": 5}
+    merged = _settings(base, max_resident_tasks=None, route_failures_to_sidecar=False)
+    assert (merged.max_resident_tasks, merged.route_failures_to_sidecar) == (8, True)
+    assert _settings(base, max_resident_tasks=2).max_resident_tasks == 2
+    with pytest.raises(PlanningError, match="max_resident_tasks"):
+        _settings(None, max_resident_tasks=0)
