@@ -136,3 +136,17 @@ def all_shard_keys(sid: str) -> list[str]:
         shard_durations(sid),
         shard_status_tick(sid),
     ]
+
+
+def api_replies(invocation: str) -> str:
+    """List: the outcomes of one Python API invocation's rollouts (`run_examples`), one JSON reply
+    each, pushed by the worker once the outcome is final and popped by the caller's one listener.
+    Expires a day after the last push, so a caller that went away leaves nothing behind."""
+    return f"{PREFIX}:api:{invocation}:replies"
+
+
+def api_active(invocation: str) -> str:
+    """Set: indexes of the invocation's rollouts that started their `/run` call and have not
+    replied yet. Removed in the same MULTI as the reply is pushed; with the shard's leases it
+    tells a closing caller when nothing of its invocation is still running."""
+    return f"{PREFIX}:api:{invocation}:active"

@@ -7,7 +7,8 @@
     │   ├── ShardFencedError  another writer opened the shard since this one did
     │   └── RunExistsError    a fresh run would overwrite an earlier run's shard
     ├── TransientError        worth retrying (a lost Redis connection, a busy lock)
-    └── RunFailedError        the run ended and must be reported as failed; exit code 1
+    ├── RunFailedError        the run ended and must be reported as failed; exit code 1
+    └── RolloutFailedError    a rollout of `run_examples` failed; raised by its awaitable
 
 A failed rollout is never an exception that leaves a worker: it is a failure row (data).
 """
@@ -15,6 +16,7 @@ A failed rollout is never an exception that leaves a worker: it is a failure row
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 class RolloutsError(Exception):
@@ -104,3 +106,18 @@ class RunFailedError(RolloutsError):
     """Raised when a run ends failed or rejected; the CLI exits 1 with this message."""
 
     exit_code = 1
+
+
+class RolloutFailedError(RolloutsError):
+    """Raised by a `run_examples` awaitable whose rollout failed and was not routed to the sidecar.
+
+    `failure` is the failure row (or None when the worker itself could not finish the rollout);
+    `row` is the caller's row.
+    """
+
+    def __init__(
+        self, message: str, row: dict[str, Any], failure: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.row = row
+        self.failure = failure

@@ -16,10 +16,12 @@ from schemas.health import (
     ScanResult,
 )
 from schemas.messages import COLLECT_TASK, FINISH_TASK, CollectRequest, FinishRequest
+from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
 from workers.app import app, state_redis_url
 from workers.collect import collect
 from workers.finish import finish_shard, health_brief
 from workers.health import combine, scan
+from workers.replies import collect_and_reply
 
 # Outcomes whose summary a caller may want to read back even when the dispatch asked Celery not
 # to store results (a run's tasks do: the chord only counts them).
@@ -53,3 +55,10 @@ def health_combine_task(results: list[dict[str, Any]], plan: dict[str, Any]) -> 
     checked = HealthPlan.model_validate(plan)
     run = combine(checked, [ScanResult.model_validate(r) for r in results])
     return health_brief(run, RunDir(checked.report_dir).path(QUALITY_SUMMARY))
+
+
+# No result stored: the outcome goes back on the invocation's reply list, not through Celery.
+@app.task(name=COLLECT_REPLY_TASK, acks_late=True, ignore_result=True)
+def collect_reply_task(payload: dict[str, Any]) -> dict[str, Any]:
+    """Run one rollout for the Python API and push its outcome to the caller."""
+    return collect_and_reply(ReplyingCollectRequest.model_validate(payload), state_redis_url())

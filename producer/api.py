@@ -1,0 +1,299 @@
+"""The Python API for trainers that drive dispatch themselves (SPEC §10), over the Celery cluster.
+
+    rows = preprocess_examples(raw_rows, config, settings)
+    completions = run_examples(rows, config, max_resident_tasks=64)
+    try:
+        for future in completions:
+            row, result = await future
+            if enough(row, result):
+                break
+    finally:
+        await completions.aclose()
+
+Each row is one Celery task (`rollouts.collect_reply`) run by the ordinary workers; outcomes
+come back on one Redis list per call as they land (`producer/api_dispatch.py`), and the
+awaitables resolve in completion order (`producer/completions.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from infra import keys
+from infra.redis_client import client
+from producer.api_dispatch import Invocation, Outcome, Target
+from producer.api_record import open_recorded_shard
+from producer.api_rows import Stamp, prepare_rows
+from producer.celery_client import client_app
+from producer.completions import Completions, Convert, Pair, Settled
+from producer.config_loading import load_servers_config, parse_servers_config
+from producer.dispatch import new_run_id, new_token
+from producer.live import open_generation
+from schemas import fields as F
+from schemas.config import ServersConfig
+from schemas.errors import PlanningError, Problem, RolloutFailedError, ShardFencedError, UsageError
+from schemas.messages import RunRef
+from schemas.outcomes import RolloutFailureRecord
+from schemas.settings import CollectionSettings
+
+DEFAULT_CLOSE_TIMEOUT_S = 30.0
+INVOCATION_DIR = "rollouts-api://"
+"""Unrecorded calls keep their admission state under a shard id derived from this and the call."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """How one call dispatches, besides its collection settings."""
+
+    enrich: bool
+    records: bool
+    """Failures and drained rows become `RolloutFailureRecord`s (`run_outcomes`)."""
+    record_output_dir: str | os.PathLike[str] | None = None
+    record_shard: str = "0"
+    record_overwrite: bool = False
+    run_id: str | None = None
+    broker_url: str | None = None
+    redis_url: str | None = None
+    close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S
+
+
+def _config(config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str]) -> ServersConfig:
+    if isinstance(config, ServersConfig):
+        return config
+    if isinstance(config, str | os.PathLike):
+        return load_servers_config(Path(config))
+    return parse_servers_config(dict(config), "<config>")
+
+
+def _settings(
+    base: CollectionSettings | Mapping[str, Any] | None, **options: Any
+) -> CollectionSettings:
+    values = base.model_dump() if isinstance(base, CollectionSettings) else dict(base or {})
+    # An option left at its default keeps what `base` says; one set to something else wins.
+    defaults = CollectionSettings.model_fields
+    values.update({k: v for k, v in options.items() if v != defaults[k].default})
+    try:
+        return CollectionSettings.model_validate(values)
+    except ValidationError as exc:
+        problems = [
+            Problem(e["msg"], field=".".join(str(p) for p in e["loc"])) for e in exc.errors()
+        ]
+        raise PlanningError(problems, header="invalid collection settings") from None
+
+
+def _urls(broker_url: str | None, redis_url: str | None) -> tuple[str, str]:
+    broker = broker_url or os.environ.get("ROLLOUTS_BROKER_URL")
+    if not broker:
+        raise UsageError("run_examples needs a broker: pass broker_url= or set ROLLOUTS_BROKER_URL")
+    return broker, redis_url or os.environ.get("ROLLOUTS_REDIS_URL") or broker
+
+
+def _converter(
+    rows: list[dict[str, Any]], settings: CollectionSettings, call: Call, run_id: str | None,
+    call_run_id: str,
+) -> Convert:  # fmt: skip
+    """How an outcome becomes what its awaitable returns or raises."""
+    route = settings.route_failures_to_sidecar
+    typed = call.records or call.enrich
+
+    def record(i: int, failure: dict[str, Any]) -> RolloutFailureRecord:
+        stamped = rows[i].get(F.RUN_ID)
+        rid = run_id or (stamped if isinstance(stamped, str) and stamped else call_run_id)
+        return RolloutFailureRecord.from_failure_row(failure, rid, f"row-{i}")
+
+    def convert(o: Outcome) -> Settled:
+        row = rows[o.index]
+        if o.kind == "ok":
+            result = o.result or {}
+            if call.enrich and o.perf is not None:
+                result = {**result, "ng_perf": {**(result.get("ng_perf") or {}), **o.perf}}
+            return Settled(o.kind, value=(row, result))
+        if o.kind in ("drained", "stopped"):
+            drained = o.result or {}
+            return Settled(
+                o.kind, value=(row, record(o.index, drained) if call.records else drained)
+            )
+        if o.kind == "failure":
+            failure = o.result or {}
+            if route:
+                return Settled(o.kind, value=(row, record(o.index, failure) if typed else failure))
+            message = (f"rollout {F.rollout_id(row) or o.index} failed: "
+                       f"{failure.get(F.FAILURE_CLASS)}: {failure.get(F.FAILURE_MESSAGE)}")  # fmt: skip
+            return Settled(o.kind, error=RolloutFailedError(message, row, failure))
+        if o.kind == "cancelled":
+            return Settled(o.kind)
+        if o.kind == "fenced":
+            return Settled(o.kind, error=ShardFencedError(o.error or "the shard was fenced"))
+        message = f"rollout {F.rollout_id(row) or o.index} could not be run: {o.error}"
+        return Settled(o.kind, error=RolloutFailedError(message, row))
+
+    return convert
+
+
+def run_examples(
+    rows: Iterable[dict[str, Any]],
+    config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    max_resident_tasks: int | None = None,
+    dispatch_budget_s: float | None = None,
+    drain_margin_s: float | None = None,
+    route_failures_to_sidecar: bool = False,
+    retry_requests: bool = True,
+    enrich_results: bool = False,
+    record_output_dir: str | os.PathLike[str] | None = None,
+    record_shard: str = "0",
+    record_overwrite: bool = False,
+    settings: CollectionSettings | Mapping[str, Any] | None = None,
+    run_id: str | None = None,
+    broker_url: str | None = None,
+    redis_url: str | None = None,
+    close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+) -> Completions:
+    """Dispatch each row as one Celery task; returns an iterator of awaitables of `(row, result)`.
+
+    The awaitables resolve in completion order. Rows are sent as given (call
+    `preprocess_examples` first for routing and repeats); rows that name only a `task_source`
+    get their agent, and every problem is raised at once (PlanningError) before anything is
+    sent. `row` is the caller's own row object; `result` is the `/run` result with the row's
+    identity fields (as it lands), an agent's own failure row included.
+
+    - `max_resident_tasks`: at most that many rows running or queued at once; publishing starts
+      when the first awaitable is awaited. None: every row is enqueued when iteration starts.
+    - `dispatch_budget_s`, `drain_margin_s`: no row starts later than the budget after this
+      call (sooner by the margin: explicit, else the p75 of the call's successful durations
+      once there are 5); such a row resolves to the drained row.
+    - `route_failures_to_sidecar`: a failed `/run` resolves to its failure row; off, its
+      awaitable raises `RolloutFailedError` (carrying the failure row) and the rest go on.
+    - `retry_requests`: replay a `/run` that failed after it was sent (timeouts, resets,
+      429/502/503/504); connections never established are retried regardless.
+    - `enrich_results`: results carry `ng_perf` (`rollout_latency_ms`, `queue_wait_ms`), and
+      routed failures come back as `RolloutFailureRecord`s.
+    - `record_output_dir`, `record_shard`: also write shard `record_shard` of that run
+      directory as `rollouts run` would (materialized inputs, manifest, results and failure
+      rows, status; when the call ends or closes, the aggregate metrics and health summary),
+      so `rollouts status`, `resume` and `health-check` work on it. The rows need their planned
+      identity. Implies `enrich_results`. An existing shard is refused unless
+      `record_overwrite`.
+    - `settings`: any other collection setting (`rollout_timeout_s`, `max_attempts`, health
+      limits, ...); an option above that is not left at its default wins over it.
+    - `run_id`: the run the rows belong to (stamped on copies as `_ng_run_id`).
+    - `broker_url`, `redis_url`: default `ROLLOUTS_BROKER_URL`, `ROLLOUTS_REDIS_URL` (else the
+      broker). `close_timeout_s` bounds how long a close waits for running rollouts to stop.
+    """
+    options = {
+        "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
+        "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": route_failures_to_sidecar,
+        "retry_requests": retry_requests,
+    }  # fmt: skip
+    call = Call(
+        enrich_results or record_output_dir is not None, False, record_output_dir, record_shard,
+        record_overwrite, run_id, broker_url, redis_url, close_timeout_s,
+    )  # fmt: skip
+    return _dispatch(list(rows), _config(config), _settings(settings, **options), call)
+
+
+def _dispatch(
+    given: list[dict[str, Any]], servers: ServersConfig, settings: CollectionSettings, call: Call
+) -> Completions:
+    record = call.record_output_dir is not None
+    invocation = uuid.uuid4().hex
+    run_id = call.run_id or (new_run_id() if record else None)
+    stamp = Stamp(run_id=run_id, shard=call.record_shard if record else None)
+    prepared = prepare_rows(given, servers, settings, stamp)
+    broker, state_url = _urls(call.broker_url, call.redis_url)
+    token = new_token()
+    if record:
+        run = open_recorded_shard(
+            rows=prepared.sent, output_dir=os.fspath(call.record_output_dir or ""),
+            shard=call.record_shard, run_id=run_id or "", token=token, config=servers,
+            settings=settings, overwrite=call.record_overwrite, redis_url=state_url,
+        )  # fmt: skip
+    else:
+        run = RunRef(run_id=run_id or f"api-{invocation[:12]}", output_dir=INVOCATION_DIR + invocation,
+                     token=token)  # fmt: skip
+    sid = keys.shard_id(run.output_dir, run.shard)
+    deadline = open_generation(
+        client(state_url), sid, token, len(given), settings.dispatch_budget_s
+    )
+    transport = Invocation(
+        invocation, prepared.sent, prepared.agents,
+        Target(client_app(broker, state_url), state_url, run, servers, settings, deadline, record),
+        window=settings.max_resident_tasks, close_timeout_s=call.close_timeout_s,
+    )  # fmt: skip
+    convert = _converter(given, settings, call, run_id, run.run_id)
+    return Completions(len(given), transport, convert, settings.max_resident_tasks is not None)
+
+
+class Outcomes:
+    """The async iterator `run_outcomes` returns; closed like `run_examples`' iterator."""
+
+    def __init__(self, completions: Completions) -> None:
+        self._completions = completions
+        self._it = iter(completions)
+
+    def __aiter__(self) -> AsyncIterator[Pair]:
+        return self
+
+    async def __anext__(self) -> Pair:
+        try:
+            future = next(self._it)
+        except StopIteration:
+            raise StopAsyncIteration from None
+        return await future
+
+    async def aclose(self) -> None:
+        """Cancel unfinished rollouts and wait until none runs (see `Completions.aclose`)."""
+        await self._completions.aclose()
+
+    async def aclose_and_drain(self) -> list[Any]:
+        """Also return the settled, unconsumed outcomes once (see `Completions.aclose_and_drain`)."""
+        return await self._completions.aclose_and_drain()
+
+
+def run_outcomes(
+    rows: Iterable[dict[str, Any]],
+    config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    run_id: str | None = None,
+    max_resident_tasks: int | None = None,
+    dispatch_budget_s: float | None = None,
+    drain_margin_s: float | None = None,
+    retry_requests: bool = True,
+    enrich_results: bool = False,
+    record_output_dir: str | os.PathLike[str] | None = None,
+    record_shard: str = "0",
+    record_overwrite: bool = False,
+    settings: CollectionSettings | Mapping[str, Any] | None = None,
+    broker_url: str | None = None,
+    redis_url: str | None = None,
+    close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+) -> Outcomes:
+    """Yield `(row, result | RolloutFailureRecord)` in completion order.
+
+    Expected HTTP, JSON and result-shape failures of `/run` (and rows drained by the budget)
+    become `RolloutFailureRecord`s; errors of the system itself (a worker that could not run
+    the rollout, a fenced shard) and cancellation propagate. Nothing is persisted unless
+    `record_output_dir` is given. `run_id` names the records' run and is stamped on copies of
+    the rows, overriding their `_ng_run_id`; without it a row's stamp is kept, and unstamped
+    rows share the call's id. The other options are `run_examples`'.
+    """
+    options = {
+        "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
+        "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": True,
+        "retry_requests": retry_requests,
+    }  # fmt: skip
+    call = Call(
+        enrich_results or record_output_dir is not None, True, record_output_dir, record_shard,
+        record_overwrite, run_id, broker_url, redis_url, close_timeout_s,
+    )  # fmt: skip
+    return Outcomes(_dispatch(list(rows), _config(config), _settings(settings, **options), call))
+
+
+__all__ = ["Completions", "Outcomes", "run_examples", "run_outcomes"]

@@ -1,0 +1,100 @@
+"""Opening the shard a `run_examples` call records (`record_output_dir`), as `rollouts run` opens one.
+
+The rows (copies stamped with the shard's run id, shard label and environment server) become
+the materialized inputs; the manifest records the run, the settings, the redacted config and a
+first dispatch generation with a fresh opener token and the Redis it coordinates through; the
+shard's Redis state is reset to name that token. From there workers land results and failure
+rows through the same lander as `rollouts run`, and the close runs the same finish step, so
+`rollouts status`, `rollouts resume` and `rollouts health-check` read the shard like any run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from infra import jsonl
+from infra.redis_client import client
+from infra.runs import write_manifest
+from infra.store import RunDir, ShardFiles
+from producer.dispatch import (
+    OpenedRun,
+    existing_run_problem,
+    reset_shard_state,
+    shard_artifacts_present,
+)
+from producer.live import redact_url
+from schemas import fields as F
+from schemas.config import ServersConfig
+from schemas.errors import PlanningError, Problem, RunExistsError
+from schemas.messages import RunRef
+from schemas.records import Generation, InputSource, Manifest, utc_now
+from schemas.settings import CollectionSettings
+
+API_INPUT = "<run_examples>"
+"""The manifest's input path for a recorded call: the rows came from a Python caller."""
+
+
+def open_recorded_shard(
+    *,
+    rows: list[dict[str, Any]],
+    output_dir: str,
+    shard: str,
+    run_id: str,
+    token: str,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    overwrite: bool,
+    redis_url: str,
+) -> RunRef:
+    """Write the materialized inputs and manifest, reset the shard's Redis state; returns its RunRef.
+
+    Refuses (before writing anything) an invalid shard label, no rows, and a folder that holds
+    an earlier run of the shard unless `overwrite`.
+    """
+    if not F.valid_shard_label(shard):
+        raise PlanningError(
+            [
+                Problem(
+                    f"invalid shard label {shard!r}: use letters, digits, '.', '_', '-'",
+                    field="record_shard",
+                )
+            ]
+        )
+    if not rows:
+        raise PlanningError([Problem("no rows to run", field="rows")])
+    rd = RunDir(output_dir)
+    present = shard_artifacts_present(rd, shard)
+    if present and not overwrite:
+        message = existing_run_problem(rd, shard, present).render()
+        raise RunExistsError(message.replace("--overwrite", "record_overwrite=True"))
+    data = b"".join(jsonl.dumps_line(row) for row in rows)
+    digest = hashlib.sha256(data).hexdigest()
+    files = ShardFiles(shard)
+    rd.makedirs()
+    for name in present:
+        rd.remove(name)
+    rd.write_atomic(files.materialized, data)
+    manifest = Manifest(
+        run_id=run_id,
+        shard=shard,
+        created_at=utc_now(),
+        input=InputSource(path=API_INPUT, sha256=digest),
+        config=config.redacted(),
+        settings=settings.model_dump(mode="json"),
+        planned=len(rows),
+        materialized_sha256=digest,
+        generations=[
+            Generation(
+                token=token,
+                kind="run",
+                started_at=utc_now(),
+                enqueued=len(rows),
+                redis_url=redact_url(redis_url),
+            )
+        ],
+    )
+    write_manifest(rd, manifest)
+    run = RunRef(run_id=run_id, output_dir=rd.url, shard=shard, token=token)
+    reset_shard_state(client(redis_url), OpenedRun(rd, manifest, run))
+    return run
