@@ -7,6 +7,8 @@ travel in the task payloads and the manifest. Addresses come from the environmen
 
 import os
 
+from infra.broker import transport_for
+
 _broker = os.environ.get("ROLLOUTS_BROKER_URL", "redis://127.0.0.1:6379/0")
 _redis = os.environ.get("ROLLOUTS_REDIS_URL") or (
     _broker
@@ -15,6 +17,9 @@ _redis = os.environ.get("ROLLOUTS_REDIS_URL") or (
 )
 
 broker_url = _broker
+# On Redis, kombu's transport with acks written in batches by a background thread instead of one
+# blocking transaction per message on the worker's main thread (infra/broker.py says why).
+broker_transport = transport_for(_broker)
 # Chord bookkeeping (the callback firing once every rollout task returned) needs a result store;
 # Redis also holds the shard locks and landed sets, so one server serves both.
 result_backend = _redis

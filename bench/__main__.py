@@ -1,6 +1,8 @@
 """`python -m bench SCENARIO [--n N]`: run a scenario with its baselines and print a markdown table.
 
-Scenarios: latency, overhead (more in later issues). Figures are ratios within one invocation;
+Scenarios: latency (N=5,000, agent latency 1 s, 512 in flight), overhead (N=10,000, instant
+agent, CPU per rollout over every process), scale (N=1k/10k/100k: throughput, enqueue rate and
+the producer's peak RSS), workers (1 vs 2 worker processes with the workers' CPU the bottleneck). Figures are ratios within one invocation;
 this machine is shared and noisy, so absolute numbers vary between runs.
 """
 
@@ -9,12 +11,22 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from typing import Any
 
 import orjson
 
-from bench.collectors import Measure, run_asyncio_aiohttp, run_empty_chord, run_ours
-from bench.harness import AgentProcess, BenchCluster, table
+from bench.collectors import (
+    Measure,
+    nemo_gym_python,
+    run_asyncio_aiohttp,
+    run_empty_chord,
+    run_nemo_gym,
+    run_ours,
+)
+from bench.harness import ROOT, AgentProcess, BenchCluster, table
 from examples.tasks import make_row
 
 
@@ -26,7 +38,9 @@ def write_rows(path: str, n: int) -> list[dict[str, object]]:
     return rows
 
 
-def latency(n: int, in_flight: int, latency_ms: float, workers: int) -> str:
+def latency(
+    n: int, in_flight: int, latency_ms: float, workers: int, nemo_python: str | None
+) -> str:
     tmp = tempfile.mkdtemp(prefix="bench-latency-")
     try:
         rows_path = os.path.join(tmp, "rows.jsonl")
@@ -38,17 +52,48 @@ def latency(n: int, in_flight: int, latency_ms: float, workers: int) -> str:
             results.append(
                 run_asyncio_aiohttp(url, rows, in_flight, os.path.join(tmp, "aiohttp.jsonl"))
             )
+            if nemo_python:
+                results.append(
+                    run_nemo_gym(
+                        nemo_python, url, rows_path, in_flight, os.path.join(tmp, "nemo.jsonl")
+                    )
+                )
+            with BenchCluster(
+                "bench.noop_app", workers=workers, concurrency=in_flight // workers
+            ) as cluster:
+                results.append(run_empty_chord(cluster, n, sleep_s=latency_ms / 1000))
             with BenchCluster(workers=workers, concurrency=in_flight // workers) as cluster:
                 results.append(
                     run_ours(cluster, agent.config_path, rows_path, os.path.join(tmp, "run"), n)
                 )
         out = [
-            [m.name, m.n, m.wall_s, m.rate, f"{100 * m.rate / ideal:.1f}%", m.cpu_ms_per_rollout]
+            [
+                m.name,
+                m.n,
+                m.wall_s,
+                m.extra.get("enqueue_s", "-"),
+                m.rate,
+                f"{100 * m.rate / ideal:.1f}%",
+                m.cpu_ms_per_rollout,
+            ]
             for m in results
         ]
+        nemo_note = "" if nemo_python else " (NeMo Gym not installed: see README, bench extra)"
         return (
-            f"latency: N={n}, agent latency {latency_ms:g} ms, {in_flight} in flight, ideal {ideal:.0f}/s\n\n"
-            + table(["collector", "N", "wall s", "rollouts/s", "of ideal", "CPU ms/rollout"], out)
+            f"latency: N={n}, agent latency {latency_ms:g} ms, {in_flight} in flight, "
+            f"ideal {ideal:.0f}/s{nemo_note}\n\n"
+            + table(
+                [
+                    "collector",
+                    "N",
+                    "wall s",
+                    "of which enqueue s",
+                    "rollouts/s",
+                    "of ideal",
+                    "CPU ms/rollout",
+                ],
+                out,
+            )
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -71,21 +116,17 @@ def overhead(n: int, workers: int, concurrency: int) -> str:
                 )
             results.append(run_asyncio_aiohttp(url, rows, 64, os.path.join(tmp, "aiohttp.jsonl")))
         base = chord_m.cpu_ms_per_rollout
-        out = [
-            [
-                m.name,
-                m.n,
-                m.wall_s,
-                m.rate,
-                m.cpu_ms_per_rollout,
-                str({k: round(v, 2) for k, v in m.extra.get("cpu_ms", {}).items()}),
-                f"{m.cpu_ms_per_rollout / base:.2f}x",
-            ]
-            for m in results
-        ]
+        out = []
+        for m in results:
+            parts = m.extra.get("cpu_ms", {})
+            out.append(
+                [m.name, m.n, m.wall_s, m.rate, m.cpu_ms_per_rollout,
+                 *(parts.get(k, float("nan")) for k in ("producer", "workers", "redis")),
+                 f"{m.cpu_ms_per_rollout / base:.2f}x"]
+            )  # fmt: skip
         return (
-            f"overhead: N={n}, instant agent, {workers} workers x {concurrency}; CPU over every process "
-            "of the system (producer, workers, Redis; the agent server excluded)\n\n"
+            f"overhead: N={n}, instant agent, {workers} workers x {concurrency} threads; CPU over "
+            "every process of the system (producer, workers, Redis; the agent server excluded)\n\n"
             + table(
                 [
                     "collector",
@@ -93,7 +134,9 @@ def overhead(n: int, workers: int, concurrency: int) -> str:
                     "wall s",
                     "rollouts/s",
                     "CPU ms/rollout",
-                    "parts",
+                    "producer",
+                    "workers",
+                    "redis",
                     "vs empty chord",
                 ],
                 out,
@@ -101,6 +144,96 @@ def overhead(n: int, workers: int, concurrency: int) -> str:
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def producer_in_own_process(collector: str, url: str, n: int, **paths: str) -> dict[str, Any]:
+    """bench/producer_proc.py in a fresh interpreter: its peak RSS is the producer's alone."""
+    args = [sys.executable, "-m", "bench.producer_proc", collector, "--url", url, "--n", str(n)]
+    for k, v in paths.items():
+        args += [f"--{k}", v]
+    proc = subprocess.run(args, capture_output=True, check=False, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"producer failed: {proc.stderr.decode()[-3000:]}")
+    line: dict[str, Any] = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    return line
+
+
+def scale(sizes: list[int], workers: int, concurrency: int) -> str:
+    tmp = tempfile.mkdtemp(prefix="bench-scale-")
+    out: list[list[object]] = []
+    try:
+        with AgentProcess(latency_ms=0) as agent:
+            for n in sizes:
+                rows_path = os.path.join(tmp, f"rows-{n}.jsonl")
+                write_rows(rows_path, n)
+                with BenchCluster("bench.noop_app", workers=workers, concurrency=concurrency) as c:
+                    chord_line = producer_in_own_process("chord", c.url, n)
+                with BenchCluster(workers=workers, concurrency=concurrency) as c:
+                    ours_line = producer_in_own_process(
+                        "ours", c.url, n, config=agent.config_path, rows=rows_path,
+                        out=os.path.join(tmp, f"run-{n}"),
+                    )  # fmt: skip
+                shutil.rmtree(os.path.join(tmp, f"run-{n}"), ignore_errors=True)
+                os.unlink(rows_path)
+                for line in (chord_line, ours_line):
+                    out.append(
+                        [line["name"], n, line["wall_s"], n / line["wall_s"],
+                         n / line["enqueue_s"], line["peak_rss_mb"]]
+                    )  # fmt: skip
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    growth = []
+    for name in ("empty Celery chord", "rollouts (ours)"):
+        rss = [r[5] for r in out if r[0] == name]
+        growth.append(f"{name}: peak RSS at N={sizes[-1]} / N={sizes[0]} = {rss[-1] / rss[0]:.2f}x")
+    return (
+        f"scale: instant agent, {workers} workers x {concurrency} threads; each producer in its "
+        "own process (peak RSS = its VmHWM)\n\n"
+        + table(
+            ["collector", "N", "wall s", "rollouts/s", "enqueued/s", "producer peak RSS MB"], out
+        )
+        + "\n\n"
+        + "; ".join(growth)
+    )
+
+
+def workers_scenario(n: int, concurrency: int, pad_kb: int) -> str:
+    tmp = tempfile.mkdtemp(prefix="bench-workers-")
+    out: list[list[object]] = []
+    try:
+        rows_path = os.path.join(tmp, "rows.jsonl")
+        write_rows(rows_path, n)
+        rates: dict[tuple[str, int], float] = {}
+        with AgentProcess(latency_ms=0, pad_kb=pad_kb) as agent:
+            for w in (1, 2):
+                with BenchCluster("bench.noop_app", workers=w, concurrency=concurrency) as c:
+                    m = run_empty_chord(c, n)
+                rates[(m.name, w)] = m.rate
+                out.append([m.name, w, n, m.wall_s, m.rate, m.cpu_ms_per_rollout])
+                with BenchCluster(workers=w, concurrency=concurrency) as c:
+                    m = run_ours(c, agent.config_path, rows_path, os.path.join(tmp, f"run{w}"), n)
+                rates[(m.name, w)] = m.rate
+                out.append([m.name, w, n, m.wall_s, m.rate, m.cpu_ms_per_rollout])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for row in out:
+        row.append(f"{row[4] / rates[(str(row[0]), 1)]:.2f}x")  # type: ignore[operator]
+    return (
+        f"workers: N={n}, instant agent returning {pad_kb} KB trajectories (the workers' CPU is "
+        f"the bottleneck), 1 vs 2 worker processes x {concurrency} threads\n\n"
+        + table(
+            [
+                "collector",
+                "worker processes",
+                "N",
+                "wall s",
+                "rollouts/s",
+                "CPU ms/rollout",
+                "vs 1 process",
+            ],
+            out,
+        )
+    )
 
 
 def agent_url(config_path: str) -> str:
@@ -112,17 +245,32 @@ def agent_url(config_path: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", choices=["latency", "overhead"])
+    parser.add_argument("scenario", choices=["latency", "overhead", "scale", "workers"])
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--in-flight", type=int, default=512)
     parser.add_argument("--latency-ms", type=float, default=1000.0)
+    parser.add_argument(
+        "--pad-kb", type=int, default=64, help="workers: KB of trajectory in each response"
+    )
+    parser.add_argument("--sizes", default="1000,10000,100000", help="scale: the values of N")
+    parser.add_argument(
+        "--nemo-python",
+        default=None,
+        help="latency: an interpreter with nemo-gym 0.7.0 (default $ROLLOUTS_BENCH_NEMO_PYTHON, "
+        "or this one if it has nemo_gym)",
+    )
     a = parser.parse_args()
     if a.scenario == "latency":
-        print(latency(a.n or 5000, a.in_flight, a.latency_ms, a.workers))
+        nemo = nemo_gym_python(a.nemo_python)
+        print(latency(a.n or 5000, a.in_flight, a.latency_ms, a.workers, nemo))
     elif a.scenario == "overhead":
         print(overhead(a.n or 10000, a.workers, a.concurrency))
+    elif a.scenario == "scale":
+        print(scale([int(x) for x in a.sizes.split(",")], a.workers, a.concurrency))
+    elif a.scenario == "workers":
+        print(workers_scenario(a.n or 5000, a.concurrency, a.pad_kb))
 
 
 if __name__ == "__main__":

@@ -44,17 +44,50 @@ class Measure:
         return 1000 * self.cpu_s / self.n
 
 
+def settle_results(app: Any) -> None:
+    """Collect result objects now, while this cluster's Redis is up, then close the app.
+
+    An AsyncResult left in a reference cycle unsubscribes from its result key when the cyclic
+    collector gets to it; after the cluster is gone that unsubscribe retries its reconnects and
+    stalls whatever measurement is running then.
+    """
+    import gc
+
+    gc.collect()
+    consumer = getattr(app.backend, "result_consumer", None)
+    if consumer is not None:
+        consumer.stop()
+        consumer.subscribed_to.clear()
+    app.close()
+
+
+def cluster_groups(cluster: BenchCluster | None) -> dict[str, list[int]]:
+    """The processes whose CPU a measure counts: this producer, the workers and Redis."""
+    groups = {"producer": [os.getpid()]}
+    if cluster is not None:
+        groups["workers"] = [p.pid for p in cluster.procs]
+        groups["redis"] = [cluster.redis.pid or 0]
+    return groups
+
+
 def run_ours(
-    cluster: BenchCluster, config_path: str, rows_path: str, out_dir: str, n: int, **settings: Any
+    cluster: BenchCluster | None,
+    config_path: str,
+    rows_path: str,
+    out_dir: str,
+    n: int,
+    url: str | None = None,
+    **settings: Any,
 ) -> Measure:
-    """A `rollouts run` against the cluster, timed from planning to the finished callback."""
-    me = os.getpid()
-    pids = [me, *cluster.pids()]
-    groups = {
-        "producer": [me],
-        "workers": [p.pid for p in cluster.procs],
-        "redis": [cluster.redis.pid or 0],
-    }
+    """A `rollouts run` against the cluster, timed from planning to the finished callback.
+
+    Without a cluster (the producer in its own process, `url` given) only this process's CPU
+    is counted.
+    """
+    groups = cluster_groups(cluster)
+    pids = [p for g in groups.values() for p in g]
+    url = url or (cluster.url if cluster is not None else None)
+    assert url is not None
     parts0 = {k: cpu_seconds(v) for k, v in groups.items()}
     cpu0 = cpu_seconds(pids)
     t0 = time.perf_counter()
@@ -63,8 +96,8 @@ def run_ours(
     opened = open_run(
         input_path=rows_path, output_dir=out_dir, shard="0", config=config, settings=s
     )
-    app = client_app(cluster.url, cluster.url)
-    reset_shard_state(client(cluster.url), opened)
+    app = client_app(url, url)
+    reset_shard_state(client(url), opened)
     t_enqueue = time.perf_counter()
     finish_id = enqueue(
         app, opened, iter_materialized(opened.rd, "0"), opened.manifest.planned, config, s
@@ -74,7 +107,7 @@ def run_ours(
     t1 = time.perf_counter()
     cpu1 = cpu_seconds(pids)
     parts = {k: 1000 * (cpu_seconds(v) - parts0[k]) / n for k, v in groups.items()}
-    app.close()
+    settle_results(app)
     assert result["landed"] == n, result
     return Measure(
         "rollouts (ours)",
@@ -85,21 +118,24 @@ def run_ours(
     )
 
 
-def run_empty_chord(cluster: BenchCluster, n: int) -> Measure:
-    """A chord of n tasks that do nothing, built and published the standard Celery way."""
+def run_empty_chord(
+    cluster: BenchCluster | None, n: int, url: str | None = None, sleep_s: float = 0.0
+) -> Measure:
+    """A chord of n tasks that do nothing (or only sleep), built and published the standard way."""
     from celery import chord
 
-    app = client_app(cluster.url, cluster.url)
-    pids = [os.getpid(), *cluster.pids()]
-    groups = {
-        "producer": [os.getpid()],
-        "workers": [p.pid for p in cluster.procs],
-        "redis": [cluster.redis.pid or 0],
-    }
+    url = url or (cluster.url if cluster is not None else None)
+    assert url is not None
+    app = client_app(url, url)
+    groups = cluster_groups(cluster)
+    pids = [p for g in groups.values() for p in g]
     parts0 = {k: cpu_seconds(v) for k, v in groups.items()}
     cpu0 = cpu_seconds(pids)
     t0 = time.perf_counter()
-    header = [app.signature("bench.noop") for _ in range(n)]
+    if sleep_s:
+        header = [app.signature("bench.sleep", (sleep_s,)) for _ in range(n)]
+    else:
+        header = [app.signature("bench.noop") for _ in range(n)]
     res = chord(header, app=app)(app.signature("bench.done"))
     t_enq = time.perf_counter()
     while not res.ready():
@@ -108,11 +144,11 @@ def run_empty_chord(cluster: BenchCluster, n: int) -> Measure:
     cpu1 = cpu_seconds(pids)
     parts = {k: 1000 * (cpu_seconds(v) - parts0[k]) / n for k, v in groups.items()}
     value = res.get(propagate=False)
-    app.close()
+    del res
+    settle_results(app)
     assert value == n, value
-    return Measure(
-        "empty Celery chord", n, t1 - t0, cpu1 - cpu0, {"enqueue_s": t_enq - t0, "cpu_ms": parts}
-    )
+    name = f"Celery chord, tasks only sleep {sleep_s:g} s" if sleep_s else "empty Celery chord"
+    return Measure(name, n, t1 - t0, cpu1 - cpu0, {"enqueue_s": t_enq - t0, "cpu_ms": parts})
 
 
 async def _aiohttp_collect(
@@ -140,6 +176,48 @@ def run_asyncio_aiohttp(
     t0 = time.perf_counter()
     asyncio.run(_aiohttp_collect(agent_url, rows, concurrency, out))
     t1 = time.perf_counter()
+    cpu = cpu_seconds([os.getpid()]) - cpu0
     return Measure(
-        "asyncio + aiohttp (in-process)", len(rows), t1 - t0, cpu_seconds([os.getpid()]) - cpu0, {}
+        "asyncio + aiohttp (in-process)",
+        len(rows),
+        t1 - t0,
+        cpu,
+        {"cpu_ms": {"producer": 1000 * cpu / len(rows)}},
+    )
+
+
+def nemo_gym_python(explicit: str | None = None) -> str | None:
+    """An interpreter with nemo-gym installed: the one named, $ROLLOUTS_BENCH_NEMO_PYTHON, or this one."""
+    import importlib.util
+    import sys
+
+    if explicit is not None:
+        return explicit or None  # "" leaves NeMo Gym out
+    if os.environ.get("ROLLOUTS_BENCH_NEMO_PYTHON"):
+        return os.environ["ROLLOUTS_BENCH_NEMO_PYTHON"]
+    if importlib.util.find_spec("nemo_gym") is not None:
+        return sys.executable
+    return None
+
+
+def run_nemo_gym(
+    python: str, agent_url: str, rows_path: str, concurrency: int, out: str
+) -> Measure:
+    """NeMo Gym 0.7.0's own in-process collector, in its own interpreter (bench/nemo_gym_driver.py)."""
+    import subprocess
+
+    from bench.harness import ROOT
+
+    proc = subprocess.run(
+        [python, str(ROOT / "bench" / "nemo_gym_driver.py"), "--agent-url", agent_url,
+         "--rows", rows_path, "--out", out, "--concurrency", str(concurrency)],
+        capture_output=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    line = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    return Measure(
+        "NeMo Gym 0.7.0 (in-process)",
+        int(line["n"]),
+        float(line["wall_s"]),
+        float(line["cpu_s"]),
+        {"cpu_ms": {"producer": 1000 * float(line["cpu_s"]) / int(line["n"])}},
     )

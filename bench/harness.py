@@ -53,6 +53,7 @@ class AgentProcess:
 
     latency_ms: float = 0.0
     agents: str = "math_agent"
+    pad_kb: int = 0
     proc: subprocess.Popen[bytes] | None = None
     config_path: str = ""
 
@@ -62,7 +63,8 @@ class AgentProcess:
         os.unlink(self.config_path)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "examples.servers", "--write-config", self.config_path,
-             "--latency-ms", str(self.latency_ms), "--agents", self.agents],
+             "--latency-ms", str(self.latency_ms), "--agents", self.agents,
+             "--pad-kb", str(self.pad_kb)],
             cwd=ROOT, stdout=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -89,6 +91,9 @@ class BenchCluster:
     workers: int = 2
     concurrency: int = 256
     pool: str = "threads"
+    # The product's workers log at WARNING (producer/local_cluster.py); INFO adds two log lines
+    # per task to every collector measured.
+    loglevel: str = "WARNING"
     redis: EmbeddedRedis = field(default_factory=EmbeddedRedis)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="bench-workers-"))
@@ -103,19 +108,34 @@ class BenchCluster:
             cmd = [
                 sys.executable, "-m", "celery", "-A", self.app_module, "worker",
                 "-P", self.pool, "-c", str(self.concurrency), "-n", f"bench{i}-{os.getpid()}@%h",
-                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
+                "--without-gossip", "--without-mingle", "--without-heartbeat",
+                "-l", self.loglevel,
             ]  # fmt: skip
             with open(os.path.join(self.logdir, f"w{i}.log"), "wb") as log:
                 self.procs.append(
                     subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
                 )
-        deadline = time.monotonic() + 60
-        for i in range(self.workers):
-            path = os.path.join(self.logdir, f"w{i}.log")
-            while "ready." not in Path(path).read_text(errors="replace"):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"worker {i} not ready: {Path(path).read_text()[-2000:]}")
-                time.sleep(0.05)
+        self.wait_ready(time.monotonic() + 60)
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until every worker answers a control ping (their logs stay at the product's level)."""
+        from celery import Celery
+
+        probe = Celery("bench-probe", broker=self.url)
+        try:
+            while True:
+                replies = probe.control.ping(timeout=0.5)
+                if len(replies) >= self.workers:
+                    return
+                dead = [p.args for p in self.procs if p.poll() is not None]
+                if dead or time.monotonic() > deadline:
+                    logs = "".join(
+                        Path(self.logdir, f"w{i}.log").read_text(errors="replace")[-1500:]
+                        for i in range(self.workers)
+                    )
+                    raise RuntimeError(f"workers not ready ({len(replies)} answered): {logs}")
+        finally:
+            probe.close()
 
     def pids(self) -> list[int]:
         out = [p.pid for p in self.procs]

@@ -38,6 +38,18 @@ class AgentKnobs:
     fault_kinds: list[str] = field(default_factory=lambda: ["http500"])
     seed: int = 0
     request_log: str | None = None
+    # Extra reasoning items in each response, about this many KB of JSON: long trajectories,
+    # so that parsing and landing results is where a worker spends its CPU (bench `workers`).
+    pad_kb: int = 0
+
+
+def padding_items(kb: int) -> list[dict[str, Any]]:
+    """Reasoning output items of about `kb` KB of JSON in all (each item about 1 KB)."""
+    text = "step " * 180
+    return [
+        {"type": "reasoning", "id": f"rs_{i}", "summary": [{"type": "summary_text", "text": text}]}
+        for i in range(kb)
+    ]
 
 
 @dataclass
@@ -60,6 +72,7 @@ class AgentServer:
         self._seen: dict[str, int] = {}
         self._log: IO[bytes] | None = None
         self._log_path: str | None = None
+        self._pad: list[dict[str, Any]] | None = None
 
     def _write_log(self, event: dict[str, Any]) -> None:
         path = self.knobs.request_log
@@ -154,6 +167,14 @@ class AgentServer:
             request.transport.close()
         raise ConnectionResetError("injected fault: connection reset")
 
+    def _padding(self) -> list[dict[str, Any]]:
+        kb = self.knobs.pad_kb
+        if kb <= 0:
+            return []
+        if self._pad is None or len(self._pad) != kb:
+            self._pad = padding_items(kb)
+        return self._pad
+
     def result(self, row: dict[str, Any]) -> dict[str, Any]:
         answer, out_tokens = stand_in_answer(row)
         in_tokens = 12 + len(str(row.get("responses_create_params", ""))) // 8
@@ -166,13 +187,14 @@ class AgentServer:
             "model": "stand-in-1",
             "status": "completed",
             "output": [
+                *self._padding(),
                 {
                     "type": "message",
                     "id": f"msg_{rid}",
                     "role": "assistant",
                     "status": "completed",
                     "content": [{"type": "output_text", "text": answer, "annotations": []}],
-                }
+                },
             ],
             "usage": {
                 "input_tokens": in_tokens,

@@ -145,6 +145,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-log", default=None)
     parser.add_argument(
+        "--pad-kb", type=int, default=0, help="Extra KB of reasoning items in each response."
+    )
+    parser.add_argument(
         "--agents", default=",".join(DEMO_TOPOLOGY), help="Which demo agents to start."
     )
     a = parser.parse_args()
@@ -156,6 +159,7 @@ def main() -> None:
         fault_kinds=[k for k in a.fault_kinds.split(",") if k],
         seed=a.seed,
         request_log=a.request_log,
+        pad_kb=a.pad_kb,
     )
     servers = start_servers(topology, knobs)
     servers.write_config(a.write_config)

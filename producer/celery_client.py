@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from celery import Celery
 
+from infra.broker import transport_for
+
 
 def client_app(broker_url: str, redis_url: str) -> Celery:
     """A Celery app for sending rollout tasks and reading the chord result; tasks are sent by name."""
     app = Celery("rollouts-producer", set_as_current=False)
     app.config_from_object("celeryconfig")
-    app.conf.update(broker_url=broker_url, result_backend=redis_url)
+    app.conf.update(
+        broker_url=broker_url,
+        broker_transport=transport_for(broker_url),
+        result_backend=redis_url,
+    )
     return app

@@ -1,0 +1,76 @@
+"""`python -m bench SCENARIO` runs every scenario end to end at tiny sizes.
+
+Real workers, Redis and agent server, as in the real benchmark; no figure is asserted (the
+figures are measured by hand on a quiet machine), only that each collector in the table ran
+every rollout (the collectors assert the landed count themselves) and the table is whole.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def bench(*args: str) -> list[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", *args],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [line for line in proc.stdout.splitlines() if line.startswith("| ")][1:]
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+@pytest.mark.timeout(320)
+def test_latency_table_has_every_collector() -> None:
+    rows = bench("latency", "--n", "120", "--latency-ms", "50", "--in-flight", "16",
+                 "--nemo-python", "")  # fmt: skip
+    names = [cells(r)[0] for r in rows]
+    assert names[0] == "asyncio + aiohttp (in-process)"
+    assert "Celery chord, tasks only sleep 0.05 s" in names
+    assert names[-1] == "rollouts (ours)"
+    assert all(cells(r)[1] == "120" for r in rows)
+
+
+@pytest.mark.timeout(320)
+def test_overhead_counts_every_part() -> None:
+    rows = bench("overhead", "--n", "150", "--concurrency", "8")
+    by_name = {cells(r)[0]: cells(r) for r in rows}
+    ours = by_name["rollouts (ours)"]
+    assert by_name["empty Celery chord"][-1] == "1.00x"
+    # producer, workers and Redis each spent some CPU on our run
+    assert all(float(v) > 0 for v in ours[5:8]), ours
+
+
+@pytest.mark.timeout(320)
+def test_scale_measures_each_size_in_its_own_producer() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "scale", "--sizes", "60,120", "--concurrency", "8"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [cells(r) for r in proc.stdout.splitlines() if r.startswith("| ")][1:]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("empty Celery chord", "60"), ("rollouts (ours)", "60"),
+        ("empty Celery chord", "120"), ("rollouts (ours)", "120"),
+    ]  # fmt: skip
+    assert all(float(r[5]) > 20 for r in rows)  # a real interpreter's peak RSS, in MB
+    assert "rollouts (ours): peak RSS at N=120 / N=60 =" in proc.stdout
+
+
+@pytest.mark.timeout(320)
+def test_workers_compares_one_and_two_processes() -> None:
+    rows = [cells(r) for r in bench("workers", "--n", "100", "--concurrency", "8")]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("empty Celery chord", "1"), ("rollouts (ours)", "1"),
+        ("empty Celery chord", "2"), ("rollouts (ours)", "2"),
+    ]  # fmt: skip
+    assert rows[1][-1] == "1.00x"

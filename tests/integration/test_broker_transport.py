@@ -1,0 +1,88 @@
+"""infra/broker.py against a real Redis: acks leave the unacked index in batches, none is lost.
+
+kombu's Redis transport keeps every delivered, unacknowledged message in an index and a hash;
+ours writes the acks from a background thread. These tests read those keys directly.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+from infra.broker import Transport, transport_for
+
+QUEUE = Queue("broker-test", Exchange("broker-test", type="direct"), routing_key="broker-test")
+
+
+def publish(url: str, n: int) -> None:
+    with Connection(url, transport=Transport) as conn:
+        producer = Producer(conn.channel())
+        for i in range(n):
+            producer.publish({"i": i}, exchange=QUEUE.exchange, routing_key="broker-test",
+                             declare=[QUEUE], serializer="json")  # fmt: skip
+
+
+def receive(conn: Connection, n: int, ack: bool) -> list[int]:
+    got: list[int] = []
+
+    def on_message(body: dict[str, int], message: object) -> None:
+        got.append(body["i"])
+        if ack:
+            message.ack()  # type: ignore[attr-defined]
+
+    channel = conn.channel()
+    channel.basic_qos(0, n, False)
+    with Consumer(channel, [QUEUE], callbacks=[on_message], accept=["json"]):
+        deadline = time.monotonic() + 20
+        while len(got) < n and time.monotonic() < deadline:
+            conn.drain_events(timeout=1)
+    return got
+
+
+def unacked(url: str) -> int:
+    return int(redis.Redis.from_url(url).hlen("unacked"))
+
+
+def test_transport_is_chosen_for_redis_only() -> None:
+    assert transport_for("redis://127.0.0.1:6379/0") == "infra.broker:Transport"
+    assert transport_for("rediss://host:6380/0") == "infra.broker:Transport"
+    assert transport_for("amqp://guest:guest@127.0.0.1:5672//") is None
+
+
+def test_acked_messages_leave_the_unacked_index(redis_url: str) -> None:
+    publish(redis_url, 200)
+    with Connection(redis_url, transport=Transport) as conn:
+        got = receive(conn, 200, ack=True)
+        assert sorted(got) == list(range(200))
+        # written by the background thread, soon
+        deadline = time.monotonic() + 10
+        while unacked(redis_url) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert unacked(redis_url) == 0
+    assert redis.Redis.from_url(redis_url).zcard("unacked_index") == 0
+
+
+def test_unacked_messages_stay_until_restored(redis_url: str) -> None:
+    publish(redis_url, 20)
+    conn = Connection(redis_url, transport=Transport)
+    got = receive(conn, 20, ack=False)
+    assert sorted(got) == list(range(20))
+    assert unacked(redis_url) == 20
+    # a clean close restores what was delivered and not acknowledged (kombu's behaviour)
+    conn.release()
+    assert unacked(redis_url) == 0
+    with Connection(redis_url, transport=Transport) as again:
+        assert sorted(receive(again, 20, ack=True)) == list(range(20))
+
+
+def test_close_writes_pending_acks_first(redis_url: str) -> None:
+    publish(redis_url, 300)
+    conn = Connection(redis_url, transport=Transport)
+    got = receive(conn, 300, ack=True)
+    conn.release()  # flushes the acker before the channel closes
+    assert len(got) == 300
+    assert unacked(redis_url) == 0
+    r = redis.Redis.from_url(redis_url)
+    assert r.llen("broker-test") == 0  # nothing was restored to the queue either
