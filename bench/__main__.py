@@ -38,34 +38,49 @@ def write_rows(path: str, n: int) -> list[dict[str, object]]:
     return rows
 
 
+def best(runs: list[Measure], by: str = "rate") -> Measure:
+    """The best of repeated runs of one collector: highest rate, or least CPU per rollout.
+
+    The machine is shared: another tenant's burst slows whichever run it lands on, never
+    speeds one up, so the best of interleaved rounds is the least disturbed figure.
+    """
+    if by == "cpu":
+        return min(runs, key=lambda m: m.cpu_ms_per_rollout)
+    return max(runs, key=lambda m: m.rate)
+
+
 def latency(
-    n: int, in_flight: int, latency_ms: float, workers: int, nemo_python: str | None
+    n: int, in_flight: int, latency_ms: float, workers: int, nemo_python: str | None, rounds: int
 ) -> str:
     tmp = tempfile.mkdtemp(prefix="bench-latency-")
     try:
         rows_path = os.path.join(tmp, "rows.jsonl")
         rows = write_rows(rows_path, n)
         ideal = in_flight / (latency_ms / 1000)
-        results: list[Measure] = []
+        runs: dict[str, list[Measure]] = {}
         with AgentProcess(latency_ms=latency_ms) as agent:
             url = agent_url(agent.config_path)
-            results.append(
-                run_asyncio_aiohttp(url, rows, in_flight, os.path.join(tmp, "aiohttp.jsonl"))
-            )
-            if nemo_python:
-                results.append(
-                    run_nemo_gym(
-                        nemo_python, url, rows_path, in_flight, os.path.join(tmp, "nemo.jsonl")
+            for r in range(rounds):
+                ms = [run_asyncio_aiohttp(url, rows, in_flight, os.path.join(tmp, "aiohttp.jsonl"))]
+                if nemo_python:
+                    ms.append(
+                        run_nemo_gym(
+                            nemo_python, url, rows_path, in_flight, os.path.join(tmp, "nemo.jsonl")
+                        )
                     )
-                )
-            with BenchCluster(
-                "bench.noop_app", workers=workers, concurrency=in_flight // workers
-            ) as cluster:
-                results.append(run_empty_chord(cluster, n, sleep_s=latency_ms / 1000))
-            with BenchCluster(workers=workers, concurrency=in_flight // workers) as cluster:
-                results.append(
-                    run_ours(cluster, agent.config_path, rows_path, os.path.join(tmp, "run"), n)
-                )
+                with BenchCluster(
+                    "bench.noop_app", workers=workers, concurrency=in_flight // workers
+                ) as cluster:
+                    ms.append(run_empty_chord(cluster, n, sleep_s=latency_ms / 1000))
+                with BenchCluster(workers=workers, concurrency=in_flight // workers) as cluster:
+                    ms.append(
+                        run_ours(
+                            cluster, agent.config_path, rows_path, os.path.join(tmp, f"run{r}"), n
+                        )
+                    )
+                for m in ms:
+                    runs.setdefault(m.name, []).append(m)
+        results = [best(v) for v in runs.values()]
         out = [
             [
                 m.name,
@@ -81,7 +96,7 @@ def latency(
         nemo_note = "" if nemo_python else " (NeMo Gym not installed: see README, bench extra)"
         return (
             f"latency: N={n}, agent latency {latency_ms:g} ms, {in_flight} in flight, "
-            f"ideal {ideal:.0f}/s{nemo_note}\n\n"
+            f"ideal {ideal:.0f}/s, best of {rounds} interleaved rounds{nemo_note}\n\n"
             + table(
                 [
                     "collector",
@@ -99,22 +114,26 @@ def latency(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def overhead(n: int, workers: int, concurrency: int) -> str:
+def overhead(n: int, workers: int, concurrency: int, rounds: int) -> str:
     tmp = tempfile.mkdtemp(prefix="bench-overhead-")
     try:
         rows_path = os.path.join(tmp, "rows.jsonl")
         rows = write_rows(rows_path, n)
-        results: list[Measure] = []
+        runs: dict[str, list[Measure]] = {}
         with AgentProcess(latency_ms=0) as agent:
             url = agent_url(agent.config_path)
-            with BenchCluster("bench.noop_app", workers=workers, concurrency=concurrency) as noop:
-                chord_m = run_empty_chord(noop, n)
-            results.append(chord_m)
-            with BenchCluster(workers=workers, concurrency=concurrency) as cluster:
-                results.append(
-                    run_ours(cluster, agent.config_path, rows_path, os.path.join(tmp, "run"), n)
-                )
-            results.append(run_asyncio_aiohttp(url, rows, 64, os.path.join(tmp, "aiohttp.jsonl")))
+            for r in range(rounds):
+                with BenchCluster("bench.noop_app", workers=workers, concurrency=concurrency) as c:
+                    ms = [run_empty_chord(c, n)]
+                with BenchCluster(workers=workers, concurrency=concurrency) as c:
+                    ms.append(
+                        run_ours(c, agent.config_path, rows_path, os.path.join(tmp, f"run{r}"), n)
+                    )
+                ms.append(run_asyncio_aiohttp(url, rows, 64, os.path.join(tmp, "aiohttp.jsonl")))
+                for m in ms:
+                    runs.setdefault(m.name, []).append(m)
+        results = [best(v, by="cpu") for v in runs.values()]
+        chord_m = results[0]
         base = chord_m.cpu_ms_per_rollout
         out = []
         for m in results:
@@ -126,7 +145,8 @@ def overhead(n: int, workers: int, concurrency: int) -> str:
             )  # fmt: skip
         return (
             f"overhead: N={n}, instant agent, {workers} workers x {concurrency} threads; CPU over "
-            "every process of the system (producer, workers, Redis; the agent server excluded)\n\n"
+            "every process of the system (producer, workers, Redis; the agent server excluded); "
+            f"least CPU of {rounds} interleaved rounds\n\n"
             + table(
                 [
                     "collector",
@@ -197,30 +217,38 @@ def scale(sizes: list[int], workers: int, concurrency: int) -> str:
     )
 
 
-def workers_scenario(n: int, concurrency: int, pad_kb: int) -> str:
+def workers_scenario(n: int, concurrency: int, pad_kb: int, rounds: int) -> str:
     tmp = tempfile.mkdtemp(prefix="bench-workers-")
-    out: list[list[object]] = []
+    runs: dict[tuple[str, int], list[Measure]] = {}
     try:
         rows_path = os.path.join(tmp, "rows.jsonl")
         write_rows(rows_path, n)
-        rates: dict[tuple[str, int], float] = {}
         with AgentProcess(latency_ms=0, pad_kb=pad_kb) as agent:
-            for w in (1, 2):
-                with BenchCluster("bench.noop_app", workers=w, concurrency=concurrency) as c:
-                    m = run_empty_chord(c, n)
-                rates[(m.name, w)] = m.rate
-                out.append([m.name, w, n, m.wall_s, m.rate, m.cpu_ms_per_rollout])
-                with BenchCluster(workers=w, concurrency=concurrency) as c:
-                    m = run_ours(c, agent.config_path, rows_path, os.path.join(tmp, f"run{w}"), n)
-                rates[(m.name, w)] = m.rate
-                out.append([m.name, w, n, m.wall_s, m.rate, m.cpu_ms_per_rollout])
+            for r in range(rounds):
+                for w in (1, 2):
+                    with BenchCluster("bench.noop_app", workers=w, concurrency=concurrency) as c:
+                        m = run_empty_chord(c, n)
+                    runs.setdefault((m.name, w), []).append(m)
+                    out_dir = os.path.join(tmp, f"run{r}-{w}")
+                    with BenchCluster(workers=w, concurrency=concurrency) as c:
+                        m = run_ours(c, agent.config_path, rows_path, out_dir, n)
+                    runs.setdefault((m.name, w), []).append(m)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    out: list[list[object]] = []
+    rates: dict[tuple[str, int], float] = {}
+    for (name, w), ms in sorted(
+        runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "empty Celery chord")
+    ):
+        m = best(ms)
+        rates[(name, w)] = m.rate
+        out.append([name, w, n, m.wall_s, m.rate, m.cpu_ms_per_rollout])
     for row in out:
         row.append(f"{row[4] / rates[(str(row[0]), 1)]:.2f}x")  # type: ignore[operator]
     return (
         f"workers: N={n}, instant agent returning {pad_kb} KB trajectories (the workers' CPU is "
-        f"the bottleneck), 1 vs 2 worker processes x {concurrency} threads\n\n"
+        f"the bottleneck), 1 vs 2 worker processes x {concurrency} threads; best of {rounds} "
+        "interleaved rounds\n\n"
         + table(
             [
                 "collector",
@@ -254,6 +282,12 @@ def main() -> None:
     parser.add_argument(
         "--pad-kb", type=int, default=64, help="workers: KB of trajectory in each response"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="latency, overhead, workers: interleaved rounds; each collector's best is shown",
+    )
     parser.add_argument("--sizes", default="1000,10000,100000", help="scale: the values of N")
     parser.add_argument(
         "--nemo-python",
@@ -264,13 +298,13 @@ def main() -> None:
     a = parser.parse_args()
     if a.scenario == "latency":
         nemo = nemo_gym_python(a.nemo_python)
-        print(latency(a.n or 5000, a.in_flight, a.latency_ms, a.workers, nemo))
+        print(latency(a.n or 5000, a.in_flight, a.latency_ms, a.workers, nemo, a.rounds))
     elif a.scenario == "overhead":
-        print(overhead(a.n or 10000, a.workers, a.concurrency))
+        print(overhead(a.n or 10000, a.workers, a.concurrency, a.rounds))
     elif a.scenario == "scale":
         print(scale([int(x) for x in a.sizes.split(",")], a.workers, a.concurrency))
     elif a.scenario == "workers":
-        print(workers_scenario(a.n or 5000, a.concurrency, a.pad_kb))
+        print(workers_scenario(a.n or 5000, a.concurrency, a.pad_kb, a.rounds))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def bench(*args: str) -> list[str]:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", *args],
+        [sys.executable, "-m", "bench", *args, "--rounds", "1"],
         capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
