@@ -19,7 +19,8 @@ _redis = os.environ.get("ROLLOUTS_REDIS_URL") or (
 broker_url = _broker
 # On Redis, kombu's transport with acks written in batches by a background thread instead of one
 # blocking transaction per message on the worker's main thread (infra/broker.py says why).
-broker_transport = transport_for(_broker)
+# Celery's own `-b URL` (CELERY_BROKER_URL) wins over broker_url, so the transport follows it.
+broker_transport = transport_for(os.environ.get("CELERY_BROKER_URL") or _broker)
 # Chord bookkeeping (the callback firing once every rollout task returned) needs a result store;
 # Redis also holds the shard locks and landed sets, so one server serves both.
 result_backend = _redis

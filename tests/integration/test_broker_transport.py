@@ -86,3 +86,21 @@ def test_close_writes_pending_acks_first(redis_url: str) -> None:
     assert unacked(redis_url) == 0
     r = redis.Redis.from_url(redis_url)
     assert r.llen("broker-test") == 0  # nothing was restored to the queue either
+
+
+def test_celery_broker_flag_picks_the_transport_too() -> None:
+    """`celery -b amqp://...` (CELERY_BROKER_URL) must not be paired with the Redis transport."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from workers.app import app; print(app.conf.broker_url, app.conf.broker_transport)"
+    for url, transport in [
+        ("amqp://guest:guest@127.0.0.1:5672//", "None"),
+        ("redis://127.0.0.1:6379/9", "infra.broker:Transport"),
+    ]:
+        env = dict(os.environ, CELERY_BROKER_URL=url, ROLLOUTS_BROKER_URL="redis://x:1/0")
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        ).stdout.split()
+        assert out == [url, transport]
