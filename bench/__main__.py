@@ -2,8 +2,9 @@
 
 Scenarios: latency (N=5,000, agent latency 1 s, 512 in flight), overhead (N=10,000, instant
 agent, CPU per rollout over every process), scale (N=1k/10k/100k: throughput, enqueue rate and
-the producer's peak RSS), workers (1 vs 2 worker processes with the workers' CPU the bottleneck). Figures are ratios within one invocation;
-this machine is shared and noisy, so absolute numbers vary between runs.
+the producer's peak RSS), workers (1 vs 2 worker processes with the workers' CPU the
+bottleneck). Figures are ratios within one invocation; this machine is shared and noisy, so
+absolute numbers vary between runs.
 """
 
 from __future__ import annotations
@@ -241,10 +242,9 @@ def workers_scenario(n: int, concurrency: int, pad_kb: int, rounds: int) -> str:
         runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "empty Celery chord")
     ):
         m = best(ms)
-        rates[(name, w)] = m.rate
-        out.append([name, w, n, m.wall_s, m.rate, m.cpu_ms_per_rollout])
-    for row in out:
-        row.append(f"{row[4] / rates[(str(row[0]), 1)]:.2f}x")  # type: ignore[operator]
+        rates[(name, w)] = m.rate  # 1 process sorts first, so its rate is there for 2
+        out.append([name, w, n, m.wall_s, m.rate, m.cpu_ms_per_rollout,
+                    f"{m.rate / rates[(name, 1)]:.2f}x"])  # fmt: skip
     return (
         f"workers: N={n}, instant agent returning {pad_kb} KB trajectories (the workers' CPU is "
         f"the bottleneck), 1 vs 2 worker processes x {concurrency} threads; best of {rounds} "

@@ -45,13 +45,10 @@ class _Acker:
     def __init__(self, qos: QoS) -> None:
         self.qos = qos
         self.pending: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-        self.idle = threading.Event()
-        self.idle.set()
         self.thread = threading.Thread(target=self._loop, name="rollouts-acker", daemon=True)
         self.thread.start()
 
     def put(self, tag: str) -> None:
-        self.idle.clear()
         self.pending.put(tag)
 
     def _take(self, first: str) -> list[str]:
@@ -71,7 +68,6 @@ class _Acker:
         while True:
             first = self.pending.get()
             if first is None:
-                self.idle.set()
                 return
             tags = self._take(first)
             try:
@@ -80,12 +76,6 @@ class _Acker:
                 # Left in the unacked index: restored after the visibility timeout and
                 # delivered again, as if this worker had died before acking.
                 log.exception("could not remove %d acked messages from Redis", len(tags))
-            if self.pending.empty():
-                self.idle.set()
-
-    def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every ack handed over so far is written; False on timeout."""
-        return self.idle.wait(timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.pending.put(None)

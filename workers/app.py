@@ -17,9 +17,3 @@ def state_redis_url() -> str:
     if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
         raise RuntimeError("rollouts needs a Redis result backend (set ROLLOUTS_REDIS_URL)")
     return url
-
-
-if os.environ.get("ROLLOUTS_SWITCH_INTERVAL_S"):
-    import sys
-
-    sys.setswitchinterval(float(os.environ["ROLLOUTS_SWITCH_INTERVAL_S"]))
