@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from infra import segments
+from infra import jsonl, segments
 from schemas.errors import StorageError
 
 QUALITY_SUMMARY = "quality_summary.json"
@@ -200,6 +200,26 @@ class RunDir:
         Offsets are logical: the same before and after compaction. A torn last line is skipped.
         """
         yield from segments.split_lines(self.iter_bytes(name, start))
+
+    def iter_objects(
+        self, name: str, start: int = 0, on_unreadable: Callable[[int], None] | None = None
+    ) -> Iterator[tuple[int, dict[str, Any] | None]]:
+        """Yield `(end, row)` for each complete line from byte `start`.
+
+        `end` is the offset just past the line (where a reader resumes); `row` is the line's JSON
+        object, or None for a blank line, a line that is not JSON (`on_unreadable(offset)` is
+        told) or JSON that is not an object.
+        """
+        for offset, line in self.iter_lines(name, start):
+            end = offset + len(line) + 1
+            value = None
+            if line.strip():
+                try:
+                    value = jsonl.loads(line)
+                except jsonl.JSONDecodeError:
+                    if on_unreadable is not None:
+                        on_unreadable(offset)
+            yield end, value if isinstance(value, dict) else None
 
     def iter_line_range(self, name: str, start: int, end: int) -> Iterator[tuple[int, bytes]]:
         """Yield `(offset, line)` for each complete line that *begins* in bytes `[start, end)`.

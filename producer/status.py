@@ -76,19 +76,12 @@ class FileTally:
         return F.agent_name(row) or "?", str(row.get(F.ENVIRONMENT_SERVER) or "?")
 
     def _tail(self, name: str) -> list[dict[str, Any]]:
-        start = self._offsets[name]
         rows = []
-        end = start
-        for offset, line in self.rd.iter_lines(name, start):
-            end = offset + len(line) + 1
-            if not line.strip():
-                continue
-            try:
-                value = jsonl.loads(line)
-            except jsonl.JSONDecodeError:
-                continue
-            if isinstance(value, dict):
-                rows.append(value)
+        end = self._offsets[name]
+        for line_end, row in self.rd.iter_objects(name, end):
+            end = line_end
+            if row is not None:
+                rows.append(row)
         self._offsets[name] = end
         return rows
 

@@ -6,7 +6,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from infra import jsonl
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
 from schemas.records import ShardStatus
@@ -14,15 +13,9 @@ from schemas.records import ShardStatus
 
 def iter_rows(rd: RunDir, name: str) -> Any:
     """Yield each JSON object of a JSONL file; unreadable lines are skipped."""
-    for _, line in rd.iter_lines(name):
-        if not line.strip():
-            continue
-        try:
-            value = jsonl.loads(line)
-        except jsonl.JSONDecodeError:
-            continue
-        if isinstance(value, dict):
-            yield value
+    for _, row in rd.iter_objects(name):
+        if row is not None:
+            yield row
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import redis
 
-from infra import jsonl, keys
+from infra import keys
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
@@ -86,19 +86,16 @@ class ShardState:
 
     def _scan(self, name: str, start: int) -> tuple[list[dict[str, Any]], int]:
         """Parse the complete lines from `start`; cut a torn last line. Returns rows and the new end."""
+
+        def unreadable(offset: int) -> None:
+            log.warning("%s: unreadable line at byte %d kept as is", self.rd.path(name), offset)
+
         rows: list[dict[str, Any]] = []
         end = start
-        for offset, line in self.rd.iter_lines(name, start):
-            end = offset + len(line) + 1
-            if not line.strip():
-                continue
-            try:
-                value = jsonl.loads(line)
-            except jsonl.JSONDecodeError:
-                log.warning("%s: unreadable line at byte %d kept as is", self.rd.path(name), offset)
-                continue
-            if isinstance(value, dict):
-                rows.append(value)
+        for line_end, row in self.rd.iter_objects(name, start, unreadable):
+            end = line_end
+            if row is not None:
+                rows.append(row)
         size = self.rd.size(name)
         if size > end:
             if self.rd.can_append:
