@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -34,6 +35,24 @@ def main() -> None:
     """Distributed rollout collection on Celery and Redis."""
 
 
+def local_cluster_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`--workers` and `--concurrency`: the local cluster a command starts without `--broker`."""
+    command = click.option(
+        "--concurrency",
+        type=int,
+        default=DEFAULT_CONCURRENCY,
+        show_default=True,
+        help="Rollouts in flight per local worker.",
+    )(command)
+    return click.option(
+        "--workers",
+        type=int,
+        default=DEFAULT_WORKERS,
+        show_default=True,
+        help="Local worker processes (without --broker).",
+    )(command)
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option(
     "--config", "config_path", default=None, help="Servers config (YAML; normalised or NeMo Gym's)."
@@ -52,20 +71,7 @@ def main() -> None:
 @click.option(
     "--max-resident-tasks", type=int, default=None, help="Cluster-wide cap on running rollouts."
 )
-@click.option(
-    "--workers",
-    type=int,
-    default=DEFAULT_WORKERS,
-    show_default=True,
-    help="Local worker processes (without --broker).",
-)
-@click.option(
-    "--concurrency",
-    type=int,
-    default=DEFAULT_CONCURRENCY,
-    show_default=True,
-    help="Rollouts in flight per local worker.",
-)
+@local_cluster_options
 @click.option(
     "--broker",
     default=None,
@@ -271,20 +277,7 @@ def nemo_gym_spelling(
     help="Attempt limit per rollout (else NEMO_GYM_MAX_ROLLOUT_ATTEMPTS, else the run's).",
 )
 @click.option("--config", "config_path", default=None, help="Servers config (default: the run's).")
-@click.option(
-    "--workers",
-    type=int,
-    default=DEFAULT_WORKERS,
-    show_default=True,
-    help="Local worker processes (without --broker).",
-)
-@click.option(
-    "--concurrency",
-    type=int,
-    default=DEFAULT_CONCURRENCY,
-    show_default=True,
-    help="Rollouts in flight per local worker.",
-)
+@local_cluster_options
 @click.option("--broker", default=None, help="Broker URL (else ROLLOUTS_BROKER_URL, else local).")
 @click.option("--redis", "redis_url", default=None, help="Redis for locks and results.")
 @click.option("--no-wait", is_flag=True, help="Enqueue and return.")
