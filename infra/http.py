@@ -20,6 +20,8 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import aiohttp
 import httpx
 
+from infra.process import PerProcess
+
 T = TypeVar("T")
 
 CONNECT_TIMEOUT_S = 10.0
@@ -33,7 +35,8 @@ class Reply(NamedTuple):
 
 
 class PostClient(Protocol):
-    """What `/run` callers need of a client; an `httpx.AsyncClient` has this shape too."""
+    """What `/run` callers need of a client: `AiohttpClient` here, an `httpx.AsyncClient` (over
+    `httpx.MockTransport`) in unit tests."""
 
     async def post(
         self, url: str, *, content: bytes, headers: dict[str, str]
@@ -79,19 +82,6 @@ class AiohttpClient:
         await self._session.close()
 
 
-class HttpPool:
-    """The process's `/run` client, living on its event loop; use only from that loop."""
-
-    def __init__(self) -> None:
-        self._client = AiohttpClient()
-
-    def client(self) -> AiohttpClient:
-        return self._client
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
-
-
 class EventLoopThread:
     """An asyncio event loop running forever in a daemon thread."""
 
@@ -114,48 +104,42 @@ class EventLoopThread:
         return self.submit(coro).result()
 
 
-class _ProcessIO:
+class ProcessIO:
+    """A process's event loop thread and its `/run` client (made on first use, on that loop)."""
+
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.loop = EventLoopThread()
-        self._http: HttpPool | None = None
+        self._http: AiohttpClient | None = None
         self._lock = threading.Lock()
         atexit.register(self.close)
 
     @property
-    def http(self) -> HttpPool:
+    def http(self) -> AiohttpClient:
         """The `/run` client, made on first use (a process that only aggregates never opens one)."""
-        pool = self._http
-        if pool is None:
+        found = self._http
+        if found is None:
             with self._lock:
                 if self._http is None:
-                    self._http = self.loop.run(_make_pool())
-                pool = self._http
-        return pool
+                    self._http = self.loop.run(_make_client())
+                found = self._http
+        return found
 
     def close(self) -> None:
         """Close the client's connections (at exit, so nothing is reported unclosed)."""
-        pool, self._http = self._http, None
-        if pool is not None and os.getpid() == self.pid and self.loop.thread.is_alive():
+        found, self._http = self._http, None
+        if found is not None and os.getpid() == self.pid and self.loop.thread.is_alive():
             with contextlib.suppress(Exception):
-                self.loop.submit(pool.aclose()).result(timeout=5)
+                self.loop.submit(found.aclose()).result(timeout=5)
 
 
-async def _make_pool() -> HttpPool:
-    return HttpPool()
+async def _make_client() -> AiohttpClient:
+    return AiohttpClient()
 
 
-_io: _ProcessIO | None = None
-_io_lock = threading.Lock()
+_io: PerProcess[None, ProcessIO] = PerProcess(lambda _: ProcessIO())
 
 
-def process_io() -> _ProcessIO:
-    """This process's event loop thread and HTTP pool, created on first use."""
-    global _io
-    io = _io
-    if io is not None and io.pid == os.getpid():
-        return io
-    with _io_lock:
-        if _io is None or _io.pid != os.getpid():
-            _io = _ProcessIO()
-        return _io
+def process_io() -> ProcessIO:
+    """This process's event loop thread and HTTP client, created on first use."""
+    return _io.get(None)

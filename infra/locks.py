@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import redis
 from redis.exceptions import LockError
 
+from infra.process import PerProcess
 from schemas.errors import TransientError
 
 # How long a dead holder blocks the shard: the lock's expiry (a live holder extends it).
@@ -114,17 +115,11 @@ class _Keeper:
                     self.extend(keys=[name], args=[token, self.ttl_ms])
 
 
-_keepers: dict[tuple[int, int, float], _Keeper] = {}
-_keepers_lock = threading.Lock()
+_keepers: PerProcess[tuple[redis.Redis, float], _Keeper] = PerProcess(lambda k: _Keeper(*k))
 
 
 def _keeper(r: redis.Redis, ttl_s: float) -> _Keeper:
-    key = (os.getpid(), id(r), ttl_s)
-    with _keepers_lock:
-        found = _keepers.get(key)
-        if found is None:
-            found = _keepers[key] = _Keeper(r, ttl_s)
-        return found
+    return _keepers.get((r, ttl_s))
 
 
 class HeldLock:

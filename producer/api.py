@@ -40,7 +40,14 @@ from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, RolloutFailedError, ShardFencedError, UsageError
 from schemas.messages import RunRef
-from schemas.outcomes import RolloutFailureRecord
+from schemas.outcomes import (
+    FAILURE_ENDS,
+    NOT_STARTED,
+    RESULT_ENDS,
+    Ended,
+    RolloutFailureRecord,
+    run_failure_message,
+)
 from schemas.settings import CollectionSettings
 
 DEFAULT_CLOSE_TIMEOUT_S = 30.0
@@ -110,26 +117,25 @@ def _converter(
 
     def convert(o: Outcome) -> Settled:
         row = rows[o.index]
-        if o.kind == "ok":
+        if o.kind in RESULT_ENDS:
             result = o.result or {}
             if call.enrich and o.perf is not None:
                 result = {**result, "ng_perf": {**(result.get("ng_perf") or {}), **o.perf}}
             return Settled(o.kind, value=(row, result))
-        if o.kind in ("drained", "stopped"):
+        if o.kind in NOT_STARTED:
             drained = o.result or {}
             return Settled(
                 o.kind, value=(row, record(o.index, drained) if call.records else drained)
             )
-        if o.kind == "failure":
+        if o.kind in FAILURE_ENDS:
             failure = o.result or {}
             if route:
                 return Settled(o.kind, value=(row, record(o.index, failure) if typed else failure))
-            message = (f"rollout {F.rollout_id(row) or o.index} failed: "
-                       f"{failure.get(F.FAILURE_CLASS)}: {failure.get(F.FAILURE_MESSAGE)}")  # fmt: skip
+            message = run_failure_message(F.rollout_id(row) or o.index, failure)
             return Settled(o.kind, error=RolloutFailedError(message, row, failure))
-        if o.kind == "cancelled":
+        if o.kind == Ended.CANCELLED:
             return Settled(o.kind)
-        if o.kind == "fenced":
+        if o.kind == Ended.FENCED:
             return Settled(o.kind, error=ShardFencedError(o.error or "the shard was fenced"))
         message = f"rollout {F.rollout_id(row) or o.index} could not be run: {o.error}"
         return Settled(o.kind, error=RolloutFailedError(message, row))

@@ -28,7 +28,8 @@ from producer.dispatch import admissions, call_policy
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.messages import RunRef
-from schemas.replies import COLLECT_REPLY_TASK, ReplyKind, RolloutReply
+from schemas.outcomes import FAILURE_ENDS, RESULT_ENDS, Ended, run_failure_message
+from schemas.replies import COLLECT_REPLY_TASK, RolloutReply
 from schemas.settings import CollectionSettings
 from workers.finish import finish_shard
 
@@ -54,7 +55,7 @@ class Outcome:
     """One row's final outcome, as the listener received it."""
 
     index: int
-    kind: ReplyKind
+    kind: Ended
     result: dict[str, Any] | None = None
     error: str | None = None
     perf: dict[str, float] | None = None
@@ -170,7 +171,7 @@ class Invocation:
             log.exception("run_examples could not enqueue row %d", index)
             message = f"could not enqueue: {type(exc).__name__}: {exc}"
             for i in range(index, self.total):
-                self._settle(Outcome(i, "error", error=message))
+                self._settle(Outcome(i, Ended.ERROR, error=message))
 
     def _take_slot(self) -> bool:
         if self._window is None:
@@ -227,19 +228,21 @@ class Invocation:
         if not 0 <= i < self.total or self._settled[i]:
             return  # another delivery of a settled row
         outcome = Outcome(i, reply.kind, reply.result, reply.error)
-        if reply.kind == "duplicate":
-            outcome = self._landed_outcome(i)
-        elif reply.run_ms is not None and reply.kind == "ok":
+        if reply.kind == Ended.DUPLICATE:
+            # Found landed at admission: read back; at landing: this delivery's own result.
+            if reply.result is None:
+                outcome = self._landed_outcome(i)
+            else:
+                outcome = Outcome(i, Ended.LANDED, reply.result)
+        elif reply.run_ms is not None and reply.kind in RESULT_ENDS:
             waited = (
                 (time.monotonic() - self._published_at[i]) * 1000 - reply.run_ms - reply.after_ms
             )
             outcome.perf = {"rollout_latency_ms": round(reply.run_ms, 3),
                             "queue_wait_ms": round(max(0.0, waited), 3)}  # fmt: skip
-        if outcome.kind == "failure" and not self.target.settings.route_failures_to_sidecar:
-            failure = outcome.result or {}
-            self.first_failure = self.first_failure or (
-                f"rollout {F.rollout_id(self.sent[i]) or i} failed: "
-                f"{failure.get(F.FAILURE_CLASS)}: {failure.get(F.FAILURE_MESSAGE)}"
+        if outcome.kind in FAILURE_ENDS and not self.target.settings.route_failures_to_sidecar:
+            self.first_failure = self.first_failure or run_failure_message(
+                F.rollout_id(self.sent[i]) or i, outcome.result or {}
             )
         self._settle(outcome)
 
@@ -252,8 +255,8 @@ class Invocation:
             for _, line in rd.iter_lines(ShardFiles(run.shard).results):
                 row = jsonl.loads(line) if line.strip() else None
                 if isinstance(row, dict) and F.TASK_INDEX in row and F.rollout_key(row) == wanted:
-                    return Outcome(i, "ok", row)
-        return Outcome(i, "error", error="the rollout landed, but its result cannot be found")
+                    return Outcome(i, Ended.LANDED, row)
+        return Outcome(i, Ended.ERROR, error="the rollout landed, but its result cannot be found")
 
     def _settle(self, outcome: Outcome) -> None:
         with self._lock:

@@ -22,12 +22,13 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from producer.api_dispatch import Outcome
+from schemas.outcomes import Ended
 
 Pair = tuple[dict[str, Any], Any]
 """What an awaitable resolves to: the caller's row and the result (or a failure record)."""
 
 # Outcomes the close itself produces: they are not "completed work" a drain returns.
-CLOSED_KINDS = frozenset({"cancelled", "stopped"})
+CLOSED_KINDS = frozenset({Ended.CANCELLED, Ended.STOPPED})
 
 
 class Transport(Protocol):
@@ -47,13 +48,13 @@ class Transport(Protocol):
 class Settled:
     """A row's outcome turned into what its awaitable returns or raises."""
 
-    kind: str
+    kind: Ended
     value: Pair | None = None
     error: BaseException | None = None
 
     @property
     def cancelled(self) -> bool:
-        return self.kind == "cancelled"
+        return self.kind == Ended.CANCELLED
 
     def unwrap(self) -> Pair:
         if self.cancelled:

@@ -1,17 +1,104 @@
-"""`RolloutFailureRecord`: a rollout that produced no `/run` result, as `run_outcomes` yields it.
+"""How a rollout ended: the one vocabulary (`Ended`), the engine's `RolloutOutcome`, and the
+`RolloutFailureRecord` that `run_outcomes` yields for a rollout that produced no `/run` result.
 
-The shape is NeMo Gym's `RolloutFailure` (schema_version, episode_id, run_id, source, delivery,
+`Ended` is the word every layer uses for the end of a rollout: the engine's outcome, the chord
+task's summary, the Python API's reply, the admission ticket (`schemas.outcomes.Admit`), and the
+generation counters in Redis (`drained`, `stopped`, `duplicate`, `cancelled`).
+
+The record's shape is NeMo Gym's `RolloutFailure` (schema_version, episode_id, run_id, source, delivery,
 failure, http_status, exception_type) plus three fields of ours read from the failure row:
 `failure_class`, `response_body` and `dispatch_drained`.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas import fields as F
+
+
+class Ended(StrEnum):
+    """How one delivery of a rollout ended."""
+
+    LANDED = "landed"
+    """The `/run` result is final: landed in the shard (or returned, for an unrecorded API call)."""
+    AGENT_FAILURE = "agent_failure"
+    """The agent answered with a failure row of its own (`_ng_failure_class`); it went to the sidecar."""
+    NOT_PERSISTED = "not_persisted"
+    """The agent answered with `_ng_no_persist`: nothing landed, a resume runs it again."""
+    FAILED = "failed"
+    """`/run` failed after its retries: the final failure row went to the sidecar."""
+    WORKER_LOST = "worker_lost"
+    """Workers died running it more often than the attempt limit: a `worker_lost` failure row."""
+    DUPLICATE = "duplicate"
+    """It had landed already (a redelivery): nothing was called or written."""
+    FENCED = "fenced"
+    """Another writer opened the shard since this task's generation: nothing was written."""
+    DRAINED = "drained"
+    """Not started: the dispatch budget ran out (a drained row, not persisted)."""
+    STOPPED = "stopped"
+    """Not started: the run was failed or cancelled (a drained row, not persisted)."""
+    CANCELLED = "cancelled"
+    """In flight when the run was failed or cancelled: the call was cut, nothing written."""
+    ERROR = "error"
+    """The worker could not finish it (Redis or storage unavailable); a resume runs it."""
+
+
+NOT_STARTED = frozenset({Ended.DRAINED, Ended.STOPPED})
+"""Ends whose outcome carries a drained row."""
+RESULT_ENDS = frozenset({Ended.LANDED, Ended.AGENT_FAILURE, Ended.NOT_PERSISTED})
+"""Ends whose outcome carries the agent's `/run` result."""
+FAILURE_ENDS = frozenset({Ended.FAILED, Ended.WORKER_LOST})
+"""Ends whose outcome carries the final failure row the collector wrote."""
+
+
+def run_failure_message(rollout: object, final: dict[str, Any]) -> str:
+    """The run's error for a rollout whose final failure row is `final` (failures not routed)."""
+    return f"rollout {rollout} failed: {final.get(F.FAILURE_CLASS)}: {final.get(F.FAILURE_MESSAGE)}"
+
+
+Admit = Literal["run", "duplicate", "fenced", "drained", "stopped", "worker_lost"]
+"""An admission ticket's verdict: `run`, or the end of a rollout that must not start."""
+
+
+class RolloutOutcome(BaseModel):
+    """What the rollout engine returns for one delivery of a rollout."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rollout: str | None
+    """The rollout's id (`_ng_rollout_id`, else `<task>-<rollout>`); None for an API row
+    without identity."""
+    ended: Ended
+    """How it ended."""
+    record: dict[str, Any] | None = None
+    """The `/run` result (RESULT_ENDS), the final failure row (FAILURE_ENDS) or the drained row
+    (NOT_STARTED); None otherwise."""
+    detail: str | None = None
+    """Why, in words: the stop reason, the fencing writer, the error."""
+    requests: int = 0
+    """`/run` requests sent for this delivery, replays included."""
+    run_ms: float | None = None
+    """Duration of the `/run` call(s), retries included; None when nothing was called."""
+    after_ms: float = 0.0
+    """From the end of the call until the outcome was final (sorting and landing)."""
+
+    def chord_summary(self) -> dict[str, Any]:
+        """The small JSON dict the chord task returns."""
+        summary: dict[str, Any] = {"rollout": self.rollout, "outcome": self.ended.value}
+        if self.ended in NOT_STARTED:
+            summary["row"] = self.record
+        elif self.ended is Ended.CANCELLED:
+            summary["reason"] = self.detail
+        elif self.ended is Ended.ERROR:
+            summary["error"] = self.detail
+        if self.run_ms is not None:
+            summary["requests"] = self.requests
+        return summary
+
 
 Delivery = Literal["not_sent", "possibly_delivered", "delivered"]
 FailureStage = Literal["admission", "seed", "agent", "verification", "cleanup"]

@@ -7,18 +7,15 @@ is final (landed, when the call records a run directory); the caller's one liste
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from schemas.messages import CollectRequest
+from schemas.outcomes import Ended
 
 COLLECT_REPLY_TASK = "rollouts.collect_reply"
 """Task name of one rollout started through the Python API."""
-
-ReplyKind = Literal[
-    "ok", "failure", "drained", "stopped", "cancelled", "duplicate", "fenced", "error"
-]
 
 
 class ReplyTo(BaseModel):
@@ -49,16 +46,14 @@ class RolloutReply(BaseModel):
 
     index: int
     """The row's position in the invocation."""
-    kind: ReplyKind
-    """ok: `result` is the `/run` result (agent-chosen failure rows included); failure: `result`
-    is the final failure row; drained / stopped: `result` is the drained row (the budget ran
-    out / the run was cancelled before it started); cancelled: the call was cancelled in
-    flight; duplicate: the rollout had already landed in the shard; fenced: another writer
-    opened the shard; error: the worker could not finish it (`error`)."""
+    kind: Ended
+    """How the rollout ended, in the engine's words (`schemas.outcomes.Ended`)."""
     result: dict[str, Any] | None = None
-    """The result or failure row, per `kind`."""
+    """The engine's record: the `/run` result (landed, agent_failure, not_persisted; also a
+    duplicate found at landing), the final failure row (failed, worker_lost) or the drained row
+    (drained, stopped)."""
     error: str | None = None
-    """What went wrong, for fenced and error."""
+    """Why, in words: the stop reason, the fencing writer, the error."""
     run_ms: float | None = None
     """Duration of the `/run` call(s), retries included."""
     after_ms: float = 0.0

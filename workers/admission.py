@@ -29,9 +29,11 @@ import redis
 from celery.signals import worker_shutdown
 
 from infra import keys
+from infra.process import PerProcess
 from infra.redis_client import client
 from schemas import fields as F
 from schemas.messages import CollectRequest
+from schemas.outcomes import Admit
 
 log = logging.getLogger(__name__)
 
@@ -147,14 +149,28 @@ return #KEYS
 """
 
 
+# The begin script's words, in the one vocabulary of how a rollout ended (schemas/outcomes.py).
+_VERDICTS: dict[str, Admit] = {
+    "run": "run",
+    "landed": "duplicate",
+    "fenced": "fenced",
+    "drained": "drained",
+    "failed": "stopped",
+    "cancelled": "stopped",
+    "lost": "worker_lost",
+}
+
+
 @dataclass
 class Ticket:
     """The begin call's verdict for one delivery of a rollout."""
 
-    verdict: str
-    """run, landed, fenced, drained, failed, cancelled or lost."""
+    verdict: Admit
+    """run, or why it must not start: duplicate, fenced, drained, stopped or worker_lost."""
     detail: str
-    """The stop reason, the seconds left in the budget, or the earlier unfinished deliveries."""
+    """stopped: the stop reason as `stop_reason` words it (`failed: ...`, `cancel`, `drain`);
+    drained: the seconds left in the budget; worker_lost: the earlier unfinished deliveries;
+    fenced: the opener token that fenced it."""
     sid: str
     key: str
     member: str
@@ -371,8 +387,11 @@ class Gate:
                 "admission",
                 lambda args=args: self._begin(keys=call_keys, args=args, client=self.r),  # type: ignore[misc]
             )
-            verdict, detail = (v.decode() if isinstance(v, bytes) else str(v) for v in answer)
-            if verdict != "wait":
+            word, detail = (v.decode() if isinstance(v, bytes) else str(v) for v in answer)
+            if word != "wait":
+                verdict = _VERDICTS[word]
+                if word == "failed":
+                    detail = f"failed: {detail}"
                 ticket = Ticket(verdict, detail, sid, key, member, agent_key)
                 if verdict == "run":
                     zsets = (leases, agent_key) if adm.agent_max_concurrency else (leases,)
@@ -407,6 +426,12 @@ class Gate:
             keys.shard_durations(ticket.sid),
         ]  # fmt: skip
 
+    def fail_run(self, sid: str, message: str) -> None:
+        """Flag the run failed with its first error: nothing new starts after it."""
+        with_redis_retry(
+            "run failure flag", lambda: self.r.set(keys.shard_run_failed(sid), message, nx=True)
+        )
+
     def stop_reason(self, sid: str) -> str | None:
         """`failed: ...`, `cancel` or `drain` when the run was stopped; read at most every half second."""
         now = time.monotonic()
@@ -426,26 +451,18 @@ class Gate:
         return reason
 
 
-_gate: Gate | None = None
-_gate_lock = threading.Lock()
+_gates: PerProcess[str, Gate] = PerProcess(Gate)
 
 
 def gate(redis_url: str) -> Gate:
-    """This process's gate, created on first use (after any fork)."""
-    global _gate
-    found = _gate
-    if found is not None and found.pid == os.getpid():
-        return found
-    with _gate_lock:
-        if _gate is None or _gate.pid != os.getpid():
-            _gate = Gate(redis_url)
-        return _gate
+    """This process's gate for the Redis at `redis_url`, created on first use (after any fork)."""
+    return _gates.get(redis_url)
 
 
 def _flush_releases(**_: Any) -> None:
     """A worker that stops on purpose hands back its slots at once rather than by expiry."""
-    if _gate is not None and _gate.pid == os.getpid():
-        _gate.releaser.flush(5.0)
+    for found in _gates.existing():
+        found.releaser.flush(5.0)
 
 
 worker_shutdown.connect(_flush_releases, weak=False)

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import orjson
 
-from infra.http import HttpPool
+from infra.http import PostClient
 from schemas import fields as F
 from schemas.messages import CallPolicy
 from schemas.records import FailureRow
@@ -137,8 +137,7 @@ def with_attempt(row: dict[str, Any], attempt: int) -> dict[str, Any]:
     return row
 
 
-async def _post(pool: HttpPool, url: str, body: bytes, timeout_s: float) -> dict[str, Any]:
-    client = pool.client()
+async def _post(client: PostClient, url: str, body: bytes, timeout_s: float) -> dict[str, Any]:
     try:
         async with asyncio.timeout(timeout_s):
             response = await client.post(
@@ -158,7 +157,7 @@ async def _post(pool: HttpPool, url: str, body: bytes, timeout_s: float) -> dict
 
 
 async def call_run(
-    pool: HttpPool, agent_url: str, row: dict[str, Any], policy: CallPolicy
+    client: PostClient, agent_url: str, row: dict[str, Any], policy: CallPolicy
 ) -> CallOutcome:
     """Run one rollout: POST the planned row to `{agent_url}/run` under the policy."""
     url = agent_url.rstrip("/") + "/run"
@@ -170,7 +169,7 @@ async def call_run(
         sent_row = with_attempt(row, attempt)
         body = orjson.dumps(sent_row)
         try:
-            result = await _post(pool, url, body, policy.timeout_s)
+            result = await _post(client, url, body, policy.timeout_s)
         except AttemptFailed as failed:
             if not failed.sent:
                 if connect_retries < policy.connect_retries:

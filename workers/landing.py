@@ -28,6 +28,7 @@ import redis
 
 from infra import jsonl, keys
 from infra.locks import HeldLock, held, held_reading
+from infra.process import PerProcess
 from infra.redis_client import client
 from infra.runs import write_status
 from infra.store import RunDir, WriteConflictError
@@ -35,17 +36,6 @@ from schemas.errors import ShardFencedError, StorageError
 from schemas.messages import RunRef
 from schemas.records import ShardStatus
 from workers.shard_state import ShardState, failure_counter, key_str
-
-__all__ = [
-    "LandReport",
-    "Lander",
-    "ShardState",
-    "compact_shard",
-    "key_str",
-    "lander",
-    "open_shard",
-    "shard_status",
-]
 
 log = logging.getLogger(__name__)
 
@@ -304,20 +294,12 @@ def shard_status(r: redis.Redis, sid: str, state: dict[str, str]) -> ShardStatus
     )
 
 
-_lander: Lander | None = None
-_lander_lock = threading.Lock()
+_landers: PerProcess[str, Lander] = PerProcess(Lander)
 
 
 def lander(redis_url: str) -> Lander:
-    """This process's lander, started on first use (after any fork)."""
-    global _lander
-    found = _lander
-    if found is not None and found.pid == os.getpid():
-        return found
-    with _lander_lock:
-        if _lander is None or _lander.pid != os.getpid():
-            _lander = Lander(redis_url)
-        return _lander
+    """This process's lander for the Redis at `redis_url`, started on first use (after any fork)."""
+    return _landers.get(redis_url)
 
 
 def open_shard(r: redis.Redis, rd: RunDir, shard: str) -> dict[str, str]:

@@ -1,11 +1,12 @@
-"""A rollout started through the Python API: the collect flow, then a reply to the caller.
+"""The Python API's adapter over the rollout engine: run a rollout, then reply to the caller.
 
-Admission, the `/run` call, sorting the outcome and landing are `workers/collect.py`'s own
-functions; the `rollouts run` path is untouched. What differs here:
+The engine (`workers/rollout/`) admits, calls `/run`, sorts and lands exactly as for
+`rollouts run`. What this adapter adds:
 
 - the outcome goes back to the caller: one reply pushed onto the invocation's Redis list once
   the outcome is final (after landing, when the caller records a run directory);
-- without `record`, nothing is written to storage: the caller owns persistence;
+- without `record`, nothing is written to storage: the caller owns persistence, and admission
+  keys the rollout by its index in the call;
 - a failed `/run` never fails the run: the caller's awaitable raises, the caller decides;
 - the rollout is in the invocation's *active* set from before its call until its reply, so a
   closing caller can wait until nothing of its invocation runs any more.
@@ -14,7 +15,6 @@ functions; the `rollouts run` path is untouched. What differs here:
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import redis
@@ -22,17 +22,10 @@ import redis
 from infra import keys
 from infra.redis_client import client
 from schemas import fields as F
-from schemas.errors import ShardFencedError, StorageError, TransientError
+from schemas.outcomes import RolloutOutcome
 from schemas.replies import ReplyingCollectRequest, RolloutReply
-from workers.admission import gate, with_redis_retry
-from workers.collect import (
-    call_until_done_or_stopped,
-    drained_row,
-    land,
-    not_started_message,
-    sort_outcome,
-    worker_lost_row,
-)
+from workers.admission import with_redis_retry
+from workers.rollout import Delivery, RolloutContext, run_rollout
 
 log = logging.getLogger(__name__)
 
@@ -72,78 +65,39 @@ def push_reply(redis_url: str, req: ReplyingCollectRequest, reply: RolloutReply)
     with_redis_retry("reply", send)
 
 
-def collect_and_reply(req: ReplyingCollectRequest, redis_url: str) -> dict[str, Any]:
+def reply_of(index: int, outcome: RolloutOutcome) -> RolloutReply:
+    """The caller's reply for an outcome of the engine."""
+    return RolloutReply(
+        index=index,
+        kind=outcome.ended,
+        result=outcome.record,
+        error=outcome.detail,
+        run_ms=outcome.run_ms,
+        after_ms=outcome.after_ms,
+    )
+
+
+def collect_and_reply(
+    req: ReplyingCollectRequest, redis_url: str, ctx: RolloutContext
+) -> dict[str, Any]:
     """Run one rollout, land it when recorded, push its outcome; returns a small summary."""
-    try:
-        reply = _collect(req, redis_url)
-    except Exception as exc:
-        log.exception("rollout %s of invocation %s: unexpected error", req.reply.index,
-                      req.reply.invocation)  # fmt: skip
-        reply = RolloutReply(
-            index=req.reply.index, kind="error", error=f"{type(exc).__name__}: {exc}"
+    invocation, index = req.reply.invocation, req.reply.index
+
+    def admitted() -> None:
+        with_redis_retry(
+            "active set", lambda: client(redis_url).sadd(keys.api_active(invocation), index)
         )
+
+    delivery = Delivery(
+        record=req.reply.record,
+        fails_run=False,
+        admission=admission_view(req),
+        on_admitted=admitted,
+    )
+    outcome = run_rollout(req, ctx, delivery)
     try:
-        push_reply(redis_url, req, reply)
+        push_reply(redis_url, req, reply_of(index, outcome))
     except redis.RedisError as exc:
         # The caller's awaitable for this row then never resolves; its close is bounded.
-        log.error("could not reply for rollout %s of invocation %s: %s", req.reply.index,
-                  req.reply.invocation, exc)  # fmt: skip
-    return {"rollout": F.rollout_id(req.row) or req.reply.index, "outcome": reply.kind}
-
-
-def _collect(req: ReplyingCollectRequest, redis_url: str) -> RolloutReply:
-    index, row, token = req.reply.index, req.row, req.run.token
-    sid = keys.shard_id(req.run.output_dir, req.run.shard)
-    g = gate(redis_url)
-    view = admission_view(req)
-    ticket = g.admit(view, sid)
-    verdict = ticket.verdict
-    if verdict == "landed":
-        return RolloutReply(index=index, kind="duplicate")
-    if verdict == "fenced":
-        message = f"shard {req.run.shard} of {req.run.output_dir} was opened by another writer"
-        return RolloutReply(index=index, kind="fenced", error=message)
-    if verdict in ("drained", "failed", "cancelled"):
-        drained = drained_row(row, not_started_message(g, view, ticket))
-        if verdict == "drained":
-            return RolloutReply(index=index, kind="drained", result=drained)
-        return RolloutReply(index=index, kind="stopped", result=drained)
-    if verdict == "lost":
-        lost = worker_lost_row(req, int(ticket.detail))
-        if req.reply.record:
-            land(req, redis_url, None, [lost])
-        return RolloutReply(index=index, kind="failure", result=lost)
-
-    with_redis_retry(
-        "active set", lambda: client(redis_url).sadd(keys.api_active(req.reply.invocation), index)
-    )
-    started = time.monotonic()
-    try:
-        outcome, _stopped = call_until_done_or_stopped(g, req, sid)
-    except BaseException:
-        g.release(ticket, token)
-        raise
-    if outcome is None:
-        g.release(ticket, token, field="cancelled")
-        return RolloutReply(index=index, kind="cancelled")
-    ended = time.monotonic()
-    g.free_slot(ticket, token)
-    result, failures, word = sort_outcome(outcome)
-    try:
-        if req.reply.record:
-            land(req, redis_url, result, failures)
-    except ShardFencedError as exc:
-        return RolloutReply(index=index, kind="fenced", error=str(exc))
-    except (StorageError, OSError, redis.RedisError, TransientError) as exc:
-        log.error("rollout %s could not be landed: %s", F.rollout_id(row), exc)
-        return RolloutReply(index=index, kind="error", error=f"{type(exc).__name__}: {exc}")
-    finally:
-        timed = word == "landed" and req.admission.dispatch_deadline is not None
-        g.release(ticket, token, duration_s=ended - started if timed else None)
-    run_ms = (ended - started) * 1000
-    after_ms = (time.monotonic() - ended) * 1000
-    if outcome.result is not None:
-        return RolloutReply(index=index, kind="ok", result=outcome.result, run_ms=run_ms,
-                            after_ms=after_ms)  # fmt: skip
-    return RolloutReply(index=index, kind="failure", result=failures[-1], run_ms=run_ms,
-                        after_ms=after_ms)  # fmt: skip
+        log.error("could not reply for rollout %s of invocation %s: %s", index, invocation, exc)
+    return {"rollout": outcome.rollout or index, "outcome": outcome.ended.value}

@@ -16,23 +16,26 @@ from schemas.health import (
     ScanResult,
 )
 from schemas.messages import COLLECT_TASK, FINISH_TASK, CollectRequest, FinishRequest
+from schemas.outcomes import Ended
 from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
 from workers.app import app, state_redis_url
-from workers.collect import collect
 from workers.finish import finish_shard, health_brief
 from workers.health import combine, scan
 from workers.replies import collect_and_reply
+from workers.rollout import process_context, run_rollout
 
-# Outcomes whose summary a caller may want to read back even when the dispatch asked Celery not
-# to store results (a run's tasks do: the chord only counts them).
-KEPT_OUTCOMES = frozenset({"drained", "cancelled", "error"})
+# Ends whose summary is stored although the dispatch asked Celery not to store results (the chord
+# only counts them): the drained row of a rollout that never started, and why one did not finish.
+STORED_ENDS = frozenset({Ended.DRAINED, Ended.STOPPED, Ended.CANCELLED, Ended.ERROR})
 
 
 @app.task(name=COLLECT_TASK, acks_late=True, bind=True)
 def collect_task(self: Task, payload: dict[str, Any]) -> dict[str, Any]:
     """Run one rollout and land its result exactly once."""
-    summary = collect(CollectRequest.model_validate(payload), state_redis_url())
-    if self.request.ignore_result and summary.get("outcome") in KEPT_OUTCOMES:
+    url = state_redis_url()
+    outcome = run_rollout(CollectRequest.model_validate(payload), process_context(url))
+    summary = outcome.chord_summary()
+    if self.request.ignore_result and outcome.ended in STORED_ENDS:
         self.backend.store_result(self.request.id, summary, states.SUCCESS, request=self.request)
     return summary
 
@@ -61,4 +64,7 @@ def health_combine_task(results: list[dict[str, Any]], plan: dict[str, Any]) -> 
 @app.task(name=COLLECT_REPLY_TASK, acks_late=True, ignore_result=True)
 def collect_reply_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Run one rollout for the Python API and push its outcome to the caller."""
-    return collect_and_reply(ReplyingCollectRequest.model_validate(payload), state_redis_url())
+    url = state_redis_url()
+    return collect_and_reply(
+        ReplyingCollectRequest.model_validate(payload), url, process_context(url)
+    )

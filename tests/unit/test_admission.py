@@ -141,7 +141,7 @@ def test_more_unfinished_deliveries_than_the_attempt_limit_is_worker_lost(
         assert ticket.verdict == "run"
         g.renewer.remove(ticket.member)
     ticket = g.admit(request(7, max_attempts=2), SID)
-    assert (ticket.verdict, ticket.detail) == ("lost", "2")
+    assert (ticket.verdict, ticket.detail) == ("worker_lost", "2")
     assert r.hget(keys.shard_starts(SID), "7:0") is None
     # A finished delivery does not count towards it.
     for _ in range(3):
@@ -152,13 +152,14 @@ def test_more_unfinished_deliveries_than_the_attempt_limit_is_worker_lost(
 
 def test_fenced_landed_and_stop_flags(gate: Gate, r: redis.Redis) -> None:
     r.sadd(keys.shard_landed(SID), "3:1")
-    assert gate.admit(request(3, 1), SID).verdict == "landed"
+    assert gate.admit(request(3, 1), SID).verdict == "duplicate"
     assert int(r.hget(keys.shard_generation(SID), "duplicate")) == 1
     r.set(keys.shard_cancel(SID), "drain")
     ticket = gate.admit(request(4), SID)
-    assert (ticket.verdict, ticket.detail) == ("cancelled", "drain")
+    assert (ticket.verdict, ticket.detail) == ("stopped", "drain")
     r.set(keys.shard_run_failed(SID), "rollout 1-0 failed: boom")
-    assert gate.admit(request(4), SID).verdict == "failed"
+    ticket = gate.admit(request(4), SID)
+    assert (ticket.verdict, ticket.detail) == ("stopped", "failed: rollout 1-0 failed: boom")
     assert gate.stop_reason(SID) == "failed: rollout 1-0 failed: boom"
     assert int(r.hget(keys.shard_generation(SID), "stopped")) == 2
     assert r.hget(keys.shard_counts(SID), "drained") is None  # only the budget drains

@@ -15,14 +15,6 @@ from workers.agent_call import BACKOFF_CAP_S, CallOutcome, backoff_s, call_run
 ROW = {"_ng_task_index": 4, "_ng_rollout_index": 1, "agent_ref": {"name": "a"}, "x": 1}
 
 
-class MockPool:
-    def __init__(self, handler: Callable[[httpx.Request], httpx.Response]) -> None:
-        self._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-
-    def client(self) -> httpx.AsyncClient:
-        return self._client
-
-
 def run(
     handler: Callable[[httpx.Request], httpx.Response], **policy: object
 ) -> tuple[CallOutcome, int]:
@@ -34,13 +26,16 @@ def run(
         return handler(request)
 
     async def go() -> CallOutcome:
-        pool = MockPool(counting)
+        client = httpx.AsyncClient(transport=httpx.MockTransport(counting))
         try:
             return await call_run(
-                pool, "http://agent", dict(ROW), CallPolicy(backoff_base_s=0.001, **policy)
-            )  # type: ignore[arg-type]
+                client,
+                "http://agent",
+                dict(ROW),
+                CallPolicy(backoff_base_s=0.001, **policy),  # type: ignore[arg-type]
+            )
         finally:
-            await pool.client().aclose()
+            await client.aclose()
 
     return asyncio.run(go()), calls
 
@@ -98,11 +93,11 @@ def test_replays_stop_at_the_attempt_limit_counting_earlier_attempts() -> None:
     row = {**ROW, "_ng_attempt_index": 2}
 
     async def go() -> CallOutcome:
-        pool = MockPool(reset)
+        client = httpx.AsyncClient(transport=httpx.MockTransport(reset))
         try:
-            return await call_run(pool, "http://agent", row, CallPolicy(backoff_base_s=0.001))  # type: ignore[arg-type]
+            return await call_run(client, "http://agent", row, CallPolicy(backoff_base_s=0.001))
         finally:
-            await pool.client().aclose()
+            await client.aclose()
 
     resumed = asyncio.run(go())
     assert resumed.failures == [] and resumed.final_failure is not None
@@ -133,10 +128,9 @@ def test_time_limit_is_a_timeout_failure_not_a_crash() -> None:
 
     async def go() -> CallOutcome:
         client = httpx.AsyncClient(transport=httpx.MockTransport(slow))
-        pool = type("P", (), {"client": lambda self: client})()
         try:
             return await call_run(
-                pool, "http://agent", dict(ROW), CallPolicy(timeout_s=0.05, retry_requests=False)
+                client, "http://agent", dict(ROW), CallPolicy(timeout_s=0.05, retry_requests=False)
             )
         finally:
             await client.aclose()

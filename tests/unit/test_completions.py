@@ -15,7 +15,7 @@ from producer.api_dispatch import Outcome
 from producer.completions import Completions, Settled
 from schemas import fields as F
 from schemas.errors import PlanningError, RolloutFailedError, ShardFencedError
-from schemas.outcomes import RolloutFailureRecord
+from schemas.outcomes import Ended, RolloutFailureRecord
 from schemas.settings import CollectionSettings
 
 ROWS = [{F.TASK_INDEX: i, F.ROLLOUT_INDEX: 0} for i in range(4)]
@@ -56,7 +56,7 @@ class StubTransport:
 
 
 def ok(i: int) -> Outcome:
-    return Outcome(i, "ok", {**ROWS[i], "reward": 1.0})
+    return Outcome(i, Ended.LANDED, {**ROWS[i], "reward": 1.0})
 
 
 def plain(o: Outcome) -> Settled:
@@ -138,7 +138,10 @@ def test_drain_returns_unclaimed_settled_outcomes_once_without_those_the_close_c
         first = next(futures)
         transport.deliver(ok(3), ok(1))
         claimed = await first  # claims row 3
-        transport.during_close = [ok(0), Outcome(2, "cancelled")]  # 0 finished as the close began
+        transport.during_close = [
+            ok(0),
+            Outcome(2, Ended.CANCELLED),
+        ]  # 0 finished as the close began
         drained = await completions.aclose_and_drain()
         again = await completions.aclose_and_drain()
         return [await f for f in drained], again, claimed
@@ -157,7 +160,7 @@ def test_a_drained_error_is_a_future_that_raises_it() -> None:
         transport = StubTransport()
         completions = Completions(2, transport, failing, bounded=False)
         next(completions)
-        transport.deliver(Outcome(0, "failure", {}))
+        transport.deliver(Outcome(0, Ended.FAILED, {}))
         return await completions.aclose_and_drain()
 
     (future,) = asyncio.run(go())
@@ -181,7 +184,7 @@ def test_a_failed_rollout_raises_or_resolves_per_options(
 ) -> None:
     settings = CollectionSettings(route_failures_to_sidecar=route)
     convert = _converter(ROWS, settings, Call(enrich=False, records=records), None, "api-x")
-    settled = convert(Outcome(1, "failure", FAILURE))
+    settled = convert(Outcome(1, Ended.FAILED, FAILURE))
     if expected is RolloutFailedError:
         assert isinstance(settled.error, RolloutFailedError)
         assert settled.error.failure == FAILURE and settled.error.row is ROWS[1]
@@ -207,7 +210,7 @@ def test_failure_record_fields() -> None:
 def test_enriched_results_carry_ng_perf() -> None:
     convert = _converter(ROWS, CollectionSettings(), Call(enrich=True, records=False), None, "x")
     perf = {"rollout_latency_ms": 12.5, "queue_wait_ms": 3.0}
-    settled = convert(Outcome(0, "ok", {"reward": 1.0}, perf=perf))
+    settled = convert(Outcome(0, Ended.LANDED, {"reward": 1.0}, perf=perf))
     assert settled.value is not None and settled.value[1]["ng_perf"] == perf
 
 
@@ -224,7 +227,7 @@ def test_system_errors_and_cancellation_propagate_even_from_run_outcomes(
 ) -> None:
     settings = CollectionSettings(route_failures_to_sidecar=True)
     convert = _converter(ROWS, settings, Call(enrich=False, records=True), None, "x")
-    settled = convert(Outcome(0, kind, error="the worker could not land it"))  # type: ignore[arg-type]
+    settled = convert(Outcome(0, Ended(kind), error="the worker could not land it"))
     with pytest.raises(raised):
         settled.unwrap()
 

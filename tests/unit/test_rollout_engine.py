@@ -1,0 +1,325 @@
+"""The rollout engine through every way a rollout ends, over in-memory fakes and httpx.MockTransport.
+
+No Redis, no storage, no worker process: the gate and lander are `workers/rollout/fakes.py`, the
+agent is an `httpx.AsyncClient` over a `MockTransport` driven by the real `call_run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis
+
+from infra.http import EventLoopThread
+from schemas import fields as F
+from schemas.errors import StorageError
+from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
+from schemas.outcomes import Ended, RolloutOutcome
+from workers.rollout import CHORD, Delivery, LoopCaller, RolloutContext, run_rollout
+from workers.rollout.fakes import FakeGate, FakeLander, FakeShard
+
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+ROW = {F.TASK_INDEX: 3, F.ROLLOUT_INDEX: 1, F.AGENT_REF: {"name": "a"}, "question": "1+1"}
+# The agent's reply with the planned row's identity stamped on it.
+RESULT = {"reward": 1.0, F.TASK_INDEX: 3, F.ROLLOUT_INDEX: 1, F.AGENT_REF: {"name": "a"}}
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[EventLoopThread]:
+    thread = EventLoopThread("test-engine")
+    yield thread
+    thread.loop.call_soon_threadsafe(thread.loop.stop)
+    thread.thread.join(5)
+    thread.loop.close()
+
+
+class Harness:
+    """A shard, its fake gate and lander, and an agent answering with `handler`."""
+
+    def __init__(self, loop: EventLoopThread) -> None:
+        self.loop = loop
+        self.shard = FakeShard()
+        self.gate = FakeGate(self.shard)
+        self.lander = FakeLander(self.shard)
+        self.requests: list[dict[str, Any]] = []
+        self.handler: Handler = self.reply(200, {"reward": 1.0})
+        self.slept: list[float] = []
+        self.clients: list[httpx.AsyncClient] = []
+
+    def reply(self, status: int, body: Any) -> Handler:
+        async def answer(request: httpx.Request) -> httpx.Response:
+            return httpx.Response(status, content=orjson.dumps(body))
+
+        return answer
+
+    def client(self) -> httpx.AsyncClient:
+        async def record(request: httpx.Request) -> httpx.Response:
+            self.requests.append(orjson.loads(request.content))
+            return await self.handler(request)
+
+        made = httpx.AsyncClient(transport=httpx.MockTransport(record))
+        self.clients.append(made)
+        return made
+
+    def context(self) -> RolloutContext:
+        return RolloutContext(
+            gate=self.gate,
+            lander=self.lander,
+            agent=LoopCaller(self.loop, self.client, poll_s=0.01),
+            sleep=self.slept.append,
+        )
+
+    def run(
+        self, delivery: Delivery = CHORD, token: str = "token-1", **policy: Any
+    ) -> RolloutOutcome:
+        admission = policy.pop("admission", Admission())
+        req = CollectRequest(
+            run=RunRef(run_id="r", output_dir="/tmp/nowhere", shard="0", token=token),
+            agent_url="http://agent",
+            policy=CallPolicy(backoff_base_s=0.001, **policy),
+            row=dict(ROW),
+            admission=admission,
+        )
+        try:
+            return run_rollout(req, self.context(), delivery)
+        finally:
+            for c in self.clients:
+                self.loop.run(c.aclose())
+            self.clients.clear()
+
+    def slots_returned(self) -> bool:
+        """Every admitted delivery gave its slot back and ended its delivery count."""
+        return len(self.gate.released) == len(self.gate.admitted) and not self.shard.starts
+
+
+@pytest.fixture
+def h(loop: EventLoopThread) -> Harness:
+    return Harness(loop)
+
+
+def test_landed(h: Harness) -> None:
+    out = h.run()
+    assert out.ended is Ended.LANDED and out.rollout == "3-1"
+    assert h.shard.results == [RESULT] and h.shard.failures == []
+    assert out.record == RESULT
+    assert out.requests == 1 and out.run_ms is not None
+    assert h.gate.freed == ["3:1"] and h.slots_returned()
+    assert h.gate.released[0].duration_s is None  # no budget: no duration kept
+    assert out.chord_summary() == {"rollout": "3-1", "outcome": "landed", "requests": 1}
+
+
+def test_landed_with_a_budget_records_its_duration(h: Harness) -> None:
+    h.shard.budget_left_s = 100.0
+    out = h.run(admission=Admission(dispatch_deadline=1e12))
+    assert out.ended is Ended.LANDED
+    duration = h.gate.released[0].duration_s
+    assert duration is not None and duration >= 0
+
+
+def test_identity_comes_from_the_planned_row_not_the_echo(h: Harness) -> None:
+    h.handler = h.reply(200, {F.TASK_INDEX: 99, "reward": 0.0})
+    out = h.run()
+    assert out.ended is Ended.LANDED and h.shard.results[0][F.TASK_INDEX] == 3
+
+
+def test_duplicate_at_admission_calls_nobody(h: Harness) -> None:
+    h.shard.landed.add("3:1")
+    out = h.run()
+    assert out.ended is Ended.DUPLICATE and out.record is None
+    assert h.requests == [] and h.lander.calls == 0 and h.gate.admitted == []
+
+
+def test_duplicate_at_landing_when_another_delivery_landed_meanwhile(h: Harness) -> None:
+    async def racing(request: httpx.Request) -> httpx.Response:
+        h.shard.landed.add("3:1")  # the other delivery lands while this one calls
+        return httpx.Response(200, json={"reward": 0.5})
+
+    h.handler = racing
+    out = h.run()
+    assert out.ended is Ended.DUPLICATE and h.shard.results == []
+    assert out.record is not None and out.record["reward"] == 0.5
+    assert h.slots_returned()
+
+
+def test_fenced_at_admission(h: Harness) -> None:
+    out = h.run(token="old-token")
+    assert out.ended is Ended.FENCED and h.requests == [] and h.lander.calls == 0
+    assert out.detail is not None and "opened by another writer" in out.detail
+
+
+def test_fenced_at_landing_writes_nothing(h: Harness) -> None:
+    async def reopened(request: httpx.Request) -> httpx.Response:
+        h.shard.opener = "token-2"  # a resume opened the shard while the call ran
+        return httpx.Response(200, json={"reward": 1.0})
+
+    h.handler = reopened
+    out = h.run()
+    assert out.ended is Ended.FENCED and h.shard.results == [] and h.slots_returned()
+
+
+def test_drained_by_the_budget(h: Harness) -> None:
+    h.shard.budget_left_s = 0.0
+    out = h.run()
+    assert out.ended is Ended.DRAINED and h.requests == []
+    assert out.record == {
+        F.TASK_INDEX: 3,
+        F.ROLLOUT_INDEX: 1,
+        F.AGENT_REF: {"name": "a"},
+        F.FAILURE_CLASS: "cancelled",
+        F.NO_PERSIST: True,
+        F.DISPATCH_DRAINED: True,
+        "error_message": "not dispatched: dispatch budget exhausted",
+    }
+    assert out.chord_summary()["row"] == out.record
+
+
+def test_drained_below_the_margin_names_it(h: Harness) -> None:
+    h.shard.budget_left_s, h.shard.margin_s = 5.0, 12.0
+    out = h.run()
+    assert out.ended is Ended.DRAINED and out.record is not None
+    assert out.record["error_message"] == (
+        "not dispatched: 5s left in dispatch budget, below the 12s drain margin"
+    )
+
+
+@pytest.mark.parametrize(
+    ("failed", "cancel", "message"),
+    [
+        (
+            "rollout 1-0 failed: boom",
+            None,
+            "not dispatched: the run failed: rollout 1-0 failed: boom",
+        ),
+        (None, "cancel", "not dispatched: the run is cancelled"),
+        (None, "drain", "not dispatched: the run is draining"),
+    ],
+)
+def test_stopped_by_a_failed_or_cancelled_run(
+    h: Harness, failed: str | None, cancel: str | None, message: str
+) -> None:
+    h.shard.run_failed, h.shard.cancel = failed, cancel
+    out = h.run()
+    assert out.ended is Ended.STOPPED and h.requests == [] and h.shard.failures == []
+    assert out.record is not None and out.record["error_message"] == message
+    assert out.chord_summary()["outcome"] == "stopped"
+
+
+def test_cancelled_in_flight_cuts_the_call(h: Harness) -> None:
+    async def slow(request: httpx.Request) -> httpx.Response:
+        h.shard.cancel = "cancel"
+        await asyncio.sleep(30)
+        return httpx.Response(200, json={})
+
+    h.handler = slow
+    out = h.run()
+    assert out.ended is Ended.CANCELLED and out.detail == "cancel"
+    assert h.lander.calls == 0 and h.gate.released[0].field == "cancelled" and h.slots_returned()
+
+
+def test_a_drain_lets_the_call_in_flight_finish(h: Harness) -> None:
+    async def draining(request: httpx.Request) -> httpx.Response:
+        h.shard.cancel = "drain"
+        await asyncio.sleep(0.05)
+        return httpx.Response(200, json={"reward": 1.0})
+
+    h.handler = draining
+    assert h.run().ended is Ended.LANDED
+
+
+def test_failed_after_retries_fails_the_run(h: Harness) -> None:
+    h.handler = h.reply(503, {"detail": "overloaded"})
+    out = h.run(max_attempts=3)
+    assert out.ended is Ended.FAILED and out.requests == 3 and len(h.requests) == 3
+    assert [f.get(F.ATTEMPT_INDEX) for f in h.shard.failures] == [None, 1, 2]
+    assert out.record == h.shard.failures[-1]
+    assert h.shard.run_failed is not None and h.shard.run_failed.startswith("rollout 3-1 failed: ")
+
+
+def test_failed_routed_to_the_sidecar_leaves_the_run_going(h: Harness) -> None:
+    h.handler = h.reply(500, {"detail": "bug"})
+    out = h.run(route_failures_to_sidecar=True)
+    assert out.ended is Ended.FAILED and h.shard.run_failed is None
+    assert h.shard.failures[0][F.FAILURE_CLASS] == "agent_run_error"
+
+
+def test_the_python_api_never_fails_the_run(h: Harness) -> None:
+    h.handler = h.reply(500, {"detail": "bug"})
+    out = h.run(Delivery(fails_run=False))
+    assert out.ended is Ended.FAILED and h.shard.run_failed is None
+
+
+def test_agent_chosen_failure(h: Harness) -> None:
+    h.handler = h.reply(200, {F.FAILURE_CLASS: "judge_failed", "reward": 0.0})
+    out = h.run()
+    assert out.ended is Ended.AGENT_FAILURE and h.shard.results == []
+    assert h.shard.failures[0][F.FAILURE_CLASS] == "judge_failed"
+    assert h.shard.run_failed is None  # the agent's own failure row is evidence, not a run error
+
+
+def test_not_persisted(h: Harness) -> None:
+    h.handler = h.reply(200, {F.NO_PERSIST: True})
+    out = h.run()
+    assert out.ended is Ended.NOT_PERSISTED and h.shard.results == [] and h.shard.failures == []
+    assert "3:1" not in h.shard.landed and h.slots_returned()
+
+
+def test_worker_lost_after_the_attempt_limit(h: Harness) -> None:
+    h.shard.starts["3:1"] = 2  # two deliveries started and never ended: their workers died
+    out = h.run(max_attempts=2)
+    assert out.ended is Ended.WORKER_LOST and h.requests == []
+    assert h.shard.failures == [out.record]
+    assert out.record is not None and out.record[F.FAILURE_CLASS] == "worker_lost"
+    assert h.shard.run_failed is not None  # not routed: a lost rollout fails the run
+
+
+def test_worker_lost_unrecorded_lands_nothing(h: Harness) -> None:
+    h.shard.starts["3:1"] = 1
+    out = h.run(Delivery(record=False, fails_run=False), max_attempts=1)
+    assert out.ended is Ended.WORKER_LOST and h.lander.calls == 0 and h.shard.run_failed is None
+
+
+def test_unrecorded_delivery_returns_the_result_and_writes_nothing(h: Harness) -> None:
+    admitted: list[bool] = []
+    out = h.run(Delivery(record=False, fails_run=False, on_admitted=lambda: admitted.append(True)))
+    assert out.ended is Ended.LANDED and out.record == RESULT
+    assert h.lander.calls == 0 and admitted == [True] and h.slots_returned()
+
+
+def test_landing_rides_out_a_redis_restart(h: Harness) -> None:
+    h.lander.errors = [redis.ConnectionError("restarting"), redis.ConnectionError("restarting")]
+    out = h.run()
+    assert out.ended is Ended.LANDED and h.lander.calls == 3 and h.slept == [0.5, 1.0]
+
+
+def test_a_storage_error_is_an_error_outcome_and_frees_the_slot(h: Harness) -> None:
+    h.lander.errors = [StorageError("disk full")]
+    out = h.run()
+    assert out.ended is Ended.ERROR and out.detail == "StorageError: disk full"
+    assert h.shard.results == [] and h.slots_returned()
+    assert out.chord_summary() == {
+        "rollout": "3-1",
+        "outcome": "error",
+        "error": "StorageError: disk full",
+        "requests": 1,
+    }
+
+
+def test_redis_down_at_admission_is_an_error_outcome(h: Harness) -> None:
+    def down(req: CollectRequest, sid: str) -> Any:
+        raise redis.ConnectionError("no Redis")
+
+    h.gate.admit = down  # type: ignore[method-assign]
+    out = h.run()
+    assert out.ended is Ended.ERROR and h.requests == []
+
+
+def test_an_unexpected_error_is_an_outcome_not_an_exception(h: Harness) -> None:
+    h.lander.errors = [RuntimeError("bug")]
+    out = h.run()
+    assert out.ended is Ended.ERROR and out.detail == "RuntimeError: bug"
+    assert h.slots_returned()

@@ -1,0 +1,21 @@
+"""The rollout engine: one function runs one delivery of a rollout, over injected collaborators."""
+
+from workers.rollout.context import (
+    AdmissionGate,
+    LoopCaller,
+    RecordLander,
+    RolloutContext,
+    process_context,
+)
+from workers.rollout.engine import CHORD, Delivery, run_rollout
+
+__all__ = [
+    "CHORD",
+    "AdmissionGate",
+    "Delivery",
+    "LoopCaller",
+    "RecordLander",
+    "RolloutContext",
+    "process_context",
+    "run_rollout",
+]

@@ -1,0 +1,195 @@
+"""One rollout, start to finish: admit it, call `/run`, sort the outcome, land it, release its slot.
+
+Both rollout tasks are thin adapters over `run_rollout`: the chord task of `rollouts run` and
+`resume` (`workers/tasks.py`) and the Python API's reply task (`workers/replies.py`).
+Nothing here raises for a rollout's own trouble (a task that raised would fail the whole chord
+and the shard would never finish): every path returns a `RolloutOutcome`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from infra import keys
+from schemas import fields as F
+from schemas.errors import ShardFencedError, StorageError, TransientError
+from schemas.messages import CollectRequest
+from schemas.outcomes import (
+    FAILURE_ENDS,
+    RESULT_ENDS,
+    Ended,
+    RolloutOutcome,
+    run_failure_message,
+)
+from workers.admission import Ticket
+from workers.landing import LandReport
+from workers.rollout.context import RolloutContext
+from workers.rollout.rows import drained_row, not_started_message, sort_outcome, worker_lost_row
+
+log = logging.getLogger(__name__)
+
+LAND_RETRY_S = 120.0
+"""How long landing rides out a Redis restart or a busy lock before the rollout ends in error."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What the task running this delivery wants beyond the request itself."""
+
+    record: bool = True
+    """Land the records in the shard; off for an unrecorded Python API call (the caller owns them)."""
+    fails_run: bool = True
+    """A final failure flags the run failed unless failures are routed to the sidecar; off for the
+    Python API, whose caller decides."""
+    admission: CollectRequest | None = None
+    """The request admission sees, when it is not the request itself (the Python API keys
+    unrecorded rows by their index in the call)."""
+    on_admitted: Callable[[], None] | None = None
+    """Called once the rollout was admitted, before `/run` is called."""
+
+
+CHORD = Delivery()
+"""A rollout of `rollouts run` or `resume`."""
+
+
+def run_rollout(
+    req: CollectRequest, ctx: RolloutContext, delivery: Delivery = CHORD
+) -> RolloutOutcome:
+    """Run one delivery of one rollout and return how it ended; never raises for its trouble."""
+    rollout = F.rollout_id(req.row)
+    try:
+        return _Run(req, ctx, delivery).run()
+    except Exception as exc:
+        # The rollout is left without an outcome (a resume runs it) and the error is logged.
+        log.exception("rollout %s: unexpected error", rollout)
+        return RolloutOutcome(
+            rollout=rollout, ended=Ended.ERROR, detail=f"{type(exc).__name__}: {exc}"
+        )
+
+
+class _Run:
+    """The steps of one delivery, sharing its request, context and shard id."""
+
+    def __init__(self, req: CollectRequest, ctx: RolloutContext, delivery: Delivery) -> None:
+        self.req = req
+        self.ctx = ctx
+        self.delivery = delivery
+        self.rollout = F.rollout_id(req.row)
+        self.sid = keys.shard_id(req.run.output_dir, req.run.shard)
+        self.land_error: str | None = None
+
+    def end(self, ended: Ended, **fields: Any) -> RolloutOutcome:
+        return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
+
+    def run(self) -> RolloutOutcome:
+        req, ctx, token = self.req, self.ctx, self.req.run.token
+        seen = self.delivery.admission or req
+        try:
+            ticket = ctx.gate.admit(seen, self.sid)
+        except redis.RedisError as exc:
+            log.error("rollout %s not started: Redis unavailable: %s", self.rollout, exc)
+            return self.end(Ended.ERROR, detail=f"{type(exc).__name__}: {exc}")
+        if ticket.verdict != "run":
+            return self.not_run(ticket, seen)
+        if self.delivery.on_admitted is not None:
+            self.delivery.on_admitted()
+
+        started = ctx.monotonic()
+        try:
+            outcome, stop = ctx.agent.call(
+                req.agent_url, req.row, req.policy, lambda: ctx.gate.stop_reason(self.sid)
+            )
+        except BaseException:
+            ctx.gate.release(ticket, token)
+            raise
+        if outcome is None:
+            ctx.gate.release(ticket, token, field="cancelled")
+            return self.end(Ended.CANCELLED, detail=stop)
+        ended_call = ctx.monotonic()
+        # The slot covers the /run call: the next rollout may start while this one lands.
+        ctx.gate.free_slot(ticket, token)
+        result, failures, ended = sort_outcome(outcome)
+        timed = ended is Ended.LANDED and req.admission.dispatch_deadline is not None
+        try:
+            if self.delivery.record:
+                ended = self.land(result, failures, ended)
+        finally:
+            ctx.gate.release(ticket, token, duration_s=ended_call - started if timed else None)
+        kept = ended in RESULT_ENDS or ended in FAILURE_ENDS or ended is Ended.DUPLICATE
+        record = outcome.result if outcome.result is not None else failures[-1]
+        return self.end(
+            ended,
+            record=record if kept else None,
+            detail=self.land_error,
+            requests=outcome.requests_sent,
+            run_ms=(ended_call - started) * 1000,
+            after_ms=(ctx.monotonic() - ended_call) * 1000,
+        )
+
+    def not_run(self, ticket: Ticket, seen: CollectRequest) -> RolloutOutcome:
+        verdict = ticket.verdict
+        if verdict == "duplicate":
+            return self.end(Ended.DUPLICATE)
+        if verdict == "fenced":
+            log.warning(
+                "rollout %s not started: shard %s of %s was opened by another writer (%s) since "
+                "this task's writer (%s)",
+                self.rollout, self.req.run.shard, self.req.run.output_dir, ticket.detail,
+                self.req.run.token,
+            )  # fmt: skip
+            return self.end(
+                Ended.FENCED,
+                detail=f"shard {self.req.run.shard} of {self.req.run.output_dir} was opened by "
+                f"another writer",
+            )
+        if verdict in ("drained", "stopped"):
+            budget_left = verdict == "drained" and float(ticket.detail) > 0
+            margin = self.ctx.gate.margin_s(self.sid, seen) if budget_left else None
+            row = drained_row(self.req.row, not_started_message(ticket, margin))
+            return self.end(Ended(verdict), record=row, detail=ticket.detail)
+        lost = worker_lost_row(self.req, int(ticket.detail))
+        ended = Ended.WORKER_LOST
+        if self.delivery.record:
+            ended = self.land(None, [lost], ended)
+        return self.end(ended, record=lost if ended is Ended.WORKER_LOST else None,
+                        detail=self.land_error)  # fmt: skip
+
+    def land(
+        self, result: dict[str, Any] | None, failures: list[dict[str, Any]], ended: Ended
+    ) -> Ended:
+        """Land the records; returns how the rollout ended once they are (or could not be) down."""
+        try:
+            report = self.land_with_retry(result, failures)
+        except ShardFencedError as exc:
+            log.warning("%s", exc)
+            self.land_error = str(exc)
+            return Ended.FENCED
+        except (StorageError, OSError, redis.RedisError, TransientError) as exc:
+            log.error("rollout %s could not be landed: %s", self.rollout, exc)
+            self.land_error = f"{type(exc).__name__}: {exc}"
+            return Ended.ERROR
+        routed = self.req.policy.route_failures_to_sidecar
+        if ended in FAILURE_ENDS and self.delivery.fails_run and not routed:
+            self.ctx.gate.fail_run(self.sid, run_failure_message(self.rollout, failures[-1]))
+        return Ended.DUPLICATE if report.duplicate else ended
+
+    def land_with_retry(
+        self, result: dict[str, Any] | None, failures: list[dict[str, Any]]
+    ) -> LandReport:
+        """Land the records, riding out a Redis restart or a busy lock for up to LAND_RETRY_S."""
+        deadline = self.ctx.monotonic() + LAND_RETRY_S
+        delay = 0.5
+        while True:
+            try:
+                return self.ctx.lander.land(self.req.run, result, failures)
+            except (redis.ConnectionError, redis.TimeoutError, TransientError) as exc:
+                if self.ctx.monotonic() + delay > deadline:
+                    raise
+                log.warning("landing %s: %s; retrying in %.1fs", self.rollout, exc, delay)
+                self.ctx.sleep(delay)
+                delay = min(delay * 2, 5.0)

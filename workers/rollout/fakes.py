@@ -1,0 +1,146 @@
+"""In-memory stand-ins for the engine's gate and lander, for unit tests: no Redis, no storage.
+
+`FakeShard` holds what Redis and the shard's files would: the landed keys, the opener token,
+the stop flags, the budget, the unfinished deliveries, and the records written. `FakeGate` admits
+against it as the begin script does (stop flags, fencing, landed, budget, attempt limit, in that
+order); `FakeLander` lands into it as the lander does (fenced writers refused, a result whose key
+landed before is a duplicate). Either can be told to fail its next calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas import fields as F
+from schemas.errors import ShardFencedError
+from schemas.messages import CollectRequest, RunRef
+from workers.admission import Ticket
+from workers.landing import LandReport
+
+
+def _key(row: dict[str, Any]) -> str:
+    task, rollout = F.rollout_key(row)
+    return f"{task}:{rollout}"
+
+
+@dataclass
+class FakeShard:
+    """The state one shard's Redis keys and files would hold."""
+
+    opener: str = "token-1"
+    """The token of the generation that opened the shard; other tokens are fenced."""
+    landed: set[str] = field(default_factory=set)
+    """`task:rollout` keys of the results that landed."""
+    results: list[dict[str, Any]] = field(default_factory=list)
+    """What `rollouts-S.jsonl` holds."""
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    """What the failures sidecar holds."""
+    run_failed: str | None = None
+    """The run's first error, once the run was flagged failed."""
+    cancel: str | None = None
+    """`cancel` or `drain` once the run was told to stop."""
+    budget_left_s: float | None = None
+    """Seconds left in the dispatch budget; None: no budget."""
+    margin_s: float | None = None
+    """The drain margin."""
+    starts: dict[str, int] = field(default_factory=dict)
+    """Deliveries of each rollout that started and did not end."""
+
+
+@dataclass
+class Release:
+    """One call of `release` or `free_slot`."""
+
+    key: str
+    field: str | None
+    duration_s: float | None
+
+
+class FakeGate:
+    """Admission against a `FakeShard`, recording the slots it hands out and gets back."""
+
+    def __init__(self, shard: FakeShard) -> None:
+        self.shard = shard
+        self.admitted: list[str] = []
+        self.freed: list[str] = []
+        self.released: list[Release] = []
+
+    def admit(self, req: CollectRequest, sid: str) -> Ticket:
+        s, key = self.shard, _key(req.row)
+
+        def ticket(verdict: Any, detail: str = "") -> Ticket:
+            return Ticket(verdict, detail, sid, key, f"fake|{key}", "agent")
+
+        if s.run_failed is not None:
+            return ticket("stopped", f"failed: {s.run_failed}")
+        if s.cancel is not None:
+            return ticket("stopped", s.cancel)
+        if req.run.token != s.opener:
+            return ticket("fenced", s.opener)
+        if key in s.landed:
+            return ticket("duplicate")
+        left = s.budget_left_s
+        if left is not None and (left <= 0 or (s.margin_s is not None and left < s.margin_s)):
+            return ticket("drained", str(left))
+        n = s.starts[key] = s.starts.get(key, 0) + 1
+        if n > req.policy.max_attempts:
+            del s.starts[key]
+            return ticket("worker_lost", str(n - 1))
+        self.admitted.append(key)
+        return ticket("run")
+
+    def free_slot(self, ticket: Ticket, token: str) -> None:
+        self.freed.append(ticket.key)
+
+    def release(
+        self, ticket: Ticket, token: str, field: str = "done", duration_s: float | None = None
+    ) -> None:
+        starts = self.shard.starts
+        if ticket.key in starts:
+            starts[ticket.key] -= 1
+            if starts[ticket.key] <= 0:
+                del starts[ticket.key]
+        self.released.append(Release(ticket.key, field, duration_s))
+
+    def stop_reason(self, sid: str) -> str | None:
+        if self.shard.run_failed is not None:
+            return f"failed: {self.shard.run_failed}"
+        return self.shard.cancel
+
+    def margin_s(self, sid: str, req: CollectRequest) -> float | None:
+        return self.shard.margin_s
+
+    def fail_run(self, sid: str, message: str) -> None:
+        if self.shard.run_failed is None:
+            self.shard.run_failed = message
+
+
+class FakeLander:
+    """Lands into a `FakeShard`; `errors` are raised by the next calls, one each, first first."""
+
+    def __init__(self, shard: FakeShard) -> None:
+        self.shard = shard
+        self.errors: list[BaseException] = []
+        self.calls = 0
+
+    def land(
+        self, run: RunRef, result: dict[str, Any] | None, failures: list[dict[str, Any]]
+    ) -> LandReport:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        s = self.shard
+        if run.token != s.opener:
+            raise ShardFencedError(f"shard {run.shard} was opened by another writer ({s.opener})")
+        report = LandReport(failures_written=len(failures))
+        if result is not None:
+            key = _key(result)
+            if key in s.landed:
+                report.duplicate = True
+            else:
+                s.landed.add(key)
+                s.results.append(result)
+                report.landed = True
+        s.failures.extend(failures)
+        return report
