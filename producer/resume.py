@@ -37,8 +37,8 @@ from schemas.errors import PlanningError, Problem, StorageError, UsageError
 from schemas.messages import RunRef
 from schemas.records import Generation, Manifest, utc_now
 from schemas.settings import DEFAULT_MAX_ATTEMPTS, CollectionSettings
-from workers.accounting import iter_rows
 from workers.landing import open_shard
+from workers.shard.ledger import ShardLedger
 
 MAX_ATTEMPTS_ENV = "NEMO_GYM_MAX_ROLLOUT_ATTEMPTS"
 # Settings that shape the planned rollouts: fixed once the materialized inputs exist.
@@ -85,45 +85,27 @@ class ResumePlan:
 
 @dataclass
 class ShardOutcomes:
-    """The keys a shard's files settle: landed results, failure rows per key, terminal failures."""
+    """The keys a shard's files settle (landed results, terminal failures) and its failed attempts."""
 
-    landed: set[tuple[int, int]] = field(default_factory=set)
-    attempts: Counter[tuple[int, int]] = field(default_factory=Counter)
-    terminal: set[tuple[int, int]] = field(default_factory=set)
+    ledger: ShardLedger
 
     @classmethod
     def read(cls, rd: RunDir, shard: str) -> ShardOutcomes:
-        files = ShardFiles(shard)
-        out = cls()
-        for row in iter_rows(rd, files.results):
-            key = _key(row)
-            if key is not None:
-                out.landed.add(key)
-        for row in iter_rows(rd, files.failures):
-            key = _key(row)
-            if key is None:
-                continue
-            out.attempts[key] += 1
-            if row.get(F.FAILURE_TERMINAL):
-                out.terminal.add(key)
-        return out
+        return cls(ShardLedger.read(rd, shard))
+
+    @property
+    def attempts(self) -> Counter[tuple[int, int]]:
+        return self.ledger.attempts
 
     def verdict(self, key: tuple[int, int], max_attempts: int) -> str:
         """landed, terminal, exhausted, or run (with `attempts[key]` earlier failed attempts)."""
-        if key in self.landed:
+        if key in self.ledger.landed_keys:
             return "landed"
-        if key in self.terminal:
+        if key in self.ledger.terminal:
             return "terminal"
         if self.attempts[key] >= max_attempts:
             return "exhausted"
         return "run"
-
-
-def _key(row: dict[str, Any]) -> tuple[int, int] | None:
-    try:
-        return F.rollout_key(row)
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 def max_attempts_limit(flag: int | None, settings: CollectionSettings, console: Console) -> int:

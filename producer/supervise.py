@@ -31,7 +31,7 @@ from producer.live import LiveSnapshot, broker_queue_length, open_generation, sn
 from schemas.config import ServersConfig
 from schemas.errors import RunFailedError
 from schemas.settings import CollectionSettings
-from workers.accounting import count_shard
+from workers.shard.ledger import count_shard
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from schemas.config import ServersConfig
 from schemas.health import QUALITY_SUMMARY, STOPPED_BY_SIGTERM, Limits
 from schemas.messages import RunRef
 from schemas.settings import CollectionSettings
-from workers.accounting import count_shard, iter_rows
 from workers.aggregation import aggregate, group_rows
 from workers.health.check import check_sources_here, write_disabled
 from workers.health.sources import source_for
 from workers.landing import compact_shard
+from workers.shard.ledger import count_shard, iter_rows
 
 log = logging.getLogger(__name__)
 
