@@ -34,6 +34,7 @@ from producer.supervise import dispatch_generation, raise_for_outcome
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, StorageError, UsageError
+from schemas.finish import FinishResult
 from schemas.messages import RunRef
 from schemas.records import Generation, Manifest, utc_now
 from schemas.settings import DEFAULT_MAX_ATTEMPTS, CollectionSettings
@@ -275,7 +276,7 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
         f"{plan.exhausted} exhausted (attempt limit {max_attempts}); running {plan.to_run}"
     )
 
-    def go(broker: str, redis_url: str) -> dict[str, Any] | None:
+    def go(broker: str, redis_url: str) -> FinishResult | None:
         opened = open_resume(rd, opts.shard, redis_url, plan.to_run, settings, changed)
         app = client_app(broker, redis_url)
         rows = rows_to_run(rd, opts.shard, outcomes, max_attempts)

@@ -18,6 +18,7 @@ from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
 from infra.store import RunDir, ShardFiles
 from schemas.config import ServersConfig
+from schemas.finish import FinishResult
 from schemas.health import QUALITY_SUMMARY, STOPPED_BY_SIGTERM, Limits
 from schemas.messages import RunRef
 from schemas.settings import CollectionSettings
@@ -130,7 +131,7 @@ def generation_counts(redis_url: str, sid: str, token: str) -> dict[str, int]:
     return {k: int(v) for k, v in data.items() if v.lstrip("-").isdigit()}
 
 
-def finish_shard(run: RunRef, redis_url: str) -> dict[str, Any]:
+def finish_shard(run: RunRef, redis_url: str) -> FinishResult:
     """Finish a shard after its last rollout task returned."""
     rd = RunDir(run.output_dir)
     sid = keys.shard_id(rd.url, run.shard)
@@ -139,13 +140,13 @@ def finish_shard(run: RunRef, redis_url: str) -> dict[str, Any]:
         return _finish(rd, sid, run, redis_url)
 
 
-def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> dict[str, Any]:
+def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     manifest = read_manifest(rd, run.shard)
     if manifest.token != run.token:
         log.warning(
             "finish of %s shard %s skipped: superseded by a later dispatch", rd.url, run.shard
         )
-        return {"state": "superseded"}
+        return FinishResult(state="superseded")
     config = ServersConfig.model_validate(manifest.config)
     settings = CollectionSettings.model_validate(manifest.settings)
     # Every appended file becomes one object before anything reads it for the reports: after a
@@ -188,17 +189,17 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> dict[str, Any]
         manifest.state = "failed"
         manifest.error = f"{manifest.error}; {rejection}" if manifest.error else rejection
     write_manifest(rd, manifest)
-    return {
-        "state": manifest.state,
-        "error": manifest.error,
-        "run_error": run_error,
-        "cancelled": cancelled,
-        "rejection": rejection,
-        "landed": counts.landed,
-        "planned": counts.planned,
-        "failed": dict(counts.failed),
-        "drained": status.drained,
-        "stopped": generation.get("stopped", 0),
-        "aggregation_error": aggregation_error,
-        "health": health,
-    }
+    return FinishResult(
+        state=manifest.state,
+        error=manifest.error,
+        run_error=run_error,
+        cancelled=cancelled,
+        rejection=rejection,
+        landed=counts.landed,
+        planned=counts.planned,
+        failed=dict(counts.failed),
+        drained=status.drained,
+        stopped=generation.get("stopped", 0),
+        aggregation_error=aggregation_error,
+        health=health,
+    )
