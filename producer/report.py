@@ -46,6 +46,10 @@ def print_metrics_file(console: Console, rd: RunDir, name: str, keys_only: bool 
 
 
 def print_counts(console: Console, result: FinishResult) -> None:
+    """The coverage lines of the metrics (when they miss or impute rollouts), then the counts."""
+    if result.coverage is not None:
+        for line in result.coverage.lines():
+            console.print(escape(line), highlight=False)
     console.print(
         f"landed {result.landed}/{result.planned} rollouts; state {result.state}"
         + (f"; error: {result.error}" if result.error else "")
