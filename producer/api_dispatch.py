@@ -325,7 +325,7 @@ class Invocation:
     def _finish_shard(self) -> None:
         if self.first_failure is not None:
             self._r.set(keys.shard_run_failed(self._sid), self.first_failure, nx=True)
-        self.finished = finish_shard(self.target.run, self.target.redis_url)
+        self.finished = finish_shard(self.target.run, self.target.redis_url).model_dump(mode="json")
 
     def _drop_keys(self) -> None:
         names = [keys.api_replies(self.invocation), keys.api_active(self.invocation)]

@@ -41,6 +41,7 @@ from schemas.messages import (
 )
 from schemas.records import Generation, InputSource, Manifest, utc_now
 from schemas.settings import CollectionSettings
+from workers.shard.state import write_state
 
 PUBLISH_BATCH = 500
 
@@ -186,17 +187,15 @@ def reset_shard_state(r: redis.Redis, opened: OpenedRun) -> None:
     sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
     pipe = r.pipeline(transaction=True)
     pipe.delete(*keys.all_shard_keys(sid))
-    pipe.hset(
-        keys.shard_state(sid),
-        mapping={
-            "opener": opened.run.token,
-            "run_id": opened.manifest.run_id,
-            "shard": opened.manifest.shard,
-            "planned": opened.manifest.planned,
-            "results_size": opened.rd.size(opened.files.results),
-            "failures_size": opened.rd.size(opened.files.failures),
-            "built": "1",
-        },
+    write_state(
+        pipe,
+        sid,
+        opener=opened.run.token,
+        run_id=opened.manifest.run_id,
+        shard=opened.manifest.shard,
+        planned=opened.manifest.planned,
+        results_size=opened.rd.size(opened.files.results),
+        failures_size=opened.rd.size(opened.files.failures),
     )
     pipe.execute()
 

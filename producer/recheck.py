@@ -26,11 +26,11 @@ from producer.report import print_metrics_file
 from schemas.config import ServersConfig
 from schemas.errors import RunFailedError, UsageError
 from schemas.health import HEALTH_COMBINE_TASK, HEALTH_SCAN_TASK, QUALITY_SUMMARY, HealthPlan
-from workers.accounting import iter_rows
 from workers.finish import write_aggregate_file
 from workers.health import check_sources_here, console_line, plan_recheck, run_local
 from workers.health.sources import persisted_limits, source_for, stem_of
 from workers.merge import MergeReport, merge_shards
+from workers.shard.ledger import iter_rows
 
 POLL_S = 0.5
 

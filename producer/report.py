@@ -11,6 +11,7 @@ from rich.table import Table
 from infra import jsonl
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
+from schemas.finish import FinishResult
 from workers.health.summary import console_line
 
 
@@ -44,10 +45,14 @@ def print_metrics_file(console: Console, rd: RunDir, name: str, keys_only: bool 
         console.print(table)
 
 
-def print_counts(console: Console, result: dict[str, Any]) -> None:
+def print_counts(console: Console, result: FinishResult) -> None:
+    """The coverage lines of the metrics (when they miss or impute rollouts), then the counts."""
+    if result.coverage is not None:
+        for line in result.coverage.lines():
+            console.print(escape(line), highlight=False)
     console.print(
-        f"landed {result.get('landed')}/{result.get('planned')} rollouts; state {result.get('state')}"
-        + (f"; error: {result['error']}" if result.get("error") else "")
+        f"landed {result.landed}/{result.planned} rollouts; state {result.state}"
+        + (f"; error: {result.error}" if result.error else "")
     )
 
 

@@ -1,10 +1,13 @@
 """`rollouts resume`: enqueue exactly the planned rollouts that still lack an outcome (SPEC §7).
 
-A planned key is run again when it has no landed result, no terminal failure, and fewer failure
-rows (failed attempts) than the attempt limit; it is sent with `_ng_attempt_index` set to that
-number of failure rows. The resume opens a new dispatch generation (a fresh opener token, fencing
-out whatever the earlier generation still has running), and its finish step aggregates the whole
-shard: old and new results.
+A planned key is run again when it has no landed result, no terminal failure, fewer failure rows
+(failed attempts) than the attempt limit, and no latest failure of a class the run scores as
+zero (`count_failure_classes_as_zero`: such a rollout is settled, in the score as a zero); it
+is sent with `_ng_attempt_index` set to that number of failure rows. A rollout that left no row
+at all runs again even with `count_missing_rollouts_as_zero`: as in NeMo Gym, that zero stands in
+for it in the metrics only, and the resumed run scores the real rollout. The resume opens a new
+dispatch generation (a fresh opener token, fencing out whatever the earlier generation still has
+running), and its finish step aggregates the whole shard: old and new results.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import hashlib
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +37,12 @@ from producer.supervise import dispatch_generation, raise_for_outcome
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, StorageError, UsageError
+from schemas.finish import FinishResult
 from schemas.messages import RunRef
 from schemas.records import Generation, Manifest, utc_now
 from schemas.settings import DEFAULT_MAX_ATTEMPTS, CollectionSettings
-from workers.accounting import iter_rows
 from workers.landing import open_shard
+from workers.shard.ledger import ShardLedger
 
 MAX_ATTEMPTS_ENV = "NEMO_GYM_MAX_ROLLOUT_ATTEMPTS"
 # Settings that shape the planned rollouts: fixed once the materialized inputs exist.
@@ -79,51 +83,39 @@ class ResumePlan:
     """Planned keys without a result that have failure rows."""
     terminal: int = 0
     exhausted: int = 0
+    zero: int = 0
+    """Keys settled as a scored zero (`count_failure_classes_as_zero`): not run again."""
     to_run: int = 0
     by_attempt: Counter[int] = field(default_factory=Counter)
 
 
 @dataclass
 class ShardOutcomes:
-    """The keys a shard's files settle: landed results, failure rows per key, terminal failures."""
+    """The keys a shard's files settle (landed, terminal, scored as zero) and its failed attempts."""
 
-    landed: set[tuple[int, int]] = field(default_factory=set)
-    attempts: Counter[tuple[int, int]] = field(default_factory=Counter)
-    terminal: set[tuple[int, int]] = field(default_factory=set)
+    ledger: ShardLedger
+    zero_classes: frozenset[str] = frozenset()
+    """`count_failure_classes_as_zero`: a rollout whose latest failure has one is scored, settled."""
 
     @classmethod
-    def read(cls, rd: RunDir, shard: str) -> ShardOutcomes:
-        files = ShardFiles(shard)
-        out = cls()
-        for row in iter_rows(rd, files.results):
-            key = _key(row)
-            if key is not None:
-                out.landed.add(key)
-        for row in iter_rows(rd, files.failures):
-            key = _key(row)
-            if key is None:
-                continue
-            out.attempts[key] += 1
-            if row.get(F.FAILURE_TERMINAL):
-                out.terminal.add(key)
-        return out
+    def read(cls, rd: RunDir, shard: str, zero_classes: Iterable[str] = ()) -> ShardOutcomes:
+        return cls(ShardLedger.read(rd, shard), frozenset(zero_classes))
+
+    @property
+    def attempts(self) -> Counter[tuple[int, int]]:
+        return self.ledger.attempts
 
     def verdict(self, key: tuple[int, int], max_attempts: int) -> str:
-        """landed, terminal, exhausted, or run (with `attempts[key]` earlier failed attempts)."""
-        if key in self.landed:
+        """landed, terminal, exhausted, zero (scored as zero), or run (after `attempts[key]` failures)."""
+        if key in self.ledger.landed_keys:
             return "landed"
-        if key in self.terminal:
+        if key in self.ledger.terminal:
             return "terminal"
         if self.attempts[key] >= max_attempts:
             return "exhausted"
+        if self.ledger.settled_as_zero(key, self.zero_classes):
+            return "zero"
         return "run"
-
-
-def _key(row: dict[str, Any]) -> tuple[int, int] | None:
-    try:
-        return F.rollout_key(row)
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 def max_attempts_limit(flag: int | None, settings: CollectionSettings, console: Console) -> int:
@@ -164,8 +156,10 @@ def verify_materialized(rd: RunDir, manifest: Manifest) -> None:
         )
 
 
-def plan_resume(rd: RunDir, shard: str, max_attempts: int) -> tuple[ResumePlan, ShardOutcomes]:
-    outcomes = ShardOutcomes.read(rd, shard)
+def plan_resume(
+    rd: RunDir, shard: str, max_attempts: int, zero_classes: Iterable[str] = ()
+) -> tuple[ResumePlan, ShardOutcomes]:
+    outcomes = ShardOutcomes.read(rd, shard, zero_classes)
     plan = ResumePlan()
     for row in iter_materialized(rd, shard):
         plan.planned += 1
@@ -179,6 +173,8 @@ def plan_resume(rd: RunDir, shard: str, max_attempts: int) -> tuple[ResumePlan, 
             plan.terminal += 1
         elif verdict == "exhausted":
             plan.exhausted += 1
+        elif verdict == "zero":
+            plan.zero += 1
         else:
             plan.to_run += 1
             plan.by_attempt[outcomes.attempts[key]] += 1
@@ -285,15 +281,18 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
         if opts.config_path or opts.head_server
         else ServersConfig.model_validate(manifest.config)
     )
-    plan, outcomes = plan_resume(rd, opts.shard, max_attempts)
+    plan, outcomes = plan_resume(
+        rd, opts.shard, max_attempts, settings.count_failure_classes_as_zero
+    )
     _check_agents(rd, opts.shard, outcomes, max_attempts, config)
+    zero = f", {plan.zero} scored as zero" if plan.zero else ""
     console.print(
         f"resuming {manifest.run_id} shard {opts.shard}: {plan.planned} planned, "
         f"{plan.landed} landed, {plan.failed_before} failed before, {plan.terminal} terminal, "
-        f"{plan.exhausted} exhausted (attempt limit {max_attempts}); running {plan.to_run}"
+        f"{plan.exhausted} exhausted (attempt limit {max_attempts}){zero}; running {plan.to_run}"
     )
 
-    def go(broker: str, redis_url: str) -> dict[str, Any] | None:
+    def go(broker: str, redis_url: str) -> FinishResult | None:
         opened = open_resume(rd, opts.shard, redis_url, plan.to_run, settings, changed)
         app = client_app(broker, redis_url)
         rows = rows_to_run(rd, opts.shard, outcomes, max_attempts)

@@ -22,6 +22,7 @@ from producer.stop import Stopped, counted, stop_on_sigterm, stop_run
 from producer.supervise import dispatch_generation, raise_for_outcome
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, UsageError
+from schemas.finish import FinishResult
 from schemas.settings import CollectionSettings
 from workers.health.registry import normalize_ignored
 
@@ -69,7 +70,7 @@ def dispatch_and_wait(
     redis_url: str,
     console: Console,
     config: ServersConfig | None = None,
-) -> dict[str, Any] | None:
+) -> FinishResult | None:
     if config is None:
         config = load_run_config(opts.config_path, opts.head_server)
     groups: Counter[tuple[str | None, str | None]] = Counter()
@@ -90,7 +91,7 @@ def _dispatch_and_wait(
     console: Console,
     config: ServersConfig,
     groups: Counter[tuple[str | None, str | None]],
-) -> dict[str, Any] | None:
+) -> FinishResult | None:
     settings = CollectionSettings.model_validate(opened.manifest.settings)
     app = client_app(broker_url, redis_url)
     reset_shard_state(client(redis_url), opened)
@@ -129,7 +130,7 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     if result is None:
         return 0
     print_metrics(console, opened.rd, opened.manifest.shard)
-    print_health(console, result.get("health"))
+    print_health(console, result.health)
     print_counts(console, result)
     raise_for_outcome(result)
     return 0

@@ -20,13 +20,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from infra import jsonl, keys
+from infra import keys
 from infra.redis_client import client
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
 from producer.live import LiveSnapshot, snapshot
-from schemas import fields as F
 from schemas.records import Manifest
+from workers.shard.ledger import ShardLedger
 
 FINAL_STATES = ("completed", "failed", "cancelled")
 RATE_WINDOW_S = 60.0
@@ -52,91 +52,54 @@ class FileTally:
     """The shard's counts from its files, kept up to date by reading only what was appended."""
 
     def __init__(self, rd: RunDir, shard: str) -> None:
-        self.rd = rd
-        self.files = ShardFiles(shard)
-        self.planned = 0
-        self.by_agent: dict[str, GroupCounts] = defaultdict(GroupCounts)
-        self.by_env: dict[str, GroupCounts] = defaultdict(GroupCounts)
+        self.ledger = ShardLedger(rd, ShardFiles(shard))
         self._planned_read = False
-        self._reset()
-
-    def _reset(self) -> None:
-        self.landed: set[tuple[int, int]] = set()
-        self.latest: dict[tuple[int, int], tuple[str, str, str]] = {}
-        self.failed: Counter[str] = Counter()
-        self.failure_rows = 0
-        self.duplicates = 0
-        self._offsets = {self.files.results: 0, self.files.failures: 0}
-        for group in (*self.by_agent.values(), *self.by_env.values()):
-            group.landed = 0
-            group.failed.clear()
-
-    @staticmethod
-    def _where(row: dict[str, Any]) -> tuple[str, str]:
-        return F.agent_name(row) or "?", str(row.get(F.ENVIRONMENT_SERVER) or "?")
-
-    def _tail(self, name: str) -> list[dict[str, Any]]:
-        rows = []
-        end = self._offsets[name]
-        for line_end, row in self.rd.iter_objects(name, end):
-            end = line_end
-            if row is not None:
-                rows.append(row)
-        self._offsets[name] = end
-        return rows
-
-    def _count_failure(self, key: tuple[int, int], entry: tuple[str, str, str], sign: int) -> None:
-        cls, agent, env = entry
-        self.failed[cls] += sign
-        self.by_agent[agent].failed[cls] += sign
-        self.by_env[env].failed[cls] += sign
-        for counter in (self.failed, self.by_agent[agent].failed, self.by_env[env].failed):
-            if counter[cls] == 0:
-                del counter[cls]
 
     def refresh(self) -> None:
         if not self._planned_read:
-            for _, line in self.rd.iter_lines(self.files.materialized):
-                if line.strip():
-                    row = jsonl.loads(line)
-                    agent, env = self._where(row)
-                    self.planned += 1
-                    self.by_agent[agent].planned += 1
-                    self.by_env[env].planned += 1
+            self.ledger.read_planned()
             self._planned_read = True
-        if any(self.rd.size(name) < offset for name, offset in self._offsets.items()):
-            self._reset()  # a torn tail was cut: count again from the start
-        for row in self._tail(self.files.results):
-            key = _key(row)
-            if key is None:
-                continue
-            if key in self.landed:
-                self.duplicates += 1
-                continue
-            self.landed.add(key)
-            agent, env = self._where(row)
-            self.by_agent[agent].landed += 1
-            self.by_env[env].landed += 1
-            if key in self.latest:
-                self._count_failure(key, self.latest[key], -1)
-        for row in self._tail(self.files.failures):
-            self.failure_rows += 1
-            key = _key(row)
-            if key is None:
-                continue
-            entry = (str(row.get(F.FAILURE_CLASS) or "unknown"), *self._where(row))
-            if key not in self.landed:
-                if key in self.latest:
-                    self._count_failure(key, self.latest[key], -1)
-                self._count_failure(key, entry, +1)
-            self.latest[key] = entry
+        self.ledger.refresh()
 
+    @property
+    def planned(self) -> int:
+        return self.ledger.planned
 
-def _key(row: dict[str, Any]) -> tuple[int, int] | None:
-    try:
-        return F.rollout_key(row)
-    except (KeyError, TypeError, ValueError):
-        return None
+    @property
+    def landed(self) -> set[tuple[int, int]]:
+        return self.ledger.landed_keys
+
+    @property
+    def failed(self) -> Counter[str]:
+        return self.ledger.failed
+
+    @property
+    def failure_rows(self) -> int:
+        return self.ledger.failure_rows
+
+    @property
+    def duplicates(self) -> int:
+        return self.ledger.duplicates
+
+    @property
+    def by_agent(self) -> dict[str, GroupCounts]:
+        return self._groups(0)
+
+    @property
+    def by_env(self) -> dict[str, GroupCounts]:
+        return self._groups(1)
+
+    def _groups(self, part: int) -> dict[str, GroupCounts]:
+        """Counts per agent (`part` 0) or environment server (1); `?` where a row names none."""
+        groups: dict[str, GroupCounts] = defaultdict(GroupCounts)
+        ledger = self.ledger
+        for group, n in ledger.planned_by.items():
+            groups[group[part] or "?"].planned += n
+        for group, n in ledger.landed_by.items():
+            groups[group[part] or "?"].landed += n
+        for failure, n in ledger.failed_by.items():
+            groups[(failure.agent, failure.env)[part] or "?"].failed[failure.cls] += n
+        return groups
 
 
 @dataclass

@@ -30,8 +30,9 @@ from producer.dispatch import OpenedRun, enqueue
 from producer.live import LiveSnapshot, broker_queue_length, open_generation, snapshot
 from schemas.config import ServersConfig
 from schemas.errors import RunFailedError
+from schemas.finish import FinishResult
 from schemas.settings import CollectionSettings
-from workers.accounting import count_shard
+from workers.shard.ledger import count_shard
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def dispatch_generation(
     redis_url: str,
     console: Console,
     wait: bool = True,
-) -> dict[str, Any] | None:
+) -> FinishResult | None:
     """Enqueue `count` rows as this generation's chord and, with `wait`, return the finish result."""
     r = client(redis_url)
     sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
@@ -71,7 +72,7 @@ def wait_for_shard(
     console: Console,
     finish_id: str,
     count: int,
-) -> dict[str, Any]:
+) -> FinishResult:
     """Wait for the finish step, showing progress; raise RunFailedError when the run stalls."""
     r = client(redis_url)
     sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
@@ -119,7 +120,7 @@ def wait_for_shard(
         with contextlib.suppress(redis.RedisError):
             _show(progress, bar, snapshot(r, sid))
     if isinstance(value, dict):
-        return value
+        return FinishResult.model_validate(value)
     raise RunFailedError(
         f"the finish step of {opened.rd.url} shard {opened.manifest.shard} failed: {value!r}; "
         f"resume it with: rollouts resume {opened.rd.url} --shard {opened.manifest.shard}"
@@ -160,21 +161,21 @@ def stalled(opened: OpenedRun, settings: CollectionSettings, queued: int | None)
     return RunFailedError(message)
 
 
-def raise_for_outcome(result: dict[str, Any]) -> None:
+def raise_for_outcome(result: FinishResult) -> None:
     """Exit 1 (RunFailedError) for a failed, cancelled, rejected or unaggregated run."""
-    if result.get("run_error"):
-        message = f"the run failed: {result['run_error']}"
-        if result.get("rejection"):
-            message += f"\n{result['rejection']}"
+    if result.run_error:
+        message = f"the run failed: {result.run_error}"
+        if result.rejection:
+            message += f"\n{result.rejection}"
         raise RunFailedError(message)
-    if result.get("rejection"):
-        raise RunFailedError(str(result["rejection"]))
-    if result.get("cancelled"):
+    if result.rejection:
+        raise RunFailedError(result.rejection)
+    if result.cancelled:
         raise RunFailedError(
-            f"the run was cancelled: {result.get('landed')}/{result.get('planned')} rollouts "
+            f"the run was cancelled: {result.landed}/{result.planned} rollouts "
             "landed; `rollouts resume` runs the rest"
         )
-    if result.get("state") == "failed":
-        raise RunFailedError(f"the run failed: {result.get('error')}")
-    if result.get("aggregation_error"):
-        raise RunFailedError(f"aggregation failed: {result['aggregation_error']}")
+    if result.state == "failed":
+        raise RunFailedError(f"the run failed: {result.error}")
+    if result.aggregation_error:
+        raise RunFailedError(f"aggregation failed: {result.aggregation_error}")

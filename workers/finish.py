@@ -18,14 +18,16 @@ from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
 from infra.store import RunDir, ShardFiles
 from schemas.config import ServersConfig
+from schemas.finish import Coverage, FinishResult
 from schemas.health import QUALITY_SUMMARY, STOPPED_BY_SIGTERM, Limits
 from schemas.messages import RunRef
 from schemas.settings import CollectionSettings
-from workers.accounting import count_shard, iter_rows
 from workers.aggregation import aggregate, group_rows
 from workers.health.check import check_sources_here, write_disabled
 from workers.health.sources import source_for
 from workers.landing import compact_shard
+from workers.shard.ledger import ShardLedger, count_shard
+from workers.shard.scored import ScoredRows
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +57,17 @@ def write_aggregate_file(
     return f"{type(error).__name__}: {error}"
 
 
-def write_aggregate(rd: RunDir, shard: str, config: ServersConfig) -> str | None:
-    """Aggregate the shard's results and save the file; returns the first error's text, if any."""
-    files = ShardFiles(shard)
-    return write_aggregate_file(rd, files.aggregate, iter_rows(rd, files.results), config)
+def write_aggregate(
+    rd: RunDir, ledger: ShardLedger, config: ServersConfig, settings: CollectionSettings
+) -> tuple[str | None, Coverage]:
+    """Aggregate the shard's scored rows and save the file: the first error's text, the coverage.
+
+    The scored rows are the results plus the zeros `count_failure_classes_as_zero` and
+    `count_missing_rollouts_as_zero` impute (`workers/shard/scored.py`).
+    """
+    rows = ScoredRows.of(rd, ledger, config, settings)
+    error = write_aggregate_file(rd, ledger.files.aggregate, rows, config)
+    return error, rows.coverage()
 
 
 def settings_limits(settings: CollectionSettings) -> Limits:
@@ -130,7 +139,7 @@ def generation_counts(redis_url: str, sid: str, token: str) -> dict[str, int]:
     return {k: int(v) for k, v in data.items() if v.lstrip("-").isdigit()}
 
 
-def finish_shard(run: RunRef, redis_url: str) -> dict[str, Any]:
+def finish_shard(run: RunRef, redis_url: str) -> FinishResult:
     """Finish a shard after its last rollout task returned."""
     rd = RunDir(run.output_dir)
     sid = keys.shard_id(rd.url, run.shard)
@@ -139,13 +148,13 @@ def finish_shard(run: RunRef, redis_url: str) -> dict[str, Any]:
         return _finish(rd, sid, run, redis_url)
 
 
-def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> dict[str, Any]:
+def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     manifest = read_manifest(rd, run.shard)
     if manifest.token != run.token:
         log.warning(
             "finish of %s shard %s skipped: superseded by a later dispatch", rd.url, run.shard
         )
-        return {"state": "superseded"}
+        return FinishResult(state="superseded")
     config = ServersConfig.model_validate(manifest.config)
     settings = CollectionSettings.model_validate(manifest.settings)
     # Every appended file becomes one object before anything reads it for the reports: after a
@@ -157,10 +166,11 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> dict[str, Any]
     cancelled = cancel_raw.decode() if isinstance(cancel_raw, bytes) else None
 
     aggregation_error = None
+    coverage = None
     health: dict[str, Any] | None = None
-    if not settings.disable_aggregation:
-        aggregation_error = write_aggregate(rd, run.shard, config)
     counts = count_shard(rd, run.shard)
+    if not settings.disable_aggregation:
+        aggregation_error, coverage = write_aggregate(rd, counts, config, settings)
     status = counts.status(manifest.run_id, run.shard)
     generation = generation_counts(redis_url, sid, run.token)
     status.drained = generation.get("drained", 0)
@@ -188,17 +198,18 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> dict[str, Any]
         manifest.state = "failed"
         manifest.error = f"{manifest.error}; {rejection}" if manifest.error else rejection
     write_manifest(rd, manifest)
-    return {
-        "state": manifest.state,
-        "error": manifest.error,
-        "run_error": run_error,
-        "cancelled": cancelled,
-        "rejection": rejection,
-        "landed": counts.landed,
-        "planned": counts.planned,
-        "failed": dict(counts.failed),
-        "drained": status.drained,
-        "stopped": generation.get("stopped", 0),
-        "aggregation_error": aggregation_error,
-        "health": health,
-    }
+    return FinishResult(
+        state=manifest.state,
+        error=manifest.error,
+        run_error=run_error,
+        cancelled=cancelled,
+        rejection=rejection,
+        landed=counts.landed,
+        planned=counts.planned,
+        failed=dict(counts.failed),
+        drained=status.drained,
+        stopped=generation.get("stopped", 0),
+        aggregation_error=aggregation_error,
+        health=health,
+        coverage=coverage,
+    )

@@ -35,7 +35,7 @@ from infra.store import RunDir, WriteConflictError
 from schemas.errors import ShardFencedError, StorageError
 from schemas.messages import RunRef
 from schemas.records import ShardStatus
-from workers.shard_state import ShardState, failure_counter, key_str
+from workers.shard.state import ShardState, failure_counter, key_str
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class Lander:
             if new_keys:
                 pipe.sadd(keys.shard_landed(st.sid), *new_keys)
                 pipe.hincrby(keys.shard_counts(st.sid), "landed", len(new_keys))
-                pipe.hset(keys.shard_state(st.sid), "results_size", state["results_size"])
+                st.commit_size(pipe, st.files.results, state)
             dups = len(with_result) - len(new_keys)
             if dups:
                 pipe.hincrby(keys.shard_counts(st.sid), "duplicates", dups)
@@ -256,7 +256,7 @@ class Lander:
             pipe = self.r.pipeline(transaction=True)
             for name, n in counts.items():
                 pipe.hincrby(keys.shard_counts(st.sid), name, n)
-            pipe.hset(keys.shard_state(st.sid), "failures_size", state["failures_size"])
+            st.commit_size(pipe, st.files.failures, state)
             lock.release_in(pipe)
             pipe.execute()
             return

@@ -43,7 +43,8 @@ def collect_task(self: Task, payload: dict[str, Any]) -> dict[str, Any]:
 @app.task(name=FINISH_TASK, acks_late=True)
 def finish_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Finish a shard: aggregate metrics, final status, manifest state."""
-    return finish_shard(FinishRequest.model_validate(payload).run, state_redis_url())
+    finished = finish_shard(FinishRequest.model_validate(payload).run, state_redis_url())
+    return finished.model_dump(mode="json")
 
 
 @app.task(name=HEALTH_SCAN_TASK, acks_late=True)

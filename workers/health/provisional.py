@@ -17,35 +17,17 @@ from typing import Any
 
 import redis
 
-from infra import jsonl, keys
+from infra import keys
 from infra.store import RunDir, ShardFiles
-from schemas import fields as F
 from schemas.health import RUN_CHECK, Limits
 from workers.health.accounting import Accounting, SourceCounts, excessive_failures
 from workers.health.check import write_summary
 from workers.health.registry import normalize_ignored
 from workers.health.summary import run_section
+from workers.shard import state
+from workers.shard.ledger import ShardLedger
 
 MEMBER_BATCH = 10_000
-
-
-def _latest_failures(rd: RunDir, name: str) -> dict[tuple[int, int], tuple[str, Any, Any]]:
-    latest: dict[tuple[int, int], tuple[str, Any, Any]] = {}
-    for _, line in rd.iter_lines(name):
-        if not line.strip():
-            continue
-        try:
-            row = jsonl.loads(line)
-            key = (int(row[F.TASK_INDEX]), int(row[F.ROLLOUT_INDEX]))
-        except (jsonl.JSONDecodeError, KeyError, TypeError, ValueError):
-            continue
-        cls = row.get(F.FAILURE_CLASS)
-        latest[key] = (
-            str(cls) if cls is not None else "unknown",
-            F.agent_name(row),
-            row.get(F.ENVIRONMENT_SERVER),
-        )
-    return latest
 
 
 def provisional_accounting(
@@ -58,7 +40,7 @@ def provisional_accounting(
     """The stopped shard's accounting from Redis, the sidecar and the dispatcher's counts."""
     sid = keys.shard_id(rd.url, shard)
     pipe = r.pipeline(transaction=True)
-    pipe.hget(keys.shard_state(sid), "built")
+    pipe.hget(keys.shard_state(sid), state.BUILT)
     pipe.scard(keys.shard_landed(sid))
     pipe.hgetall(keys.shard_counts(sid))
     built, landed, raw_counts = pipe.execute()
@@ -72,7 +54,9 @@ def provisional_accounting(
     source.landed = int(landed)
     if group_owed is not None:
         acc.group_owed.update(group_owed)
-    latest = _latest_failures(rd, ShardFiles(shard).failures)
+    failures = ShardLedger(rd, ShardFiles(shard))
+    failures.read_failures()
+    latest = failures.latest
     failed_keys = list(latest)
     for i in range(0, len(failed_keys), MEMBER_BATCH):
         batch = failed_keys[i : i + MEMBER_BATCH]

@@ -26,6 +26,7 @@ from schemas.health import ScanJob, ScanResult
 from workers.health.io import iter_range, open_writer
 from workers.health.record_checks import check_line
 from workers.health.spool import RunWriter, tagged
+from workers.shard.ledger import failure_class, group_of
 
 KEY_LEN = 9
 OWED, FAILURE, RECORD = 0, 1, 2
@@ -40,11 +41,6 @@ def _int_key(row: dict[str, Any]) -> tuple[int, int] | None:
     if type(task) is int and type(rollout) is int:
         return task, rollout
     return None
-
-
-def _group_of(row: dict[str, Any]) -> list[Any]:
-    env = row.get(F.ENVIRONMENT_SERVER)
-    return [F.agent_name(row), env if isinstance(env, str) else None]
 
 
 def scan(job: ScanJob) -> ScanResult:
@@ -98,11 +94,12 @@ def _scan(job: ScanJob) -> ScanResult:
             if key is None:
                 continue
             if job.kind == "failures":
-                cls = row.get(F.FAILURE_CLASS)
-                payload = [str(cls) if cls is not None else "unknown", *_group_of(row)]
+                payload = [failure_class(row), *group_of(row)]
                 writer.add([job.source, 0, key[0], 0, key[1], FAILURE, 0, 0, offset, payload])
             else:
-                writer.add([job.source, 0, key[0], 0, key[1], OWED, 0, 0, offset, _group_of(row)])
+                writer.add(
+                    [job.source, 0, key[0], 0, key[1], OWED, 0, 0, offset, list(group_of(row))]
+                )
     result.runs = writer.close()
     if late_count:
         result.late = late_name

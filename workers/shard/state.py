@@ -1,9 +1,10 @@
-"""A shard's writer state in Redis, and how it is rebuilt from storage; callers hold the shard lock.
+"""The shard-state hash: its one owner. Its layout, and how it is opened, rebuilt and repaired.
 
 Redis keeps, per shard, the opener token, the committed logical size of each appended file, the
 landed set (the exactly-once guard) and progress counters. All of it follows from the files: the
 manifest names the opener, and the logical files (base + segments) hold the landed keys. So a
-Redis that lost its data costs one rebuild, never a duplicate.
+Redis that lost its data costs one rebuild, never a duplicate. Every write of the hash
+(`keys.shard_state`) goes through this module; callers hold the shard lock.
 
 Bytes past the committed size were written by a writer that died (or lost its lock) before it
 committed: complete lines are adopted as landed; a torn last line (local folders only: an object
@@ -13,7 +14,6 @@ is written whole or not at all) is cut.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -23,10 +23,24 @@ from infra import keys
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
+from workers.shard.ledger import ShardLedger, failure_class
 
 log = logging.getLogger(__name__)
 
-SIZE_FIELDS = {"results": "results_size", "failures": "failures_size"}
+# The fields of the hash.
+OPENER = "opener"
+"""The token of the generation that opened the shard: only its writers may append."""
+RUN_ID = "run_id"
+SHARD = "shard"
+PLANNED = "planned"
+RESULTS_SIZE = "results_size"
+"""Committed logical size of `rollouts-S.jsonl`: where its next append goes."""
+FAILURES_SIZE = "failures_size"
+"""Committed logical size of the failures sidecar."""
+BUILT = "built"
+"""`1` once the landed set and the sizes were loaded from storage."""
+
+SIZE_FIELDS = {"results": RESULTS_SIZE, "failures": FAILURES_SIZE}
 
 
 def key_str(row: dict[str, Any]) -> str:
@@ -35,11 +49,38 @@ def key_str(row: dict[str, Any]) -> str:
 
 
 def failure_counter(row: dict[str, Any]) -> str:
-    return f"failed:{row.get(F.FAILURE_CLASS) or 'unknown'}"
+    return f"failed:{failure_class(row)}"
 
 
-def _has_key(row: dict[str, Any]) -> bool:
-    return F.TASK_INDEX in row and F.ROLLOUT_INDEX in row
+def read_state(r: redis.Redis, sid: str) -> dict[str, str]:
+    """The shard's state hash, decoded (empty when Redis lost it)."""
+    raw: dict[bytes, bytes] = r.hgetall(keys.shard_state(sid))  # type: ignore[assignment]
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def write_state(
+    pipe: redis.client.Pipeline,
+    sid: str,
+    *,
+    opener: str,
+    run_id: str,
+    shard: str,
+    planned: int,
+    results_size: int,
+    failures_size: int,
+) -> dict[str, str]:
+    """Queue the whole hash on `pipe`, marked built; returns it as Redis will hold it."""
+    state = {
+        OPENER: opener,
+        RUN_ID: run_id,
+        SHARD: shard,
+        PLANNED: str(planned),
+        RESULTS_SIZE: str(results_size),
+        FAILURES_SIZE: str(failures_size),
+        BUILT: "1",
+    }
+    pipe.hset(keys.shard_state(sid), mapping=cast("Mapping[Any, Any]", state))
+    return state
 
 
 class ShardState:
@@ -55,8 +96,12 @@ class ShardState:
         return SIZE_FIELDS["results" if name == self.files.results else "failures"]
 
     def read(self) -> dict[str, str]:
-        raw: dict[bytes, bytes] = self.r.hgetall(keys.shard_state(self.sid))  # type: ignore[assignment]
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return read_state(self.r, self.sid)
+
+    def commit_size(self, pipe: redis.client.Pipeline, name: str, state: dict[str, str]) -> None:
+        """Queue the committed size of `name` as `state` holds it (with the append's commit)."""
+        field_ = self.size_field(name)
+        pipe.hset(keys.shard_state(self.sid), field_, state[field_])
 
     def load(self, state: dict[str, str] | None = None) -> dict[str, str]:
         """The shard's state, rebuilt from storage if Redis lost it, with any uncommitted tail adopted.
@@ -68,7 +113,7 @@ class ShardState:
         """
         if state is None:
             state = self.read()
-        if state.get("built") != "1":
+        if state.get(BUILT) != "1":
             return self.rebuild()
         if not self.rd.can_append:
             return state
@@ -84,18 +129,19 @@ class ShardState:
                 adopted = True
         return self.read() if adopted else state
 
-    def _scan(self, name: str, start: int) -> tuple[list[dict[str, Any]], int]:
-        """Parse the complete lines from `start`; cut a torn last line. Returns rows and the new end."""
+    def _read(self, ledger: ShardLedger, name: str, start: int) -> int:
+        """Fold the complete lines of `name` from `start` into `ledger`; cut a torn last line.
+
+        Returns the new end: just past the last complete line.
+        """
 
         def unreadable(offset: int) -> None:
             log.warning("%s: unreadable line at byte %d kept as is", self.rd.path(name), offset)
 
-        rows: list[dict[str, Any]] = []
-        end = start
-        for line_end, row in self.rd.iter_objects(name, start, unreadable):
-            end = line_end
-            if row is not None:
-                rows.append(row)
+        if name == self.files.results:
+            end = ledger.read_results(start, unreadable)
+        else:
+            end = ledger.read_failures(start, unreadable)
         size = self.rd.size(name)
         if size > end:
             if self.rd.can_append:
@@ -107,20 +153,23 @@ class ShardState:
                     "%s: %d bytes without a newline at the end", self.rd.path(name), size - end
                 )
                 end = size
-        return rows, end
+        return end
 
     def adopt(self, name: str, committed: int) -> int:
         """Count the bytes past `committed` as landed (complete lines); returns the new committed size."""
-        rows, end = self._scan(name, committed)
+        tail = ShardLedger(self.rd, self.files)
+        end = self._read(tail, name, committed)
         pipe = self.r.pipeline(transaction=True)
         if name == self.files.results:
-            ks = sorted({key_str(row) for row in rows if _has_key(row)})
+            records = tail.landed + tail.duplicates
+            ks = sorted(f"{t}:{r}" for t, r in tail.landed_keys)
             if ks:
                 pipe.sadd(keys.shard_landed(self.sid), *ks)
                 pipe.hincrby(keys.shard_counts(self.sid), "landed", len(ks))
         else:
-            for row in rows:
-                pipe.hincrby(keys.shard_counts(self.sid), failure_counter(row), 1)
+            records = tail.failure_rows
+            for cls, n in tail.failure_rows_by_class.items():
+                pipe.hincrby(keys.shard_counts(self.sid), f"failed:{cls}", n)
         pipe.hset(keys.shard_state(self.sid), self.size_field(name), end)
         pipe.execute()
         if end > committed:
@@ -128,39 +177,37 @@ class ShardState:
                 "%s: adopted %d uncommitted bytes (%d records) written by a writer that did not commit",
                 self.rd.path(name),
                 end - committed,
-                len(rows),
+                records,
             )
         return end
 
     def rebuild(self) -> dict[str, str]:
         """Reload everything from storage: the opener token from the manifest, keys from the files."""
         manifest = read_manifest(self.rd, self.files.shard)
-        results, results_end = self._scan(self.files.results, 0)
-        failures, failures_end = self._scan(self.files.failures, 0)
-        landed = {key_str(row) for row in results if _has_key(row)}
-        counts: dict[str, int] = defaultdict(int)
-        counts["landed"] = len(landed)
-        counts["duplicates"] = sum(1 for row in results if _has_key(row)) - len(landed)
-        for row in failures:
-            counts[failure_counter(row)] += 1
-        state: dict[str, str] = {
-            "opener": manifest.token,
-            "run_id": manifest.run_id,
-            "shard": manifest.shard,
-            "planned": str(manifest.planned),
-            "results_size": str(results_end),
-            "failures_size": str(failures_end),
-            "built": "1",
-        }
+        ledger = ShardLedger(self.rd, self.files)
+        results_end = self._read(ledger, self.files.results, 0)
+        failures_end = self._read(ledger, self.files.failures, 0)
+        counts: dict[str, int] = {"landed": ledger.landed, "duplicates": ledger.duplicates}
+        for cls, n in ledger.failure_rows_by_class.items():
+            counts[f"failed:{cls}"] = n
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(
             keys.shard_landed(self.sid), keys.shard_counts(self.sid), keys.shard_state(self.sid)
         )
-        members = sorted(landed)
+        members = sorted(f"{t}:{r}" for t, r in ledger.landed_keys)
         for i in range(0, len(members), 10000):
             pipe.sadd(keys.shard_landed(self.sid), *members[i : i + 10000])
         pipe.hset(keys.shard_counts(self.sid), mapping=cast("Mapping[Any, Any]", counts))
-        pipe.hset(keys.shard_state(self.sid), mapping=cast("Mapping[Any, Any]", state))
+        state = write_state(
+            pipe,
+            self.sid,
+            opener=manifest.token,
+            run_id=manifest.run_id,
+            shard=manifest.shard,
+            planned=manifest.planned,
+            results_size=results_end,
+            failures_size=failures_end,
+        )
         pipe.execute()
         log.info("rebuilt Redis state of %s shard %s from storage", self.rd.url, self.files.shard)
         return state

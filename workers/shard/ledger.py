@@ -1,0 +1,236 @@
+"""One streaming reader of a shard's files: what landed, what failed and how, what was planned.
+
+A `ShardLedger` folds the rows of `rollouts-S.jsonl` (results), `rollouts-S_failures.jsonl`
+(one failure row per failed attempt) and, when asked, the materialized inputs, one line at a
+time: memory holds counters and one entry per rollout key, never a file's rows. It reads from
+any byte offset, so `status --watch` reads only what was appended and the Redis rebuild adopts
+just the tail a dead writer left.
+
+The rules every caller shares:
+
+- a rollout is *landed* once a result row carries its key; later rows with that key are
+  duplicates;
+- a rollout's *latest* failure row stands (its class, agent and environment server); it counts as
+  *failed* only while the rollout has no result;
+- each failure row is an attempt, except a drained row (`_ng_dispatch_drained` or
+  `_ng_no_persist`): those are never written by design, and are counted apart when found;
+- a line that is not a JSON object is skipped (the caller may be told), and so is a row without
+  an integer (task, rollout) key, which still counts as a failure row by its class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from infra.store import RunDir, ShardFiles
+from schemas import fields as F
+from schemas.records import ShardStatus
+
+Key = tuple[int, int]
+Group = tuple[str | None, str | None]
+"""(agent, environment server) of a row; None where the row does not say."""
+
+
+class Failure(NamedTuple):
+    """The latest failure of a rollout: its class and where it ran."""
+
+    cls: str
+    agent: str | None
+    env: str | None
+
+
+def rollout_key(row: dict[str, Any]) -> Key | None:
+    """The row's (task, rollout) key, or None when it has no integer pair."""
+    try:
+        return F.rollout_key(row)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def failure_class(row: dict[str, Any]) -> str:
+    """The row's failure class; `unknown` when it names none."""
+    return str(row.get(F.FAILURE_CLASS) or "unknown")
+
+
+def group_of(row: dict[str, Any]) -> Group:
+    """The row's (agent, environment server)."""
+    env = row.get(F.ENVIRONMENT_SERVER)
+    return F.agent_name(row), env if isinstance(env, str) else None
+
+
+def is_drained(row: dict[str, Any]) -> bool:
+    """A row that stands for no attempt: drained by the budget, or marked not to persist."""
+    return bool(row.get(F.DISPATCH_DRAINED) or row.get(F.NO_PERSIST))
+
+
+def iter_rows(rd: RunDir, name: str, start: int = 0) -> Iterator[dict[str, Any]]:
+    """Yield each JSON object of a JSONL file from byte `start`; unreadable lines are skipped."""
+    for _, row in rd.iter_objects(name, start):
+        if row is not None:
+            yield row
+
+
+@dataclass
+class ShardLedger:
+    """A shard's outcomes from its files, folded one row at a time (see the module docstring)."""
+
+    rd: RunDir
+    files: ShardFiles
+    planned: int = 0
+    """Planned rollouts (lines of the materialized inputs), when they were read."""
+    planned_by: Counter[Group] = field(default_factory=Counter)
+    landed_keys: set[Key] = field(default_factory=set)
+    landed_by: Counter[Group] = field(default_factory=Counter)
+    """Landed rollouts per group of their (first) result row."""
+    duplicates: int = 0
+    """Result rows whose key had landed already."""
+    failure_rows: int = 0
+    """Failure rows read (drained rows aside), keyed or not."""
+    failure_rows_by_class: Counter[str] = field(default_factory=Counter)
+    attempts: Counter[Key] = field(default_factory=Counter)
+    """Failure rows per rollout: its failed attempts."""
+    terminal: set[Key] = field(default_factory=set)
+    """Rollouts with a failure row marked `_ng_failure_terminal`."""
+    latest: dict[Key, Failure] = field(default_factory=dict)
+    failed_by: Counter[Failure] = field(default_factory=Counter)
+    """The latest failures of rollouts without a result, per (class, agent, environment server)."""
+    drained: int = 0
+    """Drained rows found in the sidecar (none is ever written there)."""
+    offsets: dict[str, int] = field(default_factory=dict)
+    """Where the next read of each file starts: just past its last complete line read."""
+
+    @classmethod
+    def read(cls, rd: RunDir, shard: str, planned: bool = False) -> ShardLedger:
+        """The whole shard: results, failures and, with `planned`, the materialized inputs."""
+        ledger = cls(rd, ShardFiles(shard))
+        if planned:
+            ledger.read_planned()
+        ledger.read_results()
+        ledger.read_failures()
+        return ledger
+
+    @property
+    def landed(self) -> int:
+        return len(self.landed_keys)
+
+    @property
+    def failed(self) -> Counter[str]:
+        """Rollouts without a result, by the class of their latest failure."""
+        out: Counter[str] = Counter()
+        for failure, n in self.failed_by.items():
+            out[failure.cls] += n
+        return out
+
+    def status(self, run_id: str, shard: str) -> ShardStatus:
+        return ShardStatus(
+            run_id=run_id,
+            shard=shard,
+            planned=self.planned,
+            landed=self.landed,
+            failed=dict(sorted(self.failed.items())),
+            duplicates=self.duplicates,
+        )
+
+    def read_planned(self) -> None:
+        for _, row in self.rd.iter_objects(self.files.materialized):
+            self.planned += 1
+            if row is not None:
+                self.planned_by[group_of(row)] += 1
+
+    def read_results(
+        self, start: int | None = None, on_unreadable: Callable[[int], None] | None = None
+    ) -> int:
+        """Fold the results from `start` (else where the last read ended); returns the new end."""
+        return self._read(self.files.results, self.add_result, start, on_unreadable)
+
+    def read_failures(
+        self, start: int | None = None, on_unreadable: Callable[[int], None] | None = None
+    ) -> int:
+        """Fold the failure rows from `start` (else where the last read ended); returns the new end."""
+        return self._read(self.files.failures, self.add_failure, start, on_unreadable)
+
+    def _read(
+        self,
+        name: str,
+        add: Callable[[dict[str, Any]], object],
+        start: int | None,
+        on_unreadable: Callable[[int], None] | None,
+    ) -> int:
+        end = self.offsets.get(name, 0) if start is None else start
+        for line_end, row in self.rd.iter_objects(name, end, on_unreadable):
+            end = line_end
+            if row is not None:
+                add(row)
+        self.offsets[name] = end
+        return end
+
+    def add_result(self, row: dict[str, Any]) -> Key | None:
+        """Fold one result row; returns its key when it landed a rollout (not a duplicate)."""
+        key = rollout_key(row)
+        if key is None:
+            return None
+        if key in self.landed_keys:
+            self.duplicates += 1
+            return None
+        self.landed_keys.add(key)
+        self.landed_by[group_of(row)] += 1
+        previous = self.latest.get(key)
+        if previous is not None:
+            self._uncount(previous)
+        return key
+
+    def add_failure(self, row: dict[str, Any]) -> Key | None:
+        """Fold one failure row; returns its key."""
+        if is_drained(row):
+            self.drained += 1
+            return None
+        cls = failure_class(row)
+        self.failure_rows += 1
+        self.failure_rows_by_class[cls] += 1
+        key = rollout_key(row)
+        if key is None:
+            return None
+        self.attempts[key] += 1
+        if row.get(F.FAILURE_TERMINAL):
+            self.terminal.add(key)
+        failure = Failure(cls, *group_of(row))
+        if key not in self.landed_keys:
+            previous = self.latest.get(key)
+            if previous is not None:
+                self._uncount(previous)
+            self.failed_by[failure] += 1
+        self.latest[key] = failure
+        return key
+
+    def _uncount(self, failure: Failure) -> None:
+        self.failed_by[failure] -= 1
+        if not self.failed_by[failure]:
+            del self.failed_by[failure]
+
+    def settled_as_zero(self, key: Key, classes: frozenset[str]) -> bool:
+        """Whether the rollout has no result and its latest failure's class is scored as zero."""
+        latest = self.latest.get(key)
+        return latest is not None and key not in self.landed_keys and latest.cls in classes
+
+    def refresh(self) -> None:
+        """Read what was appended since the last read; from the start if a file shrank (a cut tail)."""
+        for name in (self.files.results, self.files.failures):
+            if self.rd.size(name) < self.offsets.get(name, 0):
+                self._forget_files()
+                break
+        self.read_results()
+        self.read_failures()
+
+    def _forget_files(self) -> None:
+        fresh = ShardLedger(self.rd, self.files, self.planned, self.planned_by)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(fresh, f.name))
+
+
+def count_shard(rd: RunDir, shard: str) -> ShardLedger:
+    """The shard's accounting: planned, landed, duplicates, failed by class (see `ShardLedger`)."""
+    return ShardLedger.read(rd, shard, planned=True)

@@ -1,0 +1,171 @@
+"""The rows a shard's metrics score: its results, plus the zeros NeMo Gym imputes (SPEC §5).
+
+`count_failure_classes_as_zero` adds, for each rollout without a result whose latest failure row
+is of a listed class, a copy of that row without its failure diagnostics, `mask_sample` false and
+`reward` 0.0 unless it has one. `count_missing_rollouts_as_zero` adds a zero for each planned
+rollout with no result and no failure row: its identity, agent and environment server stamp, and
+`reward` 0.0. Both kinds of added row get their task's dataset fields from the materialized row,
+only those real results of the same environment server carry (the aggregator averages every
+number it is handed). They go to `/aggregate_metrics` only: no file changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from infra.store import RunDir
+from schemas import fields as F
+from schemas.config import ServersConfig
+from schemas.finish import Coverage
+from schemas.settings import CollectionSettings
+from workers.aggregation import server_of
+from workers.shard.ledger import Key, ShardLedger, is_drained, iter_rows, rollout_key
+
+log = logging.getLogger(__name__)
+
+FAILURE_DIAGNOSTICS = (F.FAILURE_KIND, "failure_reason")
+
+
+def counted_failure(row: dict[str, Any]) -> dict[str, Any]:
+    """The metrics-only copy of a failure row scored as zero."""
+    out = {
+        k: v
+        for k, v in row.items()
+        if not k.startswith("_ng_failure_") and k not in FAILURE_DIAGNOSTICS
+    }
+    out["mask_sample"] = False
+    out.setdefault("reward", 0.0)
+    return out
+
+
+def missing_zero(planned: dict[str, Any]) -> dict[str, Any] | None:
+    """The zero of a planned rollout that left no row; None when it names no agent nor server."""
+    if F.agent_name(planned) is None and not planned.get(F.ENVIRONMENT_SERVER):
+        return None
+    zero = {
+        F.TASK_INDEX: planned.get(F.TASK_INDEX),
+        F.ROLLOUT_INDEX: planned.get(F.ROLLOUT_INDEX),
+        F.AGENT_REF: planned.get(F.AGENT_REF),
+        "reward": 0.0,
+    }
+    if F.ENVIRONMENT_SERVER in planned:
+        zero[F.ENVIRONMENT_SERVER] = planned[F.ENVIRONMENT_SERVER]
+    return zero
+
+
+def fill_task_fields(added: dict[str, Any], planned: dict[str, Any], carried: set[str]) -> None:
+    """Give an added row the planned row's dataset fields that real rows of its server carry."""
+    for name in carried & planned.keys():
+        if not name.startswith("_") and name not in (F.RESPONSES_CREATE_PARAMS, "response"):
+            added.setdefault(name, planned[name])
+
+
+@dataclass
+class ScoredRows:
+    """The rows to aggregate, streamed; `coverage()` is complete once they were all read."""
+
+    rd: RunDir
+    ledger: ShardLedger
+    config: ServersConfig
+    zero_classes: frozenset[str] = frozenset()
+    missing_as_zero: bool = False
+    counted: int = 0
+    imputed: int = 0
+    _carried: defaultdict[str | None, set[str]] = field(default_factory=lambda: defaultdict(set))
+
+    @classmethod
+    def of(
+        cls, rd: RunDir, ledger: ShardLedger, config: ServersConfig, settings: CollectionSettings
+    ) -> ScoredRows:
+        return cls(
+            rd,
+            ledger,
+            config,
+            frozenset(settings.count_failure_classes_as_zero),
+            settings.count_missing_rollouts_as_zero,
+        )
+
+    @property
+    def imputing(self) -> bool:
+        return bool(self.zero_classes) or self.missing_as_zero
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for row in iter_rows(self.rd, self.ledger.files.results):
+            if self.imputing:
+                self._carried[server_of(row, self.config)].update(row)
+            yield row
+        if self.imputing:
+            yield from self._added()
+
+    def _counted_failures(self) -> dict[Key, dict[str, Any]]:
+        """The latest failure row of each rollout scored as zero (its attempts-th row)."""
+        ledger = self.ledger
+        wanted = {k for k in ledger.latest if ledger.settled_as_zero(k, self.zero_classes)}
+        if not wanted:
+            return {}
+        seen: Counter[Key] = Counter()
+        rows: dict[Key, dict[str, Any]] = {}
+        for row in iter_rows(self.rd, ledger.files.failures):
+            key = rollout_key(row)
+            if key not in wanted or is_drained(row):
+                continue
+            seen[key] += 1
+            if seen[key] == ledger.attempts[key]:
+                rows[key] = counted_failure(row)
+        return rows
+
+    def _added(self) -> Iterator[dict[str, Any]]:
+        ledger = self.ledger
+        counted = self._counted_failures()
+        self.counted = len(counted)
+        materialized = ledger.files.materialized
+        if not self.rd.exists(materialized):
+            if self.missing_as_zero:
+                log.warning(
+                    "%s is missing; rollouts owed by that shard cannot be counted",
+                    self.rd.path(materialized),
+                )
+            yield from counted.values()
+            return
+        imputed: set[Key] = set()
+        unroutable = 0
+        for planned in iter_rows(self.rd, materialized):
+            key = rollout_key(planned)
+            if key is None:
+                continue
+            added = counted.pop(key, None)
+            if added is None:
+                if not self.missing_as_zero or key in imputed:
+                    continue
+                if key in ledger.landed_keys or key in ledger.latest:
+                    continue
+                added = missing_zero(planned)
+                if added is None:
+                    unroutable += 1
+                    continue
+                imputed.add(key)
+            fill_task_fields(added, planned, self._carried[server_of(planned, self.config)])
+            yield added
+        self.imputed = len(imputed)
+        yield from counted.values()  # failures of rollouts the materialized inputs do not name
+        if unroutable:
+            log.warning(
+                "%d materialized rollout(s) name no agent or environment server and are not counted",
+                unroutable,
+            )
+
+    def coverage(self) -> Coverage:
+        ledger = self.ledger
+        dropped = {c: n for c, n in sorted(ledger.failed.items()) if c not in self.zero_classes}
+        return Coverage(
+            expected=ledger.planned,
+            scored=ledger.landed + self.counted + self.imputed,
+            failures_counted_as_zero=self.counted,
+            imputed=self.imputed,
+            dropped=dropped,
+            failures_path=self.rd.path(ledger.files.failures),
+        )
