@@ -76,6 +76,18 @@ def classify_exception(exc: BaseException) -> AttemptFailed:
     return AttemptFailed(failure, sent=sent, replayable=sent)
 
 
+def _bad_reply(status: int, text: str, type_: str, message: str) -> FailureRow:
+    """The failure row of an HTTP 2xx reply that is not a JSON object."""
+    return FailureRow(
+        _ng_failure_class="agent_request_failed",
+        _ng_failure_type=type_,
+        _ng_failure_message=message,
+        _ng_failure_http_status=status,
+        _ng_failure_response_body=truncate_body(text),
+        failure_kind="agent_request_failed",
+    )
+
+
 def classify_reply(status: int, content: bytes) -> dict[str, Any]:
     """The result object of a reply, or AttemptFailed for an HTTP error or a reply of the wrong shape."""
     text = content.decode("utf-8", errors="replace")
@@ -93,23 +105,14 @@ def classify_reply(status: int, content: bytes) -> dict[str, Any]:
     try:
         value = orjson.loads(content)
     except orjson.JSONDecodeError as exc:
-        failure = FailureRow(
-            _ng_failure_class="agent_request_failed",
-            _ng_failure_type="JSONDecodeError",
-            _ng_failure_message=f"/run reply is not JSON: {exc}",
-            _ng_failure_http_status=status,
-            _ng_failure_response_body=truncate_body(text),
-            failure_kind="agent_request_failed",
-        )
+        failure = _bad_reply(status, text, "JSONDecodeError", f"/run reply is not JSON: {exc}")
         raise AttemptFailed(failure, sent=True, replayable=False) from None
     if not isinstance(value, dict):
-        failure = FailureRow(
-            _ng_failure_class="agent_request_failed",
-            _ng_failure_type="InvalidResultShape",
-            _ng_failure_message=f"/run reply is a JSON {type(value).__name__}, not an object",
-            _ng_failure_http_status=status,
-            _ng_failure_response_body=truncate_body(text),
-            failure_kind="agent_request_failed",
+        failure = _bad_reply(
+            status,
+            text,
+            "InvalidResultShape",
+            f"/run reply is a JSON {type(value).__name__}, not an object",
         )
         raise AttemptFailed(failure, sent=True, replayable=False)
     return value
