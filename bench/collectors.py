@@ -13,9 +13,9 @@ import orjson
 
 from bench.harness import BenchCluster, cpu_seconds
 from infra.redis_client import client
-from producer.celery_client import client_app
-from producer.config_loading import load_servers_config
-from producer.dispatch import (
+from producer.config.loading import load_servers_config
+from producer.shard.celery_client import client_app
+from producer.shard.dispatch import (
     enqueue,
     iter_materialized,
     open_run,

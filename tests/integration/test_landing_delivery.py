@@ -21,9 +21,9 @@ from examples.servers import RunningServers
 from infra import keys
 from infra.runs import read_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
-from producer.celery_client import client_app
-from producer.config_loading import load_servers_config
-from producer.dispatch import (
+from producer.config.loading import load_servers_config
+from producer.shard.celery_client import client_app
+from producer.shard.dispatch import (
     OpenedRun,
     call_policy,
     enqueue,

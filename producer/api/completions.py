@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
-from producer.api_dispatch import Outcome
+from producer.api.transport import Outcome
 
 Pair = tuple[dict[str, Any], Any]
 """What an awaitable resolves to: the caller's row and the result (or a failure record)."""
@@ -31,7 +31,7 @@ CLOSED_KINDS = frozenset({"cancelled", "stopped"})
 
 
 class Transport(Protocol):
-    """What the completions need of the dispatch (`producer.api_dispatch.Invocation`)."""
+    """What the completions need of the dispatch (`producer.api.transport.Invocation`)."""
 
     on_outcome: Callable[[Outcome], None]
     finished: dict[str, Any] | None

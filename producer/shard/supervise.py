@@ -26,8 +26,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from infra import keys
 from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
-from producer.dispatch import OpenedRun, enqueue
-from producer.live import LiveSnapshot, broker_queue_length, open_generation, snapshot
+from producer.shard.dispatch import OpenedRun, enqueue
+from producer.shard.live import LiveSnapshot, broker_queue_length, open_generation, snapshot
 from schemas.config import ServersConfig
 from schemas.errors import RunFailedError
 from schemas.settings import CollectionSettings

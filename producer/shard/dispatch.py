@@ -26,7 +26,7 @@ from celery import Celery
 from infra import jsonl, keys
 from infra.runs import maybe_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
-from producer.planning import PlanContext, WarningSink, write_plan
+from producer.planning.planner import PlanContext, WarningSink, write_plan
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, RunExistsError, StorageError

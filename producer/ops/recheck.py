@@ -20,9 +20,10 @@ from rich.markup import escape
 
 from infra import jsonl
 from infra.store import RunDir
-from producer.celery_client import client_app
-from producer.config_loading import load_servers_config
-from producer.report import print_metrics_file
+from producer.config.loading import load_servers_config
+from producer.ops.merge import MergeReport, merge_shards
+from producer.shard.celery_client import client_app
+from producer.shard.report import print_metrics_file
 from schemas.config import ServersConfig
 from schemas.errors import RunFailedError, UsageError
 from schemas.health import HEALTH_COMBINE_TASK, HEALTH_SCAN_TASK, QUALITY_SUMMARY, HealthPlan
@@ -30,7 +31,6 @@ from workers.accounting import iter_rows
 from workers.finish import write_aggregate_file
 from workers.health import check_sources_here, console_line, plan_recheck, run_local
 from workers.health.sources import persisted_limits, source_for, stem_of
-from workers.merge import MergeReport, merge_shards
 
 POLL_S = 0.5
 

@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from infra.store import RunDir
-from producer.overrides import parse_overrides
-from producer.resume import ResumeOptions, execute_resume, nemo_gym_output, resumable
-from producer.runner import DEFAULT_CONCURRENCY, DEFAULT_WORKERS, RunOptions, execute_run
+from producer.config.overrides import parse_overrides
+from producer.shard.resume import ResumeOptions, execute_resume, nemo_gym_output, resumable
+from producer.shard.runner import DEFAULT_CONCURRENCY, DEFAULT_WORKERS, RunOptions, execute_run
 from schemas.errors import RolloutsError, RunFailedError, UsageError
 
 _console = Console()
@@ -326,9 +326,9 @@ def status(
     redis_url: str | None,
 ) -> None:
     """Planned, landed, failed by class, in flight, queued, rate and ETA, by agent and environment."""
-    from producer.control import find_redis_url, load_manifest
-    from producer.status import StatusReader, print_status
-    from producer.status import watch as watch_status
+    from producer.ops.control import find_redis_url, load_manifest
+    from producer.ops.status import StatusReader, print_status
+    from producer.ops.status import watch as watch_status
 
     try:
         rd = RunDir(run_dir)
@@ -356,7 +356,7 @@ def cancel(
     run_dir: str, shard: str, drain: bool, broker: str | None, redis_url: str | None
 ) -> None:
     """Stop a running shard: nothing new starts; running /run calls are cancelled unless --drain."""
-    from producer.control import cancel_shard, find_redis_url, load_manifest
+    from producer.ops.control import cancel_shard, find_redis_url, load_manifest
 
     try:
         rd = RunDir(run_dir)
@@ -393,7 +393,7 @@ def flower(
     Flower switches task events on in every worker it reaches; `rollouts worker --events` and
     `rollouts run --events` start workers with them on from the first task.
     """
-    from producer.control import flower_command
+    from producer.ops.control import flower_command
 
     broker = broker or os.environ.get("ROLLOUTS_BROKER_URL")
     if not broker:
@@ -436,8 +436,8 @@ def health_check(
     redis_url: str | None,
 ) -> None:
     """Recheck RUN_DIR from its persisted artifacts and write its health reports."""
-    from producer.recheck import health_check as run_check
-    from producer.recheck import parse_limits
+    from producer.ops.recheck import health_check as run_check
+    from producer.ops.recheck import parse_limits
 
     try:
         sys.exit(
@@ -473,7 +473,7 @@ def aggregate(
     no_health_check: bool,
 ) -> None:
     """Merge shards sorted by (task, rollout), aggregate their metrics, check their health."""
-    from producer.recheck import aggregate as run_aggregate
+    from producer.ops.recheck import aggregate as run_aggregate
 
     try:
         sys.exit(
@@ -488,7 +488,3 @@ def aggregate(
         )
     except RolloutsError as exc:
         _fail(exc)
-
-
-if __name__ == "__main__":
-    main()
