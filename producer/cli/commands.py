@@ -473,7 +473,7 @@ def aggregate(
     no_health_check: bool,
 ) -> None:
     """Merge shards sorted by (task, rollout), aggregate their metrics, check their health."""
-    from producer.ops.recheck import aggregate as run_aggregate
+    from producer.ops.aggregate import aggregate as run_aggregate
 
     try:
         sys.exit(

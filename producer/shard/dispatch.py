@@ -1,35 +1,28 @@
-"""Opening a run and enqueueing it: materialized inputs, manifest, Redis state, one task per rollout.
+"""Dispatching one generation of a shard: its counters, one collect task per rollout, the chord.
 
 The rollout tasks form one Celery chord whose callback finishes the shard. The chord is published
 from a stream of the materialized inputs, not built in memory: its size is known from planning,
 set in the result backend first, and each task is sent with the chord's callback, its group id
-and its index, exactly as Celery's own chord would send it.
+and its index, exactly as Celery's own chord would send it. `dispatch_generation` starts the
+generation's Redis counters, publishes the chord and, when asked, waits for it
+(`producer/shard/supervise.py`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import secrets
-import shutil
-import tempfile
-import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import redis
 from celery import Celery
+from rich.console import Console
 
-from infra import jsonl, keys
-from infra.runs import maybe_manifest, write_manifest
-from infra.store import RunDir, ShardFiles
-from producer.planning.planner import PlanContext, WarningSink, write_plan
+from infra import keys
+from infra.redis_client import client
+from producer.shard.opening import OpenedRun
+from producer.shard.supervise import wait_for_shard
 from schemas import fields as F
 from schemas.config import ServersConfig
-from schemas.errors import PlanningError, Problem, RunExistsError, StorageError
 from schemas.messages import (
     COLLECT_TASK,
     FINISH_TASK,
@@ -37,174 +30,10 @@ from schemas.messages import (
     Admission,
     CallPolicy,
     FinishRequest,
-    RunRef,
 )
-from schemas.records import Generation, InputSource, Manifest, utc_now
 from schemas.settings import CollectionSettings
 
 PUBLISH_BATCH = 500
-
-
-def new_run_id() -> str:
-    return f"run-{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
-
-
-def new_token() -> str:
-    return uuid.uuid4().hex
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-@dataclass
-class OpenedRun:
-    """A shard whose inputs and manifest are on storage, ready to enqueue."""
-
-    rd: RunDir
-    manifest: Manifest
-    run: RunRef
-
-    @property
-    def files(self) -> ShardFiles:
-        return ShardFiles(self.manifest.shard)
-
-
-def shard_artifacts_present(rd: RunDir, shard: str) -> list[str]:
-    return [name for name in ShardFiles(shard).all() if rd.exists(name)]
-
-
-def existing_run_problem(rd: RunDir, shard: str, present: list[str]) -> Problem:
-    """The problem of a fresh run into a folder whose shard belongs to an earlier run."""
-    try:
-        manifest = maybe_manifest(rd, shard)
-    except StorageError:
-        manifest = None
-    if manifest is not None:
-        owner = (
-            f"run {manifest.run_id} ({manifest.state}, {manifest.planned} rollouts planned, "
-            f"created {manifest.created_at})"
-        )
-    else:
-        owner = "an earlier run (no readable manifest)"
-    return Problem(
-        f"already holds shard {shard} of {owner}: {', '.join(present)}; pass --overwrite to "
-        f"replace it, or resume it with `rollouts resume {rd.url} --shard {shard}`",
-        file=rd.url,
-    )
-
-
-def open_run(
-    *,
-    input_path: str,
-    output_dir: str,
-    shard: str,
-    config: ServersConfig,
-    settings: CollectionSettings,
-    overwrite: bool = False,
-    on_warning: WarningSink | None = None,
-) -> OpenedRun:
-    """Plan the input and write the materialized inputs and manifest; nothing is enqueued yet.
-
-    Every problem (the shard label, the run directory, every input row) is raised in one error
-    before the run directory is touched.
-    """
-    problems: list[Problem] = []
-    label_ok = F.valid_shard_label(shard)
-    if not label_ok:
-        problems.append(
-            Problem(
-                f"invalid shard label {shard!r}: use letters, digits, '.', '_', '-'", field="shard"
-            )
-        )
-    rd = RunDir(output_dir)
-    present = shard_artifacts_present(rd, shard) if label_ok else []
-    existing = existing_run_problem(rd, shard, present) if present and not overwrite else None
-    if not os.path.isfile(input_path):
-        problems.append(Problem("input file not found", file=input_path))
-        raise PlanningError([*problems, *([existing] if existing else [])])
-    run_id = new_run_id()
-    files = ShardFiles(shard)
-    tmpdir = tempfile.mkdtemp(prefix="rollouts-plan-")
-    try:
-        local = os.path.join(tmpdir, "materialized_inputs.jsonl")
-        try:
-            plan = write_plan(
-                input_path,
-                local,
-                config,
-                settings,
-                PlanContext(run_id, shard),
-                on_warning=on_warning,
-            )
-        except PlanningError as exc:
-            raise PlanningError(
-                [*problems, *exc.problems, *([existing] if existing else [])], header=exc.header
-            ) from None
-        if problems:
-            raise PlanningError([*problems, *([existing] if existing else [])])
-        if existing is not None:
-            raise RunExistsError(f"{existing.render()}")
-        if plan.planned == 0:
-            raise PlanningError([Problem("no rows to run", file=input_path)])
-        rd.makedirs()
-        if overwrite:
-            for name in present:
-                rd.remove(name)
-        if rd.is_local:
-            shutil.move(local, rd.path(files.materialized))
-        else:
-            rd.fs.put_file(local, rd.path(files.materialized))
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
-    token = new_token()
-    manifest = Manifest(
-        run_id=run_id,
-        shard=shard,
-        created_at=utc_now(),
-        input=InputSource(path=os.path.abspath(input_path), sha256=sha256_file(input_path)),
-        config=config.redacted(),
-        settings=settings.model_dump(mode="json"),
-        planned=plan.planned,
-        materialized_sha256=plan.sha256,
-        generations=[
-            Generation(token=token, kind="run", started_at=utc_now(), enqueued=plan.planned)
-        ],
-    )
-    write_manifest(rd, manifest)
-    return OpenedRun(
-        rd, manifest, RunRef(run_id=run_id, output_dir=rd.url, shard=shard, token=token)
-    )
-
-
-def reset_shard_state(r: redis.Redis, opened: OpenedRun) -> None:
-    """Give a freshly opened shard clean Redis state naming its opener token."""
-    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
-    pipe = r.pipeline(transaction=True)
-    pipe.delete(*keys.all_shard_keys(sid))
-    pipe.hset(
-        keys.shard_state(sid),
-        mapping={
-            "opener": opened.run.token,
-            "run_id": opened.manifest.run_id,
-            "shard": opened.manifest.shard,
-            "planned": opened.manifest.planned,
-            "results_size": opened.rd.size(opened.files.results),
-            "failures_size": opened.rd.size(opened.files.failures),
-            "built": "1",
-        },
-    )
-    pipe.execute()
-
-
-def iter_materialized(rd: RunDir, shard: str) -> Iterator[dict[str, Any]]:
-    for _, line in rd.iter_lines(ShardFiles(shard).materialized):
-        if line.strip():
-            yield jsonl.loads(line)
 
 
 def call_policy(settings: CollectionSettings) -> CallPolicy:
@@ -312,20 +141,47 @@ def enqueue(
     return finish_id
 
 
-def wait_for_finish(
+def open_generation(
+    r: redis.Redis, sid: str, token: str, enqueued: int, budget_s: float | None
+) -> float | None:
+    """Start the generation's counters; returns the dispatch deadline on Redis's clock, if budgeted."""
+    sec, usec = r.time()
+    now = sec + usec / 1e6
+    deadline = now + budget_s if budget_s is not None else None
+    pipe = r.pipeline(transaction=True)
+    pipe.delete(keys.shard_generation(sid), keys.shard_durations(sid))
+    pipe.hset(
+        keys.shard_generation(sid),
+        mapping={
+            "token": token,
+            "enqueued": enqueued,
+            "started_at": repr(now),
+            "deadline": repr(deadline) if deadline is not None else "",
+        },
+    )
+    pipe.execute()
+    return deadline
+
+
+def dispatch_generation(
     app: Celery,
-    finish_id: str,
-    on_progress: Any = None,
-    poll_s: float = 0.5,
-) -> dict[str, Any]:
-    """Block until the finish callback has run; `on_progress()` is called between polls."""
-    result = app.AsyncResult(finish_id)
-    while True:
-        if result.ready():
-            value = result.get(propagate=False, disable_sync_subtasks=False)
-            if isinstance(value, dict):
-                return value
-            raise RuntimeError(f"the finish step failed: {value!r}")
-        if on_progress is not None:
-            on_progress()
-        time.sleep(poll_s)
+    opened: OpenedRun,
+    rows: Iterator[dict[str, Any]],
+    count: int,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    redis_url: str,
+    console: Console,
+    wait: bool = True,
+) -> dict[str, Any] | None:
+    """Enqueue `count` rows as this generation's chord and, with `wait`, return the finish result."""
+    r = client(redis_url)
+    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
+    deadline = open_generation(r, sid, opened.run.token, count, settings.dispatch_budget_s)
+    finish_id = enqueue(app, opened, rows, count, config, settings, deadline)
+    console.print(
+        f"enqueued {count} rollouts of {opened.manifest.run_id} (shard {opened.manifest.shard})"
+    )
+    if not wait:
+        return None
+    return wait_for_shard(app, opened, redis_url, settings, console, finish_id, count)

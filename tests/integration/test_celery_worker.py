@@ -14,7 +14,8 @@ from examples.servers import RunningServers
 from infra.redis_client import client
 from producer.config.loading import load_servers_config
 from producer.shard.celery_client import client_app
-from producer.shard.dispatch import call_policy, iter_materialized, open_run, reset_shard_state
+from producer.shard.dispatch import call_policy
+from producer.shard.opening import iter_materialized, open_run, reset_shard_state
 from producer.shard.runner import RunOptions, execute_run
 from schemas.messages import COLLECT_TASK, QUEUE
 from schemas.settings import CollectionSettings

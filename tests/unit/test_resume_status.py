@@ -11,7 +11,7 @@ from rich.console import Console
 
 from infra.store import RunDir
 from producer.ops.status import FileTally
-from producer.shard.live import redact_url
+from producer.shard.opening import redact_url
 from producer.shard.resume import (
     ShardOutcomes,
     max_attempts_limit,

@@ -1,0 +1,206 @@
+"""Opening a shard for a fresh run: planned inputs, manifest, clean Redis state naming its opener.
+
+`open_run` plans the input into the materialized inputs and writes the manifest with its first
+generation; `reset_shard_state` gives the shard Redis state that names the opener token. The
+materialized inputs are read back, row by row, by `iter_materialized`; a generation records the
+Redis it coordinates through as `redact_url` shows it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from infra import jsonl, keys
+from infra.runs import maybe_manifest, write_manifest
+from infra.store import RunDir, ShardFiles
+from producer.planning.planner import PlanContext, WarningSink, write_plan
+from schemas import fields as F
+from schemas.config import ServersConfig
+from schemas.errors import PlanningError, Problem, RunExistsError, StorageError
+from schemas.messages import RunRef
+from schemas.records import Generation, InputSource, Manifest, utc_now
+from schemas.settings import CollectionSettings
+
+
+def new_run_id() -> str:
+    return f"run-{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class OpenedRun:
+    """A shard whose inputs and manifest are on storage, ready to enqueue."""
+
+    rd: RunDir
+    manifest: Manifest
+    run: RunRef
+
+    @property
+    def files(self) -> ShardFiles:
+        return ShardFiles(self.manifest.shard)
+
+
+def shard_artifacts_present(rd: RunDir, shard: str) -> list[str]:
+    return [name for name in ShardFiles(shard).all() if rd.exists(name)]
+
+
+def existing_run_problem(rd: RunDir, shard: str, present: list[str]) -> Problem:
+    """The problem of a fresh run into a folder whose shard belongs to an earlier run."""
+    try:
+        manifest = maybe_manifest(rd, shard)
+    except StorageError:
+        manifest = None
+    if manifest is not None:
+        owner = (
+            f"run {manifest.run_id} ({manifest.state}, {manifest.planned} rollouts planned, "
+            f"created {manifest.created_at})"
+        )
+    else:
+        owner = "an earlier run (no readable manifest)"
+    return Problem(
+        f"already holds shard {shard} of {owner}: {', '.join(present)}; pass --overwrite to "
+        f"replace it, or resume it with `rollouts resume {rd.url} --shard {shard}`",
+        file=rd.url,
+    )
+
+
+def open_run(
+    *,
+    input_path: str,
+    output_dir: str,
+    shard: str,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    overwrite: bool = False,
+    on_warning: WarningSink | None = None,
+) -> OpenedRun:
+    """Plan the input and write the materialized inputs and manifest; nothing is enqueued yet.
+
+    Every problem (the shard label, the run directory, every input row) is raised in one error
+    before the run directory is touched.
+    """
+    problems: list[Problem] = []
+    label_ok = F.valid_shard_label(shard)
+    if not label_ok:
+        problems.append(
+            Problem(
+                f"invalid shard label {shard!r}: use letters, digits, '.', '_', '-'", field="shard"
+            )
+        )
+    rd = RunDir(output_dir)
+    present = shard_artifacts_present(rd, shard) if label_ok else []
+    existing = existing_run_problem(rd, shard, present) if present and not overwrite else None
+    if not os.path.isfile(input_path):
+        problems.append(Problem("input file not found", file=input_path))
+        raise PlanningError([*problems, *([existing] if existing else [])])
+    run_id = new_run_id()
+    files = ShardFiles(shard)
+    tmpdir = tempfile.mkdtemp(prefix="rollouts-plan-")
+    try:
+        local = os.path.join(tmpdir, "materialized_inputs.jsonl")
+        try:
+            plan = write_plan(
+                input_path,
+                local,
+                config,
+                settings,
+                PlanContext(run_id, shard),
+                on_warning=on_warning,
+            )
+        except PlanningError as exc:
+            raise PlanningError(
+                [*problems, *exc.problems, *([existing] if existing else [])], header=exc.header
+            ) from None
+        if problems:
+            raise PlanningError([*problems, *([existing] if existing else [])])
+        if existing is not None:
+            raise RunExistsError(f"{existing.render()}")
+        if plan.planned == 0:
+            raise PlanningError([Problem("no rows to run", file=input_path)])
+        rd.makedirs()
+        if overwrite:
+            for name in present:
+                rd.remove(name)
+        if rd.is_local:
+            shutil.move(local, rd.path(files.materialized))
+        else:
+            rd.fs.put_file(local, rd.path(files.materialized))
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    token = new_token()
+    manifest = Manifest(
+        run_id=run_id,
+        shard=shard,
+        created_at=utc_now(),
+        input=InputSource(path=os.path.abspath(input_path), sha256=sha256_file(input_path)),
+        config=config.redacted(),
+        settings=settings.model_dump(mode="json"),
+        planned=plan.planned,
+        materialized_sha256=plan.sha256,
+        generations=[
+            Generation(token=token, kind="run", started_at=utc_now(), enqueued=plan.planned)
+        ],
+    )
+    write_manifest(rd, manifest)
+    return OpenedRun(
+        rd, manifest, RunRef(run_id=run_id, output_dir=rd.url, shard=shard, token=token)
+    )
+
+
+def reset_shard_state(r: redis.Redis, opened: OpenedRun) -> None:
+    """Give a freshly opened shard clean Redis state naming its opener token."""
+    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
+    pipe = r.pipeline(transaction=True)
+    pipe.delete(*keys.all_shard_keys(sid))
+    pipe.hset(
+        keys.shard_state(sid),
+        mapping={
+            "opener": opened.run.token,
+            "run_id": opened.manifest.run_id,
+            "shard": opened.manifest.shard,
+            "planned": opened.manifest.planned,
+            "results_size": opened.rd.size(opened.files.results),
+            "failures_size": opened.rd.size(opened.files.failures),
+            "built": "1",
+        },
+    )
+    pipe.execute()
+
+
+def iter_materialized(rd: RunDir, shard: str) -> Iterator[dict[str, Any]]:
+    for _, line in rd.iter_lines(ShardFiles(shard).materialized):
+        if line.strip():
+            yield jsonl.loads(line)
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced, for the manifest."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
