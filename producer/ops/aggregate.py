@@ -1,9 +1,8 @@
 """`rollouts aggregate`: merge shards, aggregate their metrics, check their health.
 
 The merged file (`producer/ops/merge.py`) is sorted by (task, rollout) with duplicates kept and
-reported; its metrics are
-aggregated per environment server as a run's finish step does, and its health is checked from
-the shards it was merged from.
+reported; its metrics are aggregated per environment server as a run's finish step does, and
+its health is checked from the shards it was merged from.
 """
 
 from __future__ import annotations
