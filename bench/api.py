@@ -25,7 +25,7 @@ from bench.__main__ import write_rows
 from bench.collectors import Measure, run_ours
 from bench.harness import AgentProcess, BenchCluster, cpu_seconds, table
 from producer import preprocess_examples, run_examples
-from producer.config_loading import load_servers_config
+from producer.config.loading import load_servers_config
 
 
 def own_cpu() -> float:

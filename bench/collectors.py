@@ -13,15 +13,11 @@ import orjson
 
 from bench.harness import BenchCluster, cpu_seconds
 from infra.redis_client import client
-from producer.celery_client import client_app
-from producer.config_loading import load_servers_config
-from producer.dispatch import (
-    enqueue,
-    iter_materialized,
-    open_run,
-    reset_shard_state,
-    wait_for_finish,
-)
+from producer.config.loading import load_servers_config
+from producer.shard.celery_client import client_app
+from producer.shard.dispatch import enqueue
+from producer.shard.opening import iter_materialized, open_run, reset_shard_state
+from producer.shard.supervise import wait_for_finish
 from schemas.settings import CollectionSettings
 
 

@@ -91,7 +91,7 @@ class BenchCluster:
     workers: int = 2
     concurrency: int = 256
     pool: str = "threads"
-    # The product's workers log at WARNING (producer/local_cluster.py); INFO adds two log lines
+    # The product's workers log at WARNING (producer/shard/local_cluster.py); INFO adds two log lines
     # per task to every collector measured.
     loglevel: str = "WARNING"
     redis: EmbeddedRedis = field(default_factory=EmbeddedRedis)

@@ -27,7 +27,7 @@ from pathlib import Path
 import orjson
 
 from infra.embedded import EmbeddedRedis
-from producer.local_cluster import WorkerProcesses
+from producer.shard.local_cluster import WorkerProcesses
 
 SHARDS = 4
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,7 +3,7 @@
     python -m bench.plan [--sizes 100000,1000000] [--no-interleaved]
 
 For each size it writes an input of N small rows (x1 repeat) and plans it in a fresh process,
-exactly as `rollouts run` does before dispatch (`producer.planning.write_plan`: read, route,
+exactly as `rollouts run` does before dispatch (`producer.planning.planner.write_plan`: read, route,
 validate, stamp, write the materialized inputs), recording wall time and the process's peak RSS.
 The baseline, measured in the same run on the same files, is a process with the same imports
 that only parses each line, adds the stamp fields and writes it back: the floor of any planner.
@@ -66,7 +66,7 @@ def write_input(path: Path, n: int) -> None:
 
 def child(mode: str, input_path: str, out_path: str) -> dict[str, Any]:
     """Runs in the measured process: plan (or copy) one file, report time and peak RSS."""
-    from producer.planning import PlanContext, write_plan
+    from producer.planning.planner import PlanContext, write_plan
     from schemas.config import ServersConfig
     from schemas.settings import CollectionSettings
 

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from examples.servers import DEMO_FAMILIES, start_servers
 from examples.tasks import make_row
-from producer.runner import RunOptions, execute_run
+from producer.shard.runner import RunOptions, execute_run
 
 
 def write_dataset(path: str, tasks: int) -> int:

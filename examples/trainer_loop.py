@@ -10,7 +10,7 @@ import os
 from examples.servers import start_servers
 from examples.tasks import make_row
 from producer import preprocess_examples, run_examples
-from producer.local_cluster import LocalCluster
+from producer.shard.local_cluster import LocalCluster
 
 
 async def train_step(config: dict, broker: str, batch: int = 16) -> list[float]:

@@ -1,4 +1,12 @@
-"""Planning, dispatch and the `rollouts` command line; the Python API for trainers (SPEC §10)."""
+"""Planning, dispatch and the `rollouts` command line; the Python API for trainers (SPEC §10).
+
+config/    the servers config (a file, a NeMo Gym head server, NeMo Gym's format), `+key=value`
+planning/  rows in, planned rollouts out: routing, identities, run order, every problem at once
+shard/     one shard's lifecycle: open, dispatch, wait, stop on SIGTERM, resume, the final report
+api/       the Python API: `run_examples`, `run_outcomes`
+ops/       operating on runs: status, cancel, Flower, health-check, aggregate
+cli/       the `rollouts` command line
+"""
 
 from producer.api import Completions, Outcomes, run_examples, run_outcomes
 from producer.planning import preprocess_examples

@@ -11,7 +11,7 @@ from celery import Celery
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from examples.tasks import make_row
-from producer.celery_client import client_app
+from producer.shard.celery_client import client_app
 from schemas import fields as F
 from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
 from tests.ops_helpers import cli, manifest, request_log, requests_per_key, rows_by_key

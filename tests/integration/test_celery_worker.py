@@ -12,10 +12,11 @@ import redis
 
 from examples.servers import RunningServers
 from infra.redis_client import client
-from producer.celery_client import client_app
-from producer.config_loading import load_servers_config
-from producer.dispatch import call_policy, iter_materialized, open_run, reset_shard_state
-from producer.runner import RunOptions, execute_run
+from producer.config.loading import load_servers_config
+from producer.shard.celery_client import client_app
+from producer.shard.dispatch import call_policy
+from producer.shard.opening import iter_materialized, open_run, reset_shard_state
+from producer.shard.runner import RunOptions, execute_run
 from schemas.messages import COLLECT_TASK, QUEUE
 from schemas.settings import CollectionSettings
 from tests.conftest import Workers, agent_stats, demo_rows, read_jsonl, write_rows

@@ -13,7 +13,7 @@ import pytest
 from examples.metrics import aggregate_metrics
 from examples.servers import RunningServers
 from infra.store import RunDir
-from producer.runner import RunOptions, execute_run
+from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
 from tests.conftest import Workers, agent_stats, demo_rows, read_object_jsonl, write_rows
 

@@ -17,7 +17,7 @@ import redis
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from infra.embedded import EmbeddedRedis
-from producer.runner import RunOptions, execute_run
+from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
 from tests.conftest import Workers, demo_rows, write_rows
 from tests.ops_helpers import Key, manifest, requests_per_key, rows_by_key

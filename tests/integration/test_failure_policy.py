@@ -16,7 +16,7 @@ from examples.agent_server import AgentKnobs
 from examples.servers import RunningServers, start_servers
 from examples.tasks import make_row
 from infra.embedded import free_port
-from producer.runner import RunOptions, execute_run
+from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
 from schemas.errors import RunFailedError
 from tests.conftest import ROOT, Workers, agent_stats, demo_rows, write_rows

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from examples.agent_server import AgentKnobs
 from examples.servers import RunningServers, start_servers
-from producer.runner import RunOptions, execute_run
+from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
 from tests.conftest import ROOT, Workers, demo_rows, read_jsonl, write_rows
 from tests.unit.test_health_golden import crafted_folder

@@ -21,17 +21,11 @@ from examples.servers import RunningServers
 from infra import keys
 from infra.runs import read_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
-from producer.celery_client import client_app
-from producer.config_loading import load_servers_config
-from producer.dispatch import (
-    OpenedRun,
-    call_policy,
-    enqueue,
-    iter_materialized,
-    open_run,
-    reset_shard_state,
-    wait_for_finish,
-)
+from producer.config.loading import load_servers_config
+from producer.shard.celery_client import client_app
+from producer.shard.dispatch import call_policy, enqueue
+from producer.shard.opening import OpenedRun, iter_materialized, open_run, reset_shard_state
+from producer.shard.supervise import wait_for_finish
 from schemas import fields as F
 from schemas.messages import COLLECT_TASK, RunRef
 from schemas.records import Generation, utc_now

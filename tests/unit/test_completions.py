@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from producer.api import Call, _converter
-from producer.api_dispatch import Outcome
-from producer.completions import Completions, Settled
+from producer.api.calls import Call, _converter
+from producer.api.completions import Completions, Settled
+from producer.api.transport import Outcome
 from schemas import fields as F
 from schemas.errors import PlanningError, RolloutFailedError, ShardFencedError
 from schemas.outcomes import Ended, RolloutFailureRecord
@@ -233,7 +233,7 @@ def test_system_errors_and_cancellation_propagate_even_from_run_outcomes(
 
 
 def test_options_left_at_their_defaults_keep_the_settings_values() -> None:
-    from producer.api import _settings
+    from producer.api.calls import _settings
 
     base = {"max_resident_tasks": 8, "route_failures_to_sidecar": True, "rollout_timeout_s": 5}
     merged = _settings(base, max_resident_tasks=None, route_failures_to_sidecar=False)

@@ -9,13 +9,13 @@ import orjson
 import pytest
 import yaml
 
-from producer.config_loading import (
+from producer.config.loading import (
     load_head_server_config,
     load_run_config,
     load_servers_config,
     parse_servers_config,
 )
-from producer.planning import PlanContext, write_plan
+from producer.planning.planner import PlanContext, write_plan
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, UsageError
 from schemas.settings import CollectionSettings

@@ -9,10 +9,10 @@ import orjson
 import pytest
 
 from infra.store import RunDir
+from producer.ops.merge import merge_shards
 from schemas.errors import PlanningError, StorageError, UsageError
 from tests.health_fixtures import record, write_lines
 from workers.health.sources import discover
-from workers.merge import merge_shards
 
 
 def shards(tmp_path: Path) -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from producer.overrides import parse_overrides, validate_settings
+from producer.config.overrides import parse_overrides, validate_settings
 from schemas.errors import PlanningError
 
 

@@ -7,7 +7,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from producer.plan_state import DigestTable, RolloutCounters, digest64
+from producer.planning.state import DigestTable, RolloutCounters, digest64
 
 
 @given(st.lists(st.integers(1, 2**64 - 1), max_size=3000), st.integers(0, 2000))

@@ -26,7 +26,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer.planning import PlanContext, preprocess_examples, write_plan
+from producer.planning.planner import PlanContext, preprocess_examples, write_plan
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.settings import CollectionSettings

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from producer.planning import PlanContext, plan_file, preprocess_examples
+from producer.planning.planner import PlanContext, plan_file, preprocess_examples
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from infra.store import RunDir, ShardFiles
-from producer.resume import plan_resume, rows_to_run
+from producer.shard.resume import plan_resume, rows_to_run
 from schemas.config import ServersConfig
 from schemas.finish import Coverage, FinishResult
 from schemas.settings import CollectionSettings

@@ -1,4 +1,4 @@
-"""`rollouts aggregate`: merge shards into one rollouts file sorted by (task, rollout).
+"""The merge of `rollouts aggregate`: shards into one rollouts file sorted by (task, rollout).
 
 The merge is an external sort (shards can be any size), and it keeps every row: two rows with
 the same (task, rollout) are reported as duplicates and both stay. The merged-shards record

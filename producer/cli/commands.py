@@ -4,30 +4,31 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import click
 import orjson
 from rich.console import Console
-from rich.markup import escape
 
 from infra.store import RunDir
-from producer.overrides import parse_overrides
-from producer.resume import ResumeOptions, execute_resume, nemo_gym_output, resumable
-from producer.runner import DEFAULT_CONCURRENCY, DEFAULT_WORKERS, RunOptions, execute_run
-from schemas.errors import RolloutsError, RunFailedError, UsageError
+from producer.cli.errors import reports
+from producer.cli.options import (
+    PASS_THROUGH,
+    cluster_options,
+    events_option,
+    local_cluster_options,
+    no_wait_option,
+    overrides_argument,
+    result_backend_options,
+    running_shard_options,
+    shard_options,
+)
+from producer.config.overrides import parse_overrides
+from producer.shard.resume import ResumeOptions, execute_resume, nemo_gym_output, resumable
+from producer.shard.runner import DEFAULT_CONCURRENCY, RunOptions, execute_run
+from schemas.errors import RolloutsError, UsageError
 
 _console = Console()
-_errors = Console(stderr=True)
-
-
-def _fail(exc: RolloutsError) -> None:
-    # Escaped: messages quote names like [simple_agent] that rich would read as markup.
-    message = escape(str(exc))
-    _errors.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
-    code = getattr(exc, "exit_code", 1)
-    sys.exit(code)
 
 
 @click.group()
@@ -35,25 +36,7 @@ def main() -> None:
     """Distributed rollout collection on Celery and Redis."""
 
 
-def local_cluster_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """`--workers` and `--concurrency`: the local cluster a command starts without `--broker`."""
-    command = click.option(
-        "--concurrency",
-        type=int,
-        default=DEFAULT_CONCURRENCY,
-        show_default=True,
-        help="Rollouts in flight per local worker.",
-    )(command)
-    return click.option(
-        "--workers",
-        type=int,
-        default=DEFAULT_WORKERS,
-        show_default=True,
-        help="Local worker processes (without --broker).",
-    )(command)
-
-
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@main.command(context_settings=PASS_THROUGH)
 @click.option(
     "--config", "config_path", default=None, help="Servers config (YAML; normalised or NeMo Gym's)."
 )
@@ -72,18 +55,11 @@ def local_cluster_options(command: Callable[..., Any]) -> Callable[..., Any]:
     "--max-resident-tasks", type=int, default=None, help="Cluster-wide cap on running rollouts."
 )
 @local_cluster_options
-@click.option(
-    "--broker",
-    default=None,
-    help="Broker URL of a running cluster (else ROLLOUTS_BROKER_URL, else a local cluster).",
+@cluster_options(
+    "Broker URL of a running cluster (else ROLLOUTS_BROKER_URL, else a local cluster).",
+    "Redis for locks and results (default: the broker, when it is Redis).",
 )
-@click.option(
-    "--redis",
-    "redis_url",
-    default=None,
-    help="Redis for locks and results (default: the broker, when it is Redis).",
-)
-@click.option("--no-wait", is_flag=True, help="Enqueue and return.")
+@no_wait_option
 @click.option(
     "--overwrite", is_flag=True, help="Replace an earlier run of this shard in the folder."
 )
@@ -98,8 +74,9 @@ def local_cluster_options(command: Callable[..., Any]) -> Callable[..., Any]:
     default=None,
     help="Skip the allowed_agents checks.",
 )
-@click.option("--events", is_flag=True, help="Local workers send task events (for Flower).")
-@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+@events_option
+@overrides_argument
+@reports()
 def run(
     config_path: str | None,
     input_path: str | None,
@@ -125,59 +102,55 @@ def run(
     NeMo Gym's spelling also works: +input_jsonl_fpath=ROWS +output_jsonl_fpath=DIR/rollouts-S.jsonl,
     and with +resume_from_cache=true a shard that exists there is resumed instead.
     """
-    try:
-        settings: dict[str, Any] = parse_overrides(list(overrides))
-        for key, value in (
-            ("agent_name", agent),
-            ("num_repeats", num_repeats),
-            ("route_failures_to_sidecar", route_failures_to_sidecar),
-            ("max_resident_tasks", max_resident_tasks),
-            ("allow_unsupported_pairing", allow_unsupported_pairing),
-        ):
-            if value is not None:
-                settings[key] = value
-        spelled = nemo_gym_spelling(settings, input_path, output_dir, shard)
-        input_path, output_dir, shard, resume = spelled
-        if resume and output_dir is not None:
-            sys.exit(
-                execute_resume(
-                    ResumeOptions(
-                        output_dir=output_dir, shard=shard, config_path=config_path,
-                        head_server=head_server, overrides=settings, workers=workers,
-                        concurrency=concurrency, broker_url=broker, redis_url=redis_url,
-                        wait=not no_wait, events=events,
-                    ),
-                    _console,
-                )
-            )  # fmt: skip
-        if input_path is None or output_dir is None:
-            raise UsageError(
-                "run needs --input and --output-dir (or +input_jsonl_fpath and +output_jsonl_fpath)"
+    settings: dict[str, Any] = parse_overrides(list(overrides))
+    for key, value in (
+        ("agent_name", agent),
+        ("num_repeats", num_repeats),
+        ("route_failures_to_sidecar", route_failures_to_sidecar),
+        ("max_resident_tasks", max_resident_tasks),
+        ("allow_unsupported_pairing", allow_unsupported_pairing),
+    ):
+        if value is not None:
+            settings[key] = value
+    spelled = nemo_gym_spelling(settings, input_path, output_dir, shard)
+    input_path, output_dir, shard, resume = spelled
+    if resume and output_dir is not None:
+        sys.exit(
+            execute_resume(
+                ResumeOptions(
+                    output_dir=output_dir, shard=shard, config_path=config_path,
+                    head_server=head_server, overrides=settings, workers=workers,
+                    concurrency=concurrency, broker_url=broker, redis_url=redis_url,
+                    wait=not no_wait, events=events,
+                ),
+                _console,
             )
-        opts = RunOptions(
-            config_path=config_path,
-            input_path=input_path,
-            output_dir=output_dir,
-            shard=shard,
-            settings=settings,
-            overwrite=overwrite,
-            workers=workers,
-            concurrency=concurrency,
-            broker_url=broker,
-            redis_url=redis_url,
-            wait=not no_wait,
-            head_server=head_server,
-            events=events,
+        )  # fmt: skip
+    if input_path is None or output_dir is None:
+        raise UsageError(
+            "run needs --input and --output-dir (or +input_jsonl_fpath and +output_jsonl_fpath)"
         )
-        sys.exit(execute_run(opts, _console))
-    except (UsageError, RunFailedError) as exc:
-        _fail(exc)
+    opts = RunOptions(
+        config_path=config_path,
+        input_path=input_path,
+        output_dir=output_dir,
+        shard=shard,
+        settings=settings,
+        overwrite=overwrite,
+        workers=workers,
+        concurrency=concurrency,
+        broker_url=broker,
+        redis_url=redis_url,
+        wait=not no_wait,
+        head_server=head_server,
+        events=events,
+    )
+    sys.exit(execute_run(opts, _console))
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.option("--broker", default=None, help="Broker URL (else ROLLOUTS_BROKER_URL).")
-@click.option(
-    "--redis", "redis_url", default=None, help="Redis for locks and results (default: the broker)."
+@main.command(context_settings=PASS_THROUGH)
+@cluster_options(
+    "Broker URL (else ROLLOUTS_BROKER_URL).", "Redis for locks and results (default: the broker)."
 )
 @click.option(
     "--concurrency",
@@ -220,22 +193,20 @@ def worker(
 @click.option(
     "--output-dir", default=None, help="Run directory (default: a new folder under ./demo-runs)."
 )
+@reports()
 def demo(tasks: int, repeats: int, workers: int, output_dir: str | None) -> None:
     """Run the example agent and environment servers end to end on an embedded cluster."""
     from examples.demo import run_demo
 
-    try:
-        sys.exit(
-            run_demo(
-                tasks=tasks,
-                repeats=repeats,
-                workers=workers,
-                output_dir=output_dir,
-                console=_console,
-            )
+    sys.exit(
+        run_demo(
+            tasks=tasks,
+            repeats=repeats,
+            workers=workers,
+            output_dir=output_dir,
+            console=_console,
         )
-    except (UsageError, RunFailedError) as exc:
-        _fail(exc)
+    )
 
 
 def nemo_gym_spelling(
@@ -267,9 +238,8 @@ def nemo_gym_spelling(
     return input_path, output_dir, shard, False
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.argument("run_dir")
-@click.option("--shard", default="0", show_default=True, help="Shard label.")
+@main.command(context_settings=PASS_THROUGH)
+@shard_options
 @click.option(
     "--max-attempts",
     type=int,
@@ -278,11 +248,13 @@ def nemo_gym_spelling(
 )
 @click.option("--config", "config_path", default=None, help="Servers config (default: the run's).")
 @local_cluster_options
-@click.option("--broker", default=None, help="Broker URL (else ROLLOUTS_BROKER_URL, else local).")
-@click.option("--redis", "redis_url", default=None, help="Redis for locks and results.")
-@click.option("--no-wait", is_flag=True, help="Enqueue and return.")
-@click.option("--events", is_flag=True, help="Local workers send task events (for Flower).")
-@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+@cluster_options(
+    "Broker URL (else ROLLOUTS_BROKER_URL, else local).", "Redis for locks and results."
+)
+@no_wait_option
+@events_option
+@overrides_argument
+@reports()
 def resume(
     run_dir: str,
     shard: str,
@@ -297,25 +269,21 @@ def resume(
     overrides: tuple[str, ...],
 ) -> None:
     """Run the planned rollouts of RUN_DIR that have no outcome yet, then finish the shard."""
-    try:
-        opts = ResumeOptions(
-            output_dir=run_dir, shard=shard, max_attempts=max_attempts, config_path=config_path,
-            overrides=parse_overrides(list(overrides)), workers=workers, concurrency=concurrency,
-            broker_url=broker, redis_url=redis_url, wait=not no_wait, events=events,
-        )  # fmt: skip
-        sys.exit(execute_resume(opts, _console))
-    except (UsageError, RunFailedError) as exc:
-        _fail(exc)
+    opts = ResumeOptions(
+        output_dir=run_dir, shard=shard, max_attempts=max_attempts, config_path=config_path,
+        overrides=parse_overrides(list(overrides)), workers=workers, concurrency=concurrency,
+        broker_url=broker, redis_url=redis_url, wait=not no_wait, events=events,
+    )  # fmt: skip
+    sys.exit(execute_resume(opts, _console))
 
 
 @main.command()
-@click.argument("run_dir")
-@click.option("--shard", default="0", show_default=True, help="Shard label.")
+@shard_options
 @click.option("--watch", is_flag=True, help="Live progress until the shard finishes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--interval", type=float, default=2.0, show_default=True, help="--watch refresh.")
-@click.option("--broker", default=None, help="Broker URL, when it is the run's Redis.")
-@click.option("--redis", "redis_url", default=None, help="The run's Redis (default: recorded).")
+@running_shard_options
+@reports()
 def status(
     run_dir: str,
     shard: str,
@@ -326,52 +294,44 @@ def status(
     redis_url: str | None,
 ) -> None:
     """Planned, landed, failed by class, in flight, queued, rate and ETA, by agent and environment."""
-    from producer.control import find_redis_url, load_manifest
-    from producer.status import StatusReader, print_status
-    from producer.status import watch as watch_status
+    from producer.ops.control import find_redis_url, load_manifest
+    from producer.ops.status import StatusReader, print_status
+    from producer.ops.status import watch as watch_status
 
-    try:
-        rd = RunDir(run_dir)
-        manifest = load_manifest(rd, shard)
-        reader = StatusReader(rd, shard, find_redis_url(manifest, redis_url, broker))
-        if watch:
-            report = watch_status(_console, reader, interval)
-        elif as_json:
-            report = reader.report()
-        else:
-            report = print_status(_console, reader)
-        if as_json:
-            sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
-    except (UsageError, RunFailedError) as exc:
-        _fail(exc)
+    rd = RunDir(run_dir)
+    manifest = load_manifest(rd, shard)
+    reader = StatusReader(rd, shard, find_redis_url(manifest, redis_url, broker))
+    if watch:
+        report = watch_status(_console, reader, interval)
+    elif as_json:
+        report = reader.report()
+    else:
+        report = print_status(_console, reader)
+    if as_json:
+        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
 
 
 @main.command()
-@click.argument("run_dir")
-@click.option("--shard", default="0", show_default=True, help="Shard label.")
+@shard_options
 @click.option("--drain", is_flag=True, help="Let running rollouts finish; start no new ones.")
-@click.option("--broker", default=None, help="Broker URL, when it is the run's Redis.")
-@click.option("--redis", "redis_url", default=None, help="The run's Redis (default: recorded).")
+@running_shard_options
+@reports()
 def cancel(
     run_dir: str, shard: str, drain: bool, broker: str | None, redis_url: str | None
 ) -> None:
     """Stop a running shard: nothing new starts; running /run calls are cancelled unless --drain."""
-    from producer.control import cancel_shard, find_redis_url, load_manifest
+    from producer.ops.control import cancel_shard, find_redis_url, load_manifest
 
-    try:
-        rd = RunDir(run_dir)
-        manifest = load_manifest(rd, shard)
-        url = find_redis_url(manifest, redis_url, broker)
-        if url is None:
-            raise UsageError("the run's Redis is unknown; pass --redis URL")
-        _console.print(cancel_shard(rd, shard, url, drain))
-    except (UsageError, RunFailedError) as exc:
-        _fail(exc)
+    rd = RunDir(run_dir)
+    manifest = load_manifest(rd, shard)
+    url = find_redis_url(manifest, redis_url, broker)
+    if url is None:
+        raise UsageError("the run's Redis is unknown; pass --redis URL")
+    _console.print(cancel_shard(rd, shard, url, drain))
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.option("--broker", default=None, help="Broker URL (else ROLLOUTS_BROKER_URL).")
-@click.option("--redis", "redis_url", default=None, help="Result backend (default: the broker).")
+@main.command(context_settings=PASS_THROUGH)
+@result_backend_options
 @click.option("--port", type=int, default=5555, show_default=True)
 @click.option("--address", default="127.0.0.1", show_default=True)
 @click.option(
@@ -380,6 +340,7 @@ def cancel(
     help="Serve Flower's HTTP API without auth (sets FLOWER_UNAUTHENTICATED_API); else use --basic-auth.",
 )
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
+@reports()
 def flower(
     broker: str | None,
     redis_url: str | None,
@@ -393,12 +354,11 @@ def flower(
     Flower switches task events on in every worker it reaches; `rollouts worker --events` and
     `rollouts run --events` start workers with them on from the first task.
     """
-    from producer.control import flower_command
+    from producer.ops.control import flower_command
 
     broker = broker or os.environ.get("ROLLOUTS_BROKER_URL")
     if not broker:
-        _fail(UsageError("flower needs --broker URL (or ROLLOUTS_BROKER_URL)"))
-        return
+        raise UsageError("flower needs --broker URL (or ROLLOUTS_BROKER_URL)")
     env = dict(os.environ)
     env["ROLLOUTS_BROKER_URL"] = broker
     env["ROLLOUTS_REDIS_URL"] = redis_url or env.get("ROLLOUTS_REDIS_URL") or broker
@@ -423,8 +383,8 @@ def flower(
 @click.option(
     "--distributed", is_flag=True, help="Run the recheck as Celery jobs on the cluster's workers."
 )
-@click.option("--broker", default=None, help="Broker URL (else ROLLOUTS_BROKER_URL).")
-@click.option("--redis", "redis_url", default=None, help="Result backend (default: the broker).")
+@result_backend_options
+@reports(RolloutsError)
 def health_check(
     run_dir: str,
     rollouts_file: str | None,
@@ -436,25 +396,22 @@ def health_check(
     redis_url: str | None,
 ) -> None:
     """Recheck RUN_DIR from its persisted artifacts and write its health reports."""
-    from producer.recheck import health_check as run_check
-    from producer.recheck import parse_limits
+    from producer.ops.recheck import health_check as run_check
+    from producer.ops.recheck import parse_limits
 
-    try:
-        sys.exit(
-            run_check(
-                run_dir,
-                rollouts_file=rollouts_file,
-                limits=parse_limits(limits),
-                ignore=ignore,
-                as_json=as_json,
-                distributed=distributed,
-                broker_url=broker or os.environ.get("ROLLOUTS_BROKER_URL"),
-                redis_url=redis_url or os.environ.get("ROLLOUTS_REDIS_URL"),
-                console=_console,
-            )
+    sys.exit(
+        run_check(
+            run_dir,
+            rollouts_file=rollouts_file,
+            limits=parse_limits(limits),
+            ignore=ignore,
+            as_json=as_json,
+            distributed=distributed,
+            broker_url=broker or os.environ.get("ROLLOUTS_BROKER_URL"),
+            redis_url=redis_url or os.environ.get("ROLLOUTS_REDIS_URL"),
+            console=_console,
         )
-    except RolloutsError as exc:
-        _fail(exc)
+    )
 
 
 @main.command("aggregate")
@@ -465,6 +422,7 @@ def health_check(
 @click.option("--config", "config_path", default=None, help="Servers config (default: manifests).")
 @click.option("--ignore", default=None, metavar="A,B", help="Health check ids to skip.")
 @click.option("--no-health-check", is_flag=True, help="Skip the health check.")
+@reports(RolloutsError)
 def aggregate(
     input_glob: str,
     output: str,
@@ -473,22 +431,15 @@ def aggregate(
     no_health_check: bool,
 ) -> None:
     """Merge shards sorted by (task, rollout), aggregate their metrics, check their health."""
-    from producer.recheck import aggregate as run_aggregate
+    from producer.ops.aggregate import aggregate as run_aggregate
 
-    try:
-        sys.exit(
-            run_aggregate(
-                input_glob,
-                output,
-                config_path=config_path,
-                ignore=ignore,
-                health=not no_health_check,
-                console=_console,
-            )
+    sys.exit(
+        run_aggregate(
+            input_glob,
+            output,
+            config_path=config_path,
+            ignore=ignore,
+            health=not no_health_check,
+            console=_console,
         )
-    except RolloutsError as exc:
-        _fail(exc)
-
-
-if __name__ == "__main__":
-    main()
+    )

@@ -27,13 +27,13 @@ from infra import keys
 from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
-from producer.celery_client import client_app
-from producer.config_loading import load_run_config
-from producer.dispatch import OpenedRun, iter_materialized, new_token
-from producer.live import redact_url
-from producer.local_cluster import LocalCluster
-from producer.report import print_counts, print_metrics
-from producer.supervise import dispatch_generation, raise_for_outcome
+from producer.config.loading import load_run_config
+from producer.shard.celery_client import client_app
+from producer.shard.dispatch import dispatch_generation
+from producer.shard.local_cluster import LocalCluster
+from producer.shard.opening import OpenedRun, iter_materialized, new_token, redact_url
+from producer.shard.report import print_counts, print_metrics
+from producer.shard.supervise import raise_for_outcome
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, StorageError, UsageError

@@ -1,9 +1,9 @@
-"""Opening a run and enqueueing it: materialized inputs, manifest, Redis state, one task per rollout.
+"""Opening a shard for a fresh run: planned inputs, manifest, clean Redis state naming its opener.
 
-The rollout tasks form one Celery chord whose callback finishes the shard. The chord is published
-from a stream of the materialized inputs, not built in memory: its size is known from planning,
-set in the result backend first, and each task is sent with the chord's callback, its group id
-and its index, exactly as Celery's own chord would send it.
+`open_run` plans the input into the materialized inputs and writes the manifest with its first
+generation; `reset_shard_state` gives the shard Redis state that names the opener token. The
+materialized inputs are read back, row by row, by `iter_materialized`; a generation records the
+Redis it coordinates through as `redact_url` shows it.
 """
 
 from __future__ import annotations
@@ -13,37 +13,26 @@ import os
 import secrets
 import shutil
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from celery import Celery
 
 from infra import jsonl, keys
 from infra.runs import maybe_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
-from producer.planning import PlanContext, WarningSink, write_plan
+from producer.planning.planner import PlanContext, WarningSink, write_plan
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, RunExistsError, StorageError
-from schemas.messages import (
-    COLLECT_TASK,
-    FINISH_TASK,
-    QUEUE,
-    Admission,
-    CallPolicy,
-    FinishRequest,
-    RunRef,
-)
+from schemas.messages import RunRef
 from schemas.records import Generation, InputSource, Manifest, utc_now
 from schemas.settings import CollectionSettings
 from workers.shard.state import write_state
-
-PUBLISH_BATCH = 500
 
 
 def new_run_id() -> str:
@@ -206,125 +195,11 @@ def iter_materialized(rd: RunDir, shard: str) -> Iterator[dict[str, Any]]:
             yield jsonl.loads(line)
 
 
-def call_policy(settings: CollectionSettings) -> CallPolicy:
-    return CallPolicy(
-        timeout_s=settings.rollout_timeout_s,
-        retry_requests=settings.retry_requests,
-        max_attempts=settings.max_attempts,
-        route_failures_to_sidecar=settings.route_failures_to_sidecar,
-        connect_retries=settings.connect_retries,
-        backoff_base_s=settings.retry_backoff_s,
-    )
-
-
-def admissions(
-    config: ServersConfig, settings: CollectionSettings, deadline: float | None
-) -> dict[str, dict[str, Any]]:
-    """The admission payload of each agent's rollouts: the run's caps, its agent's cap, the budget."""
-    return {
-        name: Admission(
-            max_resident_tasks=settings.max_resident_tasks,
-            agent_max_concurrency=agent.max_concurrency,
-            dispatch_deadline=deadline,
-            dispatch_budget_s=settings.dispatch_budget_s if deadline is not None else None,
-            drain_margin_s=settings.drain_margin_s,
-        ).model_dump(mode="json", exclude_defaults=True)
-        for name, agent in config.agents.items()
-    }
-
-
-def enqueue(
-    app: Celery,
-    opened: OpenedRun,
-    rows: Iterator[dict[str, Any]],
-    count: int,
-    config: ServersConfig,
-    settings: CollectionSettings,
-    deadline: float | None = None,
-) -> str:
-    """Publish one collect task per row as a chord with the finish callback; returns the callback's id.
-
-    `deadline` is the dispatch budget's end on the Redis server's clock, when there is a budget.
-    """
-    finish_id = f"finish-{opened.manifest.run_id}-{opened.run.token[:8]}"
-    finish_payload = FinishRequest(run=opened.run).model_dump(mode="json")
-    callback = app.signature(FINISH_TASK, args=(finish_payload,), immutable=True)
-    callback.set(
-        task_id=finish_id,
-        shadow=f"{FINISH_TASK}[{opened.manifest.run_id}/{opened.manifest.shard}]",
-    )
-    if count == 0:
-        callback.apply_async()
-        return finish_id
-    group_id = f"chord-{opened.manifest.run_id}-{opened.run.token[:8]}"
-    app.backend.set_chord_size(group_id, count)
-    run = opened.run.model_dump(mode="json")
-    policy = call_policy(settings).model_dump(mode="json")
-    urls = {name: agent.url for name, agent in config.agents.items()}
-    gates = admissions(config, settings, deadline)
-    run_label = f"{opened.manifest.run_id}/{opened.manifest.shard}"
-    queue = app.amqp.queues[QUEUE]
-    with app.producer_or_acquire() as producer:
-        producer.maybe_declare(queue)
-        # One pipelined write per PUBLISH_BATCH messages (kombu's publish batch; immediate on
-        # brokers without it), messages built by Celery's own protocol-2 builder, sent through
-        # the anonymous exchange to the queue as Celery does for its default queue. send_task
-        # per message costs 8x the CPU: a new Redis client and a round trip per message, and
-        # an AsyncResult that subscribes and unsubscribes to the result channel.
-        with producer.batch(PUBLISH_BATCH):
-            for index, row in enumerate(rows):
-                rid = F.rollout_id(row)
-                agent = F.agent_name(row) or ""
-                payload = {
-                    "run": run,
-                    "agent_url": urls[agent],
-                    "policy": policy,
-                    "row": row,
-                }
-                if gates[agent]:
-                    payload["admission"] = gates[agent]
-                message = app.amqp.as_task_v2(
-                    f"{opened.manifest.run_id}.{opened.run.token[:8]}.{rid}",
-                    COLLECT_TASK,
-                    args=(payload,),
-                    kwargs={},
-                    group_id=group_id,
-                    group_index=index,
-                    chord=callback,
-                    argsrepr=f"run={opened.manifest.run_id} shard={opened.manifest.shard} rollout={rid}",
-                    kwargsrepr="{}",
-                    # What Flower and worker logs show as the task's name: which run, which rollout.
-                    shadow=f"{COLLECT_TASK}[{run_label} {rid}]",
-                    # The chord counts the task without its result being stored; the rare
-                    # outcome a caller may read (a drained row) is stored by the task itself.
-                    ignore_result=True,
-                )
-                producer.publish(
-                    message.body,
-                    exchange="",
-                    routing_key=queue.name,
-                    serializer="json",
-                    headers=message.headers,
-                    retry=False,
-                    **message.properties,
-                )
-    return finish_id
-
-
-def wait_for_finish(
-    app: Celery,
-    finish_id: str,
-    on_progress: Any = None,
-    poll_s: float = 0.5,
-) -> dict[str, Any]:
-    """Block until the finish callback has run; `on_progress()` is called between polls."""
-    result = app.AsyncResult(finish_id)
-    while True:
-        if result.ready():
-            value = result.get(propagate=False, disable_sync_subtasks=False)
-            if isinstance(value, dict):
-                return value
-            raise RuntimeError(f"the finish step failed: {value!r}")
-        if on_progress is not None:
-            on_progress()
-        time.sleep(poll_s)
+def redact_url(url: str) -> str:
+    """`url` with any password replaced, for the manifest."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))

@@ -17,13 +17,13 @@ from infra import jsonl
 from infra.redis_client import client
 from infra.runs import write_manifest
 from infra.store import RunDir, ShardFiles
-from producer.dispatch import (
+from producer.shard.opening import (
     OpenedRun,
     existing_run_problem,
+    redact_url,
     reset_shard_state,
     shard_artifacts_present,
 )
-from producer.live import redact_url
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, RunExistsError

@@ -1,6 +1,7 @@
 """What a shard is doing right now, read from Redis: leases, waiting rollouts, generation counters.
 
-Files say what happened; Redis says what is happening. Nothing here writes.
+Files say what happened; Redis says what is happening (and the broker how much is queued).
+Nothing here writes.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from celery import Celery
@@ -61,16 +61,6 @@ class LiveSnapshot:
         )
 
 
-def redact_url(url: str) -> str:
-    """`url` with any password replaced, for the manifest."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
-
-
 def _ints(raw: dict[bytes, bytes]) -> dict[str, int]:
     out = {}
     for k, v in raw.items():
@@ -108,28 +98,6 @@ def snapshot(r: redis.Redis, sid: str) -> LiveSnapshot:
     elif isinstance(cancel, bytes):
         snap.stop = cancel.decode()
     return snap
-
-
-def open_generation(
-    r: redis.Redis, sid: str, token: str, enqueued: int, budget_s: float | None
-) -> float | None:
-    """Start the generation's counters; returns the dispatch deadline on Redis's clock, if budgeted."""
-    sec, usec = r.time()
-    now = sec + usec / 1e6
-    deadline = now + budget_s if budget_s is not None else None
-    pipe = r.pipeline(transaction=True)
-    pipe.delete(keys.shard_generation(sid), keys.shard_durations(sid))
-    pipe.hset(
-        keys.shard_generation(sid),
-        mapping={
-            "token": token,
-            "enqueued": enqueued,
-            "started_at": repr(now),
-            "deadline": repr(deadline) if deadline is not None else "",
-        },
-    )
-    pipe.execute()
-    return deadline
 
 
 def broker_queue_length(app: Celery) -> int | None:

@@ -24,7 +24,7 @@ from celery import Celery
 from infra import jsonl, keys
 from infra.redis_client import client
 from infra.store import RunDir, ShardFiles
-from producer.dispatch import admissions, call_policy
+from producer.shard.dispatch import admissions, call_policy
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.messages import RunRef

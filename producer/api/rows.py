@@ -15,8 +15,8 @@ from typing import Any
 
 import orjson
 
-from producer.problems import ProblemLog
-from producer.routing import Router, pairing_bypassed
+from producer.planning.problems import ProblemLog
+from producer.planning.routing import Router, pairing_bypassed
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.settings import CollectionSettings

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from infra import keys
 from infra.redis_client import client
-from producer.dispatch import OpenedRun
+from producer.shard.opening import OpenedRun
 from schemas import fields as F
 from schemas.errors import RunFailedError
 from schemas.health import QUALITY_SUMMARY, STOPPED_BY_SIGTERM

@@ -1,7 +1,7 @@
 """Loading the servers config (`--config` file or `--head-server`) into its normalised form.
 
 Both of SPEC §2's formats are accepted: the normalised one and NeMo Gym's global config
-(`producer/nemo_gym_config.py`), read from a file or from a running NeMo Gym head server's
+(`producer/config/nemo_gym.py`), read from a file or from a running NeMo Gym head server's
 `GET /global_config_dict_yaml`. Messages never quote the config's text: it may hold keys.
 """
 
@@ -14,7 +14,7 @@ import httpx
 import yaml
 from pydantic import ValidationError
 
-from producer.nemo_gym_config import is_nemo_gym_config, normalise
+from producer.config.nemo_gym import is_nemo_gym_config, normalise
 from schemas.config import ServersConfig, redact_url
 from schemas.errors import PlanningError, Problem, UsageError
 

@@ -24,7 +24,7 @@ from infra import keys
 from infra.redis_client import client
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
-from producer.live import LiveSnapshot, snapshot
+from producer.shard.live import LiveSnapshot, snapshot
 from schemas.records import Manifest
 from workers.shard.ledger import ShardLedger
 

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from producer.plan_state import DigestTable, digest64
+from producer.planning.state import DigestTable, digest64
 from schemas import fields as F
 
 _ATTEMPT_SUFFIX = re.compile(r"-a\d+$")

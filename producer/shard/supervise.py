@@ -1,4 +1,4 @@
-"""Dispatching one generation of a shard and waiting for it: progress, stalls, the final verdict.
+"""Waiting for a dispatched generation of a shard: progress, stalls, the final verdict.
 
 The producer waits for the chord's callback (the finish step). That callback never comes when the
 chord's state or the queued tasks are gone (Redis restarted empty) or when workers died holding
@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import redis
@@ -26,9 +25,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from infra import keys
 from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
-from producer.dispatch import OpenedRun, enqueue
-from producer.live import LiveSnapshot, broker_queue_length, open_generation, snapshot
-from schemas.config import ServersConfig
+from producer.shard.live import LiveSnapshot, broker_queue_length, snapshot
+from producer.shard.opening import OpenedRun
 from schemas.errors import RunFailedError
 from schemas.finish import FinishResult
 from schemas.settings import CollectionSettings
@@ -38,30 +36,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 WARN_EVERY_S = 30.0
-
-
-def dispatch_generation(
-    app: Celery,
-    opened: OpenedRun,
-    rows: Iterator[dict[str, Any]],
-    count: int,
-    config: ServersConfig,
-    settings: CollectionSettings,
-    redis_url: str,
-    console: Console,
-    wait: bool = True,
-) -> FinishResult | None:
-    """Enqueue `count` rows as this generation's chord and, with `wait`, return the finish result."""
-    r = client(redis_url)
-    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
-    deadline = open_generation(r, sid, opened.run.token, count, settings.dispatch_budget_s)
-    finish_id = enqueue(app, opened, rows, count, config, settings, deadline)
-    console.print(
-        f"enqueued {count} rollouts of {opened.manifest.run_id} (shard {opened.manifest.shard})"
-    )
-    if not wait:
-        return None
-    return wait_for_shard(app, opened, redis_url, settings, console, finish_id, count)
 
 
 def wait_for_shard(
@@ -179,3 +153,22 @@ def raise_for_outcome(result: FinishResult) -> None:
         raise RunFailedError(f"the run failed: {result.error}")
     if result.aggregation_error:
         raise RunFailedError(f"aggregation failed: {result.aggregation_error}")
+
+
+def wait_for_finish(
+    app: Celery,
+    finish_id: str,
+    on_progress: Any = None,
+    poll_s: float = 0.5,
+) -> dict[str, Any]:
+    """Block until the finish callback has run; `on_progress()` is called between polls."""
+    result = app.AsyncResult(finish_id)
+    while True:
+        if result.ready():
+            value = result.get(propagate=False, disable_sync_subtasks=False)
+            if isinstance(value, dict):
+                return value
+            raise RuntimeError(f"the finish step failed: {value!r}")
+        if on_progress is not None:
+            on_progress()
+        time.sleep(poll_s)

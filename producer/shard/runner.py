@@ -11,15 +11,21 @@ from rich.console import Console
 
 from infra.redis_client import client
 from infra.runs import write_manifest
-from producer.celery_client import client_app
-from producer.config_loading import load_run_config
-from producer.dispatch import OpenedRun, iter_materialized, open_run, reset_shard_state
-from producer.live import redact_url
-from producer.local_cluster import LocalCluster
-from producer.overrides import validate_settings
-from producer.report import print_counts, print_health, print_metrics
-from producer.stop import Stopped, counted, stop_on_sigterm, stop_run
-from producer.supervise import dispatch_generation, raise_for_outcome
+from producer.config.loading import load_run_config
+from producer.config.overrides import validate_settings
+from producer.shard.celery_client import client_app
+from producer.shard.dispatch import dispatch_generation
+from producer.shard.local_cluster import LocalCluster
+from producer.shard.opening import (
+    OpenedRun,
+    iter_materialized,
+    open_run,
+    redact_url,
+    reset_shard_state,
+)
+from producer.shard.report import print_counts, print_health, print_metrics
+from producer.shard.stop import Stopped, counted, stop_on_sigterm, stop_run
+from producer.shard.supervise import raise_for_outcome
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, UsageError
 from schemas.finish import FinishResult

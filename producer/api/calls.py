@@ -11,8 +11,8 @@
         await completions.aclose()
 
 Each row is one Celery task (`rollouts.collect_reply`) run by the ordinary workers; outcomes
-come back on one Redis list per call as they land (`producer/api_dispatch.py`), and the
-awaitables resolve in completion order (`producer/completions.py`).
+come back on one Redis list per call as they land (`producer/api/transport.py`), and the
+awaitables resolve in completion order (`producer/api/completions.py`).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from pydantic import ValidationError
 
 from infra import keys
 from infra.redis_client import client
-from producer.api_dispatch import Invocation, Outcome, Target
-from producer.api_record import open_recorded_shard
-from producer.api_rows import Stamp, prepare_rows
-from producer.celery_client import client_app
-from producer.completions import Completions, Convert, Pair, Settled
-from producer.config_loading import load_servers_config, parse_servers_config
-from producer.dispatch import new_run_id, new_token
-from producer.live import open_generation
+from producer.api.completions import Completions, Convert, Pair, Settled
+from producer.api.record import open_recorded_shard
+from producer.api.rows import Stamp, prepare_rows
+from producer.api.transport import Invocation, Outcome, Target
+from producer.config.loading import load_servers_config, parse_servers_config
+from producer.shard.celery_client import client_app
+from producer.shard.dispatch import open_generation
+from producer.shard.opening import new_run_id, new_token
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, RolloutFailedError, ShardFencedError, UsageError

@@ -1,12 +1,12 @@
 """Planning: rows in, planned rollouts out (SPEC §3), with every problem found before dispatch.
 
 The planner streams: it reads one input line at a time and emits that line's planned copies.
-What it keeps is compact per-task state (`producer/plan_state.py`): a 64-bit digest per distinct
+What it keeps is compact per-task state (`producer/planning/state.py`): a 64-bit digest per distinct
 unnumbered line for task numbering and a 32-bit rollout counter per task. Routing is cached per
-distinct (agent_ref.name, task_source) (`producer/routing.py`), problems are grouped per distinct
-message (`producer/problems.py`), `task_ids` and explicit rollout ids follow
-`producer/plan_identity.py`, and interleaved orders spill to temporary files
-(`producer/ordering.py`).
+distinct (agent_ref.name, task_source) (`producer/planning/routing.py`), problems are grouped per distinct
+message (`producer/planning/problems.py`), `task_ids` and explicit rollout ids follow
+`producer/planning/identity.py`, and interleaved orders spill to temporary files
+(`producer/planning/ordering.py`).
 
 Steps per row, in SPEC §3's order: task number (caller-stamped or by identical line), `task_ids`
 selection (each task once, before repetition), checks, agent resolution, fan-out, repeats,
@@ -26,11 +26,11 @@ from typing import Any
 import orjson
 
 from infra import jsonl
-from producer.ordering import Planned, in_run_order
-from producer.plan_identity import ExplicitRolloutIds, TaskSelection
-from producer.plan_state import DigestTable, RolloutCounters, digest64
-from producer.problems import ProblemLog
-from producer.routing import Router, pairing_bypassed
+from producer.planning.identity import ExplicitRolloutIds, TaskSelection
+from producer.planning.ordering import Planned, in_run_order
+from producer.planning.problems import ProblemLog
+from producer.planning.routing import Router, pairing_bypassed
+from producer.planning.state import DigestTable, RolloutCounters, digest64
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem
@@ -361,7 +361,7 @@ def preprocess_examples(
     problem, rows numbered from 1.
     """
     if not isinstance(config, ServersConfig):
-        from producer.config_loading import parse_servers_config
+        from producer.config.loading import parse_servers_config
 
         config = parse_servers_config(dict(config), "<config>")
     settings = settings or CollectionSettings()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
-from producer.api_dispatch import Outcome
+from producer.api.transport import Outcome
 from schemas.outcomes import Ended
 
 Pair = tuple[dict[str, Any], Any]
@@ -32,7 +32,7 @@ CLOSED_KINDS = frozenset({Ended.CANCELLED, Ended.STOPPED})
 
 
 class Transport(Protocol):
-    """What the completions need of the dispatch (`producer.api_dispatch.Invocation`)."""
+    """What the completions need of the dispatch (`producer.api.transport.Invocation`)."""
 
     on_outcome: Callable[[Outcome], None]
     finished: dict[str, Any] | None

@@ -1,0 +1,69 @@
+"""The option groups several commands share, each declared once; the order they add options in is
+the order `--help` shows them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from producer.shard.runner import DEFAULT_CONCURRENCY, DEFAULT_WORKERS
+
+C = TypeVar("C", bound=Callable[..., Any])
+
+PASS_THROUGH: dict[str, Any] = {"ignore_unknown_options": True, "allow_extra_args": True}
+"""Context settings of a command whose trailing arguments are its own (`+key=value`, celery's)."""
+
+overrides_argument = click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+"""`+key=value ...`: collection settings, NeMo Gym style (`producer/config/overrides.py`)."""
+
+no_wait_option = click.option("--no-wait", is_flag=True, help="Enqueue and return.")
+events_option = click.option(
+    "--events", is_flag=True, help="Local workers send task events (for Flower)."
+)
+
+
+def local_cluster_options(command: C) -> C:
+    """`--workers` and `--concurrency`: the local cluster a command starts without `--broker`."""
+    command = click.option(
+        "--concurrency",
+        type=int,
+        default=DEFAULT_CONCURRENCY,
+        show_default=True,
+        help="Rollouts in flight per local worker.",
+    )(command)
+    return click.option(
+        "--workers",
+        type=int,
+        default=DEFAULT_WORKERS,
+        show_default=True,
+        help="Local worker processes (without --broker).",
+    )(command)
+
+
+def cluster_options(broker_help: str, redis_help: str) -> Callable[[C], C]:
+    """`--broker` and `--redis` (as `redis_url`), with what each means to the command."""
+
+    def decorate(command: C) -> C:
+        command = click.option("--redis", "redis_url", default=None, help=redis_help)(command)
+        return click.option("--broker", default=None, help=broker_help)(command)
+
+    return decorate
+
+
+running_shard_options = cluster_options(
+    "Broker URL, when it is the run's Redis.", "The run's Redis (default: recorded)."
+)
+"""`--broker` and `--redis` of a command that finds a running shard's Redis (status, cancel)."""
+
+result_backend_options = cluster_options(
+    "Broker URL (else ROLLOUTS_BROKER_URL).", "Result backend (default: the broker)."
+)
+"""`--broker` and `--redis` of a command that runs Celery jobs and reads their results."""
+
+
+def shard_options(command: C) -> C:
+    """RUN_DIR and `--shard`: the shard of a run directory a command works on."""
+    command = click.option("--shard", default="0", show_default=True, help="Shard label.")(command)
+    return click.argument("run_dir")(command)

@@ -1,0 +1,25 @@
+"""What a run is configured with, read and validated before anything is planned.
+
+loading.py    the servers config from `--config` or `--head-server`, in either format of SPEC §2
+nemo_gym.py   NeMo Gym's global config, normalised
+overrides.py  `+key=value` overrides, and the collection settings they and the flags make
+"""
+
+from producer.config.loading import (
+    fetch_head_server_config,
+    load_head_server_config,
+    load_run_config,
+    load_servers_config,
+    parse_servers_config,
+)
+from producer.config.overrides import parse_overrides, validate_settings
+
+__all__ = [
+    "fetch_head_server_config",
+    "load_head_server_config",
+    "load_run_config",
+    "load_servers_config",
+    "parse_overrides",
+    "parse_servers_config",
+    "validate_settings",
+]

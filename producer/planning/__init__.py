@@ -1,0 +1,34 @@
+"""Planning (SPEC §3): rows in, planned rollouts out, every problem found before dispatch.
+
+planner.py   the streaming planner: `write_plan` for `rollouts run`, `preprocess_examples`
+routing.py   a row's agent and environment server, and the pairing checks
+identity.py  `task_ids` and explicit rollout ids
+state.py     compact per-task state: line digests and rollout counters
+ordering.py  run order, interleaved without holding the rows in memory
+problems.py  problems grouped per distinct message, naming every line
+"""
+
+from producer.planning.planner import (
+    PlanContext,
+    Planner,
+    PlanSummary,
+    WarningSink,
+    plan_file,
+    preprocess_examples,
+    write_plan,
+)
+from producer.planning.problems import ProblemLog
+from producer.planning.routing import Router, pairing_bypassed
+
+__all__ = [
+    "PlanContext",
+    "PlanSummary",
+    "Planner",
+    "ProblemLog",
+    "Router",
+    "WarningSink",
+    "pairing_bypassed",
+    "plan_file",
+    "preprocess_examples",
+    "write_plan",
+]

@@ -1,0 +1,41 @@
+"""One shard's lifecycle, from opening it to the report of its end, and the cluster it runs on.
+
+runner.py         `rollouts run`: plan, open, dispatch, wait, report
+resume.py         `rollouts resume`: a new generation running what still lacks an outcome
+opening.py        open a fresh shard: materialized inputs, manifest, clean Redis state
+dispatch.py       dispatch a generation: its counters, one collect task per rollout, the chord
+supervise.py      wait for the finish step: progress, stalls, the final verdict
+live.py           what a shard is doing now, read from Redis
+stop.py           stopping on SIGTERM: the provisional summary
+report.py         what a finished run prints
+celery_client.py  the producer's Celery app, pointed at a broker
+local_cluster.py  an embedded Redis and local workers, for runs without `--broker`
+"""
+
+from producer.shard.celery_client import client_app
+from producer.shard.dispatch import dispatch_generation, enqueue, open_generation
+from producer.shard.local_cluster import LocalCluster, WorkerProcesses
+from producer.shard.opening import OpenedRun, iter_materialized, open_run, reset_shard_state
+from producer.shard.resume import ResumeOptions, execute_resume
+from producer.shard.runner import RunOptions, execute_run
+from producer.shard.supervise import raise_for_outcome, wait_for_finish, wait_for_shard
+
+__all__ = [
+    "LocalCluster",
+    "OpenedRun",
+    "ResumeOptions",
+    "RunOptions",
+    "WorkerProcesses",
+    "client_app",
+    "dispatch_generation",
+    "enqueue",
+    "execute_resume",
+    "execute_run",
+    "iter_materialized",
+    "open_generation",
+    "open_run",
+    "raise_for_outcome",
+    "reset_shard_state",
+    "wait_for_finish",
+    "wait_for_shard",
+]

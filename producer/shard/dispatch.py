@@ -1,0 +1,188 @@
+"""Dispatching one generation of a shard: its counters, one collect task per rollout, the chord.
+
+The rollout tasks form one Celery chord whose callback finishes the shard. The chord is published
+from a stream of the materialized inputs, not built in memory: its size is known from planning,
+set in the result backend first, and each task is sent with the chord's callback, its group id
+and its index, exactly as Celery's own chord would send it. `dispatch_generation` starts the
+generation's Redis counters, publishes the chord and, when asked, waits for it
+(`producer/shard/supervise.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from celery import Celery
+from rich.console import Console
+
+from infra import keys
+from infra.redis_client import client
+from producer.shard.opening import OpenedRun
+from producer.shard.supervise import wait_for_shard
+from schemas import fields as F
+from schemas.config import ServersConfig
+from schemas.finish import FinishResult
+from schemas.messages import (
+    COLLECT_TASK,
+    FINISH_TASK,
+    QUEUE,
+    Admission,
+    CallPolicy,
+    FinishRequest,
+)
+from schemas.settings import CollectionSettings
+
+PUBLISH_BATCH = 500
+
+
+def call_policy(settings: CollectionSettings) -> CallPolicy:
+    return CallPolicy(
+        timeout_s=settings.rollout_timeout_s,
+        retry_requests=settings.retry_requests,
+        max_attempts=settings.max_attempts,
+        route_failures_to_sidecar=settings.route_failures_to_sidecar,
+        connect_retries=settings.connect_retries,
+        backoff_base_s=settings.retry_backoff_s,
+    )
+
+
+def admissions(
+    config: ServersConfig, settings: CollectionSettings, deadline: float | None
+) -> dict[str, dict[str, Any]]:
+    """The admission payload of each agent's rollouts: the run's caps, its agent's cap, the budget."""
+    return {
+        name: Admission(
+            max_resident_tasks=settings.max_resident_tasks,
+            agent_max_concurrency=agent.max_concurrency,
+            dispatch_deadline=deadline,
+            dispatch_budget_s=settings.dispatch_budget_s if deadline is not None else None,
+            drain_margin_s=settings.drain_margin_s,
+        ).model_dump(mode="json", exclude_defaults=True)
+        for name, agent in config.agents.items()
+    }
+
+
+def enqueue(
+    app: Celery,
+    opened: OpenedRun,
+    rows: Iterator[dict[str, Any]],
+    count: int,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    deadline: float | None = None,
+) -> str:
+    """Publish one collect task per row as a chord with the finish callback; returns the callback's id.
+
+    `deadline` is the dispatch budget's end on the Redis server's clock, when there is a budget.
+    """
+    finish_id = f"finish-{opened.manifest.run_id}-{opened.run.token[:8]}"
+    finish_payload = FinishRequest(run=opened.run).model_dump(mode="json")
+    callback = app.signature(FINISH_TASK, args=(finish_payload,), immutable=True)
+    callback.set(
+        task_id=finish_id,
+        shadow=f"{FINISH_TASK}[{opened.manifest.run_id}/{opened.manifest.shard}]",
+    )
+    if count == 0:
+        callback.apply_async()
+        return finish_id
+    group_id = f"chord-{opened.manifest.run_id}-{opened.run.token[:8]}"
+    app.backend.set_chord_size(group_id, count)
+    run = opened.run.model_dump(mode="json")
+    policy = call_policy(settings).model_dump(mode="json")
+    urls = {name: agent.url for name, agent in config.agents.items()}
+    gates = admissions(config, settings, deadline)
+    run_label = f"{opened.manifest.run_id}/{opened.manifest.shard}"
+    queue = app.amqp.queues[QUEUE]
+    with app.producer_or_acquire() as producer:
+        producer.maybe_declare(queue)
+        # One pipelined write per PUBLISH_BATCH messages (kombu's publish batch; immediate on
+        # brokers without it), messages built by Celery's own protocol-2 builder, sent through
+        # the anonymous exchange to the queue as Celery does for its default queue. send_task
+        # per message costs 8x the CPU: a new Redis client and a round trip per message, and
+        # an AsyncResult that subscribes and unsubscribes to the result channel.
+        with producer.batch(PUBLISH_BATCH):
+            for index, row in enumerate(rows):
+                rid = F.rollout_id(row)
+                agent = F.agent_name(row) or ""
+                payload = {
+                    "run": run,
+                    "agent_url": urls[agent],
+                    "policy": policy,
+                    "row": row,
+                }
+                if gates[agent]:
+                    payload["admission"] = gates[agent]
+                message = app.amqp.as_task_v2(
+                    f"{opened.manifest.run_id}.{opened.run.token[:8]}.{rid}",
+                    COLLECT_TASK,
+                    args=(payload,),
+                    kwargs={},
+                    group_id=group_id,
+                    group_index=index,
+                    chord=callback,
+                    argsrepr=f"run={opened.manifest.run_id} shard={opened.manifest.shard} rollout={rid}",
+                    kwargsrepr="{}",
+                    # What Flower and worker logs show as the task's name: which run, which rollout.
+                    shadow=f"{COLLECT_TASK}[{run_label} {rid}]",
+                    # The chord counts the task without its result being stored; the rare
+                    # outcome a caller may read (a drained row) is stored by the task itself.
+                    ignore_result=True,
+                )
+                producer.publish(
+                    message.body,
+                    exchange="",
+                    routing_key=queue.name,
+                    serializer="json",
+                    headers=message.headers,
+                    retry=False,
+                    **message.properties,
+                )
+    return finish_id
+
+
+def open_generation(
+    r: redis.Redis, sid: str, token: str, enqueued: int, budget_s: float | None
+) -> float | None:
+    """Start the generation's counters; returns the dispatch deadline on Redis's clock, if budgeted."""
+    sec, usec = r.time()
+    now = sec + usec / 1e6
+    deadline = now + budget_s if budget_s is not None else None
+    pipe = r.pipeline(transaction=True)
+    pipe.delete(keys.shard_generation(sid), keys.shard_durations(sid))
+    pipe.hset(
+        keys.shard_generation(sid),
+        mapping={
+            "token": token,
+            "enqueued": enqueued,
+            "started_at": repr(now),
+            "deadline": repr(deadline) if deadline is not None else "",
+        },
+    )
+    pipe.execute()
+    return deadline
+
+
+def dispatch_generation(
+    app: Celery,
+    opened: OpenedRun,
+    rows: Iterator[dict[str, Any]],
+    count: int,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    redis_url: str,
+    console: Console,
+    wait: bool = True,
+) -> FinishResult | None:
+    """Enqueue `count` rows as this generation's chord and, with `wait`, return the finish result."""
+    r = client(redis_url)
+    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
+    deadline = open_generation(r, sid, opened.run.token, count, settings.dispatch_budget_s)
+    finish_id = enqueue(app, opened, rows, count, config, settings, deadline)
+    console.print(
+        f"enqueued {count} rollouts of {opened.manifest.run_id} (shard {opened.manifest.shard})"
+    )
+    if not wait:
+        return None
+    return wait_for_shard(app, opened, redis_url, settings, console, finish_id, count)
