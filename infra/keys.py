@@ -4,12 +4,15 @@ A shard is identified in Redis by its *sid*: a hash of its run directory's URL a
 two runs writing to different folders never share state, and a fresh run into the same folder
 (with `--overwrite`) starts from clean keys. Everything kept under a sid can be rebuilt from the
 shard's files on storage (the manifest and the JSONL files), so losing Redis loses no truth.
+Every key of a shard reads `rollouts:shard:<sid>:<part>`; each is named once below, with what it
+holds.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 
 PREFIX = "rollouts"
 
@@ -20,89 +23,81 @@ def shard_id(output_dir_url: str, shard: str) -> str:
     return hashlib.sha1(f"{output_dir_url}\x00{shard}".encode()).hexdigest()[:20]
 
 
-def shard_state(sid: str) -> str:
-    """Hash: `opener` token, committed byte sizes of the shard's files, `planned`, `run_id`, `built`.
+def _shard_key(part: str) -> Callable[[str], str]:
+    """The function naming one key of a shard: `rollouts:shard:<sid>:<part>`."""
 
-    The committed sizes (`results_size`, `failures_size`) are *logical* sizes: where the next
-    append of that file goes, whether the store appends in place or writes segment objects.
+    def key(sid: str) -> str:
+        return f"{PREFIX}:shard:{sid}:{part}"
 
-    `built` marks that the landed set and the sizes were loaded from storage; when the hash is
-    missing (Redis restarted empty) the next writer rebuilds it from the files under the lock.
-    """
-    return f"{PREFIX}:shard:{sid}:state"
+    return key
 
 
-def shard_landed(sid: str) -> str:
-    """Set of `task:rollout` keys present in `rollouts-S.jsonl`: the exactly-once guard."""
-    return f"{PREFIX}:shard:{sid}:landed"
+shard_state = _shard_key("state")
+"""Hash: `opener` token, committed byte sizes of the shard's files, `planned`, `run_id`, `built`.
 
+The committed sizes (`results_size`, `failures_size`) are *logical* sizes: where the next
+append of that file goes, whether the store appends in place or writes segment objects.
 
-def shard_counts(sid: str) -> str:
-    """Hash of progress counters: `landed`, `duplicates`, `drained`, `failed:<class>`."""
-    return f"{PREFIX}:shard:{sid}:counts"
+`built` marks that the landed set and the sizes were loaded from storage; when the hash is
+missing (Redis restarted empty) the next writer rebuilds it from the files under the lock.
+"""
 
+shard_landed = _shard_key("landed")
+"""Set of `task:rollout` keys present in `rollouts-S.jsonl`: the exactly-once guard."""
 
-def shard_lock(sid: str) -> str:
-    """Lock protecting the shard's files: opening, tail repair and every append batch.
+shard_counts = _shard_key("counts")
+"""Hash of progress counters: `landed`, `duplicates`, `drained`, `failed:<class>`."""
 
-    Held only around storage writes, never across a `/run` call; it expires and is extended by a
-    heartbeat while held.
-    """
-    return f"{PREFIX}:shard:{sid}:lock"
+shard_lock = _shard_key("lock")
+"""Lock protecting the shard's files: opening, tail repair and every append batch.
 
+Held only around storage writes, never across a `/run` call; it expires and is extended by a
+heartbeat while held.
+"""
 
-def shard_run_failed(sid: str) -> str:
-    """String: the first error of a run with `route_failures_to_sidecar` off; set once (SETNX)."""
-    return f"{PREFIX}:shard:{sid}:failed"
+shard_run_failed = _shard_key("failed")
+"""String: the first error of a run with `route_failures_to_sidecar` off; set once (SETNX)."""
 
+shard_cancel = _shard_key("cancel")
+"""String: `cancel` or `drain`, set by `rollouts cancel`; cleared when the shard is resumed."""
 
-def shard_cancel(sid: str) -> str:
-    """String: `cancel` or `drain`, set by `rollouts cancel`; cleared when the shard is resumed."""
-    return f"{PREFIX}:shard:{sid}:cancel"
+shard_leases = _shard_key("leases")
+"""Sorted set: one member per rollout of the shard running now, scored by its lease expiry.
 
+Members read `<holder>|<agent>|<task>:<rollout>`; scores are Redis server time, so no two
+machines' clocks are compared. Its live size is the run's in-flight count and what
+`max_resident_tasks` caps. A holder renews its leases while alive; a dead worker's leases
+expire and their slots come back by themselves.
+"""
 
-def shard_leases(sid: str) -> str:
-    """Sorted set: one member per rollout of the shard running now, scored by its lease expiry.
+shard_waiting = _shard_key("waiting")
+"""Sorted set: rollouts a worker has taken but that wait for a slot, scored by expiry."""
 
-    Members read `<holder>|<agent>|<task>:<rollout>`; scores are Redis server time, so no two
-    machines' clocks are compared. Its live size is the run's in-flight count and what
-    `max_resident_tasks` caps. A holder renews its leases while alive; a dead worker's leases
-    expire and their slots come back by themselves.
-    """
-    return f"{PREFIX}:shard:{sid}:leases"
+shard_starts = _shard_key("starts")
+"""Hash `task:rollout` -> deliveries that started and did not finish.
 
+A count above the attempt limit means workers died on the rollout that many times: the next
+delivery writes a `worker_lost` failure instead of calling the agent again.
+"""
 
-def shard_waiting(sid: str) -> str:
-    """Sorted set: rollouts a worker has taken but that wait for a slot, scored by expiry."""
-    return f"{PREFIX}:shard:{sid}:waiting"
+shard_generation = _shard_key("generation")
+"""Hash of the current dispatch generation: `token`, `enqueued`, `started_at`, `deadline`,
+and its outcome counters `done`, `duplicate`, `drained` (the budget ran out), `stopped` (not
+started: the run was cancelled or failed), `cancelled` (cancelled in flight). Tasks of an
+older generation do not count here."""
 
+shard_durations = _shard_key("durations")
+"""List of recent successful rollout durations (seconds), newest first: the drain margin's p75."""
 
-def shard_starts(sid: str) -> str:
-    """Hash `task:rollout` -> deliveries that started and did not finish.
+shard_finishing = _shard_key("finishing")
+"""Lock held while the shard's finish step runs: one finish at a time, and proof to a waiting
+producer that the run is not stalled while a long aggregation runs."""
 
-    A count above the attempt limit means workers died on the rollout that many times: the next
-    delivery writes a `worker_lost` failure instead of calling the agent again.
-    """
-    return f"{PREFIX}:shard:{sid}:starts"
+shard_status_tick = _shard_key("status_tick")
+"""String with a short expiry: set (NX) by the writer whose turn it is to save the status file.
 
-
-def shard_generation(sid: str) -> str:
-    """Hash of the current dispatch generation: `token`, `enqueued`, `started_at`, `deadline`,
-    and its outcome counters `done`, `duplicate`, `drained` (the budget ran out), `stopped` (not
-    started: the run was cancelled or failed), `cancelled` (cancelled in flight). Tasks of an
-    older generation do not count here."""
-    return f"{PREFIX}:shard:{sid}:generation"
-
-
-def shard_durations(sid: str) -> str:
-    """List of recent successful rollout durations (seconds), newest first: the drain margin's p75."""
-    return f"{PREFIX}:shard:{sid}:durations"
-
-
-def shard_finishing(sid: str) -> str:
-    """Lock held while the shard's finish step runs: one finish at a time, and proof to a waiting
-    producer that the run is not stalled while a long aggregation runs."""
-    return f"{PREFIX}:shard:{sid}:finishing"
+Keeps `rollouts-S_status.json` to one write every few seconds across all worker processes.
+"""
 
 
 def agent_leases(agent_url: str) -> str:
@@ -111,14 +106,6 @@ def agent_leases(agent_url: str) -> str:
     the cap protects."""
     digest = hashlib.sha1(agent_url.rstrip("/").encode()).hexdigest()[:20]
     return f"{PREFIX}:agent:{digest}:leases"
-
-
-def shard_status_tick(sid: str) -> str:
-    """String with a short expiry: set (NX) by the writer whose turn it is to save the status file.
-
-    Keeps `rollouts-S_status.json` to one write every few seconds across all worker processes.
-    """
-    return f"{PREFIX}:shard:{sid}:status_tick"
 
 
 def all_shard_keys(sid: str) -> list[str]:

@@ -35,7 +35,15 @@ from infra.store import RunDir, WriteConflictError
 from schemas.errors import ShardFencedError, StorageError
 from schemas.messages import RunRef
 from schemas.records import ShardStatus
-from workers.shard.state import ShardState, failure_counter, key_str
+from workers.shard.state import (
+    OPENER,
+    PLANNED,
+    RUN_ID,
+    SHARD,
+    ShardState,
+    failure_counter,
+    key_str,
+)
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +150,7 @@ class Lander:
                 # Rebuilt from storage or a dead writer's tail adopted: what landed changed.
                 flags = self.r.smismember(keys.shard_landed(st.sid), list(present))
                 present = dict(zip(present, (bool(f) for f in flags), strict=True))
-            opener = state.get("opener")
+            opener = state.get(OPENER)
             accepted = []
             for p in group:
                 if p.run.token != opener:
@@ -284,9 +292,9 @@ def shard_status(r: redis.Redis, sid: str, state: dict[str, str]) -> ShardStatus
     raw: dict[bytes, bytes] = r.hgetall(keys.shard_counts(sid))  # type: ignore[assignment]
     counts = {k.decode(): int(v) for k, v in raw.items()}
     return ShardStatus(
-        run_id=state.get("run_id", ""),
-        shard=state.get("shard", ""),
-        planned=int(state.get("planned", "0")),
+        run_id=state.get(RUN_ID, ""),
+        shard=state.get(SHARD, ""),
+        planned=int(state.get(PLANNED, "0")),
         landed=counts.get("landed", 0),
         failed={k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("failed:")},
         drained=counts.get("drained", 0),

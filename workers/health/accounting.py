@@ -73,11 +73,15 @@ class Accounting:
             cls, agent, env = latest_failure
             if owed is not None:
                 agent, env = agent if agent is not None else owed[0], env or owed[1]
-            self.failed[cls] += 1
-            self.group_failed[(agent, env, cls)] += 1
+            self.add_failed(cls, agent, env)
             return
         if owed is not None:
             s.no_outcome += 1
+
+    def add_failed(self, cls: str, agent: str | None, env: str | None) -> None:
+        """A failed rollout, by the class and (agent, environment server) of its latest failure."""
+        self.failed[cls] += 1
+        self.group_failed[(agent, env, cls)] += 1
 
     @property
     def inventory_complete(self) -> bool:

@@ -16,7 +16,8 @@ from typing import Any
 
 from infra.store import RunDir
 from schemas.errors import UsageError
-from schemas.health import QUALITY_SUMMARY, HealthPlan, Limits, ScanJob, Source
+from schemas.health import QUALITY_SUMMARY, HealthPlan, Limits, ScanJob, Source, SummaryState
+from workers.health.accounting import Accounting
 from workers.health.combine import combine
 from workers.health.io import open_writer
 from workers.health.registry import normalize_ignored
@@ -150,22 +151,31 @@ def write_disabled(
     report_dir: str, sources: list[str], ignored: list[str], limits: Limits
 ) -> dict[str, Any]:
     """The summary of a run with `disable_health_check`: state disabled, nothing counted."""
+    return write_summary(RunDir(report_dir), "disabled", limits, sources, ignored)
+
+
+def write_summary(
+    rd: RunDir,
+    state: SummaryState,
+    limits: Limits,
+    sources: list[str],
+    ignored: list[str],
+    *,
+    accounting: Accounting | None = None,
+    check: tuple[str, str | None, list[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """Write a summary whose records were not read (provisional, disabled); returns its `run`."""
     run = run_section(
-        state="disabled",
+        state=state,
         totals=None,
-        accounting=None,
+        accounting=accounting,
         limits=limits,
         overrides={},
         sources=sources,
         ignored=ignored,
-        check=None,
+        check=check,
     )
-    write_summary(RunDir(report_dir), run)
-    return run
-
-
-def write_summary(rd: RunDir, run: dict[str, Any]) -> None:
-    """A summary without tasks (provisional, disabled)."""
     with open_writer(rd, QUALITY_SUMMARY) as f:
         for chunk in summary_chunks(run, ()):
             f.write(chunk)
+    return run

@@ -23,7 +23,6 @@ from schemas.health import RUN_CHECK, Limits
 from workers.health.accounting import Accounting, SourceCounts, excessive_failures
 from workers.health.check import write_summary
 from workers.health.registry import normalize_ignored
-from workers.health.summary import run_section
 from workers.shard import state
 from workers.shard.ledger import ShardLedger
 
@@ -64,9 +63,7 @@ def provisional_accounting(
         for key, present in zip(batch, r.smismember(keys.shard_landed(sid), members), strict=True):
             if present:
                 continue
-            cls, agent, env = latest[key]
-            acc.failed[cls] += 1
-            acc.group_failed[(agent, env, cls)] += 1
+            acc.add_failed(*latest[key])
     source.no_outcome = max(0, planned - source.landed - sum(acc.failed.values()))
     return acc
 
@@ -84,15 +81,8 @@ def write_provisional(
     """Write the provisional `quality_summary.json` of a stopped shard; returns its `run`."""
     acc = provisional_accounting(r, rd, shard, planned, group_owed)
     ignored_ids = list(normalize_ignored(ignored))
-    run = run_section(
-        state="provisional",
-        totals=None,
-        accounting=acc,
-        limits=limits,
-        overrides={},
-        sources=[ShardFiles(shard).results],
-        ignored=ignored_ids,
-        check=excessive_failures(acc, limits, RUN_CHECK in ignored_ids),
+    check = excessive_failures(acc, limits, RUN_CHECK in ignored_ids)
+    sources = [ShardFiles(shard).results]
+    return write_summary(
+        rd, "provisional", limits, sources, ignored_ids, accounting=acc, check=check
     )
-    write_summary(rd, run)
-    return run
