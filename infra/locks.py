@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import redis
 from redis.exceptions import LockError
 
+from infra.scripts import ACQUIRE_READING_LUA, EXTEND_LUA, RELEASE_LUA
 from schemas.errors import TransientError
 
 # How long a dead holder blocks the shard: the lock's expiry (a live holder extends it).
@@ -67,29 +68,6 @@ def held(
         # Expired or lost with Redis: nothing left to release.
         with contextlib.suppress(LockError, redis.RedisError):
             lock.release()
-
-
-# Take the lock and, in the same round trip, read what the holder needs first: the shard's
-# state hash and which of the batch's keys already landed.
-# KEYS: lock state landed; ARGV: token ttl_ms member...
-ACQUIRE_READING_LUA = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local present = {}
-  if #ARGV > 2 then
-    present = redis.call('SMISMEMBER', KEYS[3], unpack(ARGV, 3))
-  end
-  return {1, redis.call('HGETALL', KEYS[2]), present}
-end
-return {0}
-"""
-RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-EXTEND_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
 
 
 class _Keeper:
