@@ -14,8 +14,6 @@ from infra.store import RunDir
 from schemas.errors import StorageError, UsageError
 from schemas.records import Manifest
 
-FLOWER_PORT = 5555
-
 
 def load_manifest(rd: RunDir, shard: str) -> Manifest:
     try:

@@ -68,10 +68,8 @@ def dispatch_and_wait(
     broker_url: str,
     redis_url: str,
     console: Console,
-    config: ServersConfig | None = None,
+    config: ServersConfig,
 ) -> dict[str, Any] | None:
-    if config is None:
-        config = load_run_config(opts.config_path, opts.head_server)
     groups: Counter[tuple[str | None, str | None]] = Counter()
     try:
         with stop_on_sigterm():
