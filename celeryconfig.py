@@ -5,25 +5,21 @@ travel in the task payloads and the manifest. Addresses come from the environmen
 `celery -A workers.app worker` and `rollouts worker` read the same file.
 """
 
-import os
-
 from infra.broker import transport_for
+from infra.environment import from_env, worker_cluster
 
-_broker = os.environ.get("ROLLOUTS_BROKER_URL", "redis://127.0.0.1:6379/0")
-_redis = os.environ.get("ROLLOUTS_REDIS_URL") or (
-    _broker
-    if _broker.startswith(("redis://", "rediss://", "unix://"))
-    else "redis://127.0.0.1:6379/0"
-)
+# A config module is read at import: this is the one import-time read of the environment.
+_env = from_env()
+_cluster = worker_cluster()
 
-broker_url = _broker
+broker_url = _cluster.broker_url
 # On Redis, kombu's transport with acks written in batches by a background thread instead of one
 # blocking transaction per message on the worker's main thread (infra/broker.py says why).
 # Celery's own `-b URL` (CELERY_BROKER_URL) wins over broker_url, so the transport follows it.
-broker_transport = transport_for(os.environ.get("CELERY_BROKER_URL") or _broker)
+broker_transport = transport_for(_env.celery_broker_url or _cluster.broker_url)
 # Chord bookkeeping (the callback firing once every rollout task returned) needs a result store;
 # Redis also holds the shard locks and landed sets, so one server serves both.
-result_backend = _redis
+result_backend = _cluster.redis_url
 
 # JSON only: a worker must never unpickle a message from the queue (arbitrary code execution).
 task_serializer = "json"
@@ -41,7 +37,7 @@ task_reject_on_worker_lost = True
 
 # Rollouts run up to their time limit (1 h by default); the broker must not redeliver a message
 # whose rollout is still running, so its visibility timeout is well above that limit.
-VISIBILITY_TIMEOUT_S = int(os.environ.get("ROLLOUTS_VISIBILITY_TIMEOUT_S", str(4 * 3600)))
+VISIBILITY_TIMEOUT_S = _env.visibility_timeout_s
 broker_transport_options = {
     "visibility_timeout": VISIBILITY_TIMEOUT_S,
     # The default of 10 connections per channel starves hundreds of threads acking at once;
@@ -65,11 +61,11 @@ result_expires = 7 * 24 * 3600
 # Rollouts wait on HTTP, not on the CPU: a pool of threads handing calls to one event loop per
 # process keeps hundreds in flight per worker process.
 worker_pool = "threads"
-worker_concurrency = int(os.environ.get("ROLLOUTS_WORKER_CONCURRENCY", "256"))
+worker_concurrency = _env.worker_concurrency
 
 task_default_queue = "rollouts"
 # Rollout identities are not secrets, but payloads are large: keep them out of events and logs.
 task_send_sent_event = False
-worker_send_task_events = os.environ.get("ROLLOUTS_TASK_EVENTS", "0") == "1"
+worker_send_task_events = _env.task_events
 task_track_started = False
 worker_hijack_root_logger = False

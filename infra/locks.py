@@ -7,7 +7,6 @@ state in one round trip, and its release rides in the commit's transaction.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 import uuid
@@ -17,11 +16,11 @@ from contextlib import contextmanager
 import redis
 from redis.exceptions import LockError
 
+from infra.environment import from_env
 from infra.process import PerProcess
+from infra.scripts import ACQUIRE_READING_LUA, EXTEND_LUA, RELEASE_LUA
 from schemas.errors import TransientError
 
-# How long a dead holder blocks the shard: the lock's expiry (a live holder extends it).
-LOCK_TTL_S = float(os.environ.get("ROLLOUTS_LOCK_TTL_S", "30"))
 ACQUIRE_TIMEOUT_S = 120.0
 # Held for one storage write (milliseconds): a waiter that slept redis-py's default 100 ms would
 # leave the shard idle most of the time when several processes take turns.
@@ -32,14 +31,17 @@ ACQUIRE_POLL_S = 0.005
 def held(
     r: redis.Redis,
     name: str,
-    ttl_s: float = LOCK_TTL_S,
+    ttl_s: float | None = None,
     acquire_timeout_s: float = ACQUIRE_TIMEOUT_S,
 ) -> Iterator[None]:
     """Hold lock `name`: it expires after `ttl_s` unless this process is alive to extend it.
 
+    `ttl_s` defaults to `ROLLOUTS_LOCK_TTL_S` (how long a dead holder blocks the shard).
+
     A holder that dies (SIGKILL) leaves the lock to expire, so the shard is never locked forever;
     a live holder with a slow write keeps it by the heartbeat.
     """
+    ttl_s = from_env().lock_ttl_s if ttl_s is None else ttl_s
     lock = r.lock(
         name,
         timeout=ttl_s,
@@ -68,29 +70,6 @@ def held(
         # Expired or lost with Redis: nothing left to release.
         with contextlib.suppress(LockError, redis.RedisError):
             lock.release()
-
-
-# Take the lock and, in the same round trip, read what the holder needs first: the shard's
-# state hash and which of the batch's keys already landed.
-# KEYS: lock state landed; ARGV: token ttl_ms member...
-ACQUIRE_READING_LUA = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local present = {}
-  if #ARGV > 2 then
-    present = redis.call('SMISMEMBER', KEYS[3], unpack(ARGV, 3))
-  end
-  return {1, redis.call('HGETALL', KEYS[2]), present}
-end
-return {0}
-"""
-RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-EXTEND_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
 
 
 class _Keeper:
@@ -155,7 +134,7 @@ def held_reading(
     state_key: str,
     landed_key: str,
     members: list[str],
-    ttl_s: float = LOCK_TTL_S,
+    ttl_s: float | None = None,
     acquire_timeout_s: float = ACQUIRE_TIMEOUT_S,
 ) -> Iterator[HeldLock]:
     """Hold lock `name` (as `held` does) and read the state hash and the members' landed flags.
@@ -163,6 +142,7 @@ def held_reading(
     One round trip takes the lock and reads; the holder can fold the release into its commit
     (`HeldLock.release_in`), so an uncontended batch costs two round trips in all.
     """
+    ttl_s = from_env().lock_ttl_s if ttl_s is None else ttl_s
     token = uuid.uuid4().hex
     acquire = r.register_script(ACQUIRE_READING_LUA)
     ttl_ms = int(ttl_s * 1000)

@@ -19,9 +19,6 @@ from fsspec.implementations.local import LocalFileSystem
 from infra import jsonl, segments
 from schemas.errors import StorageError
 
-QUALITY_SUMMARY = "quality_summary.json"
-ROLLOUT_VERDICTS = "rollout_verdicts.jsonl"
-
 
 @dataclass(frozen=True)
 class ShardFiles:

@@ -175,12 +175,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def moto_server() -> Iterator[str]:
-    """A real local S3 endpoint (moto's server in its own process); yields its URL."""
-    port = _free_port()
-    import tempfile
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real local S3 endpoint (moto's server in its own process); yields its URL.
 
-    log_path = Path(tempfile.gettempdir()) / f"rollouts-moto-{os.getpid()}.log"
+    Its log goes to the session's temp folder, never into the checkout.
+    """
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("moto") / "moto-server.log"
     log = open(log_path, "wb")  # noqa: SIM115 - handed to the child process
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

@@ -29,8 +29,10 @@ import redis
 from celery.signals import worker_shutdown
 
 from infra import keys
+from infra.environment import from_env
 from infra.process import PerProcess
 from infra.redis_client import client
+from infra.scripts import BEGIN_LUA, END_LUA, RENEW_LUA
 from schemas import fields as F
 from schemas.messages import CollectRequest
 from schemas.outcomes import Admit
@@ -39,7 +41,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-LEASE_TTL_S = float(os.environ.get("ROLLOUTS_LEASE_TTL_S", "30"))
 STARTS_KEEP_S = 7 * 24 * 3600
 DURATIONS_KEPT = 1000
 MARGIN_REFRESH_S = 2.0
@@ -47,106 +48,7 @@ FLAGS_REFRESH_S = 0.5
 WAIT_MIN_S, WAIT_MAX_S = 0.02, 0.25
 REDIS_RETRY_S = 120.0
 
-# KEYS: state landed failed cancel generation counts starts leases waiting agent_leases
-# ARGV: token key member ttl run_cap agent_cap max_attempts deadline margin keep_s
-BEGIN_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local token, key, member, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
-local mine = redis.call('HGET', KEYS[5], 'token') == token
-local function count(field)
-  if mine then redis.call('HINCRBY', KEYS[5], field, 1) end
-end
-local function not_started(verdict, detail)
-  redis.call('ZREM', KEYS[9], member)
-  if verdict == 'drained' then
-    count('drained')
-    redis.call('HINCRBY', KEYS[6], 'drained', 1)
-  else
-    count('stopped')
-  end
-  return {verdict, detail}
-end
-local failed = redis.call('GET', KEYS[3])
-if failed then return not_started('failed', failed) end
-local cancel = redis.call('GET', KEYS[4])
-if cancel then return not_started('cancelled', cancel) end
-local opener = redis.call('HGET', KEYS[1], 'opener')
-if opener and opener ~= token then
-  redis.call('ZREM', KEYS[9], member)
-  return {'fenced', opener}
-end
-if redis.call('SISMEMBER', KEYS[2], key) == 1 then
-  redis.call('ZREM', KEYS[9], member)
-  count('duplicate')
-  return {'landed', ''}
-end
-local deadline = tonumber(ARGV[8])
-if deadline > 0 then
-  local remaining = deadline - now
-  local margin = tonumber(ARGV[9])
-  if remaining <= 0 or (margin >= 0 and remaining < margin) then
-    return not_started('drained', tostring(remaining))
-  end
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[8], '-inf', now)
-local run_cap = tonumber(ARGV[5])
-if run_cap > 0 and redis.call('ZCARD', KEYS[8]) >= run_cap then
-  redis.call('ZADD', KEYS[9], now + ttl, member)
-  return {'wait', 'max_resident_tasks'}
-end
-local agent_cap = tonumber(ARGV[6])
-if agent_cap > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', now)
-  if redis.call('ZCARD', KEYS[10]) >= agent_cap then
-    redis.call('ZADD', KEYS[9], now + ttl, member)
-    return {'wait', 'max_concurrency'}
-  end
-end
-redis.call('ZREM', KEYS[9], member)
-local n = redis.call('HINCRBY', KEYS[7], key, 1)
-redis.call('EXPIRE', KEYS[7], ARGV[10])
-if n > tonumber(ARGV[7]) then
-  redis.call('HDEL', KEYS[7], key)
-  count('done')
-  return {'lost', tostring(n - 1)}
-end
-redis.call('ZADD', KEYS[8], now + ttl, member)
-if agent_cap > 0 then redis.call('ZADD', KEYS[10], now + ttl, member) end
-return {'run', ''}
-"""
-
-# Releases of many rollouts at once. Per release, KEYS: leases agent_leases starts generation
-# durations; ARGV: member key token field duration. ARGV[1] is how many durations to keep.
-# An empty `key` frees the slot only (the call ended); the accounting follows once it landed.
-END_LUA = """
-local keep = tonumber(ARGV[1])
-for i = 0, #KEYS / 5 - 1 do
-  local k, a = i * 5, i * 5 + 1
-  local member, key, token, field, duration = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
-  redis.call('ZREM', KEYS[k + 1], member)
-  redis.call('ZREM', KEYS[k + 2], member)
-  if key ~= '' then
-    if redis.call('HINCRBY', KEYS[k + 3], key, -1) <= 0 then redis.call('HDEL', KEYS[k + 3], key) end
-    if redis.call('HGET', KEYS[k + 4], 'token') == token then redis.call('HINCRBY', KEYS[k + 4], field, 1) end
-  end
-  if tonumber(duration) >= 0 then
-    redis.call('LPUSH', KEYS[k + 5], duration)
-    redis.call('LTRIM', KEYS[k + 5], 0, keep - 1)
-  end
-end
-return 1
-"""
 RELEASE_BATCH = 256
-
-# KEYS: one sorted set per lease; ARGV: ttl, then the lease members in the same order.
-# ZADD without XX: after Redis lost its data, the leases of calls still running come back.
-RENEW_LUA = """
-local t = redis.call('TIME')
-local expiry = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
-for i, k in ipairs(KEYS) do redis.call('ZADD', k, expiry, ARGV[i + 1]) end
-return #KEYS
-"""
 
 
 # The begin script's words, in the one vocabulary of how a rollout ended (schemas/outcomes.py).
@@ -303,12 +205,12 @@ class _Releaser:
 class Gate:
     """This process's admission: begin/end calls, lease renewal, cached stop flags and margins."""
 
-    def __init__(self, redis_url: str, ttl_s: float = LEASE_TTL_S) -> None:
+    def __init__(self, redis_url: str, ttl_s: float | None = None) -> None:
         self.pid = os.getpid()
         self.r = client(redis_url)
         self._begin = self.r.register_script(BEGIN_LUA)
         self.releaser = _Releaser(self.r, self.r.register_script(END_LUA))
-        self.ttl_s = ttl_s
+        self.ttl_s = from_env().lease_ttl_s if ttl_s is None else ttl_s
         self.renewer = _LeaseRenewer(self.r, self.r.register_script(RENEW_LUA), self.ttl_s)
         self._holder = f"{socket.gethostname()}:{self.pid}"
         self._seq = 0

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 from celery import Celery
+
+from infra.environment import from_env
 
 # `include` imports the task module when a worker starts, without a circular import here.
 app = Celery("rollouts", include=["workers.tasks"])
@@ -13,7 +13,7 @@ app.config_from_object("celeryconfig")
 
 def state_redis_url() -> str:
     """The Redis that holds locks and landed sets: `ROLLOUTS_REDIS_URL`, else the result backend."""
-    url = os.environ.get("ROLLOUTS_REDIS_URL") or app.conf.result_backend
+    url = from_env().redis_url or app.conf.result_backend
     if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
         raise RuntimeError("rollouts needs a Redis result backend (set ROLLOUTS_REDIS_URL)")
     return url

@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from infra import keys
+from infra.environment import resolve_cluster
 from infra.redis_client import client
 from producer.api.completions import Completions, Convert, Pair, Settled
 from producer.api.record import open_recorded_shard
@@ -96,10 +97,10 @@ def _settings(
 
 
 def _urls(broker_url: str | None, redis_url: str | None) -> tuple[str, str]:
-    broker = broker_url or os.environ.get("ROLLOUTS_BROKER_URL")
-    if not broker:
+    cluster = resolve_cluster(broker_url, redis_url)
+    if cluster is None:
         raise UsageError("run_examples needs a broker: pass broker_url= or set ROLLOUTS_BROKER_URL")
-    return broker, redis_url or os.environ.get("ROLLOUTS_REDIS_URL") or broker
+    return cluster.broker_url, cluster.redis_url
 
 
 def _converter(

@@ -23,6 +23,7 @@ from celery import Celery
 
 from infra import jsonl, keys
 from infra.redis_client import client
+from infra.scripts import RUNNING_LUA
 from infra.store import RunDir, ShardFiles
 from producer.shard.dispatch import admissions, call_policy
 from schemas import fields as F
@@ -39,15 +40,6 @@ LISTEN_TIMEOUT_S = 0.25
 POP_BATCH = 1000
 IDLE_POLL_S = 0.05
 KEY_TTL_S = 24 * 3600
-
-# Live leases plus started-but-unreplied rollouts: a running rollout is in one or the other from
-# its admission until its reply (the lease is taken by admission, the active mark is set before
-# the call and cleared with the reply).
-RUNNING_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-return redis.call('ZCOUNT', KEYS[1], now, '+inf') + redis.call('SCARD', KEYS[2])
-"""
 
 
 @dataclass

@@ -10,6 +10,7 @@ import click
 import orjson
 from rich.console import Console
 
+from infra.environment import resolve_cluster
 from infra.store import RunDir
 from producer.cli.errors import reports
 from producer.cli.options import (
@@ -356,15 +357,15 @@ def flower(
     """
     from producer.ops.control import flower_command
 
-    broker = broker or os.environ.get("ROLLOUTS_BROKER_URL")
-    if not broker:
+    cluster = resolve_cluster(broker, redis_url)
+    if cluster is None:
         raise UsageError("flower needs --broker URL (or ROLLOUTS_BROKER_URL)")
     env = dict(os.environ)
-    env["ROLLOUTS_BROKER_URL"] = broker
-    env["ROLLOUTS_REDIS_URL"] = redis_url or env.get("ROLLOUTS_REDIS_URL") or broker
+    env["ROLLOUTS_BROKER_URL"] = cluster.broker_url
+    env["ROLLOUTS_REDIS_URL"] = cluster.redis_url
     if unauthenticated_api:
         env["FLOWER_UNAUTHENTICATED_API"] = "true"
-    cmd = flower_command(broker, port, address, list(flower_args))
+    cmd = flower_command(cluster.broker_url, port, address, list(flower_args))
     os.execvpe(cmd[0], cmd, env)
 
 
@@ -399,6 +400,7 @@ def health_check(
     from producer.ops.recheck import health_check as run_check
     from producer.ops.recheck import parse_limits
 
+    cluster = resolve_cluster(broker, redis_url)
     sys.exit(
         run_check(
             run_dir,
@@ -407,8 +409,8 @@ def health_check(
             ignore=ignore,
             as_json=as_json,
             distributed=distributed,
-            broker_url=broker or os.environ.get("ROLLOUTS_BROKER_URL"),
-            redis_url=redis_url or os.environ.get("ROLLOUTS_REDIS_URL"),
+            broker_url=cluster.broker_url if cluster else None,
+            redis_url=cluster.redis_url if cluster else None,
             console=_console,
         )
     )

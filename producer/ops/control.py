@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import redis
 
 from infra import keys
+from infra.environment import operated_redis_url
 from infra.redis_client import client
 from infra.runs import read_manifest
 from infra.store import RunDir
 from schemas.errors import StorageError, UsageError
 from schemas.records import Manifest
-
-FLOWER_PORT = 5555
 
 
 def load_manifest(rd: RunDir, shard: str) -> Manifest:
@@ -26,18 +24,8 @@ def load_manifest(rd: RunDir, shard: str) -> Manifest:
 
 def find_redis_url(manifest: Manifest, redis_url: str | None, broker_url: str | None) -> str | None:
     """`--redis`, `--broker`, the environment, else the Redis the current generation recorded."""
-    found = (
-        redis_url
-        or broker_url
-        or os.environ.get("ROLLOUTS_REDIS_URL")
-        or os.environ.get("ROLLOUTS_BROKER_URL")
-    )
-    if found:
-        return found
     recorded = manifest.generations[-1].redis_url if manifest.generations else None
-    if recorded and "***" not in recorded:
-        return recorded
-    return None
+    return operated_redis_url(redis_url, broker_url, recorded)
 
 
 def cancel_shard(rd: RunDir, shard: str, redis_url: str, drain: bool) -> str:

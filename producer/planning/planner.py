@@ -105,16 +105,6 @@ class Planner:
     def problem(self, message: str, line: int | None, field_: str | None = None) -> None:
         self.log.add(message, line, field_)
 
-    def feed_line(self, line_no: int, raw: bytes) -> list[dict[str, Any]]:
-        """Plan one raw input line (1-based `line_no`) into dicts; blank lines plan nothing."""
-        return [jsonl.loads(line) for _, _, line in self.plan_line(line_no, raw)]
-
-    def feed_row(
-        self, line_no: int, row: dict[str, Any], identity: bytes | None = None
-    ) -> list[dict[str, Any]]:
-        """Plan one parsed row into dicts; `identity` makes two rows the same task (the raw line)."""
-        return [jsonl.loads(line) for _, _, line in self.plan_row(line_no, row, identity)]
-
     def plan_line(self, line_no: int, raw: bytes) -> list[Planned]:
         text = raw.strip()
         if line_no == 1 and text.startswith(_BOM):

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from infra import keys
+from infra.environment import resolve_cluster
 from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
@@ -300,9 +301,9 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
             app, opened, rows, plan.to_run, config, settings, redis_url, console, wait=opts.wait
         )
 
-    broker = opts.broker_url or os.environ.get("ROLLOUTS_BROKER_URL")
-    if broker:
-        result = go(broker, opts.redis_url or os.environ.get("ROLLOUTS_REDIS_URL") or broker)
+    named = resolve_cluster(opts.broker_url, opts.redis_url)
+    if named is not None:
+        result = go(named.broker_url, named.redis_url)
     else:
         console.print(f"starting an embedded Redis and {opts.workers} local worker processes")
         with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:

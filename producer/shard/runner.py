@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
 
+from infra.environment import resolve_cluster
 from infra.redis_client import client
 from infra.runs import write_manifest
 from producer.config.loading import load_run_config
@@ -75,10 +75,8 @@ def dispatch_and_wait(
     broker_url: str,
     redis_url: str,
     console: Console,
-    config: ServersConfig | None = None,
+    config: ServersConfig,
 ) -> FinishResult | None:
-    if config is None:
-        config = load_run_config(opts.config_path, opts.head_server)
     groups: Counter[tuple[str | None, str | None]] = Counter()
     try:
         with stop_on_sigterm():
@@ -124,10 +122,9 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
         settings=settings,
         overwrite=opts.overwrite,
     )
-    broker = opts.broker_url or os.environ.get("ROLLOUTS_BROKER_URL")
-    if broker:
-        redis_url = opts.redis_url or os.environ.get("ROLLOUTS_REDIS_URL") or broker
-        result = dispatch_and_wait(opened, opts, broker, redis_url, console, config)
+    named = resolve_cluster(opts.broker_url, opts.redis_url)
+    if named is not None:
+        result = dispatch_and_wait(opened, opts, named.broker_url, named.redis_url, console, config)
     else:
         console.print(f"starting an embedded Redis and {opts.workers} local worker processes")
         with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:

@@ -47,4 +47,4 @@ RunDir.append_at = append_at  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     sys.argv[0] = "celery"
-    sys.exit(main())  # type: ignore[func-returns-value]
+    sys.exit(main())

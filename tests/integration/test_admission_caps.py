@@ -74,16 +74,14 @@ def test_max_resident_tasks_caps_the_cluster_and_recovers_after_a_worker_dies(
         )
         # Kill a worker that holds slots right now: its leases stay behind until they expire.
         sid = keys.shard_id(RunDir(str(out)).url, "0")
-        holders = [
-            m.decode().split("|")[0].split(":")[1] for m in r.zrange(keys.shard_leases(sid), 0, -1)
-        ]
+        held: list[bytes] = r.zrange(keys.shard_leases(sid), 0, -1)  # type: ignore[assignment]
+        holders = [m.decode().split("|")[0].split(":")[1] for m in held]
         victim = next(p for p in workers.procs if str(p.pid) in holders)
         victim.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         victim.wait(10)
-        dead = [
-            m for m in r.zrange(keys.shard_leases(sid), 0, -1) if f":{victim.pid}:" in m.decode()
-        ]
+        held = r.zrange(keys.shard_leases(sid), 0, -1)  # type: ignore[assignment]
+        dead = [m for m in held if f":{victim.pid}:" in m.decode()]
         assert dead, "the killed worker held no slot"
         # Its leases expire (3 s here) and the slots go back into use.
         wait_for(

@@ -9,7 +9,9 @@ from __future__ import annotations
 import time
 
 import redis
-from kombu import Connection, Consumer, Exchange, Producer, Queue
+from kombu.connection import Connection
+from kombu.entity import Exchange, Queue
+from kombu.messaging import Consumer, Producer
 
 from infra.broker import Transport, transport_for
 

@@ -179,7 +179,14 @@ def test_resume_and_status_on_any_store(
     rd = RunDir(run_dir_url)
     results = [orjson.loads(line) for _, line in rd.iter_lines("rollouts-0.jsonl")]
     failures = [orjson.loads(line) for _, line in rd.iter_lines("rollouts-0_failures.jsonl")]
-    assert sorted(F.rollout_id(r) for r in results) == ["0-0-a1", "1-0", "2-0", "3-0", "4-0", "5-0"]
+    assert sorted(str(F.rollout_id(r)) for r in results) == [
+        "0-0-a1",
+        "1-0",
+        "2-0",
+        "3-0",
+        "4-0",
+        "5-0",
+    ]
     assert [F.rollout_id(r) for r in failures] == ["0-0"]
     assert [g.kind for g in read_manifest(rd, "0").generations] == ["run", "resume"]
     assert status.returncode == 0, status.stderr

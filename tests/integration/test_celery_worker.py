@@ -71,7 +71,7 @@ def test_pickle_payload_is_refused(
         agent = row["agent_ref"]["name"]  # type: ignore[index]
         return {
             "run": opened.run.model_dump(mode="json"),
-            "agent_url": config.agents[agent].url,  # type: ignore[index]
+            "agent_url": config.agents[agent].url,
             "policy": call_policy(settings).model_dump(mode="json"),
             "row": row,
         }

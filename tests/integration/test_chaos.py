@@ -74,7 +74,11 @@ def test_chaos_run_then_resume_settles_every_rollout(
             log=tmp_path / "run.log",
         )  # fmt: skip
         for threshold, victim in ((300, 0), (700, 1)):
-            wait_for(lambda t=threshold: lines(results_file) >= t, 120, f"{threshold} results")
+
+            def enough(t: int = threshold) -> bool:
+                return lines(results_file) >= t
+
+            wait_for(enough, 120, f"{threshold} results")
             workers.procs[victim].send_signal(signal.SIGKILL)
             workers.procs[victim].wait(10)
             events.append(f"killed worker {victim} at {lines(results_file)} results")

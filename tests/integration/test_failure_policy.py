@@ -153,7 +153,11 @@ def test_a_rollout_its_workers_keep_dying_on_becomes_worker_lost(
             log=tmp_path / "run.log",
         )  # fmt: skip
         for death in (1, 2):
-            wait_for(lambda d=death: requests_per_key(log)[(1, 0)] == d, 60, f"delivery {death}")
+
+            def delivered(d: int = death) -> bool:
+                return requests_per_key(log)[(1, 0)] == d
+
+            wait_for(delivered, 60, f"delivery {death}")
             victim = workers.procs[-1]
             victim.send_signal(signal.SIGKILL)
             victim.wait(10)

@@ -168,10 +168,10 @@ def test_aggregate_then_recheck_refuses_a_changed_shard(
     assert proc.returncode == 0, proc.stderr
     assert "Rollout health: 14 checked" in proc.stdout
 
-    shard = tmp_path / "runs" / "b" / "rollouts-b.jsonl"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x20
-    shard.write_bytes(bytes(data))
+    shard_file = tmp_path / "runs" / "b" / "rollouts-b.jsonl"
+    changed = bytearray(shard_file.read_bytes())
+    changed[len(changed) // 2] ^= 0x20
+    shard_file.write_bytes(bytes(changed))
     proc = cli("health-check", str(merged))
     assert proc.returncode == 1
     assert "shard ../runs/b/rollouts-b.jsonl" in proc.stderr

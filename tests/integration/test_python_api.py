@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -309,7 +310,7 @@ def test_failures_become_records_or_errors_and_budget_drains_before_any_call(
                 await completions.aclose()
 
         async def drained(records: bool) -> list[Any]:
-            call = run_outcomes if records else run_examples
+            call: Callable[..., Any] = run_outcomes if records else run_examples
             it = call(rows, config, broker_url=redis_url, dispatch_budget_s=0)
             try:
                 return [pair async for pair in it] if records else [await f for f in it]
@@ -347,7 +348,7 @@ def test_failures_become_records_or_errors_and_budget_drains_before_any_call(
     # route_failures_to_sidecar off: the failed row's awaitable raises, the others resolve.
     errors = [x for x in raised if isinstance(x, BaseException)]
     assert all(isinstance(x, RolloutFailedError) for x in errors) and len(errors) == 4
-    http = next(x for x in errors if key(x.row) == (1, 0))
+    http = next(x for x in errors if isinstance(x, RolloutFailedError) and key(x.row) == (1, 0))
     assert http.failure is not None and http.failure[F.FAILURE_HTTP_STATUS] == 500
     assert [key(p[0]) for p in raised if isinstance(p, tuple)] == [(0, 0)]
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable
 
 import httpx
 import pytest
 
 from schemas.messages import CallPolicy
-from workers import agent_call
 from workers.agent_call import BACKOFF_CAP_S, CallOutcome, backoff_s, call_run
 
 ROW = {"_ng_task_index": 4, "_ng_rollout_index": 1, "agent_ref": {"name": "a"}, "x": 1}
@@ -142,7 +142,7 @@ def test_time_limit_is_a_timeout_failure_not_a_crash() -> None:
 
 def test_backoff_is_full_jitter_and_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     policy = CallPolicy(backoff_base_s=0.5)
-    monkeypatch.setattr(agent_call.random, "uniform", lambda low, high: high)
+    monkeypatch.setattr(random, "uniform", lambda low, high: high)
     assert [backoff_s(policy, k) for k in range(8)] == [
         0.5,
         1,
@@ -153,5 +153,5 @@ def test_backoff_is_full_jitter_and_capped(monkeypatch: pytest.MonkeyPatch) -> N
         BACKOFF_CAP_S,
         BACKOFF_CAP_S,
     ]
-    monkeypatch.setattr(agent_call.random, "uniform", lambda low, high: low)
+    monkeypatch.setattr(random, "uniform", lambda low, high: low)
     assert backoff_s(policy, 5) == 0

@@ -48,7 +48,7 @@ def test_strip_keeps_only_usage_and_incomplete_details_of_the_response() -> None
 
 
 def test_rows_group_by_stamp_then_by_the_agents_environment_in_task_rollout_order() -> None:
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"_ng_task_index": 1, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}},
         {
             "_ng_task_index": 0,
@@ -96,7 +96,7 @@ def test_a_failed_server_keeps_an_entry_with_empty_collections_and_the_error(
     def fake_client(**kwargs: Any) -> httpx.AsyncClient:
         return real(transport=httpx.MockTransport(handler), **kwargs)
 
-    monkeypatch.setattr(aggregation.httpx, "AsyncClient", fake_client)
+    monkeypatch.setattr(httpx, "AsyncClient", fake_client)
     rows = [
         {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}, "reward": 1},
         {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "b"}, "reward": 0},

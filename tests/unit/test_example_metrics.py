@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ def test_unbiased_pass_at_k(n: int, c: int, k: int, expected: float) -> None:
 
 
 def test_aggregate_per_task_and_overall() -> None:
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "_ng_task_index": 0,
             "_ng_rollout_index": 0,

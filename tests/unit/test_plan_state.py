@@ -12,7 +12,8 @@ from producer.planning.state import DigestTable, RolloutCounters, digest64
 
 @given(st.lists(st.integers(1, 2**64 - 1), max_size=3000), st.integers(0, 2000))
 def test_digest_table_matches_a_dict(keys: list[int], capacity: int) -> None:
-    table, model = DigestTable(capacity=capacity), {}
+    table = DigestTable(capacity=capacity)
+    model: dict[int, int] = {}
     for k in keys:
         assert table.setdefault(k, len(model)) == model.setdefault(k, len(model))
     assert len(table) == len(model)
@@ -31,7 +32,8 @@ def test_digest_table_grows_past_its_capacity() -> None:
 
 @given(st.lists(st.integers(0, 10**12) | st.integers(0, 20_000), max_size=500), st.integers(0, 100))
 def test_rollout_counters_match_a_dict(tasks: list[int], capacity: int) -> None:
-    counters, model = RolloutCounters(capacity=capacity), {}
+    counters = RolloutCounters(capacity=capacity)
+    model: dict[int, int] = {}
     for t in tasks:
         assert counters.take(t) == model.get(t, 0)
         model[t] = model.get(t, 0) + 1

@@ -131,8 +131,11 @@ def expected_copies(rows: list[dict[str, Any]], s: CollectionSettings) -> tuple[
             targets = [amap[source]]
         elif "_default" in amap:
             targets = [amap["_default"]]
+        elif named is not None:
+            targets = [named]
         else:
-            targets = [named if named is not None else SOURCES[source]]
+            assert source is not None  # a row without an agent_ref names its task_source
+            targets = [SOURCES[source]]
         for t in targets:
             n = s.num_repeats
             total += n if isinstance(n, int) else n.get(t, n.get(basis, n["_default"]))  # type: ignore[arg-type]

@@ -8,12 +8,12 @@ jobs' results into the reports either way.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 import uuid
 from typing import Any
 
+from infra.environment import from_env
 from infra.store import RunDir
 from schemas.errors import UsageError
 from schemas.health import QUALITY_SUMMARY, HealthPlan, Limits, ScanJob, Source, SummaryState
@@ -28,12 +28,11 @@ from workers.health.summary import run_section, summary_chunks
 log = logging.getLogger(__name__)
 
 LOCAL_RANGE_BYTES = 1 << 40
-DISTRIBUTED_RANGE_BYTES = 64 << 20
 
 
 def distributed_range_bytes() -> int:
     """Bytes per job of a distributed recheck (ROLLOUTS_HEALTH_RANGE_BYTES overrides 64 MiB)."""
-    return int(os.environ.get("ROLLOUTS_HEALTH_RANGE_BYTES", DISTRIBUTED_RANGE_BYTES))
+    return from_env().health_range_bytes
 
 
 def _ranges(size: int, range_bytes: int) -> list[tuple[int, int | None]]:
