@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery import Task, states
-
 from infra.store import RunDir
 from schemas.health import (
     HEALTH_COMBINE_TASK,
@@ -16,7 +14,6 @@ from schemas.health import (
     ScanResult,
 )
 from schemas.messages import COLLECT_TASK, FINISH_TASK, CollectRequest, FinishRequest
-from schemas.outcomes import Ended
 from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
 from workers.app import app, state_redis_url
 from workers.finish import finish_shard, health_brief
@@ -24,20 +21,12 @@ from workers.health import combine, scan
 from workers.replies import collect_and_reply
 from workers.rollout import process_context, run_rollout
 
-# Ends whose summary is stored although the dispatch asked Celery not to store results (the chord
-# only counts them): the drained row of a rollout that never started, and why one did not finish.
-STORED_ENDS = frozenset({Ended.DRAINED, Ended.STOPPED, Ended.CANCELLED, Ended.ERROR})
 
-
-@app.task(name=COLLECT_TASK, acks_late=True, bind=True)
-def collect_task(self: Task, payload: dict[str, Any]) -> dict[str, Any]:
+@app.task(name=COLLECT_TASK, acks_late=True)
+def collect_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Run one rollout and land its result exactly once."""
     url = state_redis_url()
-    outcome = run_rollout(CollectRequest.model_validate(payload), process_context(url))
-    summary = outcome.chord_summary()
-    if self.request.ignore_result and outcome.ended in STORED_ENDS:
-        self.backend.store_result(self.request.id, summary, states.SUCCESS, request=self.request)
-    return summary
+    return run_rollout(CollectRequest.model_validate(payload), process_context(url)).chord_summary()
 
 
 @app.task(name=FINISH_TASK, acks_late=True)

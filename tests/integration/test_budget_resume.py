@@ -6,23 +6,15 @@ from pathlib import Path
 
 import orjson
 import pytest
-from celery import Celery
 
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from examples.tasks import make_row
-from producer.shard.celery_client import client_app
 from schemas import fields as F
 from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
 from tests.ops_helpers import cli, manifest, request_log, requests_per_key, rows_by_key
 
 pytestmark = pytest.mark.integration
-
-
-def task_result(app: Celery, run_id: str, token: str, rid: str) -> dict[str, object]:
-    value = app.AsyncResult(f"{run_id}.{token[:8]}.{rid}").get(timeout=10)
-    assert isinstance(value, dict)
-    return value
 
 
 def test_rows_not_started_within_the_budget_are_drained_and_resume_runs_exactly_them(
@@ -57,25 +49,8 @@ def test_rows_not_started_within_the_budget_are_drained_and_resume_runs_exactly_
         assert set(first_requests) == landed  # drained rows never reached the agent
         status = orjson.loads((out / "rollouts-0_status.json").read_bytes())
         assert status["drained"] == len(drained)
-        app = client_app(redis_url, redis_url)
-        for task, rollout in sorted(drained):
-            summary = task_result(
-                app, m["run_id"], m["generations"][0]["token"], f"{task}-{rollout}"
-            )
-            assert summary["outcome"] == "drained"
-            assert summary["row"] == {
-                F.TASK_INDEX: task,
-                F.ROLLOUT_INDEX: rollout,
-                F.AGENT_REF: {"name": "math_agent"},
-                F.ENVIRONMENT_SERVER: "math_env",
-                F.RUN_ID: m["run_id"],
-                F.SHARD: "0",
-                F.FAILURE_CLASS: "cancelled",
-                F.NO_PERSIST: True,
-                F.DISPATCH_DRAINED: True,
-                "error_message": "not dispatched: dispatch budget exhausted",
-            }
-
+        # What a drained row holds is the engine's (tests/unit/test_rollout_engine.py); the
+        # chord only counts its tasks, so nothing of them is stored in the result backend.
         proc = cli("resume", str(out), "--broker", redis_url, "+dispatch_budget_s=null")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert f"running {len(drained)}" in proc.stdout
