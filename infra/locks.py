@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import redis
 from redis.exceptions import LockError
@@ -101,19 +102,21 @@ def _keeper(r: redis.Redis, ttl_s: float) -> _Keeper:
     return _keepers.get((r, ttl_s))
 
 
+@dataclass
 class HeldLock:
     """A held shard lock, with what was read when it was taken."""
 
-    def __init__(
-        self, r: redis.Redis, name: str, token: str, state: dict[str, str], present: list[bool]
-    ) -> None:
-        self.r = r
-        self.name = name
-        self.token = token
-        self.state = state
-        self.present = present
-        self.released = False
-        self._release = r.register_script(RELEASE_LUA)
+    r: redis.Redis
+    name: str
+    token: str
+    state: dict[str, str]
+    """The shard's state hash as read with the lock."""
+    present: list[bool]
+    """The landed flags of the members asked about, in their order."""
+    released: bool = False
+
+    def __post_init__(self) -> None:
+        self._release = self.r.register_script(RELEASE_LUA)
 
     def release_in(self, pipe: redis.client.Pipeline) -> None:
         """Queue the release in `pipe`: it happens with the commit, in the same round trip."""
