@@ -8,16 +8,19 @@ layouts are `infra/keys.py`'s. Callers register them with `redis.Redis.register_
 - `BEGIN_LUA`, `END_LUA`, `RENEW_LUA`: a rollout's admission, slot release and lease renewal
   (`workers/admission.py`).
 - `ACQUIRE_READING_LUA`, `RELEASE_LUA`, `EXTEND_LUA`: the shard lock (`infra/locks.py`).
-- `RUNNING_LUA`: what of a `run_examples` call still runs (`producer/api_dispatch.py`).
+- `RUNNING_LUA`: what of a `run_examples` call still runs (`producer/api/transport.py`).
 """
 
 from __future__ import annotations
 
 BEGIN_LUA = """
 -- Whether one delivery of a rollout may start now, and if so take its slot (a lease).
--- Returns {verdict, detail}: run, wait (a cap is full: call again), landed (a duplicate),
--- fenced (another run owns the shard), drained (the dispatch budget is spent), failed or
--- cancelled (the run was stopped), lost (workers died on it more than max_attempts times).
+-- Returns {verdict, detail} in the words of schemas.outcomes (Admit), or wait: run, wait (a cap
+-- is full: call again; detail names it), duplicate (it landed already), fenced (another run
+-- owns the shard; detail: its token), drained (the dispatch budget is spent; detail: seconds
+-- left), stopped (the run was failed or cancelled; detail: 'failed: <first error>', or the
+-- cancel flag's 'cancel' or 'drain'), worker_lost (workers died on it more than max_attempts
+-- times; detail: how many).
 local state_key, landed_key, run_failed_key, cancel_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local generation_key, counts_key, starts_key = KEYS[5], KEYS[6], KEYS[7]
 local leases_key, waiting_key, agent_leases_key = KEYS[8], KEYS[9], KEYS[10]
@@ -42,9 +45,9 @@ local function not_started(verdict, detail)
   return {verdict, detail}
 end
 local failed = redis.call('GET', run_failed_key)
-if failed then return not_started('failed', failed) end
+if failed then return not_started('stopped', 'failed: ' .. failed) end
 local cancel = redis.call('GET', cancel_key)
-if cancel then return not_started('cancelled', cancel) end
+if cancel then return not_started('stopped', cancel) end
 local opener = redis.call('HGET', state_key, 'opener')
 if opener and opener ~= token then
   redis.call('ZREM', waiting_key, member)
@@ -53,7 +56,7 @@ end
 if redis.call('SISMEMBER', landed_key, key) == 1 then
   redis.call('ZREM', waiting_key, member)
   count('duplicate')
-  return {'landed', ''}
+  return {'duplicate', ''}
 end
 if deadline > 0 then
   local remaining = deadline - now
@@ -79,7 +82,7 @@ redis.call('EXPIRE', starts_key, starts_keep_s)
 if n > max_attempts then
   redis.call('HDEL', starts_key, key)
   count('done')
-  return {'lost', tostring(n - 1)}
+  return {'worker_lost', tostring(n - 1)}
 end
 redis.call('ZADD', leases_key, now + ttl, member)
 if agent_cap > 0 then redis.call('ZADD', agent_leases_key, now + ttl, member) end

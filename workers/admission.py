@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 from celery.signals import worker_shutdown
@@ -49,18 +49,6 @@ WAIT_MIN_S, WAIT_MAX_S = 0.02, 0.25
 REDIS_RETRY_S = 120.0
 
 RELEASE_BATCH = 256
-
-
-# The begin script's words, in the one vocabulary of how a rollout ended (schemas/outcomes.py).
-_VERDICTS: dict[str, Admit] = {
-    "run": "run",
-    "landed": "duplicate",
-    "fenced": "fenced",
-    "drained": "drained",
-    "failed": "stopped",
-    "cancelled": "stopped",
-    "lost": "worker_lost",
-}
 
 
 @dataclass
@@ -291,9 +279,7 @@ class Gate:
             )
             word, detail = (v.decode() if isinstance(v, bytes) else str(v) for v in answer)
             if word != "wait":
-                verdict = _VERDICTS[word]
-                if word == "failed":
-                    detail = f"failed: {detail}"
+                verdict = cast(Admit, word)
                 ticket = Ticket(verdict, detail, sid, key, member, agent_key)
                 if verdict == "run":
                     zsets = (leases, agent_key) if adm.agent_max_concurrency else (leases,)
