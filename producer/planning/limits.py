@@ -25,7 +25,7 @@ class Oversize:
     size: int
 
 
-Line = tuple[int, "bytes | Oversize"]
+Line = tuple[int, bytes | Oversize]
 
 
 def bounded_lines(chunks: Iterable[bytes], max_bytes: int) -> Iterator[Line]:

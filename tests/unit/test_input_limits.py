@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
+from producer.api.record import open_recorded_shard
 from producer.api.rows import Stamp, prepare_rows
 from producer.planning.labels import MAX_SHARD_LABEL, RESERVED_SUFFIXES, shard_label_problem
 from producer.planning.limits import MAX_ROW_DEPTH, Oversize, bounded_lines, file_lines, too_deep
@@ -82,6 +83,20 @@ def test_label_length_and_characters() -> None:
     assert bad is not None and bad.field == "record_shard"
     assert "invalid shard label 'a/b'" in bad.message
     assert shard_label_problem("0", field="shard", flag="--shard") is None
+
+
+def test_a_recorded_shard_takes_the_same_label_check(tmp_path: Path) -> None:
+    planned = preprocess_examples([row()], CONFIG)
+    with pytest.raises(PlanningError) as info:
+        open_recorded_shard(
+            rows=planned, output_dir=str(tmp_path / "run"), shard="0_manifest", run_id="r",
+            token="t", config=CONFIG, settings=CollectionSettings(), overwrite=True,
+            redis_url="redis://127.0.0.1:1/0",
+        )  # fmt: skip
+    assert "field 'record_shard': invalid shard label '0_manifest' (record_shard)" in str(
+        info.value
+    )
+    assert not (tmp_path / "run").exists()
 
 
 # Reserved fields
