@@ -64,6 +64,13 @@ class ShardFiles:
             self.status,
         ]
 
+    @classmethod
+    def suffixes(cls) -> tuple[str, ...]:
+        """What follows the stem in the artifact names, extension left off (`_failures`, ...)."""
+        probe = cls("")
+        names = (name.removeprefix(probe.stem).split(".", 1)[0] for name in probe.all())
+        return tuple(suffix for suffix in names if suffix)
+
 
 def _storage_options(protocol: str) -> dict[str, Any]:
     """Options from the standard environment variables (SPEC §9: AWS_ENDPOINT_URL and friends)."""

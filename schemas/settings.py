@@ -8,6 +8,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 3600.0
 DEFAULT_MAX_ATTEMPTS = 3
+DEFAULT_MAX_ROW_BYTES = 32 << 20
 
 
 class CollectionSettings(BaseModel):
@@ -33,6 +34,8 @@ class CollectionSettings(BaseModel):
     """Round-robin the planned rollouts across agents."""
     allow_unsupported_pairing: bool = False
     """Skip the allowed_agents checks."""
+    max_row_bytes: int = Field(default=DEFAULT_MAX_ROW_BYTES, ge=1)
+    """Largest input line (or row, encoded) planning accepts, in bytes; a larger one is refused."""
 
     route_failures_to_sidecar: bool = False
     """A failed /run becomes a failure row and the run goes on; off: the run fails on the first one."""

@@ -17,6 +17,7 @@ from infra import jsonl
 from infra.redis_client import client
 from infra.runs import write_manifest
 from infra.store import RunDir, ShardFiles
+from producer.planning.labels import shard_label_problem
 from producer.shard.opening import (
     OpenedRun,
     existing_run_problem,
@@ -24,7 +25,6 @@ from producer.shard.opening import (
     reset_shard_state,
     shard_artifacts_present,
 )
-from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, RunExistsError
 from schemas.messages import RunRef
@@ -52,15 +52,9 @@ def open_recorded_shard(
     Refuses (before writing anything) an invalid shard label, no rows, and a folder that holds
     an earlier run of the shard unless `overwrite`.
     """
-    if not F.valid_shard_label(shard):
-        raise PlanningError(
-            [
-                Problem(
-                    f"invalid shard label {shard!r}: use letters, digits, '.', '_', '-'",
-                    field="record_shard",
-                )
-            ]
-        )
+    label_problem = shard_label_problem(shard, field="record_shard", flag="record_shard")
+    if label_problem is not None:
+        raise PlanningError([label_problem])
     if not rows:
         raise PlanningError([Problem("no rows to run", field="rows")])
     rd = RunDir(output_dir)

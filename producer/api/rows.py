@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from producer.planning.problems import ProblemLog
+from producer.planning.reserved import check_sent_row
 from producer.planning.routing import Router, pairing_bypassed
 from schemas import fields as F
 from schemas.config import ServersConfig
@@ -101,6 +102,7 @@ def prepare_rows(
             log.add(f"the row is not JSON-serializable: {exc}", n)
             continue
         named, source = _check_shape(row, n, log)
+        check_sent_row(row, n, log)
         env_stamp = row.get(F.ENVIRONMENT_SERVER)
         route = router.route(named, source, env_stamp if isinstance(env_stamp, str) else None)
         for message, field_ in route.problems:

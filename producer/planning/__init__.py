@@ -6,6 +6,9 @@ identity.py  `task_ids` and explicit rollout ids
 state.py     compact per-task state: line digests and rollout counters
 ordering.py  run order, interleaved without holding the rows in memory
 problems.py  problems grouped per distinct message, naming every line
+labels.py    shard labels: characters, length, artifact suffixes
+reserved.py  the `_ng_*` fields an input row may and may not carry
+limits.py    input limits: lines read in bounded chunks, row size and depth
 """
 
 from producer.planning.planner import (

@@ -1,6 +1,8 @@
 """Planning: rows in, planned rollouts out (SPEC §3), with every problem found before dispatch.
 
-The planner streams: it reads one input line at a time and emits that line's planned copies.
+The planner streams: it reads one input line at a time, in bounded chunks
+(`producer/planning/limits.py`: a line past `max_row_bytes` is refused without being held), and
+emits that line's planned copies.
 What it keeps is compact per-task state (`producer/planning/state.py`): a 64-bit digest per distinct
 unnumbered line for task numbering and a 32-bit rollout counter per task. Routing is cached per
 distinct (agent_ref.name, task_source) (`producer/planning/routing.py`), problems are grouped per distinct
@@ -8,7 +10,8 @@ message (`producer/planning/problems.py`), `task_ids` and explicit rollout ids f
 `producer/planning/identity.py`, and interleaved orders spill to temporary files
 (`producer/planning/ordering.py`).
 
-Steps per row, in SPEC §3's order: task number (caller-stamped or by identical line), `task_ids`
+Steps per row, in SPEC §3's order: size, depth and reserved `_ng_*` fields
+(`producer/planning/reserved.py`), task number (caller-stamped or by identical line), `task_ids`
 selection (each task once, before repetition), checks, agent resolution, fan-out, repeats,
 stamps. `limit` stops reading after N lines.
 """
@@ -27,8 +30,10 @@ import orjson
 
 from infra import jsonl
 from producer.planning.identity import ExplicitRolloutIds, TaskSelection
+from producer.planning.limits import MAX_ROW_DEPTH, Line, Oversize, file_lines, too_deep
 from producer.planning.ordering import Planned, in_run_order
 from producer.planning.problems import ProblemLog
+from producer.planning.reserved import check_input_row
 from producer.planning.routing import Router, pairing_bypassed
 from producer.planning.state import DigestTable, RolloutCounters, digest64
 from schemas import fields as F
@@ -43,6 +48,7 @@ RESPONSES_CREATE_PARAMS = F.RESPONSES_CREATE_PARAMS
 AGENT_REF, TASK_SOURCE, ROLLOUT_ID = F.AGENT_REF, F.TASK_SOURCE, F.ROLLOUT_ID
 TASK_INDEX, ROLLOUT_INDEX, ENVIRONMENT_SERVER = F.TASK_INDEX, F.ROLLOUT_INDEX, F.ENVIRONMENT_SERVER
 RUN_ID, SHARD = F.RUN_ID, F.SHARD
+DEPTH_MESSAGE = f"the row nests objects and arrays more than {MAX_ROW_DEPTH} levels deep"
 
 
 def print_warning(message: str) -> None:
@@ -105,7 +111,10 @@ class Planner:
     def problem(self, message: str, line: int | None, field_: str | None = None) -> None:
         self.log.add(message, line, field_)
 
-    def plan_line(self, line_no: int, raw: bytes) -> list[Planned]:
+    def plan_line(self, line_no: int, raw: bytes | Oversize) -> list[Planned]:
+        if isinstance(raw, Oversize):
+            self.log.add(oversize_message(self.settings.max_row_bytes), line_no)
+            return []
         text = raw.strip()
         if line_no == 1 and text.startswith(_BOM):
             text = text[len(_BOM) :].strip()
@@ -119,12 +128,18 @@ class Planner:
         if not isinstance(row, dict):
             self.log.add(f"a row must be a JSON object, got {_json_type(row)}", line_no)
             return []
+        if too_deep(row, text):
+            self.log.add(DEPTH_MESSAGE, line_no)
+            return []
         return self.plan_row(line_no, row, identity=text)
 
     def plan_row(
         self, line_no: int, row: dict[str, Any], identity: bytes | None = None
     ) -> list[Planned]:
         """Plan one parsed row; it is read, never modified."""
+        # The raw line's bytes rule out a reserved key for nearly every row (`\u` escapes aside).
+        if identity is None or b'"_ng_' in identity or b"\\u" in identity:
+            check_input_row(row, line_no, self.log)
         get = row.get
         stamped = get(TASK_INDEX)
         if stamped is None:
@@ -254,16 +269,17 @@ class Planner:
             raise self.log.error()
 
 
+def oversize_message(limit: int) -> str:
+    return (
+        f"the row is larger than max_row_bytes ({limit} bytes); "
+        "raise the limit with +max_row_bytes=N or make the row smaller"
+    )
+
+
 def _json_type(value: Any) -> str:
     return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
         type(value), "a number"
     )
-
-
-def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
-    """Yield (1-based line number, raw line) of a local file, streaming."""
-    with open(path, "rb") as f:
-        yield from enumerate(f, start=1)
 
 
 def estimate_lines(path: str, sample_bytes: int = 1 << 20, cap: int = 100_000_000) -> int:
@@ -276,8 +292,9 @@ def estimate_lines(path: str, sample_bytes: int = 1 << 20, cap: int = 100_000_00
     return min(cap, int(size * max(1, sample.count(b"\n")) / len(sample)) + 1)
 
 
-def plan_lines(planner: Planner, lines: Iterable[tuple[int, bytes]]) -> Iterator[bytes]:
-    """The planned lines of `lines` in run order; raises PlanningError once every line was read."""
+def plan_lines(planner: Planner, lines: Iterable[Line]) -> Iterator[bytes]:
+    """The planned lines of `lines` (`file_lines`) in run order; raises PlanningError once every
+    line was read."""
     limit = planner.settings.limit or None
 
     def planned() -> Iterator[Planned]:
@@ -304,7 +321,7 @@ def plan_file(
 ) -> Iterator[dict[str, Any]]:
     """Stream the planned rows of an input file; raises PlanningError at the end if any line was bad."""
     planner = Planner(config, settings, context, source=path, on_warning=on_warning)
-    for line in plan_lines(planner, iter_lines(path)):
+    for line in plan_lines(planner, file_lines(path, settings.max_row_bytes)):
         yield jsonl.loads(line)
 
 
@@ -327,7 +344,7 @@ def write_plan(
     digest = hashlib.sha256()
     count = 0
     with open(out_path, "wb") as out:
-        for line in plan_lines(planner, iter_lines(path)):
+        for line in plan_lines(planner, file_lines(path, settings.max_row_bytes)):
             digest.update(line)
             out.write(line)
             count += 1
@@ -371,6 +388,12 @@ def preprocess_examples(
                 identity = orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
             except (orjson.JSONEncodeError, TypeError) as exc:
                 planner.log.add(f"the row is not JSON-serializable: {exc}", n)
+                continue
+            if len(identity) > settings.max_row_bytes:
+                planner.log.add(oversize_message(settings.max_row_bytes), n)
+                continue
+            if too_deep(row, identity):
+                planner.log.add(DEPTH_MESSAGE, n)
                 continue
             yield from planner.plan_row(n, row, identity)
 

@@ -25,8 +25,8 @@ import redis
 from infra import jsonl, keys
 from infra.runs import maybe_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
+from producer.planning.labels import shard_label_problem
 from producer.planning.planner import PlanContext, WarningSink, write_plan
-from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, RunExistsError, StorageError
 from schemas.messages import RunRef
@@ -104,13 +104,10 @@ def open_run(
     before the run directory is touched.
     """
     problems: list[Problem] = []
-    label_ok = F.valid_shard_label(shard)
-    if not label_ok:
-        problems.append(
-            Problem(
-                f"invalid shard label {shard!r}: use letters, digits, '.', '_', '-'", field="shard"
-            )
-        )
+    label_problem = shard_label_problem(shard, field="shard", flag="--shard")
+    label_ok = label_problem is None
+    if label_problem is not None:
+        problems.append(label_problem)
     rd = RunDir(output_dir)
     present = shard_artifacts_present(rd, shard) if label_ok else []
     existing = existing_run_problem(rd, shard, present) if present and not overwrite else None

@@ -412,3 +412,85 @@ def test_every_problem_in_one_error(
         "invalid rollout id '-x'", "invalid shard label 'bad label'",
     )  # fmt: skip
     assert proc.stderr.count("error:") == 1
+
+
+def test_shard_label_ending_in_an_artifact_suffix(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    proc, data, out = run_cli(
+        servers.config(), demo_rows(4), tmp_path, redis_url, "--shard", "0_failures"
+    )
+    assert_refused(
+        proc, data, out, servers, redis_url, set(),
+        "invalid shard label '0_failures' (--shard): it ends in '_failures'",
+    )  # fmt: skip
+    assert proc.stderr.count("error:") == 1
+
+    # Beside a shard 0, a label naming its inputs leaves every file of it as it was.
+    first, _, out = run_cli(servers.config(), demo_rows(4), tmp_path, redis_url)
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    r = redis.Redis.from_url(redis_url)
+    r.flushall()
+    r.close()
+    label = "0_materialized_inputs"
+    proc, _, _ = run_cli(
+        servers.config(), demo_rows(4), tmp_path, redis_url, "--shard", label, "--overwrite"
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        f"invalid shard label '{label}' (--shard): it ends in '_materialized_inputs'" in proc.stderr
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert_nothing_dispatched(servers, redis_url)
+
+
+def test_shard_label_too_long(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+    proc, data, out = run_cli(
+        servers.config(), demo_rows(4), tmp_path, redis_url, "--shard", "s" * 300
+    )
+    assert_refused(
+        proc, data, out, servers, redis_url, set(), "(--shard): 300 characters, at most 128 allowed"
+    )
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("_ng_failure_class", "agent_run_error"), ("_ng_no_persist", True), ("_ng_attempt_index", 2)],
+)
+def test_reserved_field_in_an_input_row(
+    servers: RunningServers, redis_url: str, tmp_path: Path, field: str, value: Any
+) -> None:
+    rows = rows_with({})
+    for line in (2, 5):
+        rows[line - 1] = {**rows[line - 1], field: value}
+    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {2, 5},
+        f"field {field!r}: reserved field", "fed back as input",
+    )  # fmt: skip
+
+
+def test_row_nested_too_deep(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+    good = orjson.dumps(demo_rows(1)[0])
+    deep = good[:-1] + b', "deep": ' + b"[" * 600 + b"1" + b"]" * 600 + b"}"
+    proc, data, out = run_cli(servers.config(), rows_with({3: deep.decode()}), tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {3},
+        "the row nests objects and arrays more than 100 levels deep",
+    )  # fmt: skip
+    assert "Traceback" not in proc.stderr
+
+
+def test_row_larger_than_max_row_bytes(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    big = {**demo_rows(1)[0], "padding": "x" * 50_000}
+    proc, data, out = run_cli(
+        servers.config(), rows_with({2: big, 6: big}), tmp_path, redis_url, "+max_row_bytes=20000"
+    )
+    assert_refused(
+        proc, data, out, servers, redis_url, {2, 6},
+        "the row is larger than max_row_bytes (20000 bytes)",
+    )  # fmt: skip
