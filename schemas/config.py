@@ -7,9 +7,21 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-_SECRET_KEY = re.compile(r"api_key|apikey|token|secret|password", re.IGNORECASE)
+# Key, header and query-parameter names whose values are secrets, matched case-insensitively
+# anywhere in the name: `api_key`, `X-Api-Key`, `openai_key`, `hf_access_key`, `private_key`,
+# `aws_access_key_id`, `aws_secret_access_key`, `Authorization`, `Proxy-Authorization`, `token`,
+# `password`, `passwd`, `credentials`, `client_secret`, `cookie`, `session`, `signature`, ...
+_SECRET_KEY = re.compile(
+    r"(?:^|[^a-z])key(?:$|[^a-z])|_key|key_|api.?key|token(?![a-z])|secret|passw(?:or)?d|pwd|auth"
+    r"|credential|bearer|cookie|session|signature|private",
+    re.IGNORECASE,
+)
 # `scheme://user:password@host`: the password part of a URL's userinfo.
 _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*:)[^/@\s]*(?P<at>@)")
+# `name=value` in a URL's query string or fragment.
+_QUERY_PARAM = re.compile(r"(?P<head>[?&#;](?P<name>[^=&#\s]+)=)(?P<value>[^&#\s]*)")
+# A credential written as a header value: `Bearer ...`, `Basic ...`, `Token ...`.
+_AUTH_SCHEME = re.compile(r"^\s*(?:bearer|basic|token|digest)\s+\S", re.IGNORECASE)
 REDACTED = "***"
 
 
@@ -145,20 +157,33 @@ class ServersConfig(BaseModel):
         return redacted
 
 
+def is_secret_name(name: str) -> bool:
+    """Whether a key, header or query parameter of this name holds a secret."""
+    return _SECRET_KEY.search(name) is not None
+
+
 def redact(value: Any) -> Any:
-    """A copy of `value` with secret-looking keys' values and URL passwords replaced by `***`."""
+    """A copy of `value` with secrets replaced by `***`: the values of secret-looking keys, header
+    values that carry a credential (`Bearer ...`), URL passwords and secret query parameters."""
     if isinstance(value, dict):
         return {
-            k: (REDACTED if isinstance(k, str) and _SECRET_KEY.search(k) else redact(v))
+            k: (REDACTED if isinstance(k, str) and is_secret_name(k) else redact(v))
             for k, v in value.items()
         }
     if isinstance(value, list):
         return [redact(v) for v in value]
-    if isinstance(value, str) and "@" in value:
-        return redact_url(value)
+    if isinstance(value, str):
+        if _AUTH_SCHEME.match(value):
+            return REDACTED
+        if "@" in value or "=" in value:
+            return redact_url(value)
     return value
 
 
 def redact_url(url: str) -> str:
-    """`url` with the password of its userinfo (`scheme://user:password@host`) replaced by `***`."""
-    return _URL_PASSWORD.sub(lambda m: f"{m['head']}{REDACTED}{m['at']}", url)
+    """`url` with the password of its userinfo (`scheme://user:password@host`) and the values of
+    secret query parameters (`?api_key=...`) replaced by `***`."""
+    url = _URL_PASSWORD.sub(lambda m: f"{m['head']}{REDACTED}{m['at']}", url)
+    return _QUERY_PARAM.sub(
+        lambda m: f"{m['head']}{REDACTED}" if is_secret_name(m["name"]) else m[0], url
+    )

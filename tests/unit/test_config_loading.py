@@ -168,3 +168,44 @@ def test_exactly_one_config_source() -> None:
         load_run_config(None, None)
     with pytest.raises(UsageError, match="exactly one"):
         load_run_config("a.yaml", "http://h:1")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Authorization", "X-Api-Key", "openai_key", "private_key", "aws_access_key_id",
+        "aws_secret_access_key", "credentials", "passwd", "hf_access_key", "api_key",
+        "hf_token", "client_secret", "Proxy-Authorization",
+    ],
+)  # fmt: skip
+def test_secrets_are_masked_by_key_and_header_name_in_any_case(name: str) -> None:
+    config = ServersConfig.model_validate(
+        {"agents": {"a": {"url": "http://h:1", name: SECRET, "headers": {name.upper(): SECRET}}}}
+    )
+    assert SECRET not in orjson.dumps(config.redacted()).decode()
+
+
+def test_credential_values_and_query_parameters_are_masked() -> None:
+    config = ServersConfig.model_validate(
+        {
+            "agents": {
+                "a": {"url": f"http://h:1/v1?api_key={SECRET}&model=m",
+                      "headers": {"X-Forward": f"Bearer {SECRET}"}},
+            },
+        }
+    )  # fmt: skip
+    redacted = config.redacted()
+    assert SECRET not in orjson.dumps(redacted).decode()
+    assert redacted["agents"]["a"]["url"] == "http://h:1/v1?api_key=***&model=m"
+
+
+def test_settings_that_only_look_alike_are_kept() -> None:
+    config = ServersConfig.model_validate(
+        {"agents": {"a": {"url": "http://h:1", "max_tokens": 512, "tokenizer": "t", "keys": 2}}}
+    )
+    assert config.redacted()["agents"]["a"] == {
+        "url": "http://h:1",
+        "max_tokens": 512,
+        "tokenizer": "t",
+        "keys": 2,
+    }
