@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from infra import keys
 from infra.redis_client import client
 from producer.api.completions import Completions, Convert, Pair, Settled
@@ -33,12 +31,13 @@ from producer.api.record import open_recorded_shard
 from producer.api.rows import Stamp, prepare_rows
 from producer.api.transport import Invocation, Outcome, Target
 from producer.config.loading import load_servers_config, parse_servers_config
+from producer.config.overrides import resolve_settings
 from producer.shard.celery_client import client_app
 from producer.shard.dispatch import open_generation
 from producer.shard.opening import new_run_id, new_token
 from schemas import fields as F
 from schemas.config import ServersConfig
-from schemas.errors import PlanningError, Problem, RolloutFailedError, ShardFencedError, UsageError
+from schemas.errors import RolloutFailedError, ShardFencedError, UsageError
 from schemas.messages import RunRef
 from schemas.outcomes import (
     FAILURE_ENDS,
@@ -82,17 +81,9 @@ def _config(config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str]) 
 def _settings(
     base: CollectionSettings | Mapping[str, Any] | None, **options: Any
 ) -> CollectionSettings:
-    values = base.model_dump() if isinstance(base, CollectionSettings) else dict(base or {})
     # An option left at its default keeps what `base` says; one set to something else wins.
     defaults = CollectionSettings.model_fields
-    values.update({k: v for k, v in options.items() if v != defaults[k].default})
-    try:
-        return CollectionSettings.model_validate(values)
-    except ValidationError as exc:
-        problems = [
-            Problem(e["msg"], field=".".join(str(p) for p in e["loc"])) for e in exc.errors()
-        ]
-        raise PlanningError(problems, header="invalid collection settings") from None
+    return resolve_settings(base, {k: v for k, v in options.items() if v != defaults[k].default})
 
 
 def _urls(broker_url: str | None, redis_url: str | None) -> tuple[str, str]:

@@ -20,7 +20,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
 from rich.console import Console
 
 from infra import keys
@@ -28,6 +27,7 @@ from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
 from producer.config.loading import load_run_config
+from producer.config.overrides import resolve_settings
 from producer.shard.celery_client import client_app
 from producer.shard.dispatch import dispatch_generation
 from producer.shard.local_cluster import LocalCluster
@@ -36,7 +36,7 @@ from producer.shard.report import print_counts, print_metrics
 from producer.shard.supervise import raise_for_outcome
 from schemas import fields as F
 from schemas.config import ServersConfig
-from schemas.errors import PlanningError, Problem, StorageError, UsageError
+from schemas.errors import StorageError, UsageError
 from schemas.finish import FinishResult
 from schemas.messages import RunRef
 from schemas.records import Generation, Manifest, utc_now
@@ -208,13 +208,7 @@ def resume_settings(
             "are fixed by the materialized inputs"
         )
     changed = {k: v for k, v in overrides.items() if k not in PLANNING_SETTINGS}
-    try:
-        settings = CollectionSettings.model_validate({**manifest.settings, **changed})
-    except ValidationError as exc:
-        problems = [
-            Problem(err["msg"], field=".".join(str(p) for p in err["loc"])) for err in exc.errors()
-        ]
-        raise PlanningError(problems, header="invalid collection settings") from None
+    settings = resolve_settings(manifest.settings, changed)
     return settings, changed
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from infra.redis_client import client
 from infra.runs import write_manifest
 from producer.config.loading import load_run_config
-from producer.config.overrides import validate_settings
+from producer.config.overrides import resolve_settings
 from producer.shard.celery_client import client_app
 from producer.shard.dispatch import dispatch_generation
 from producer.shard.local_cluster import LocalCluster
@@ -27,10 +27,8 @@ from producer.shard.report import print_counts, print_health, print_metrics
 from producer.shard.stop import Stopped, counted, stop_on_sigterm, stop_run
 from producer.shard.supervise import raise_for_outcome
 from schemas.config import ServersConfig
-from schemas.errors import PlanningError, Problem, UsageError
 from schemas.finish import FinishResult
 from schemas.settings import CollectionSettings
-from workers.health.registry import normalize_ignored
 
 DEFAULT_WORKERS = 2
 DEFAULT_CONCURRENCY = 256
@@ -55,18 +53,6 @@ class RunOptions:
     """A running NeMo Gym head server to read the servers config from, instead of config_path."""
     events: bool = False
     """Local workers send task events (for Flower)."""
-
-
-def build_settings(values: dict[str, Any]) -> CollectionSettings:
-    settings = validate_settings(values)
-    try:
-        normalize_ignored(settings.health_check_ignored_checks)
-    except UsageError as exc:
-        raise PlanningError(
-            [Problem(str(exc), field="health_check_ignored_checks")],
-            header="invalid collection settings",
-        ) from None
-    return settings
 
 
 def dispatch_and_wait(
@@ -115,7 +101,7 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     """Run to the end and return the exit code; raises UsageError for bad input (exit 2)."""
     console = console or Console()
     config = load_run_config(opts.config_path, opts.head_server)
-    settings = build_settings(opts.settings)
+    settings = resolve_settings(None, opts.settings)
     opened = open_run(
         input_path=opts.input_path,
         output_dir=opts.output_dir,
