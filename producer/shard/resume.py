@@ -24,22 +24,21 @@ from rich.console import Console
 
 from infra import keys
 from infra.redis_client import client
-from infra.runs import read_manifest, write_manifest
+from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
 from producer.config.loading import load_run_config
 from producer.config.overrides import resolve_settings
 from producer.shard.celery_client import client_app
 from producer.shard.dispatch import dispatch_generation
 from producer.shard.local_cluster import LocalCluster
-from producer.shard.opening import OpenedRun, iter_materialized, new_token, redact_url
+from producer.shard.opening import OpenedRun, iter_materialized, record_opening
 from producer.shard.report import print_counts, print_metrics
 from producer.shard.supervise import raise_for_outcome
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import StorageError, UsageError
 from schemas.finish import FinishResult
-from schemas.messages import RunRef
-from schemas.records import Generation, Manifest, utc_now
+from schemas.records import Manifest
 from schemas.settings import DEFAULT_MAX_ATTEMPTS, CollectionSettings
 from workers.landing import open_shard
 from workers.shard.ledger import ShardLedger
@@ -219,29 +218,18 @@ def open_resume(
     """Record a new generation and hand the shard's Redis state to its token, under the shard lock."""
     r = client(redis_url)
     sid = keys.shard_id(rd.url, shard)
-    token = new_token()
     manifest = read_manifest(rd, shard)
-    manifest.generations.append(
-        Generation(
-            token=token,
-            kind="resume",
-            started_at=utc_now(),
-            enqueued=enqueued,
-            redis_url=redact_url(redis_url),
-            overrides=overrides,
-        )
-    )
     manifest.state = "running"
     manifest.error = None
     manifest.settings = settings.model_dump(mode="json")
-    write_manifest(rd, manifest)
+    opened = record_opening(
+        rd, manifest, kind="resume", enqueued=enqueued, redis_url=redis_url, overrides=overrides
+    )
     # The shard's Redis state rebuilt from storage under its lock, with the new token as opener:
     # the earlier generation's tasks are fenced out from here.
     open_shard(r, rd, shard)
     r.delete(keys.shard_run_failed(sid), keys.shard_cancel(sid), keys.shard_waiting(sid))
-    return OpenedRun(
-        rd, manifest, RunRef(run_id=manifest.run_id, output_dir=rd.url, shard=shard, token=token)
-    )
+    return opened
 
 
 def _check_agents(rd: RunDir, shard: str, outcomes: ShardOutcomes, max_attempts: int,

@@ -10,17 +10,16 @@ from typing import Any
 from rich.console import Console
 
 from infra.redis_client import client
-from infra.runs import write_manifest
 from producer.config.loading import load_run_config
 from producer.config.overrides import resolve_settings
 from producer.shard.celery_client import client_app
 from producer.shard.dispatch import dispatch_generation
 from producer.shard.local_cluster import LocalCluster
 from producer.shard.opening import (
-    OpenedRun,
+    PlannedShard,
     iter_materialized,
-    open_run,
-    redact_url,
+    open_planned,
+    plan_shard,
     reset_shard_state,
 )
 from producer.shard.report import print_counts, print_health, print_metrics
@@ -56,45 +55,29 @@ class RunOptions:
 
 
 def dispatch_and_wait(
-    opened: OpenedRun,
-    opts: RunOptions,
-    broker_url: str,
-    redis_url: str,
-    console: Console,
-    config: ServersConfig | None = None,
-) -> FinishResult | None:
-    if config is None:
-        config = load_run_config(opts.config_path, opts.head_server)
-    groups: Counter[tuple[str | None, str | None]] = Counter()
-    try:
-        with stop_on_sigterm():
-            return _dispatch_and_wait(opened, opts, broker_url, redis_url, console, config, groups)
-    except Stopped:
-        # Stopped while enqueueing: the per-group counts are partial, so fractions are unknown.
-        complete = sum(groups.values()) == opened.manifest.planned
-        raise stop_run(opened, redis_url, groups if complete else None, console) from None
-
-
-def _dispatch_and_wait(
-    opened: OpenedRun,
+    planned: PlannedShard,
     opts: RunOptions,
     broker_url: str,
     redis_url: str,
     console: Console,
     config: ServersConfig,
-    groups: Counter[tuple[str | None, str | None]],
 ) -> FinishResult | None:
-    settings = CollectionSettings.model_validate(opened.manifest.settings)
-    app = client_app(broker_url, redis_url)
+    """Open the planned shard on this cluster, enqueue its chord and, unless `--no-wait`, wait."""
+    opened = open_planned(planned, redis_url)
     reset_shard_state(client(redis_url), opened)
-    # Where this generation coordinates, so `rollouts status` and `cancel` find it.
-    opened.manifest.generations[-1].redis_url = redact_url(redis_url)
-    write_manifest(opened.rd, opened.manifest)
-    rows = counted(iter_materialized(opened.rd, opened.manifest.shard), groups)
-    return dispatch_generation(
-        app, opened, rows, opened.manifest.planned, config, settings, redis_url, console,
-        wait=opts.wait,
-    )  # fmt: skip
+    groups: Counter[tuple[str | None, str | None]] = Counter()
+    try:
+        with stop_on_sigterm():
+            settings = CollectionSettings.model_validate(opened.manifest.settings)
+            rows = counted(iter_materialized(opened.rd, opened.manifest.shard), groups)
+            return dispatch_generation(
+                client_app(broker_url, redis_url), opened, rows, opened.manifest.planned,
+                config, settings, redis_url, console, wait=opts.wait,
+            )  # fmt: skip
+    except Stopped:
+        # Stopped while enqueueing: the per-group counts are partial, so fractions are unknown.
+        complete = sum(groups.values()) == opened.manifest.planned
+        raise stop_run(opened, redis_url, groups if complete else None, console) from None
 
 
 def execute_run(opts: RunOptions, console: Console | None = None) -> int:
@@ -102,7 +85,7 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     console = console or Console()
     config = load_run_config(opts.config_path, opts.head_server)
     settings = resolve_settings(None, opts.settings)
-    opened = open_run(
+    planned = plan_shard(
         input_path=opts.input_path,
         output_dir=opts.output_dir,
         shard=opts.shard,
@@ -113,15 +96,15 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     broker = opts.broker_url or os.environ.get("ROLLOUTS_BROKER_URL")
     if broker:
         redis_url = opts.redis_url or os.environ.get("ROLLOUTS_REDIS_URL") or broker
-        result = dispatch_and_wait(opened, opts, broker, redis_url, console, config)
+        result = dispatch_and_wait(planned, opts, broker, redis_url, console, config)
     else:
         console.print(f"starting an embedded Redis and {opts.workers} local worker processes")
         with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:
-            result = dispatch_and_wait(opened, opts, cluster.url, cluster.url, console, config)
-    console.print(f"run directory: {opened.rd.url}")
+            result = dispatch_and_wait(planned, opts, cluster.url, cluster.url, console, config)
+    console.print(f"run directory: {planned.rd.url}")
     if result is None:
         return 0
-    print_metrics(console, opened.rd, opened.manifest.shard)
+    print_metrics(console, planned.rd, planned.manifest.shard)
     print_health(console, result.health)
     print_counts(console, result)
     raise_for_outcome(result)
