@@ -184,15 +184,26 @@ def run_examples(
     - `broker_url`, `redis_url`: default `ROLLOUTS_BROKER_URL`, `ROLLOUTS_REDIS_URL` (else the
       broker). `close_timeout_s` bounds how long a close waits for running rollouts to stop.
     """
+    call = Call(
+        enrich_results or record_output_dir is not None, False, record_output_dir, record_shard,
+        record_overwrite, run_id, broker_url, redis_url, close_timeout_s,
+    )  # fmt: skip
+    return _start(rows, config, settings, call, max_resident_tasks, dispatch_budget_s,
+                  drain_margin_s, route_failures_to_sidecar, retry_requests)  # fmt: skip
+
+
+def _start(
+    rows: Iterable[dict[str, Any]], config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str],
+    settings: CollectionSettings | Mapping[str, Any] | None, call: Call,
+    max_resident_tasks: int | None, dispatch_budget_s: float | None, drain_margin_s: float | None,
+    route_failures_to_sidecar: bool, retry_requests: bool,
+) -> Completions:  # fmt: skip
+    """The call's settings (its options over `settings`), then its dispatch."""
     options = {
         "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
         "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": route_failures_to_sidecar,
         "retry_requests": retry_requests,
     }  # fmt: skip
-    call = Call(
-        enrich_results or record_output_dir is not None, False, record_output_dir, record_shard,
-        record_overwrite, run_id, broker_url, redis_url, close_timeout_s,
-    )  # fmt: skip
     return _dispatch(list(rows), _config(config), _settings(settings, **options), call)
 
 
@@ -281,16 +292,12 @@ def run_outcomes(
     the rows, overriding their `_ng_run_id`; without it a row's stamp is kept, and unstamped
     rows share the call's id. The other options are `run_examples`'.
     """
-    options = {
-        "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
-        "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": True,
-        "retry_requests": retry_requests,
-    }  # fmt: skip
     call = Call(
         enrich_results or record_output_dir is not None, True, record_output_dir, record_shard,
         record_overwrite, run_id, broker_url, redis_url, close_timeout_s,
     )  # fmt: skip
-    return Outcomes(_dispatch(list(rows), _config(config), _settings(settings, **options), call))
+    return Outcomes(_start(rows, config, settings, call, max_resident_tasks, dispatch_budget_s,
+                           drain_margin_s, True, retry_requests))  # fmt: skip
 
 
 __all__ = ["Completions", "Outcomes", "run_examples", "run_outcomes"]

@@ -13,7 +13,13 @@ local_cluster.py  an embedded Redis and local workers, for runs without `--broke
 """
 
 from producer.shard.celery_client import client_app
-from producer.shard.dispatch import dispatch_generation, enqueue, open_generation
+from producer.shard.dispatch import (
+    CollectMessages,
+    ShardDispatch,
+    dispatch_generation,
+    enqueue,
+    open_generation,
+)
 from producer.shard.local_cluster import LocalCluster, WorkerProcesses
 from producer.shard.opening import (
     OpenedRun,
@@ -31,11 +37,13 @@ from producer.shard.runner import RunOptions, execute_run
 from producer.shard.supervise import raise_for_outcome, wait_for_finish, wait_for_shard
 
 __all__ = [
+    "CollectMessages",
     "LocalCluster",
     "OpenedRun",
     "PlannedShard",
     "ResumeOptions",
     "RunOptions",
+    "ShardDispatch",
     "WorkerProcesses",
     "client_app",
     "dispatch_generation",

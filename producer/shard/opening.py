@@ -239,23 +239,9 @@ def open_planned(
     )  # fmt: skip
 
 
-def open_run(
-    *,
-    input_path: str,
-    output_dir: str,
-    shard: str,
-    config: ServersConfig,
-    settings: CollectionSettings,
-    overwrite: bool = False,
-    on_warning: WarningSink | None = None,
-    redis_url: str | None = None,
-) -> OpenedRun:
-    """Plan the input and open the shard (`plan_shard`, then `open_planned`); nothing is enqueued."""
-    planned = plan_shard(
-        input_path=input_path, output_dir=output_dir, shard=shard, config=config,
-        settings=settings, overwrite=overwrite, on_warning=on_warning,
-    )  # fmt: skip
-    return open_planned(planned, redis_url)
+def open_run(*, redis_url: str | None = None, **plan: Any) -> OpenedRun:
+    """`plan_shard(**plan)`, then `open_planned`: plan the input and open the shard, enqueue nothing."""
+    return open_planned(plan_shard(**plan), redis_url)
 
 
 def reset_shard_state(r: redis.Redis, opened: OpenedRun) -> None:

@@ -29,7 +29,7 @@ from infra.store import RunDir, ShardFiles
 from producer.config.loading import load_run_config
 from producer.config.overrides import resolve_settings
 from producer.shard.celery_client import client_app
-from producer.shard.dispatch import dispatch_generation
+from producer.shard.dispatch import ShardDispatch, dispatch_generation
 from producer.shard.local_cluster import LocalCluster
 from producer.shard.opening import OpenedRun, iter_materialized, record_opening
 from producer.shard.report import print_counts, print_metrics
@@ -276,11 +276,9 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
 
     def go(broker: str, redis_url: str) -> FinishResult | None:
         opened = open_resume(rd, opts.shard, redis_url, plan.to_run, settings, changed)
-        app = client_app(broker, redis_url)
+        to = ShardDispatch(client_app(broker, redis_url), redis_url, opened, config, settings)
         rows = rows_to_run(rd, opts.shard, outcomes, max_attempts)
-        return dispatch_generation(
-            app, opened, rows, plan.to_run, config, settings, redis_url, console, wait=opts.wait
-        )
+        return dispatch_generation(to, rows, plan.to_run, console, wait=opts.wait)
 
     broker = opts.broker_url or os.environ.get("ROLLOUTS_BROKER_URL")
     if broker:

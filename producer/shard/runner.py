@@ -13,7 +13,7 @@ from infra.redis_client import client
 from producer.config.loading import load_run_config
 from producer.config.overrides import resolve_settings
 from producer.shard.celery_client import client_app
-from producer.shard.dispatch import dispatch_generation
+from producer.shard.dispatch import ShardDispatch, dispatch_generation
 from producer.shard.local_cluster import LocalCluster
 from producer.shard.opening import (
     PlannedShard,
@@ -70,10 +70,9 @@ def dispatch_and_wait(
         with stop_on_sigterm():
             settings = CollectionSettings.model_validate(opened.manifest.settings)
             rows = counted(iter_materialized(opened.rd, opened.manifest.shard), groups)
-            return dispatch_generation(
-                client_app(broker_url, redis_url), opened, rows, opened.manifest.planned,
-                config, settings, redis_url, console, wait=opts.wait,
-            )  # fmt: skip
+            app = client_app(broker_url, redis_url)
+            to = ShardDispatch(app, redis_url, opened, config, settings)
+            return dispatch_generation(to, rows, opened.manifest.planned, console, wait=opts.wait)
     except Stopped:
         # Stopped while enqueueing: the per-group counts are partial, so fractions are unknown.
         complete = sum(groups.values()) == opened.manifest.planned
