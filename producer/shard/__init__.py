@@ -34,7 +34,12 @@ from producer.shard.opening import (
 )
 from producer.shard.resume import ResumeOptions, execute_resume
 from producer.shard.runner import RunOptions, execute_run
-from producer.shard.supervise import raise_for_outcome, wait_for_finish, wait_for_shard
+from producer.shard.supervise import (
+    poll_finish,
+    raise_for_outcome,
+    wait_for_finish,
+    wait_for_shard,
+)
 
 __all__ = [
     "CollectMessages",
@@ -56,6 +61,7 @@ __all__ = [
     "open_planned",
     "open_run",
     "plan_shard",
+    "poll_finish",
     "raise_for_outcome",
     "record_opening",
     "reset_shard_state",
