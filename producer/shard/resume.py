@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -51,7 +50,6 @@ PLANNING_SETTINGS = frozenset(
         "interleave_repeats", "interleave_by_agent", "allow_unsupported_pairing",
     }
 )  # fmt: skip
-_OUTPUT_NAME = re.compile(r"^rollouts-([A-Za-z0-9._-]+)\.jsonl$")
 
 
 @dataclass
@@ -294,21 +292,3 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
     print_counts(console, result)
     raise_for_outcome(result)
     return 0
-
-
-def nemo_gym_output(path: str) -> tuple[str, str]:
-    """(run directory, shard) of a NeMo Gym `output_jsonl_fpath` such as `DIR/rollouts-0.jsonl`."""
-    directory, name = os.path.split(path.rstrip("/")) if "://" not in path else path.rsplit("/", 1)
-    match = _OUTPUT_NAME.match(name)
-    if match is None:
-        raise UsageError(
-            f"output_jsonl_fpath={path!r}: the output file must be named rollouts-<shard>.jsonl"
-        )
-    return directory or ".", match.group(1)
-
-
-def resumable(output_dir: str, shard: str) -> bool:
-    """Whether the folder holds a manifest and materialized inputs of the shard to resume."""
-    rd = RunDir(output_dir)
-    files = ShardFiles(shard)
-    return rd.exists(files.manifest) and rd.exists(files.materialized)
