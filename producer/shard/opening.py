@@ -130,15 +130,21 @@ def record_opening(
     enqueued: int,
     redis_url: str | None,
     token: str | None = None,
+    settings: CollectionSettings | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> OpenedRun:
     """Append the generation that opens the shard now and write the manifest, once.
 
     The one place a shard's opening is recorded: a fresh run, a resume and a recorded API call.
     The generation names the Redis it coordinates through (redacted), so `rollouts status` and
-    `cancel` find it.
+    `cancel` find it. The shard is running again; a resume records the `settings` it runs with
+    and the `overrides` that changed them.
     """
     token = token or new_token()
+    manifest.state = "running"
+    manifest.error = None
+    if settings is not None:
+        manifest.settings = settings.model_dump(mode="json")
     manifest.generations.append(
         Generation(
             token=token,

@@ -216,13 +216,10 @@ def open_resume(
     """Record a new generation and hand the shard's Redis state to its token, under the shard lock."""
     r = client(redis_url)
     sid = keys.shard_id(rd.url, shard)
-    manifest = read_manifest(rd, shard)
-    manifest.state = "running"
-    manifest.error = None
-    manifest.settings = settings.model_dump(mode="json")
     opened = record_opening(
-        rd, manifest, kind="resume", enqueued=enqueued, redis_url=redis_url, overrides=overrides
-    )
+        rd, read_manifest(rd, shard), kind="resume", enqueued=enqueued, redis_url=redis_url,
+        settings=settings, overrides=overrides,
+    )  # fmt: skip
     # The shard's Redis state rebuilt from storage under its lock, with the new token as opener:
     # the earlier generation's tasks are fenced out from here.
     open_shard(r, rd, shard)
