@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from infra import keys
 from infra.environment import resolve_cluster
 from infra.redis_client import client
@@ -34,12 +32,13 @@ from producer.api.record import open_recorded_shard
 from producer.api.rows import Stamp, prepare_rows
 from producer.api.transport import Invocation, Outcome, Target
 from producer.config.loading import load_servers_config, parse_servers_config
+from producer.config.overrides import resolve_settings
 from producer.shard.celery_client import client_app
 from producer.shard.dispatch import open_generation
 from producer.shard.opening import new_run_id, new_token
 from schemas import fields as F
 from schemas.config import ServersConfig
-from schemas.errors import PlanningError, Problem, RolloutFailedError, ShardFencedError, UsageError
+from schemas.errors import RolloutFailedError, ShardFencedError, UsageError
 from schemas.messages import RunRef
 from schemas.outcomes import (
     FAILURE_ENDS,
@@ -83,17 +82,9 @@ def _config(config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str]) 
 def _settings(
     base: CollectionSettings | Mapping[str, Any] | None, **options: Any
 ) -> CollectionSettings:
-    values = base.model_dump() if isinstance(base, CollectionSettings) else dict(base or {})
     # An option left at its default keeps what `base` says; one set to something else wins.
     defaults = CollectionSettings.model_fields
-    values.update({k: v for k, v in options.items() if v != defaults[k].default})
-    try:
-        return CollectionSettings.model_validate(values)
-    except ValidationError as exc:
-        problems = [
-            Problem(e["msg"], field=".".join(str(p) for p in e["loc"])) for e in exc.errors()
-        ]
-        raise PlanningError(problems, header="invalid collection settings") from None
+    return resolve_settings(base, {k: v for k, v in options.items() if v != defaults[k].default})
 
 
 def _urls(broker_url: str | None, redis_url: str | None) -> tuple[str, str]:
@@ -194,15 +185,26 @@ def run_examples(
     - `broker_url`, `redis_url`: default `ROLLOUTS_BROKER_URL`, `ROLLOUTS_REDIS_URL` (else the
       broker). `close_timeout_s` bounds how long a close waits for running rollouts to stop.
     """
+    call = Call(
+        enrich_results or record_output_dir is not None, False, record_output_dir, record_shard,
+        record_overwrite, run_id, broker_url, redis_url, close_timeout_s,
+    )  # fmt: skip
+    return _start(rows, config, settings, call, max_resident_tasks, dispatch_budget_s,
+                  drain_margin_s, route_failures_to_sidecar, retry_requests)  # fmt: skip
+
+
+def _start(
+    rows: Iterable[dict[str, Any]], config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str],
+    settings: CollectionSettings | Mapping[str, Any] | None, call: Call,
+    max_resident_tasks: int | None, dispatch_budget_s: float | None, drain_margin_s: float | None,
+    route_failures_to_sidecar: bool, retry_requests: bool,
+) -> Completions:  # fmt: skip
+    """The call's settings (its options over `settings`), then its dispatch."""
     options = {
         "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
         "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": route_failures_to_sidecar,
         "retry_requests": retry_requests,
     }  # fmt: skip
-    call = Call(
-        enrich_results or record_output_dir is not None, False, record_output_dir, record_shard,
-        record_overwrite, run_id, broker_url, redis_url, close_timeout_s,
-    )  # fmt: skip
     return _dispatch(list(rows), _config(config), _settings(settings, **options), call)
 
 
@@ -291,16 +293,12 @@ def run_outcomes(
     the rows, overriding their `_ng_run_id`; without it a row's stamp is kept, and unstamped
     rows share the call's id. The other options are `run_examples`'.
     """
-    options = {
-        "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
-        "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": True,
-        "retry_requests": retry_requests,
-    }  # fmt: skip
     call = Call(
         enrich_results or record_output_dir is not None, True, record_output_dir, record_shard,
         record_overwrite, run_id, broker_url, redis_url, close_timeout_s,
     )  # fmt: skip
-    return Outcomes(_dispatch(list(rows), _config(config), _settings(settings, **options), call))
+    return Outcomes(_start(rows, config, settings, call, max_resident_tasks, dispatch_budget_s,
+                           drain_margin_s, True, retry_requests))  # fmt: skip
 
 
 __all__ = ["Completions", "Outcomes", "run_examples", "run_outcomes"]

@@ -15,20 +15,19 @@ from typing import Any
 
 from infra import jsonl
 from infra.redis_client import client
-from infra.runs import write_manifest
 from infra.store import RunDir, ShardFiles
 from producer.planning.labels import shard_label_problem
 from producer.shard.opening import (
-    OpenedRun,
     existing_run_problem,
-    redact_url,
+    new_manifest,
+    record_opening,
     reset_shard_state,
     shard_artifacts_present,
 )
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, RunExistsError
 from schemas.messages import RunRef
-from schemas.records import Generation, InputSource, Manifest, utc_now
+from schemas.records import InputSource
 from schemas.settings import CollectionSettings
 
 API_INPUT = "<run_examples>"
@@ -69,26 +68,12 @@ def open_recorded_shard(
     for name in present:
         rd.remove(name)
     rd.write_atomic(files.materialized, data)
-    manifest = Manifest(
-        run_id=run_id,
-        shard=shard,
-        created_at=utc_now(),
-        input=InputSource(path=API_INPUT, sha256=digest),
-        config=config.redacted(),
-        settings=settings.model_dump(mode="json"),
-        planned=len(rows),
-        materialized_sha256=digest,
-        generations=[
-            Generation(
-                token=token,
-                kind="run",
-                started_at=utc_now(),
-                enqueued=len(rows),
-                redis_url=redact_url(redis_url),
-            )
-        ],
+    manifest = new_manifest(
+        run_id=run_id, shard=shard, input=InputSource(path=API_INPUT, sha256=digest),
+        config=config, settings=settings, planned=len(rows), materialized_sha256=digest,
+    )  # fmt: skip
+    opened = record_opening(
+        rd, manifest, kind="run", enqueued=len(rows), redis_url=redis_url, token=token
     )
-    write_manifest(rd, manifest)
-    run = RunRef(run_id=run_id, output_dir=rd.url, shard=shard, token=token)
-    reset_shard_state(client(redis_url), OpenedRun(rd, manifest, run))
-    return run
+    reset_shard_state(client(redis_url), opened)
+    return opened.run

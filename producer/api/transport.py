@@ -25,7 +25,7 @@ from infra import jsonl, keys
 from infra.redis_client import client
 from infra.scripts import RUNNING_LUA
 from infra.store import RunDir, ShardFiles
-from producer.shard.dispatch import admissions, call_policy
+from producer.shard.dispatch import CollectMessages
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.messages import RunRef
@@ -130,16 +130,9 @@ class Invocation:
 
     def _publish(self) -> None:
         t = self.target
-        base = {
-            "run": t.run.model_dump(mode="json"),
-            "policy": call_policy(t.settings).model_dump(mode="json"),
-        }
         # The window caps rollouts here; the lease cap would only add waits behind slot releases.
-        gates = admissions(
-            t.config, t.settings.model_copy(update={"max_resident_tasks": None}), t.deadline
-        )
-        urls = {name: agent.url for name, agent in t.config.agents.items()}
-        label = f"{t.run.run_id}/{t.run.shard}"
+        uncapped = t.settings.model_copy(update={"max_resident_tasks": None})
+        messages = CollectMessages.of(t.run, t.config, uncapped, t.deadline)
         index = 0
         try:
             with t.app.producer_or_acquire() as producer:
@@ -147,17 +140,18 @@ class Invocation:
                     if not self._take_slot():
                         return
                     row, agent = self.sent[index], self.agents[index]
-                    payload = {**base, "agent_url": urls[agent], "row": row,
-                               "reply": {"invocation": self.invocation, "index": index, "record": t.record}}  # fmt: skip
-                    if gates[agent]:
-                        payload["admission"] = gates[agent]
+                    reply = {"invocation": self.invocation, "index": index, "record": t.record}
                     rid = F.rollout_id(row) or str(index)
+                    payload, argsrepr, shadow = messages.message(
+                        COLLECT_REPLY_TASK, row, rid, agent, reply
+                    )
                     self._published_at[index] = time.monotonic()
+                    # One task at a time as the window frees slots, outside any chord: send_task
+                    # (with Celery's publish retries) rather than the chord's batched stream.
                     t.app.send_task(
                         COLLECT_REPLY_TASK, args=(payload,), task_id=f"{self.invocation}.{index}",
                         producer=producer, add_to_parent=False, ignore_result=True,
-                        argsrepr=f"run={t.run.run_id} shard={t.run.shard} rollout={rid}",
-                        shadow=f"{COLLECT_REPLY_TASK}[{label} {rid}]", kwargsrepr="{}",
+                        argsrepr=argsrepr, shadow=shadow, kwargsrepr="{}",
                     )  # fmt: skip
         except Exception as exc:  # the broker is gone: every row not sent resolves to the error
             log.exception("run_examples could not enqueue row %d", index)

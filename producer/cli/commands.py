@@ -13,6 +13,7 @@ from rich.console import Console
 from infra.environment import resolve_cluster
 from infra.store import RunDir
 from producer.cli.errors import reports
+from producer.cli.nemo_gym import nemo_gym_spelling
 from producer.cli.options import (
     PASS_THROUGH,
     cluster_options,
@@ -25,7 +26,7 @@ from producer.cli.options import (
     shard_options,
 )
 from producer.config.overrides import parse_overrides
-from producer.shard.resume import ResumeOptions, execute_resume, nemo_gym_output, resumable
+from producer.shard.resume import ResumeOptions, execute_resume
 from producer.shard.runner import DEFAULT_CONCURRENCY, RunOptions, execute_run
 from schemas.errors import RolloutsError, UsageError
 
@@ -113,7 +114,7 @@ def run(
     ):
         if value is not None:
             settings[key] = value
-    spelled = nemo_gym_spelling(settings, input_path, output_dir, shard)
+    spelled = nemo_gym_spelling(settings, input_path, output_dir, shard, _console)
     input_path, output_dir, shard, resume = spelled
     if resume and output_dir is not None:
         sys.exit(
@@ -208,35 +209,6 @@ def demo(tasks: int, repeats: int, workers: int, output_dir: str | None) -> None
             console=_console,
         )
     )
-
-
-def nemo_gym_spelling(
-    settings: dict[str, Any], input_path: str | None, output_dir: str | None, shard: str | None
-) -> tuple[str | None, str | None, str, bool]:
-    """Take NeMo Gym's path keys out of the overrides: (input, output dir, shard, resume?)."""
-    nemo_input = settings.pop("input_jsonl_fpath", None)
-    nemo_output = settings.pop("output_jsonl_fpath", None)
-    resume = bool(settings.pop("resume_from_cache", False))
-    if nemo_input is not None:
-        if input_path is not None and input_path != str(nemo_input):
-            raise UsageError("--input and +input_jsonl_fpath name different files")
-        input_path = str(nemo_input)
-    if nemo_output is not None:
-        directory, label = nemo_gym_output(str(nemo_output))
-        if output_dir is not None and os.path.abspath(output_dir) != os.path.abspath(directory):
-            raise UsageError("--output-dir and +output_jsonl_fpath name different folders")
-        if shard is not None and shard != label:
-            raise UsageError("--shard and +output_jsonl_fpath name different shards")
-        output_dir, shard = directory, label
-    shard = shard or "0"
-    if resume and output_dir is not None and resumable(output_dir, shard):
-        return input_path, output_dir, shard, True
-    if resume:
-        _console.print(
-            "resume_from_cache: no manifest and materialized inputs of shard "
-            f"{shard} in {output_dir}; starting a fresh run"
-        )
-    return input_path, output_dir, shard, False
 
 
 @main.command(context_settings=PASS_THROUGH)

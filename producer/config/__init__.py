@@ -12,7 +12,7 @@ from producer.config.loading import (
     load_servers_config,
     parse_servers_config,
 )
-from producer.config.overrides import parse_overrides, validate_settings
+from producer.config.overrides import parse_overrides, resolve_settings, validate_settings
 
 __all__ = [
     "fetch_head_server_config",
@@ -21,5 +21,6 @@ __all__ = [
     "load_servers_config",
     "parse_overrides",
     "parse_servers_config",
+    "resolve_settings",
     "validate_settings",
 ]

@@ -7,13 +7,15 @@ dots address nested keys and values are read as YAML (`4`, `true`, `[a, b]`, `{a
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
-from schemas.errors import PlanningError, Problem
+from schemas.errors import PlanningError, Problem, UsageError
 from schemas.settings import CollectionSettings
+from workers.health.registry import normalize_ignored
 
 
 def parse_overrides(tokens: list[str]) -> dict[str, Any]:
@@ -46,6 +48,28 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
     if problems:
         raise PlanningError(problems, header="invalid overrides")
     return out
+
+
+def resolve_settings(
+    base: CollectionSettings | Mapping[str, Any] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> CollectionSettings:
+    """The collection settings of `run`, `resume` and the Python API: `base` (a run's recorded
+    settings, the API's `settings=`) with flags and `+key=value` overrides over it, validated.
+
+    Every problem is raised at once (PlanningError): unknown keys with a guess, and unknown
+    health check ids in `health_check_ignored_checks`.
+    """
+    values = base.model_dump() if isinstance(base, CollectionSettings) else dict(base or {})
+    settings = validate_settings({**values, **(overrides or {})})
+    try:
+        normalize_ignored(settings.health_check_ignored_checks)
+    except UsageError as exc:
+        raise PlanningError(
+            [Problem(str(exc), field="health_check_ignored_checks")],
+            header="invalid collection settings",
+        ) from None
+    return settings
 
 
 def validate_settings(values: dict[str, Any]) -> CollectionSettings:

@@ -44,29 +44,26 @@ class DigestTable:
     def __len__(self) -> int:
         return self.count
 
-    def get(self, key: int) -> int | None:
+    def _slot(self, key: int) -> int:
+        """The slot holding `key`, else the empty slot where it goes (linear probing)."""
         keys, size = self._keys, self._size
         slot = key % size
         while True:
             found = keys[slot]
-            if found == key:
-                return self._values[slot]
-            if found == _EMPTY:
-                return None
+            if found in (key, _EMPTY):
+                return slot
             slot = slot + 1 if slot + 1 < size else 0
+
+    def get(self, key: int) -> int | None:
+        slot = self._slot(key)
+        return self._values[slot] if self._keys[slot] == key else None
 
     def setdefault(self, key: int, value: int) -> int:
         """The value stored under `key`, storing `value` first if there is none."""
-        keys, size = self._keys, self._size
-        slot = key % size
-        while True:
-            found = keys[slot]
-            if found == key:
-                return self._values[slot]
-            if found == _EMPTY:
-                break
-            slot = slot + 1 if slot + 1 < size else 0
-        keys[slot] = key
+        slot = self._slot(key)
+        if self._keys[slot] == key:
+            return self._values[slot]
+        self._keys[slot] = key
         self._values[slot] = value
         self.count += 1
         if self.count > self._limit:
@@ -76,12 +73,10 @@ class DigestTable:
     def _grow(self) -> None:
         old_keys, old_values = self._keys, self._values
         self._allocate(self._size * 3 // 2)
-        keys, values, size = self._keys, self._values, self._size
+        keys, values = self._keys, self._values
         for i, key in enumerate(old_keys):
             if key != _EMPTY:
-                slot = key % size
-                while keys[slot] != _EMPTY:
-                    slot = slot + 1 if slot + 1 < size else 0
+                slot = self._slot(key)
                 keys[slot] = key
                 values[slot] = old_values[i]
 

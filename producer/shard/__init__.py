@@ -2,7 +2,7 @@
 
 runner.py         `rollouts run`: plan, open, dispatch, wait, report
 resume.py         `rollouts resume`: a new generation running what still lacks an outcome
-opening.py        open a fresh shard: materialized inputs, manifest, clean Redis state
+opening.py        open a shard: materialized inputs, the manifest and its generation, Redis state
 dispatch.py       dispatch a generation: its counters, one collect task per rollout, the chord
 supervise.py      wait for the finish step: progress, stalls, the final verdict
 live.py           what a shard is doing now, read from Redis
@@ -13,18 +13,42 @@ local_cluster.py  an embedded Redis and local workers, for runs without `--broke
 """
 
 from producer.shard.celery_client import client_app
-from producer.shard.dispatch import dispatch_generation, enqueue, open_generation
+from producer.shard.dispatch import (
+    CollectMessages,
+    ShardDispatch,
+    dispatch_generation,
+    enqueue,
+    open_generation,
+)
 from producer.shard.local_cluster import LocalCluster, WorkerProcesses
-from producer.shard.opening import OpenedRun, iter_materialized, open_run, reset_shard_state
+from producer.shard.opening import (
+    OpenedRun,
+    PlannedShard,
+    iter_materialized,
+    new_manifest,
+    open_planned,
+    open_run,
+    plan_shard,
+    record_opening,
+    reset_shard_state,
+)
 from producer.shard.resume import ResumeOptions, execute_resume
 from producer.shard.runner import RunOptions, execute_run
-from producer.shard.supervise import raise_for_outcome, wait_for_finish, wait_for_shard
+from producer.shard.supervise import (
+    poll_finish,
+    raise_for_outcome,
+    wait_for_finish,
+    wait_for_shard,
+)
 
 __all__ = [
+    "CollectMessages",
     "LocalCluster",
     "OpenedRun",
+    "PlannedShard",
     "ResumeOptions",
     "RunOptions",
+    "ShardDispatch",
     "WorkerProcesses",
     "client_app",
     "dispatch_generation",
@@ -32,9 +56,14 @@ __all__ = [
     "execute_resume",
     "execute_run",
     "iter_materialized",
+    "new_manifest",
     "open_generation",
+    "open_planned",
     "open_run",
+    "plan_shard",
+    "poll_finish",
     "raise_for_outcome",
+    "record_opening",
     "reset_shard_state",
     "wait_for_finish",
     "wait_for_shard",

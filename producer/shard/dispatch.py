@@ -3,14 +3,16 @@
 The rollout tasks form one Celery chord whose callback finishes the shard. The chord is published
 from a stream of the materialized inputs, not built in memory: its size is known from planning,
 set in the result backend first, and each task is sent with the chord's callback, its group id
-and its index, exactly as Celery's own chord would send it. `dispatch_generation` starts the
-generation's Redis counters, publishes the chord and, when asked, waits for it
-(`producer/shard/supervise.py`).
+and its index, exactly as Celery's own chord would send it. `CollectMessages` builds every rollout
+task's payload and what Flower shows of it, for the chord and for the Python API's publisher.
+`dispatch_generation` starts the generation's Redis counters, publishes the chord and, when
+asked, waits for it (`producer/shard/supervise.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -31,6 +33,7 @@ from schemas.messages import (
     Admission,
     CallPolicy,
     FinishRequest,
+    RunRef,
 )
 from schemas.settings import CollectionSettings
 
@@ -64,6 +67,59 @@ def admissions(
     }
 
 
+@dataclass(frozen=True)
+class CollectMessages:
+    """The collect tasks of one generation: the payload every task carries, and one row's message.
+
+    The one builder of rollout task payloads, for the chord (`enqueue`) and the Python API's
+    publisher (`producer/api/transport.py`).
+    """
+
+    run: RunRef
+    run_payload: dict[str, Any]
+    policy: dict[str, Any]
+    urls: dict[str, str]
+    """Each agent's URL."""
+    gates: dict[str, dict[str, Any]]
+    """Each agent's admission payload (`admissions`)."""
+
+    @classmethod
+    def of(
+        cls,
+        run: RunRef,
+        config: ServersConfig,
+        settings: CollectionSettings,
+        deadline: float | None,
+    ) -> CollectMessages:
+        """`deadline`: the dispatch budget's end on the Redis server's clock, when budgeted."""
+        return cls(
+            run=run,
+            run_payload=run.model_dump(mode="json"),
+            policy=call_policy(settings).model_dump(mode="json"),
+            urls={name: agent.url for name, agent in config.agents.items()},
+            gates=admissions(config, settings, deadline),
+        )
+
+    def message(
+        self, task: str, row: dict[str, Any], rid: str | None, agent: str,
+        reply: dict[str, Any] | None = None,
+    ) -> tuple[dict[str, Any], str, str]:  # fmt: skip
+        """(payload, argsrepr, shadow) of one row's task to `agent`; Flower shows the last two."""
+        payload = {"run": self.run_payload, "agent_url": self.urls[agent], "policy": self.policy,
+                   "row": row}  # fmt: skip
+        if reply is not None:
+            payload["reply"] = reply
+        if self.gates[agent]:
+            payload["admission"] = self.gates[agent]
+        run = self.run
+        return (
+            payload,
+            f"run={run.run_id} shard={run.shard} rollout={rid}",
+            # What Flower and worker logs show as the task's name: which run, which rollout.
+            f"{task}[{run.run_id}/{run.shard} {rid}]",
+        )
+
+
 def enqueue(
     app: Celery,
     opened: OpenedRun,
@@ -89,11 +145,8 @@ def enqueue(
         return finish_id
     group_id = f"chord-{opened.manifest.run_id}-{opened.run.token[:8]}"
     app.backend.set_chord_size(group_id, count)
-    run = opened.run.model_dump(mode="json")
-    policy = call_policy(settings).model_dump(mode="json")
-    urls = {name: agent.url for name, agent in config.agents.items()}
-    gates = admissions(config, settings, deadline)
-    run_label = f"{opened.manifest.run_id}/{opened.manifest.shard}"
+    messages = CollectMessages.of(opened.run, config, settings, deadline)
+    prefix = f"{opened.manifest.run_id}.{opened.run.token[:8]}"
     queue = app.amqp.queues[QUEUE]
     with app.producer_or_acquire() as producer:
         producer.maybe_declare(queue)
@@ -105,27 +158,20 @@ def enqueue(
         with producer.batch(PUBLISH_BATCH):
             for index, row in enumerate(rows):
                 rid = F.rollout_id(row)
-                agent = F.agent_name(row) or ""
-                payload = {
-                    "run": run,
-                    "agent_url": urls[agent],
-                    "policy": policy,
-                    "row": row,
-                }
-                if gates[agent]:
-                    payload["admission"] = gates[agent]
+                payload, argsrepr, shadow = messages.message(
+                    COLLECT_TASK, row, rid, F.agent_name(row) or ""
+                )
                 message = app.amqp.as_task_v2(
-                    f"{opened.manifest.run_id}.{opened.run.token[:8]}.{rid}",
+                    f"{prefix}.{rid}",
                     COLLECT_TASK,
                     args=(payload,),
                     kwargs={},
                     group_id=group_id,
                     group_index=index,
                     chord=callback,
-                    argsrepr=f"run={opened.manifest.run_id} shard={opened.manifest.shard} rollout={rid}",
+                    argsrepr=argsrepr,
                     kwargsrepr="{}",
-                    # What Flower and worker logs show as the task's name: which run, which rollout.
-                    shadow=f"{COLLECT_TASK}[{run_label} {rid}]",
+                    shadow=shadow,
                     # The chord counts the task without its result being stored; the rare
                     # outcome a caller may read (a drained row) is stored by the task itself.
                     ignore_result=True,
@@ -164,25 +210,31 @@ def open_generation(
     return deadline
 
 
+@dataclass(frozen=True)
+class ShardDispatch:
+    """An opened shard, the cluster it is dispatched to, and what its tasks are sent with."""
+
+    app: Celery
+    redis_url: str
+    opened: OpenedRun
+    config: ServersConfig
+    settings: CollectionSettings
+
+
 def dispatch_generation(
-    app: Celery,
-    opened: OpenedRun,
-    rows: Iterator[dict[str, Any]],
-    count: int,
-    config: ServersConfig,
-    settings: CollectionSettings,
-    redis_url: str,
-    console: Console,
+    to: ShardDispatch, rows: Iterator[dict[str, Any]], count: int, console: Console,
     wait: bool = True,
-) -> FinishResult | None:
+) -> FinishResult | None:  # fmt: skip
     """Enqueue `count` rows as this generation's chord and, with `wait`, return the finish result."""
-    r = client(redis_url)
+    opened, settings = to.opened, to.settings
     sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
-    deadline = open_generation(r, sid, opened.run.token, count, settings.dispatch_budget_s)
-    finish_id = enqueue(app, opened, rows, count, config, settings, deadline)
+    deadline = open_generation(
+        client(to.redis_url), sid, opened.run.token, count, settings.dispatch_budget_s
+    )
+    finish_id = enqueue(to.app, opened, rows, count, to.config, settings, deadline)
     console.print(
         f"enqueued {count} rollouts of {opened.manifest.run_id} (shard {opened.manifest.shard})"
     )
     if not wait:
         return None
-    return wait_for_shard(app, opened, redis_url, settings, console, finish_id, count)
+    return wait_for_shard(to.app, opened, to.redis_url, settings, console, finish_id, count)

@@ -1,9 +1,11 @@
-"""Opening a shard for a fresh run: planned inputs, manifest, clean Redis state naming its opener.
+"""Opening a shard: planned inputs, the manifest and its generation, clean Redis state.
 
-`open_run` plans the input into the materialized inputs and writes the manifest with its first
-generation; `reset_shard_state` gives the shard Redis state that names the opener token. The
-materialized inputs are read back, row by row, by `iter_materialized`; a generation records the
-Redis it coordinates through as `redact_url` shows it.
+`plan_shard` plans the input into the materialized inputs; `open_planned` then writes the manifest
+with its first generation, once, when the Redis it coordinates through is known (`open_run` does
+both). `new_manifest` and `record_opening` are the one builder of a manifest and of the generation
+that opens a shard, for a fresh run, a resume and a recorded API call; `reset_shard_state` gives
+a fresh shard Redis state that names the opener token. The materialized inputs are read back,
+row by row, by `iter_materialized`; a generation records its Redis as `redact_url` shows it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -64,6 +66,15 @@ class OpenedRun:
         return ShardFiles(self.manifest.shard)
 
 
+@dataclass
+class PlannedShard:
+    """A fresh shard whose materialized inputs are on storage; its manifest is not written yet."""
+
+    rd: RunDir
+    manifest: Manifest
+    """The manifest to write, without a generation."""
+
+
 def shard_artifacts_present(rd: RunDir, shard: str) -> list[str]:
     return [name for name in ShardFiles(shard).all() if rd.exists(name)]
 
@@ -88,7 +99,68 @@ def existing_run_problem(rd: RunDir, shard: str, present: list[str]) -> Problem:
     )
 
 
-def open_run(
+def new_manifest(
+    *,
+    run_id: str,
+    shard: str,
+    input: InputSource,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    planned: int,
+    materialized_sha256: str,
+) -> Manifest:
+    """A fresh shard's manifest, before the generation that opens it (`record_opening`)."""
+    return Manifest(
+        run_id=run_id,
+        shard=shard,
+        created_at=utc_now(),
+        input=input,
+        config=config.redacted(),
+        settings=settings.model_dump(mode="json"),
+        planned=planned,
+        materialized_sha256=materialized_sha256,
+    )
+
+
+def record_opening(
+    rd: RunDir,
+    manifest: Manifest,
+    *,
+    kind: Literal["run", "resume"],
+    enqueued: int,
+    redis_url: str | None,
+    token: str | None = None,
+    settings: CollectionSettings | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> OpenedRun:
+    """Append the generation that opens the shard now and write the manifest, once.
+
+    The one place a shard's opening is recorded: a fresh run, a resume and a recorded API call.
+    The generation names the Redis it coordinates through (redacted), so `rollouts status` and
+    `cancel` find it. The shard is running again; a resume records the `settings` it runs with
+    and the `overrides` that changed them.
+    """
+    token = token or new_token()
+    manifest.state = "running"
+    manifest.error = None
+    if settings is not None:
+        manifest.settings = settings.model_dump(mode="json")
+    manifest.generations.append(
+        Generation(
+            token=token,
+            kind=kind,
+            started_at=utc_now(),
+            enqueued=enqueued,
+            redis_url=redact_url(redis_url) if redis_url is not None else None,
+            overrides=overrides or {},
+        )
+    )
+    write_manifest(rd, manifest)
+    run = RunRef(run_id=manifest.run_id, output_dir=rd.url, shard=manifest.shard, token=token)
+    return OpenedRun(rd, manifest, run)
+
+
+def plan_shard(
     *,
     input_path: str,
     output_dir: str,
@@ -97,8 +169,8 @@ def open_run(
     settings: CollectionSettings,
     overwrite: bool = False,
     on_warning: WarningSink | None = None,
-) -> OpenedRun:
-    """Plan the input and write the materialized inputs and manifest; nothing is enqueued yet.
+) -> PlannedShard:
+    """Plan the input and write the materialized inputs; no manifest is written, nothing enqueued.
 
     Every problem (the shard label, the run directory, every input row) is raised in one error
     before the run directory is touched.
@@ -148,24 +220,31 @@ def open_run(
             rd.fs.put_file(local, rd.path(files.materialized))
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
-    token = new_token()
-    manifest = Manifest(
+    manifest = new_manifest(
         run_id=run_id,
         shard=shard,
-        created_at=utc_now(),
         input=InputSource(path=os.path.abspath(input_path), sha256=sha256_file(input_path)),
-        config=config.redacted(),
-        settings=settings.model_dump(mode="json"),
+        config=config,
+        settings=settings,
         planned=plan.planned,
         materialized_sha256=plan.sha256,
-        generations=[
-            Generation(token=token, kind="run", started_at=utc_now(), enqueued=plan.planned)
-        ],
     )
-    write_manifest(rd, manifest)
-    return OpenedRun(
-        rd, manifest, RunRef(run_id=run_id, output_dir=rd.url, shard=shard, token=token)
-    )
+    return PlannedShard(rd, manifest)
+
+
+def open_planned(
+    planned: PlannedShard, redis_url: str | None = None, token: str | None = None
+) -> OpenedRun:
+    """Write a planned shard's manifest with its first generation (`kind` run), once."""
+    return record_opening(
+        planned.rd, planned.manifest, kind="run", enqueued=planned.manifest.planned,
+        redis_url=redis_url, token=token,
+    )  # fmt: skip
+
+
+def open_run(*, redis_url: str | None = None, **plan: Any) -> OpenedRun:
+    """`plan_shard(**plan)`, then `open_planned`: plan the input and open the shard, enqueue nothing."""
+    return open_planned(plan_shard(**plan), redis_url)
 
 
 def reset_shard_state(r: redis.Redis, opened: OpenedRun) -> None:

@@ -14,33 +14,31 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
 from rich.console import Console
 
 from infra import keys
 from infra.environment import resolve_cluster
 from infra.redis_client import client
-from infra.runs import read_manifest, write_manifest
+from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
 from producer.config.loading import load_run_config
+from producer.config.overrides import resolve_settings
 from producer.shard.celery_client import client_app
-from producer.shard.dispatch import dispatch_generation
+from producer.shard.dispatch import ShardDispatch, dispatch_generation
 from producer.shard.local_cluster import LocalCluster
-from producer.shard.opening import OpenedRun, iter_materialized, new_token, redact_url
+from producer.shard.opening import OpenedRun, iter_materialized, record_opening
 from producer.shard.report import print_counts, print_metrics
 from producer.shard.supervise import raise_for_outcome
 from schemas import fields as F
 from schemas.config import ServersConfig
-from schemas.errors import PlanningError, Problem, StorageError, UsageError
+from schemas.errors import StorageError, UsageError
 from schemas.finish import FinishResult
-from schemas.messages import RunRef
-from schemas.records import Generation, Manifest, utc_now
+from schemas.records import Manifest
 from schemas.settings import DEFAULT_MAX_ATTEMPTS, CollectionSettings
 from workers.landing import open_shard
 from workers.shard.ledger import ShardLedger
@@ -53,7 +51,6 @@ PLANNING_SETTINGS = frozenset(
         "interleave_repeats", "interleave_by_agent", "allow_unsupported_pairing",
     }
 )  # fmt: skip
-_OUTPUT_NAME = re.compile(r"^rollouts-([A-Za-z0-9._-]+)\.jsonl$")
 
 
 @dataclass
@@ -209,13 +206,7 @@ def resume_settings(
             "are fixed by the materialized inputs"
         )
     changed = {k: v for k, v in overrides.items() if k not in PLANNING_SETTINGS}
-    try:
-        settings = CollectionSettings.model_validate({**manifest.settings, **changed})
-    except ValidationError as exc:
-        problems = [
-            Problem(err["msg"], field=".".join(str(p) for p in err["loc"])) for err in exc.errors()
-        ]
-        raise PlanningError(problems, header="invalid collection settings") from None
+    settings = resolve_settings(manifest.settings, changed)
     return settings, changed
 
 
@@ -226,29 +217,15 @@ def open_resume(
     """Record a new generation and hand the shard's Redis state to its token, under the shard lock."""
     r = client(redis_url)
     sid = keys.shard_id(rd.url, shard)
-    token = new_token()
-    manifest = read_manifest(rd, shard)
-    manifest.generations.append(
-        Generation(
-            token=token,
-            kind="resume",
-            started_at=utc_now(),
-            enqueued=enqueued,
-            redis_url=redact_url(redis_url),
-            overrides=overrides,
-        )
-    )
-    manifest.state = "running"
-    manifest.error = None
-    manifest.settings = settings.model_dump(mode="json")
-    write_manifest(rd, manifest)
+    opened = record_opening(
+        rd, read_manifest(rd, shard), kind="resume", enqueued=enqueued, redis_url=redis_url,
+        settings=settings, overrides=overrides,
+    )  # fmt: skip
     # The shard's Redis state rebuilt from storage under its lock, with the new token as opener:
     # the earlier generation's tasks are fenced out from here.
     open_shard(r, rd, shard)
     r.delete(keys.shard_run_failed(sid), keys.shard_cancel(sid), keys.shard_waiting(sid))
-    return OpenedRun(
-        rd, manifest, RunRef(run_id=manifest.run_id, output_dir=rd.url, shard=shard, token=token)
-    )
+    return opened
 
 
 def _check_agents(rd: RunDir, shard: str, outcomes: ShardOutcomes, max_attempts: int,
@@ -295,11 +272,9 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
 
     def go(broker: str, redis_url: str) -> FinishResult | None:
         opened = open_resume(rd, opts.shard, redis_url, plan.to_run, settings, changed)
-        app = client_app(broker, redis_url)
+        to = ShardDispatch(client_app(broker, redis_url), redis_url, opened, config, settings)
         rows = rows_to_run(rd, opts.shard, outcomes, max_attempts)
-        return dispatch_generation(
-            app, opened, rows, plan.to_run, config, settings, redis_url, console, wait=opts.wait
-        )
+        return dispatch_generation(to, rows, plan.to_run, console, wait=opts.wait)
 
     named = resolve_cluster(opts.broker_url, opts.redis_url)
     if named is not None:
@@ -315,21 +290,3 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
     print_counts(console, result)
     raise_for_outcome(result)
     return 0
-
-
-def nemo_gym_output(path: str) -> tuple[str, str]:
-    """(run directory, shard) of a NeMo Gym `output_jsonl_fpath` such as `DIR/rollouts-0.jsonl`."""
-    directory, name = os.path.split(path.rstrip("/")) if "://" not in path else path.rsplit("/", 1)
-    match = _OUTPUT_NAME.match(name)
-    if match is None:
-        raise UsageError(
-            f"output_jsonl_fpath={path!r}: the output file must be named rollouts-<shard>.jsonl"
-        )
-    return directory or ".", match.group(1)
-
-
-def resumable(output_dir: str, shard: str) -> bool:
-    """Whether the folder holds a manifest and materialized inputs of the shard to resume."""
-    rd = RunDir(output_dir)
-    files = ShardFiles(shard)
-    return rd.exists(files.manifest) and rd.exists(files.materialized)

@@ -10,27 +10,24 @@ from rich.console import Console
 
 from infra.environment import resolve_cluster
 from infra.redis_client import client
-from infra.runs import write_manifest
 from producer.config.loading import load_run_config
-from producer.config.overrides import validate_settings
+from producer.config.overrides import resolve_settings
 from producer.shard.celery_client import client_app
-from producer.shard.dispatch import dispatch_generation
+from producer.shard.dispatch import ShardDispatch, dispatch_generation
 from producer.shard.local_cluster import LocalCluster
 from producer.shard.opening import (
-    OpenedRun,
+    PlannedShard,
     iter_materialized,
-    open_run,
-    redact_url,
+    open_planned,
+    plan_shard,
     reset_shard_state,
 )
 from producer.shard.report import print_counts, print_health, print_metrics
 from producer.shard.stop import Stopped, counted, stop_on_sigterm, stop_run
 from producer.shard.supervise import raise_for_outcome
 from schemas.config import ServersConfig
-from schemas.errors import PlanningError, Problem, UsageError
 from schemas.finish import FinishResult
 from schemas.settings import CollectionSettings
-from workers.health.registry import normalize_ignored
 
 DEFAULT_WORKERS = 2
 DEFAULT_CONCURRENCY = 256
@@ -57,64 +54,37 @@ class RunOptions:
     """Local workers send task events (for Flower)."""
 
 
-def build_settings(values: dict[str, Any]) -> CollectionSettings:
-    settings = validate_settings(values)
-    try:
-        normalize_ignored(settings.health_check_ignored_checks)
-    except UsageError as exc:
-        raise PlanningError(
-            [Problem(str(exc), field="health_check_ignored_checks")],
-            header="invalid collection settings",
-        ) from None
-    return settings
-
-
 def dispatch_and_wait(
-    opened: OpenedRun,
+    planned: PlannedShard,
     opts: RunOptions,
     broker_url: str,
     redis_url: str,
     console: Console,
     config: ServersConfig,
 ) -> FinishResult | None:
+    """Open the planned shard on this cluster, enqueue its chord and, unless `--no-wait`, wait."""
+    opened = open_planned(planned, redis_url)
+    reset_shard_state(client(redis_url), opened)
     groups: Counter[tuple[str | None, str | None]] = Counter()
     try:
         with stop_on_sigterm():
-            return _dispatch_and_wait(opened, opts, broker_url, redis_url, console, config, groups)
+            settings = CollectionSettings.model_validate(opened.manifest.settings)
+            rows = counted(iter_materialized(opened.rd, opened.manifest.shard), groups)
+            app = client_app(broker_url, redis_url)
+            to = ShardDispatch(app, redis_url, opened, config, settings)
+            return dispatch_generation(to, rows, opened.manifest.planned, console, wait=opts.wait)
     except Stopped:
         # Stopped while enqueueing: the per-group counts are partial, so fractions are unknown.
         complete = sum(groups.values()) == opened.manifest.planned
         raise stop_run(opened, redis_url, groups if complete else None, console) from None
 
 
-def _dispatch_and_wait(
-    opened: OpenedRun,
-    opts: RunOptions,
-    broker_url: str,
-    redis_url: str,
-    console: Console,
-    config: ServersConfig,
-    groups: Counter[tuple[str | None, str | None]],
-) -> FinishResult | None:
-    settings = CollectionSettings.model_validate(opened.manifest.settings)
-    app = client_app(broker_url, redis_url)
-    reset_shard_state(client(redis_url), opened)
-    # Where this generation coordinates, so `rollouts status` and `cancel` find it.
-    opened.manifest.generations[-1].redis_url = redact_url(redis_url)
-    write_manifest(opened.rd, opened.manifest)
-    rows = counted(iter_materialized(opened.rd, opened.manifest.shard), groups)
-    return dispatch_generation(
-        app, opened, rows, opened.manifest.planned, config, settings, redis_url, console,
-        wait=opts.wait,
-    )  # fmt: skip
-
-
 def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     """Run to the end and return the exit code; raises UsageError for bad input (exit 2)."""
     console = console or Console()
     config = load_run_config(opts.config_path, opts.head_server)
-    settings = build_settings(opts.settings)
-    opened = open_run(
+    settings = resolve_settings(None, opts.settings)
+    planned = plan_shard(
         input_path=opts.input_path,
         output_dir=opts.output_dir,
         shard=opts.shard,
@@ -124,15 +94,17 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     )
     named = resolve_cluster(opts.broker_url, opts.redis_url)
     if named is not None:
-        result = dispatch_and_wait(opened, opts, named.broker_url, named.redis_url, console, config)
+        result = dispatch_and_wait(
+            planned, opts, named.broker_url, named.redis_url, console, config
+        )
     else:
         console.print(f"starting an embedded Redis and {opts.workers} local worker processes")
         with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:
-            result = dispatch_and_wait(opened, opts, cluster.url, cluster.url, console, config)
-    console.print(f"run directory: {opened.rd.url}")
+            result = dispatch_and_wait(planned, opts, cluster.url, cluster.url, console, config)
+    console.print(f"run directory: {planned.rd.url}")
     if result is None:
         return 0
-    print_metrics(console, opened.rd, opened.manifest.shard)
+    print_metrics(console, planned.rd, planned.manifest.shard)
     print_health(console, result.health)
     print_counts(console, result)
     raise_for_outcome(result)

@@ -6,7 +6,8 @@ tasks (the broker redelivers those only after its visibility timeout, hours late
 also watches for a *stall*: no progress, no rollout of this run running or waiting for a slot, no
 finish step running and nothing in the queue, for `stall_timeout_s`. A stalled run is marked
 failed and the producer exits 1 saying how to resume it; `rollouts resume` then runs exactly
-what is missing.
+what is missing. `poll_finish` is the one poll of the finish step's result: `wait_for_shard`
+hangs its progress display and stall detection on it, `wait_for_finish` (tests, bench) nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -38,6 +40,36 @@ POLL_S = 0.5
 WARN_EVERY_S = 30.0
 
 
+READ_ERRORS = (redis.RedisError, KombuError, OSError)
+"""What a poll of Redis or the broker raises while either is unreachable for a moment."""
+
+
+def poll_finish(
+    app: Celery,
+    finish_id: str,
+    between: Callable[[], None] | None = None,
+    on_error: Callable[[Exception], None] | None = None,
+    poll_s: float = POLL_S,
+) -> Any:
+    """Poll the finish step's result until it is ready and return its value (or what it raised).
+
+    The one wait for a chord's callback. `between()` runs after each poll that found it not ready
+    (progress, stall detection); `on_error(exc)` gets a failed poll (else it is raised).
+    """
+    result = app.AsyncResult(finish_id)
+    while True:
+        try:
+            if result.ready():
+                return result.get(propagate=False, disable_sync_subtasks=False)
+        except READ_ERRORS as exc:
+            if on_error is None:
+                raise
+            on_error(exc)
+        if between is not None:
+            between()
+        time.sleep(poll_s)
+
+
 def wait_for_shard(
     app: Celery,
     opened: OpenedRun,
@@ -50,10 +82,37 @@ def wait_for_shard(
     """Wait for the finish step, showing progress; raise RunFailedError when the run stalls."""
     r = client(redis_url)
     sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
-    result = app.AsyncResult(finish_id)
     last_signature: tuple[Any, ...] | None = None
     last_activity = time.monotonic()
     last_warning = 0.0
+
+    def warn(exc: Exception) -> None:
+        nonlocal last_warning
+        if time.monotonic() - last_warning > WARN_EVERY_S:
+            console.print(f"[yellow]cannot read the run's state from Redis: {exc}[/]")
+            last_warning = time.monotonic()
+
+    def watch() -> None:
+        nonlocal last_signature, last_activity
+        try:
+            snap = snapshot(r, sid)
+        except READ_ERRORS as exc:
+            warn(exc)
+            return
+        now = time.monotonic()
+        _show(progress, bar, snap)
+        signature = snap.signature()
+        if signature != last_signature or snap.active:
+            last_signature, last_activity = signature, now
+        elif now - last_activity > settings.stall_timeout_s:
+            queued = broker_queue_length(app)
+            if queued:
+                # Messages are waiting (ours, or another run's ahead of ours).
+                last_activity = now
+            else:
+                progress.stop()
+                raise stalled(opened, settings, queued)
+
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -65,32 +124,7 @@ def wait_for_shard(
         transient=False,
     ) as progress:  # fmt: skip
         bar = progress.add_task("rollouts", total=count, landed=0, failed=0, in_flight=0)
-        while True:
-            snap: LiveSnapshot | None = None
-            try:
-                if result.ready():
-                    value = result.get(propagate=False, disable_sync_subtasks=False)
-                    break
-                snap = snapshot(r, sid)
-            except (redis.RedisError, KombuError, OSError) as exc:
-                if time.monotonic() - last_warning > WARN_EVERY_S:
-                    console.print(f"[yellow]cannot read the run's state from Redis: {exc}[/]")
-                    last_warning = time.monotonic()
-            now = time.monotonic()
-            if snap is not None:
-                _show(progress, bar, snap)
-                signature = snap.signature()
-                if signature != last_signature or snap.active:
-                    last_signature, last_activity = signature, now
-                elif now - last_activity > settings.stall_timeout_s:
-                    queued = broker_queue_length(app)
-                    if queued:
-                        # Messages are waiting (ours, or another run's ahead of ours).
-                        last_activity = now
-                    else:
-                        progress.stop()
-                        raise stalled(opened, settings, queued)
-            time.sleep(POLL_S)
+        value = poll_finish(app, finish_id, between=watch, on_error=warn)
         with contextlib.suppress(redis.RedisError):
             _show(progress, bar, snapshot(r, sid))
     if isinstance(value, dict):
@@ -158,17 +192,11 @@ def raise_for_outcome(result: FinishResult) -> None:
 def wait_for_finish(
     app: Celery,
     finish_id: str,
-    on_progress: Any = None,
-    poll_s: float = 0.5,
+    on_progress: Callable[[], None] | None = None,
+    poll_s: float = POLL_S,
 ) -> dict[str, Any]:
     """Block until the finish callback has run; `on_progress()` is called between polls."""
-    result = app.AsyncResult(finish_id)
-    while True:
-        if result.ready():
-            value = result.get(propagate=False, disable_sync_subtasks=False)
-            if isinstance(value, dict):
-                return value
-            raise RuntimeError(f"the finish step failed: {value!r}")
-        if on_progress is not None:
-            on_progress()
-        time.sleep(poll_s)
+    value = poll_finish(app, finish_id, between=on_progress, poll_s=poll_s)
+    if isinstance(value, dict):
+        return value
+    raise RuntimeError(f"the finish step failed: {value!r}")

@@ -10,12 +10,12 @@ import pytest
 from rich.console import Console
 
 from infra.store import RunDir
+from producer.cli.nemo_gym import nemo_gym_output
 from producer.ops.status import FileTally
 from producer.shard.opening import redact_url
 from producer.shard.resume import (
     ShardOutcomes,
     max_attempts_limit,
-    nemo_gym_output,
     plan_resume,
     rows_to_run,
 )
@@ -141,7 +141,7 @@ def test_redact_url() -> None:
 
 
 def test_nemo_gym_spelling_resumes_only_a_shard_that_exists(tmp_path: Path) -> None:
-    from producer.cli.commands import nemo_gym_spelling
+    from producer.cli.nemo_gym import nemo_gym_spelling
 
     out = tmp_path / "eval"
     settings = {
