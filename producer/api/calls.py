@@ -33,9 +33,10 @@ from producer.api.rows import Stamp, prepare_rows
 from producer.api.transport import Invocation, Outcome, Target
 from producer.config.loading import load_servers_config, parse_servers_config
 from producer.config.overrides import resolve_settings
+from producer.planning.materialize import new_run_id
 from producer.shard.celery_client import client_app
 from producer.shard.dispatch import open_generation
-from producer.shard.opening import new_run_id, new_token
+from producer.shard.opening import new_token
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import RolloutFailedError, ShardFencedError, UsageError

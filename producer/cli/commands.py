@@ -25,7 +25,7 @@ from producer.cli.options import (
     running_shard_options,
     shard_options,
 )
-from producer.config.overrides import parse_overrides
+from producer.cli.overrides import parse_overrides
 from producer.shard.resume import ResumeOptions, execute_resume
 from producer.shard.runner import DEFAULT_CONCURRENCY, RunOptions, execute_run
 from schemas.errors import RolloutsError, UsageError

@@ -2,7 +2,7 @@
 
 loading.py    the servers config from `--config` or `--head-server`, in either format of SPEC §2
 nemo_gym.py   NeMo Gym's global config, normalised
-overrides.py  `+key=value` overrides, and the collection settings they and the flags make
+overrides.py  the collection settings resolved once from base settings, flags and overrides
 """
 
 from producer.config.loading import (
@@ -12,14 +12,13 @@ from producer.config.loading import (
     load_servers_config,
     parse_servers_config,
 )
-from producer.config.overrides import parse_overrides, resolve_settings, validate_settings
+from producer.config.overrides import resolve_settings, validate_settings
 
 __all__ = [
     "fetch_head_server_config",
     "load_head_server_config",
     "load_run_config",
     "load_servers_config",
-    "parse_overrides",
     "parse_servers_config",
     "resolve_settings",
     "validate_settings",

@@ -1,7 +1,7 @@
-"""NeMo Gym-style `+key=value` overrides (`+num_repeats=4`, `+agent_map.math_env=math_agent`).
+"""A run's settings resolved once: base settings, flags and overrides into `CollectionSettings`.
 
-As in NeMo Gym's Hydra command line, `+key=value`, `++key=value` and `key=value` all set a key;
-dots address nested keys and values are read as YAML (`4`, `true`, `[a, b]`, `{a: b}`).
+`rollouts run`, `rollouts resume` and the Python API all call `resolve_settings`; the command
+line's `+key=value` tokens are parsed into the overrides mapping by `producer/cli/overrides.py`.
 """
 
 from __future__ import annotations
@@ -10,44 +10,11 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from schemas.errors import PlanningError, Problem, UsageError
 from schemas.settings import CollectionSettings
 from workers.health.registry import normalize_ignored
-
-
-def parse_overrides(tokens: list[str]) -> dict[str, Any]:
-    """Nested settings from `+a.b=value` tokens; values are read as YAML (`4`, `true`, `[a, b]`)."""
-    out: dict[str, Any] = {}
-    problems = []
-    for token in tokens:
-        body = token[2:] if token.startswith("++") else token.removeprefix("+")
-        if "=" not in body or body.startswith("="):
-            problems.append(Problem(f"expected +key=value, got {token!r}", field=token))
-            continue
-        key, raw = body.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else None
-        except yaml.YAMLError:
-            value = raw
-        parts = key.split(".")
-        if not all(parts):
-            problems.append(Problem(f"bad key in {token!r}", field=key))
-            continue
-        node = out
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                problems.append(Problem(f"{key!r} sets a key under a non-mapping value", field=key))
-                break
-            node = child
-        else:
-            node[parts[-1]] = value
-    if problems:
-        raise PlanningError(problems, header="invalid overrides")
-    return out
 
 
 def resolve_settings(

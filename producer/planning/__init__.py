@@ -9,8 +9,10 @@ problems.py  problems grouped per distinct message, naming every line
 labels.py    shard labels: characters, length, artifact suffixes
 reserved.py  the `_ng_*` fields an input row may and may not carry
 limits.py    input limits: lines read in bounded chunks, row size and depth
+materialize.py  a fresh shard planned: the run directory checked, the materialized inputs written
 """
 
+from producer.planning.materialize import PlannedShard, plan_shard
 from producer.planning.planner import (
     PlanContext,
     Planner,
@@ -26,12 +28,14 @@ from producer.planning.routing import Router, pairing_bypassed
 __all__ = [
     "PlanContext",
     "PlanSummary",
+    "PlannedShard",
     "Planner",
     "ProblemLog",
     "Router",
     "WarningSink",
     "pairing_bypassed",
     "plan_file",
+    "plan_shard",
     "preprocess_examples",
     "write_plan",
 ]

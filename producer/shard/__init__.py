@@ -2,7 +2,7 @@
 
 runner.py         `rollouts run`: plan, open, dispatch, wait, report
 resume.py         `rollouts resume`: a new generation running what still lacks an outcome
-opening.py        open a shard: materialized inputs, the manifest and its generation, Redis state
+opening.py        open a planned shard: the manifest and its generation, Redis state
 dispatch.py       dispatch a generation: its counters, one collect task per rollout, the chord
 supervise.py      wait for the finish step: progress, stalls, the final verdict
 live.py           what a shard is doing now, read from Redis
@@ -23,12 +23,10 @@ from producer.shard.dispatch import (
 from producer.shard.local_cluster import LocalCluster, WorkerProcesses
 from producer.shard.opening import (
     OpenedRun,
-    PlannedShard,
     iter_materialized,
     new_manifest,
     open_planned,
     open_run,
-    plan_shard,
     record_opening,
     reset_shard_state,
 )
@@ -45,7 +43,6 @@ __all__ = [
     "CollectMessages",
     "LocalCluster",
     "OpenedRun",
-    "PlannedShard",
     "ResumeOptions",
     "RunOptions",
     "ShardDispatch",
@@ -60,7 +57,6 @@ __all__ = [
     "open_generation",
     "open_planned",
     "open_run",
-    "plan_shard",
     "poll_finish",
     "raise_for_outcome",
     "record_opening",

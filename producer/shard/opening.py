@@ -1,56 +1,36 @@
-"""Opening a shard: planned inputs, the manifest and its generation, clean Redis state.
+"""Opening a shard: the manifest and its generation, clean Redis state.
 
-`plan_shard` plans the input into the materialized inputs; `open_planned` then writes the manifest
-with its first generation, once, when the Redis it coordinates through is known (`open_run` does
-both). `new_manifest` and `record_opening` are the one builder of a manifest and of the generation
+`open_planned` writes a planned shard's manifest (`producer/planning/materialize.py` planned it)
+with its first generation, once, when the Redis it coordinates through is known, and resets the
+shard's Redis state (`open_run` plans and opens, for tests and benchmarks). `new_manifest` and `record_opening` are the one builder of a manifest and of the generation
 that opens a shard, for a fresh run, a resume and a recorded API call; `reset_shard_state` gives
 a fresh shard Redis state that names the opener token. The materialized inputs are read back,
-row by row, by `iter_materialized`; a generation records its Redis as `redact_url` shows it.
+row by row, by `iter_materialized`; a generation records its Redis redacted.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import secrets
-import shutil
-import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from infra import jsonl, keys
-from infra.runs import maybe_manifest, write_manifest
+from infra.redis_client import client
+from infra.runs import write_manifest
 from infra.store import RunDir, ShardFiles
-from producer.planning.labels import shard_label_problem
-from producer.planning.planner import PlanContext, WarningSink, write_plan
-from schemas.config import ServersConfig
-from schemas.errors import PlanningError, Problem, RunExistsError, StorageError
+from producer.planning.materialize import PlannedShard, plan_shard
+from schemas.config import ServersConfig, redact_url
 from schemas.messages import RunRef
 from schemas.records import Generation, InputSource, Manifest, utc_now
 from schemas.settings import CollectionSettings
 from workers.shard.state import write_state
 
 
-def new_run_id() -> str:
-    return f"run-{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
-
-
 def new_token() -> str:
     return uuid.uuid4().hex
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @dataclass
@@ -64,39 +44,6 @@ class OpenedRun:
     @property
     def files(self) -> ShardFiles:
         return ShardFiles(self.manifest.shard)
-
-
-@dataclass
-class PlannedShard:
-    """A fresh shard whose materialized inputs are on storage; its manifest is not written yet."""
-
-    rd: RunDir
-    manifest: Manifest
-    """The manifest to write, without a generation."""
-
-
-def shard_artifacts_present(rd: RunDir, shard: str) -> list[str]:
-    return [name for name in ShardFiles(shard).all() if rd.exists(name)]
-
-
-def existing_run_problem(rd: RunDir, shard: str, present: list[str]) -> Problem:
-    """The problem of a fresh run into a folder whose shard belongs to an earlier run."""
-    try:
-        manifest = maybe_manifest(rd, shard)
-    except StorageError:
-        manifest = None
-    if manifest is not None:
-        owner = (
-            f"run {manifest.run_id} ({manifest.state}, {manifest.planned} rollouts planned, "
-            f"created {manifest.created_at})"
-        )
-    else:
-        owner = "an earlier run (no readable manifest)"
-    return Problem(
-        f"already holds shard {shard} of {owner}: {', '.join(present)}; pass --overwrite to "
-        f"replace it, or resume it with `rollouts resume {rd.url} --shard {shard}`",
-        file=rd.url,
-    )
 
 
 def new_manifest(
@@ -160,86 +107,31 @@ def record_opening(
     return OpenedRun(rd, manifest, run)
 
 
-def plan_shard(
-    *,
-    input_path: str,
-    output_dir: str,
-    shard: str,
-    config: ServersConfig,
-    settings: CollectionSettings,
-    overwrite: bool = False,
-    on_warning: WarningSink | None = None,
-) -> PlannedShard:
-    """Plan the input and write the materialized inputs; no manifest is written, nothing enqueued.
-
-    Every problem (the shard label, the run directory, every input row) is raised in one error
-    before the run directory is touched.
-    """
-    problems: list[Problem] = []
-    label_problem = shard_label_problem(shard, field="shard", flag="--shard")
-    label_ok = label_problem is None
-    if label_problem is not None:
-        problems.append(label_problem)
-    rd = RunDir(output_dir)
-    present = shard_artifacts_present(rd, shard) if label_ok else []
-    existing = existing_run_problem(rd, shard, present) if present and not overwrite else None
-    if not os.path.isfile(input_path):
-        problems.append(Problem("input file not found", file=input_path))
-        raise PlanningError([*problems, *([existing] if existing else [])])
-    run_id = new_run_id()
-    files = ShardFiles(shard)
-    tmpdir = tempfile.mkdtemp(prefix="rollouts-plan-")
-    try:
-        local = os.path.join(tmpdir, "materialized_inputs.jsonl")
-        try:
-            plan = write_plan(
-                input_path,
-                local,
-                config,
-                settings,
-                PlanContext(run_id, shard),
-                on_warning=on_warning,
-            )
-        except PlanningError as exc:
-            raise PlanningError(
-                [*problems, *exc.problems, *([existing] if existing else [])], header=exc.header
-            ) from None
-        if problems:
-            raise PlanningError([*problems, *([existing] if existing else [])])
-        if existing is not None:
-            raise RunExistsError(f"{existing.render()}")
-        if plan.planned == 0:
-            raise PlanningError([Problem("no rows to run", file=input_path)])
-        rd.makedirs()
-        if overwrite:
-            for name in present:
-                rd.remove(name)
-        if rd.is_local:
-            shutil.move(local, rd.path(files.materialized))
-        else:
-            rd.fs.put_file(local, rd.path(files.materialized))
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
-    manifest = new_manifest(
-        run_id=run_id,
-        shard=shard,
-        input=InputSource(path=os.path.abspath(input_path), sha256=sha256_file(input_path)),
-        config=config,
-        settings=settings,
-        planned=plan.planned,
-        materialized_sha256=plan.sha256,
-    )
-    return PlannedShard(rd, manifest)
-
-
 def open_planned(
-    planned: PlannedShard, redis_url: str | None = None, token: str | None = None
+    planned: PlannedShard,
+    redis_url: str | None = None,
+    token: str | None = None,
+    r: redis.Redis | None = None,
 ) -> OpenedRun:
-    """Write a planned shard's manifest with its first generation (`kind` run), once."""
-    return record_opening(
-        planned.rd, planned.manifest, kind="run", enqueued=planned.manifest.planned,
-        redis_url=redis_url, token=token,
+    """Write a planned shard's manifest with its first generation (`kind` run), once, and give
+    the shard clean Redis state naming its opener token (when its Redis is given: `redis_url`,
+    or the client `r` for it)."""
+    manifest = new_manifest(
+        run_id=planned.run_id,
+        shard=planned.shard,
+        input=planned.input,
+        config=planned.config,
+        settings=planned.settings,
+        planned=planned.planned,
+        materialized_sha256=planned.materialized_sha256,
+    )
+    opened = record_opening(
+        planned.rd, manifest, kind="run", enqueued=planned.planned, redis_url=redis_url,
+        token=token,
     )  # fmt: skip
+    if redis_url is not None:
+        reset_shard_state(r or client(redis_url), opened)
+    return opened
 
 
 def open_run(*, redis_url: str | None = None, **plan: Any) -> OpenedRun:
@@ -269,13 +161,3 @@ def iter_materialized(rd: RunDir, shard: str) -> Iterator[dict[str, Any]]:
     for _, line in rd.iter_lines(ShardFiles(shard).materialized):
         if line.strip():
             yield jsonl.loads(line)
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced, for the manifest."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))

@@ -9,19 +9,13 @@ from typing import Any
 from rich.console import Console
 
 from infra.environment import resolve_cluster
-from infra.redis_client import client
 from producer.config.loading import load_run_config
 from producer.config.overrides import resolve_settings
+from producer.planning.materialize import PlannedShard, plan_shard
 from producer.shard.celery_client import client_app
 from producer.shard.dispatch import ShardDispatch, dispatch_generation
 from producer.shard.local_cluster import LocalCluster
-from producer.shard.opening import (
-    PlannedShard,
-    iter_materialized,
-    open_planned,
-    plan_shard,
-    reset_shard_state,
-)
+from producer.shard.opening import iter_materialized, open_planned
 from producer.shard.report import print_counts, print_health, print_metrics
 from producer.shard.stop import Stopped, counted, stop_on_sigterm, stop_run
 from producer.shard.supervise import raise_for_outcome
@@ -64,7 +58,6 @@ def dispatch_and_wait(
 ) -> FinishResult | None:
     """Open the planned shard on this cluster, enqueue its chord and, unless `--no-wait`, wait."""
     opened = open_planned(planned, redis_url)
-    reset_shard_state(client(redis_url), opened)
     groups: Counter[tuple[str | None, str | None]] = Counter()
     try:
         with stop_on_sigterm():
@@ -104,7 +97,7 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     console.print(f"run directory: {planned.rd.url}")
     if result is None:
         return 0
-    print_metrics(console, planned.rd, planned.manifest.shard)
+    print_metrics(console, planned.rd, planned.shard)
     print_health(console, result.health)
     print_counts(console, result)
     raise_for_outcome(result)

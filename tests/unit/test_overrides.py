@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from producer.config.overrides import parse_overrides, validate_settings
+from producer.cli.overrides import parse_overrides
+from producer.config.overrides import validate_settings
 from schemas.errors import PlanningError
 
 

@@ -12,13 +12,13 @@ from rich.console import Console
 from infra.store import RunDir
 from producer.cli.nemo_gym import nemo_gym_output
 from producer.ops.status import FileTally
-from producer.shard.opening import redact_url
 from producer.shard.resume import (
     ShardOutcomes,
     max_attempts_limit,
     plan_resume,
     rows_to_run,
 )
+from schemas.config import redact_url
 from schemas.errors import UsageError
 from schemas.settings import CollectionSettings
 

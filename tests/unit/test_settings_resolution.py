@@ -8,7 +8,8 @@ import pytest
 from rich.console import Console
 
 from producer import run_examples
-from producer.config.overrides import parse_overrides, resolve_settings
+from producer.cli.overrides import parse_overrides
+from producer.config.overrides import resolve_settings
 from producer.shard.resume import resume_settings
 from schemas.errors import PlanningError
 from schemas.records import InputSource, Manifest

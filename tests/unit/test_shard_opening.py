@@ -5,13 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import fakeredis
 import orjson
 import pytest
 
+from infra import keys
 from infra.runs import read_manifest, write_manifest
+from producer.planning.materialize import plan_shard
 from producer.shard import opening
 from producer.shard.dispatch import CollectMessages
-from producer.shard.opening import open_planned, plan_shard, record_opening
+from producer.shard.opening import open_planned, record_opening
 from schemas.config import ServersConfig
 from schemas.messages import RunRef
 from schemas.settings import CollectionSettings
@@ -57,8 +60,11 @@ def test_a_fresh_run_writes_its_manifest_once_with_the_generations_redis(
     )  # fmt: skip
     assert writes == [] and not (out / "rollouts-0_manifest.json").exists()
     assert (out / "rollouts-0_materialized_inputs.jsonl").exists()
-    opened = open_planned(planned, "redis://user:secret@host:6379/0")
+    r = fakeredis.FakeRedis()
+    opened = open_planned(planned, "redis://user:secret@host:6379/0", r=r)
     assert len(writes) == 1
+    sid = keys.shard_id(opened.rd.url, "0")
+    assert r.hget(keys.shard_state(sid), "opener") == opened.run.token.encode()
     manifest = read_manifest(opened.rd, "0")
     (generation,) = manifest.generations
     assert generation.redis_url == "redis://user:***@host:6379/0"

@@ -1,0 +1,154 @@
+"""Planning a fresh shard: check the run directory, plan the input, write the materialized inputs.
+
+`plan_shard` is the first step of `rollouts run`: every problem (the shard label, a run directory
+whose shard belongs to an earlier run, every input row) is raised in one error before the run
+directory is touched; on success the materialized inputs are on storage and the shard is ready to
+be opened (`producer/shard/opening.py` writes its manifest once its cluster is known).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import shutil
+import tempfile
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from infra.runs import maybe_manifest
+from infra.store import RunDir, ShardFiles
+from producer.planning.labels import shard_label_problem
+from producer.planning.planner import PlanContext, WarningSink, write_plan
+from schemas.config import ServersConfig
+from schemas.errors import PlanningError, Problem, RunExistsError, StorageError
+from schemas.records import InputSource
+from schemas.settings import CollectionSettings
+
+
+def new_run_id() -> str:
+    """A fresh run id: the UTC time and a random suffix."""
+    return f"run-{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
+
+
+def sha256_file(path: str) -> str:
+    """The SHA-256 of a local file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class PlannedShard:
+    """A fresh shard whose materialized inputs are on storage; its manifest is not written yet."""
+
+    rd: RunDir
+    run_id: str
+    shard: str
+    input: InputSource
+    """The input file and its digest."""
+    config: ServersConfig
+    settings: CollectionSettings
+    planned: int
+    """Rollouts planned."""
+    materialized_sha256: str
+    """Digest of the materialized inputs."""
+
+
+def shard_artifacts_present(rd: RunDir, shard: str) -> list[str]:
+    """The files of shard `shard` already in the run directory."""
+    return [name for name in ShardFiles(shard).all() if rd.exists(name)]
+
+
+def existing_run_problem(rd: RunDir, shard: str, present: list[str]) -> Problem:
+    """The problem of a fresh run into a folder whose shard belongs to an earlier run."""
+    try:
+        manifest = maybe_manifest(rd, shard)
+    except StorageError:
+        manifest = None
+    if manifest is not None:
+        owner = (
+            f"run {manifest.run_id} ({manifest.state}, {manifest.planned} rollouts planned, "
+            f"created {manifest.created_at})"
+        )
+    else:
+        owner = "an earlier run (no readable manifest)"
+    return Problem(
+        f"already holds shard {shard} of {owner}: {', '.join(present)}; pass --overwrite to "
+        f"replace it, or resume it with `rollouts resume {rd.url} --shard {shard}`",
+        file=rd.url,
+    )
+
+
+def plan_shard(
+    *,
+    input_path: str,
+    output_dir: str,
+    shard: str,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    overwrite: bool = False,
+    on_warning: WarningSink | None = None,
+) -> PlannedShard:
+    """Plan the input and write the materialized inputs; no manifest is written, nothing enqueued.
+
+    Every problem (the shard label, the run directory, every input row) is raised in one error
+    before the run directory is touched.
+    """
+    problems: list[Problem] = []
+    label_problem = shard_label_problem(shard, field="shard", flag="--shard")
+    label_ok = label_problem is None
+    if label_problem is not None:
+        problems.append(label_problem)
+    rd = RunDir(output_dir)
+    present = shard_artifacts_present(rd, shard) if label_ok else []
+    existing = existing_run_problem(rd, shard, present) if present and not overwrite else None
+    if not os.path.isfile(input_path):
+        problems.append(Problem("input file not found", file=input_path))
+        raise PlanningError([*problems, *([existing] if existing else [])])
+    run_id = new_run_id()
+    files = ShardFiles(shard)
+    tmpdir = tempfile.mkdtemp(prefix="rollouts-plan-")
+    try:
+        local = os.path.join(tmpdir, "materialized_inputs.jsonl")
+        try:
+            plan = write_plan(
+                input_path,
+                local,
+                config,
+                settings,
+                PlanContext(run_id, shard),
+                on_warning=on_warning,
+            )
+        except PlanningError as exc:
+            raise PlanningError(
+                [*problems, *exc.problems, *([existing] if existing else [])], header=exc.header
+            ) from None
+        if problems:
+            raise PlanningError([*problems, *([existing] if existing else [])])
+        if existing is not None:
+            raise RunExistsError(f"{existing.render()}")
+        if plan.planned == 0:
+            raise PlanningError([Problem("no rows to run", file=input_path)])
+        rd.makedirs()
+        if overwrite:
+            for name in present:
+                rd.remove(name)
+        if rd.is_local:
+            shutil.move(local, rd.path(files.materialized))
+        else:
+            rd.fs.put_file(local, rd.path(files.materialized))
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return PlannedShard(
+        rd=rd,
+        run_id=run_id,
+        shard=shard,
+        input=InputSource(path=os.path.abspath(input_path), sha256=sha256_file(input_path)),
+        config=config,
+        settings=settings,
+        planned=plan.planned,
+        materialized_sha256=plan.sha256,
+    )
