@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import httpx
 import orjson
@@ -11,7 +12,7 @@ import pytest
 
 from examples.servers import RunningServers, start_servers
 from infra.embedded import free_port
-from infra.http import AiohttpClient, Reply
+from infra.http import AiohttpClient
 
 ROW = {
     "responses_create_params": {"input": "What is 1 + 1?"},
@@ -29,11 +30,19 @@ def agent() -> Iterator[str]:
     servers.stop()
 
 
+class Reply(NamedTuple):
+    status_code: int
+    content: bytes
+    headers: dict[str, str]
+
+
 def post(url: str, row: dict[str, object]) -> Reply:
     async def go() -> Reply:
         client = AiohttpClient()
         try:
-            return await client.post(url, content=orjson.dumps(row), headers=JSON)
+            async with client.stream("POST", url, content=orjson.dumps(row), headers=JSON) as r:
+                body = b"".join([chunk async for chunk in r.aiter_bytes()])
+                return Reply(r.status_code, body, dict(r.headers))
         finally:
             await client.aclose()
 
