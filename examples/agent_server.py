@@ -3,7 +3,11 @@
 Knobs for tests and benchmarks (command-line flags, or `POST /admin/knobs` with the same names):
 latency, a random fault rate over chosen fault kinds, and a request log. A row can also ask for
 its own fault (`"fault": {"kind": "http500", "times": 1}`: its first request fails) or its own
-latency (`"agent_latency_ms": 2000`). Fault kinds: http500, http503, reset, malformed, list, hang.
+latency (`"agent_latency_ms": 2000`). Fault kinds: http500, http503, reset, malformed, list,
+hang (no reply), stall (a reply that stops after its first bytes), huge (a valid JSON object of
+`huge_reply_mb` MB, streamed), gzip_bomb (the same object gzip-compressed, sent with
+`Content-Encoding: gzip`), redirect307 and redirect302 (to `/redirected`, which counts the
+requests that followed it and answers with a valid result).
 A row's `"result_extra": {...}` is merged into its result (e.g. an agent-chosen failure row with
 `_ng_failure_class`, or `_ng_no_persist`).
 
@@ -17,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
@@ -25,7 +30,22 @@ from aiohttp import web
 
 from examples.tasks import _unit, stand_in_answer
 
-FAULT_KINDS = ("http500", "http503", "reset", "malformed", "list", "hang")
+FAULT_KINDS = (
+    "http500",
+    "http503",
+    "reset",
+    "malformed",
+    "list",
+    "hang",
+    "stall",
+    "huge",
+    "gzip_bomb",
+    "redirect307",
+    "redirect302",
+)
+MB = 1024 * 1024
+HUGE_HEAD = b'{"reward": 1.0, "pad": "'
+HUGE_TAIL = b'"}'
 
 
 @dataclass
@@ -41,6 +61,8 @@ class AgentKnobs:
     # Extra reasoning items in each response, about this many KB of JSON: long trajectories,
     # so that parsing and landing results is where a worker spends its CPU (bench `workers`).
     pad_kb: int = 0
+    # Size of a `huge` or `gzip_bomb` reply in MB (decompressed).
+    huge_reply_mb: int = 300
 
 
 def padding_items(kb: int) -> list[dict[str, Any]]:
@@ -60,6 +82,7 @@ class AgentStats:
     cancelled: int = 0
     faults: int = 0
     completed: int = 0
+    redirected: int = 0
 
 
 class AgentServer:
@@ -73,6 +96,7 @@ class AgentServer:
         self._log: IO[bytes] | None = None
         self._log_path: str | None = None
         self._pad: list[dict[str, Any]] | None = None
+        self._bomb: tuple[int, bytes] | None = None
 
     def _write_log(self, event: dict[str, Any]) -> None:
         path = self.knobs.request_log
@@ -137,7 +161,7 @@ class AgentServer:
             if fault is not None:
                 st.faults += 1
                 outcome = f"fault:{fault}"
-                return self._fault_response(request, fault)
+                return await self._fault_response(request, fault)
             st.completed += 1
             return web.Response(
                 body=orjson.dumps(self.result(row)), content_type="application/json"
@@ -150,8 +174,7 @@ class AgentServer:
             st.in_flight -= 1
             self._write_log({**event, "event": "end", "end": time.time(), "outcome": outcome})
 
-    @staticmethod
-    def _fault_response(request: web.Request, fault: str) -> web.StreamResponse:
+    async def _fault_response(self, request: web.Request, fault: str) -> web.StreamResponse:
         if fault == "http500":
             return web.Response(status=500, text="injected fault: internal error")
         if fault == "http503":
@@ -162,10 +185,66 @@ class AgentServer:
             )
         if fault == "list":
             return web.Response(body=b"[1, 2, 3]", content_type="application/json")
+        if fault in ("redirect307", "redirect302"):
+            location = str(request.url.with_path("/redirected").with_query(None))
+            return web.Response(
+                status=int(fault[-3:]), headers={"Location": location}, text="moved"
+            )
+        if fault == "huge":
+            return await self._huge(request)
+        if fault == "gzip_bomb":
+            # Compressed off the loop (zlib frees the GIL): ~1 s for 300 MB would stall every server.
+            return web.Response(
+                body=await asyncio.to_thread(self._gzip_bomb),
+                headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+            )
+        if fault == "stall":
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            await response.write(b'{"reward": ')
+            await asyncio.sleep(10**6)
+            return response
         # reset: drop the connection without an answer.
         if request.transport is not None:
             request.transport.close()
         raise ConnectionResetError("injected fault: connection reset")
+
+    async def _huge(self, request: web.Request) -> web.StreamResponse:
+        """A JSON object of `huge_reply_mb` MB, written 1 MB at a time (never held whole)."""
+        size = max(self.knobs.huge_reply_mb * MB, len(HUGE_HEAD) + len(HUGE_TAIL))
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = size
+        await response.prepare(request)
+        await response.write(HUGE_HEAD)
+        block = memoryview(b"x" * MB)
+        left = size - len(HUGE_HEAD) - len(HUGE_TAIL)
+        while left > 0:
+            n = min(left, MB)
+            await response.write(block[:n])
+            left -= n
+        await response.write(HUGE_TAIL)
+        await response.write_eof()
+        return response
+
+    def _gzip_bomb(self) -> bytes:
+        """The `huge` object gzip-compressed (a thousandth of its size), made once per size."""
+        mb = self.knobs.huge_reply_mb
+        if self._bomb is None or self._bomb[0] != mb:
+            gz = zlib.compressobj(9, zlib.DEFLATED, 31)
+            block = b"x" * MB
+            parts = [gz.compress(HUGE_HEAD)]
+            left = max(mb * MB - len(HUGE_HEAD) - len(HUGE_TAIL), 0)
+            while left > 0:
+                parts.append(gz.compress(block[: min(left, MB)]))
+                left -= MB
+            parts += [gz.compress(HUGE_TAIL), gz.flush()]
+            self._bomb = (mb, b"".join(parts))
+        return self._bomb[1]
+
+    async def redirected(self, request: web.Request) -> web.Response:
+        """Where the redirect faults point: a client that followed one is counted here."""
+        self.stats.redirected += 1
+        return web.json_response({"reward": 1.0, "redirected": True, "method": request.method})
 
     def _padding(self) -> list[dict[str, Any]]:
         kb = self.knobs.pad_kb
@@ -230,6 +309,7 @@ class AgentServer:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/run", self.run)
+        app.router.add_route("*", "/redirected", self.redirected)
         app.router.add_get("/stats", self.get_stats)
         app.router.add_post("/admin/knobs", self.set_knobs)
         app.router.add_post("/admin/reset", self.reset)
@@ -255,6 +335,9 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-log", default=None)
+    parser.add_argument(
+        "--huge-reply-mb", type=int, default=300, help="Size of a huge or gzip_bomb reply."
+    )
     a = parser.parse_args()
     knobs = AgentKnobs(
         latency_ms=a.latency_ms,
@@ -263,6 +346,7 @@ def main() -> None:
         fault_kinds=[k for k in a.fault_kinds.split(",") if k],
         seed=a.seed,
         request_log=a.request_log,
+        huge_reply_mb=a.huge_reply_mb,
     )
     web.run_app(
         AgentServer(a.name, knobs).app(), host=a.host, port=a.port, handler_cancellation=True

@@ -6,7 +6,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from schemas.settings import DEFAULT_MAX_ATTEMPTS, DEFAULT_ROLLOUT_TIMEOUT_S
+from schemas.settings import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_REPLY_BYTES,
+    DEFAULT_READ_IDLE_TIMEOUT_S,
+    DEFAULT_ROLLOUT_TIMEOUT_S,
+)
 
 COLLECT_TASK = "rollouts.collect"
 """Task name of one rollout."""
@@ -38,6 +43,10 @@ class CallPolicy(BaseModel):
 
     timeout_s: float = DEFAULT_ROLLOUT_TIMEOUT_S
     """Time limit of the rollout."""
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    """Largest reply body, in decompressed bytes; reading stops as soon as it is passed."""
+    read_idle_timeout_s: float = DEFAULT_READ_IDLE_TIMEOUT_S
+    """Longest silence within a reply body before the attempt fails as a timeout."""
     retry_requests: bool = True
     """Replay a request that failed after it was sent."""
     max_attempts: int = DEFAULT_MAX_ATTEMPTS

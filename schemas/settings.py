@@ -9,6 +9,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 DEFAULT_ROLLOUT_TIMEOUT_S = 3600.0
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_MAX_ROW_BYTES = 32 << 20
+DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
+DEFAULT_READ_IDLE_TIMEOUT_S = 300.0
 
 
 class CollectionSettings(BaseModel):
@@ -43,6 +45,10 @@ class CollectionSettings(BaseModel):
     """Replay a /run that failed after the request was sent (read timeout, reset, 502/503/504)."""
     rollout_timeout_s: float = Field(default=DEFAULT_ROLLOUT_TIMEOUT_S, gt=0)
     """Time limit of one rollout's /run call."""
+    max_reply_bytes: int = Field(default=DEFAULT_MAX_REPLY_BYTES, ge=1)
+    """Largest /run reply body in decompressed bytes: a larger one is cut off and fails."""
+    read_idle_timeout_s: float = Field(default=DEFAULT_READ_IDLE_TIMEOUT_S, gt=0)
+    """A /run reply body that stops arriving for this long fails the attempt (a timeout)."""
     max_attempts: int = Field(default=DEFAULT_MAX_ATTEMPTS, ge=1)
     """Attempts per rollout, counted across deliveries and resumes."""
     max_resident_tasks: int | None = Field(

@@ -4,25 +4,32 @@ A connection that was never established is always retried (bounded, exponential 
 jitter): the agent never saw the request. A request that was sent and then failed (read timeout,
 reset, 429/502/503/504) is replayed only with `retry_requests`, up to the attempt limit. Every
 failed attempt becomes a failure row; nothing here raises for an agent's fault.
+
+Replies are bounded: the body is read in chunks and cut as soon as it passes `max_reply_bytes`
+(decompressed), a body silent for `read_idle_timeout_s` fails as a timeout, and a redirect is
+never followed (the client hands the 3xx back; it is an `agent_run_error` naming its `Location`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import orjson
 
-from infra.http import PostClient
+from infra.http import PostClient, StreamedReply
 from schemas import fields as F
 from schemas.messages import CallPolicy
 from schemas.records import FailureRow
 
 GATEWAY_STATUSES = frozenset({429, 502, 503, 504})
 BODY_LIMIT = 2000
+# Bytes of a body decoded for a failure row: BODY_LIMIT characters of UTF-8, and one more.
+ERROR_BODY_BYTES = 4 * BODY_LIMIT + 4
 BACKOFF_CAP_S = 30.0
 
 
@@ -88,34 +95,95 @@ def _bad_reply(status: int, text: str, type_: str, message: str) -> FailureRow:
     )
 
 
-def classify_reply(status: int, content: bytes) -> dict[str, Any]:
-    """The result object of a reply, or AttemptFailed for an HTTP error or a reply of the wrong shape."""
-    text = content.decode("utf-8", errors="replace")
+def _body_text(content: bytes | bytearray) -> str:
+    """Enough of a body, decoded, for the failure row's ≤ BODY_LIMIT characters."""
+    return bytes(content[:ERROR_BODY_BYTES]).decode("utf-8", errors="replace")
+
+
+def classify_reply(
+    status: int, content: bytes | bytearray, headers: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The result object of a reply, or AttemptFailed for an HTTP error or a reply of the wrong shape.
+
+    A 3xx names its `Location`: the client never follows a redirect.
+    """
     if not 200 <= status < 300:
         gateway = status in GATEWAY_STATUSES
+        message = f"/run returned HTTP {status}"
+        if 300 <= status < 400:
+            location = (headers or {}).get("location")
+            where = f"redirect to {location}" if location else "redirect with no Location"
+            message += f" {where}; redirects are not followed"
         failure = FailureRow(
             _ng_failure_class="agent_request_failed" if gateway else "agent_run_error",
             _ng_failure_type="HTTPStatusError",
-            _ng_failure_message=f"/run returned HTTP {status}",
+            _ng_failure_message=message,
             _ng_failure_http_status=status,
-            _ng_failure_response_body=truncate_body(text),
+            _ng_failure_response_body=truncate_body(_body_text(content)),
             failure_kind="agent_request_failed" if gateway else "agent_run_error",
         )
         raise AttemptFailed(failure, sent=True, replayable=gateway)
     try:
         value = orjson.loads(content)
     except orjson.JSONDecodeError as exc:
-        failure = _bad_reply(status, text, "JSONDecodeError", f"/run reply is not JSON: {exc}")
+        failure = _bad_reply(
+            status, _body_text(content), "JSONDecodeError", f"/run reply is not JSON: {exc}"
+        )
         raise AttemptFailed(failure, sent=True, replayable=False) from None
     if not isinstance(value, dict):
         failure = _bad_reply(
             status,
-            text,
+            _body_text(content),
             "InvalidResultShape",
             f"/run reply is a JSON {type(value).__name__}, not an object",
         )
         raise AttemptFailed(failure, sent=True, replayable=False)
     return value
+
+
+async def read_body(reply: StreamedReply, policy: CallPolicy) -> bytearray:
+    """A reply's body, read chunk by chunk under the reply size limit and the read-idle timeout.
+
+    A 2xx body past `max_reply_bytes` (decompressed) fails the attempt as soon as the limit is
+    passed, holding no more than the limit; an error status's body is read only as far as its
+    failure row keeps. A body that stays silent for `read_idle_timeout_s` fails as a timeout.
+    """
+    status = reply.status_code
+    ok = 200 <= status < 300
+    limit = policy.max_reply_bytes if ok else ERROR_BODY_BYTES
+    body = bytearray()
+    chunks = aiter(reply.aiter_bytes())
+    while True:
+        try:
+            async with asyncio.timeout(policy.read_idle_timeout_s):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return body
+        except TimeoutError:
+            failure = FailureRow(
+                _ng_failure_class="agent_request_failed",
+                _ng_failure_type="ReadIdleTimeout",
+                _ng_failure_message=(
+                    f"/run reply sent nothing for {policy.read_idle_timeout_s:g}s after "
+                    f"{len(body)} bytes (read_idle_timeout_s)"
+                ),
+                _ng_failure_http_status=status,
+                failure_kind="transport_timeout",
+            )
+            raise AttemptFailed(failure, sent=True, replayable=True) from None
+        if len(body) + len(chunk) > limit:
+            if not ok:
+                body += chunk[: limit - len(body)]
+                return body
+            failure = _bad_reply(
+                status,
+                _body_text(body),
+                "ReplyTooLarge",
+                f"/run reply is larger than max_reply_bytes={policy.max_reply_bytes} "
+                f"(decompressed); it was cut off after {len(body) + len(chunk)} bytes",
+            )
+            raise AttemptFailed(failure, sent=True, replayable=False)
+        body += chunk
 
 
 def backoff_s(policy: CallPolicy, retry: int) -> float:
@@ -140,23 +208,29 @@ def with_attempt(row: dict[str, Any], attempt: int) -> dict[str, Any]:
     return row
 
 
-async def _post(client: PostClient, url: str, body: bytes, timeout_s: float) -> dict[str, Any]:
+async def _post(client: PostClient, url: str, body: bytes, policy: CallPolicy) -> dict[str, Any]:
     try:
-        async with asyncio.timeout(timeout_s):
-            response = await client.post(
-                url, content=body, headers={"content-type": "application/json"}
-            )
+        async with (
+            asyncio.timeout(policy.timeout_s),
+            client.stream(
+                "POST", url, content=body, headers={"content-type": "application/json"}
+            ) as reply,
+        ):
+            status, headers = reply.status_code, reply.headers
+            content = await read_body(reply, policy)
     except TimeoutError as exc:
         failure = FailureRow(
             _ng_failure_class="agent_request_failed",
             _ng_failure_type="TimeoutError",
-            _ng_failure_message=f"/run did not finish within the rollout time limit of {timeout_s:g}s",
+            _ng_failure_message=(
+                f"/run did not finish within the rollout time limit of {policy.timeout_s:g}s"
+            ),
             failure_kind="agent_timeout",
         )
         raise AttemptFailed(failure, sent=True, replayable=True) from exc
     except httpx.HTTPError as exc:
         raise classify_exception(exc) from exc
-    return classify_reply(response.status_code, response.content)
+    return classify_reply(status, content, headers)
 
 
 async def call_run(
@@ -172,7 +246,7 @@ async def call_run(
         sent_row = with_attempt(row, attempt)
         body = orjson.dumps(sent_row)
         try:
-            result = await _post(client, url, body, policy.timeout_s)
+            result = await _post(client, url, body, policy)
         except AttemptFailed as failed:
             if not failed.sent:
                 if connect_retries < policy.connect_retries:

@@ -43,6 +43,8 @@ PUBLISH_BATCH = 500
 def call_policy(settings: CollectionSettings) -> CallPolicy:
     return CallPolicy(
         timeout_s=settings.rollout_timeout_s,
+        max_reply_bytes=settings.max_reply_bytes,
+        read_idle_timeout_s=settings.read_idle_timeout_s,
         retry_requests=settings.retry_requests,
         max_attempts=settings.max_attempts,
         route_failures_to_sidecar=settings.route_failures_to_sidecar,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
@@ -155,3 +156,112 @@ def test_backoff_is_full_jitter_and_capped(monkeypatch: pytest.MonkeyPatch) -> N
     ]
     monkeypatch.setattr(random, "uniform", lambda low, high: low)
     assert backoff_s(policy, 5) == 0
+
+
+class Chunks:
+    """A streamed reply body: `count` chunks of `size` bytes, the pause before each after the first."""
+
+    def __init__(self, count: int, size: int, pause_s: float = 0.0) -> None:
+        self.count, self.size, self.pause_s = count, size, pause_s
+        self.pulled = 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for i in range(self.count):
+            if i and self.pause_s:
+                await asyncio.sleep(self.pause_s)
+            self.pulled += 1
+            yield b"x" * self.size
+
+
+def streamed(code: int, body: Chunks) -> Callable[[httpx.Request], httpx.Response]:
+    return lambda request: httpx.Response(code, content=body)
+
+
+@pytest.mark.parametrize("code", [301, 302, 303, 307, 308])
+def test_a_redirect_is_agent_run_error_naming_its_location_and_never_followed(code: int) -> None:
+    def moved(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(code, headers={"Location": "http://elsewhere/steal"}, text="moved")
+
+    outcome, calls = run(moved)
+    assert calls == 1 and outcome.result is None and outcome.failures == []
+    failure = outcome.final_failure
+    assert failure is not None
+    assert failure["_ng_failure_class"] == "agent_run_error"
+    assert failure["failure_kind"] == "agent_run_error"
+    assert failure["_ng_failure_http_status"] == code
+    assert failure["_ng_failure_message"] == (
+        f"/run returned HTTP {code} redirect to http://elsewhere/steal; redirects are not followed"
+    )
+
+
+def test_a_redirect_without_location_says_so() -> None:
+    outcome, _ = run(status(307))
+    assert outcome.final_failure is not None
+    assert "redirect with no Location" in outcome.final_failure["_ng_failure_message"]
+
+
+def test_a_reply_at_the_size_limit_lands() -> None:
+    def exact(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b'{"pad": "' + b"x" * 989 + b'"}')
+
+    outcome, _ = run(exact, max_reply_bytes=1000)
+    assert outcome.result is not None and len(outcome.result["pad"]) == 989
+
+
+def test_an_oversize_reply_is_cut_as_soon_as_it_passes_the_limit_and_not_replayed() -> None:
+    body = Chunks(count=1000, size=100)
+    outcome, calls = run(streamed(200, body), max_reply_bytes=1050)
+    assert calls == 1 and outcome.result is None and outcome.failures == []
+    assert body.pulled == 11
+    failure = outcome.final_failure
+    assert failure is not None
+    assert failure["_ng_failure_class"] == "agent_request_failed"
+    assert failure["_ng_failure_type"] == "ReplyTooLarge"
+    assert failure["_ng_failure_http_status"] == 200
+    assert "max_reply_bytes=1050" in failure["_ng_failure_message"]
+    assert failure["_ng_failure_response_body"] == "x" * 1000
+
+
+def test_a_gzip_reply_counts_its_decompressed_bytes() -> None:
+    packed = gzip.compress(b'{"pad": "' + b"x" * 100_000 + b'"}')
+    assert len(packed) < 1000
+
+    def bomb(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=packed, headers={"Content-Encoding": "gzip"})
+
+    outcome, _ = run(bomb, max_reply_bytes=10_000)
+    assert outcome.final_failure is not None
+    assert outcome.final_failure["_ng_failure_type"] == "ReplyTooLarge"
+
+
+def test_an_error_status_reads_only_the_body_its_failure_row_keeps() -> None:
+    body = Chunks(count=100_000, size=1000)
+    outcome, calls = run(streamed(500, body), max_reply_bytes=10**9)
+    assert calls == 1 and body.pulled < 20
+    failure = outcome.final_failure
+    assert failure is not None and failure["_ng_failure_class"] == "agent_run_error"
+    assert len(failure["_ng_failure_response_body"]) == 2000
+
+
+def test_a_silent_reply_body_is_a_replayable_timeout() -> None:
+    def stalling(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=Chunks(count=2, size=10, pause_s=5))
+
+    outcome, calls = run(stalling, read_idle_timeout_s=0.05, max_attempts=2)
+    assert calls == 2 and len(outcome.failures) == 1 and outcome.final_failure is not None
+    for failure in [*outcome.failures, outcome.final_failure]:
+        assert failure["_ng_failure_class"] == "agent_request_failed"
+        assert failure["_ng_failure_type"] == "ReadIdleTimeout"
+        assert failure["failure_kind"] == "transport_timeout"
+        assert "read_idle_timeout_s" in failure["_ng_failure_message"]
+    _, calls = run(stalling, read_idle_timeout_s=0.05, retry_requests=False)
+    assert calls == 1
+
+
+def test_a_slow_but_steady_body_is_not_idle() -> None:
+    def steady(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=Chunks(count=5, size=1, pause_s=0.03))
+
+    outcome, _ = run(steady, read_idle_timeout_s=0.5)
+    assert outcome.final_failure is not None
+    assert outcome.final_failure["_ng_failure_type"] == "JSONDecodeError"
