@@ -17,8 +17,12 @@ from infra import jsonl
 from infra.redis_client import client
 from infra.store import RunDir, ShardFiles
 from producer.planning.labels import shard_label_problem
-from producer.planning.materialize import existing_run_problem, shard_artifacts_present
-from producer.shard.opening import new_manifest, record_opening, reset_shard_state
+from producer.planning.materialize import (
+    existing_run_problem,
+    new_manifest,
+    shard_artifacts_present,
+)
+from producer.shard.opening import record_opening, reset_shard_state
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, RunExistsError
 from schemas.messages import RunRef

@@ -4,6 +4,8 @@
 whose shard belongs to an earlier run, every input row) is raised in one error before the run
 directory is touched; on success the materialized inputs are on storage and the shard is ready to
 be opened (`producer/shard/opening.py` writes its manifest once its cluster is known).
+`new_manifest` is the one builder of a shard's manifest (a fresh run's here, a recorded API
+call's in `producer/api/record.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from producer.planning.labels import shard_label_problem
 from producer.planning.planner import PlanContext, WarningSink, write_plan
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, RunExistsError, StorageError
-from schemas.records import InputSource
+from schemas.records import InputSource, Manifest, utc_now
 from schemas.settings import CollectionSettings
 
 
@@ -45,16 +47,31 @@ class PlannedShard:
     """A fresh shard whose materialized inputs are on storage; its manifest is not written yet."""
 
     rd: RunDir
-    run_id: str
-    shard: str
-    input: InputSource
-    """The input file and its digest."""
-    config: ServersConfig
-    settings: CollectionSettings
-    planned: int
-    """Rollouts planned."""
-    materialized_sha256: str
-    """Digest of the materialized inputs."""
+    manifest: Manifest
+    """The manifest to write, without a generation (`producer/shard/opening.py` adds it)."""
+
+
+def new_manifest(
+    *,
+    run_id: str,
+    shard: str,
+    input: InputSource,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    planned: int,
+    materialized_sha256: str,
+) -> Manifest:
+    """A fresh shard's manifest, before the generation that opens it (`record_opening`)."""
+    return Manifest(
+        run_id=run_id,
+        shard=shard,
+        created_at=utc_now(),
+        input=input,
+        config=config.redacted(),
+        settings=settings.model_dump(mode="json"),
+        planned=planned,
+        materialized_sha256=materialized_sha256,
+    )
 
 
 def shard_artifacts_present(rd: RunDir, shard: str) -> list[str]:
@@ -142,8 +159,7 @@ def plan_shard(
             rd.fs.put_file(local, rd.path(files.materialized))
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
-    return PlannedShard(
-        rd=rd,
+    manifest = new_manifest(
         run_id=run_id,
         shard=shard,
         input=InputSource(path=os.path.abspath(input_path), sha256=sha256_file(input_path)),
@@ -152,3 +168,4 @@ def plan_shard(
         planned=plan.planned,
         materialized_sha256=plan.sha256,
     )
+    return PlannedShard(rd, manifest)

@@ -24,7 +24,6 @@ from producer.shard.local_cluster import LocalCluster, WorkerProcesses
 from producer.shard.opening import (
     OpenedRun,
     iter_materialized,
-    new_manifest,
     open_planned,
     open_run,
     record_opening,
@@ -53,7 +52,6 @@ __all__ = [
     "execute_resume",
     "execute_run",
     "iter_materialized",
-    "new_manifest",
     "open_generation",
     "open_planned",
     "open_run",

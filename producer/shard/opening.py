@@ -1,9 +1,10 @@
 """Opening a shard: the manifest and its generation, clean Redis state.
 
-`open_planned` writes a planned shard's manifest (`producer/planning/materialize.py` planned it)
-with its first generation, once, when the Redis it coordinates through is known, and resets the
-shard's Redis state (`open_run` plans and opens, for tests and benchmarks). `new_manifest` and `record_opening` are the one builder of a manifest and of the generation
-that opens a shard, for a fresh run, a resume and a recorded API call; `reset_shard_state` gives
+`open_planned` writes a planned shard's manifest (`producer/planning/materialize.py` planned it
+and built it with `new_manifest`) with its first generation, once, when the Redis it coordinates
+through is known, and resets the shard's Redis state (`open_run` plans and opens, for tests and
+benchmarks). `record_opening` is the one builder of the generation that opens a shard, for a
+fresh run, a resume and a recorded API call; `reset_shard_state` gives
 a fresh shard Redis state that names the opener token. The materialized inputs are read back,
 row by row, by `iter_materialized`; a generation records its Redis redacted.
 """
@@ -22,9 +23,9 @@ from infra.redis_client import client
 from infra.runs import write_manifest
 from infra.store import RunDir, ShardFiles
 from producer.planning.materialize import PlannedShard, plan_shard
-from schemas.config import ServersConfig, redact_url
+from schemas.config import redact_url
 from schemas.messages import RunRef
-from schemas.records import Generation, InputSource, Manifest, utc_now
+from schemas.records import Generation, Manifest, utc_now
 from schemas.settings import CollectionSettings
 from workers.shard.state import write_state
 
@@ -44,29 +45,6 @@ class OpenedRun:
     @property
     def files(self) -> ShardFiles:
         return ShardFiles(self.manifest.shard)
-
-
-def new_manifest(
-    *,
-    run_id: str,
-    shard: str,
-    input: InputSource,
-    config: ServersConfig,
-    settings: CollectionSettings,
-    planned: int,
-    materialized_sha256: str,
-) -> Manifest:
-    """A fresh shard's manifest, before the generation that opens it (`record_opening`)."""
-    return Manifest(
-        run_id=run_id,
-        shard=shard,
-        created_at=utc_now(),
-        input=input,
-        config=config.redacted(),
-        settings=settings.model_dump(mode="json"),
-        planned=planned,
-        materialized_sha256=materialized_sha256,
-    )
 
 
 def record_opening(
@@ -116,18 +94,9 @@ def open_planned(
     """Write a planned shard's manifest with its first generation (`kind` run), once, and give
     the shard clean Redis state naming its opener token (when its Redis is given: `redis_url`,
     or the client `r` for it)."""
-    manifest = new_manifest(
-        run_id=planned.run_id,
-        shard=planned.shard,
-        input=planned.input,
-        config=planned.config,
-        settings=planned.settings,
-        planned=planned.planned,
-        materialized_sha256=planned.materialized_sha256,
-    )
     opened = record_opening(
-        planned.rd, manifest, kind="run", enqueued=planned.planned, redis_url=redis_url,
-        token=token,
+        planned.rd, planned.manifest, kind="run", enqueued=planned.manifest.planned,
+        redis_url=redis_url, token=token,
     )  # fmt: skip
     if redis_url is not None:
         reset_shard_state(r or client(redis_url), opened)

@@ -97,7 +97,7 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     console.print(f"run directory: {planned.rd.url}")
     if result is None:
         return 0
-    print_metrics(console, planned.rd, planned.shard)
+    print_metrics(console, planned.rd, planned.manifest.shard)
     print_health(console, result.health)
     print_counts(console, result)
     raise_for_outcome(result)
