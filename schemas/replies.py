@@ -7,12 +7,10 @@ is final (landed, when the call records a run directory); the caller's one liste
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict
 
 from schemas.messages import CollectRequest
-from schemas.outcomes import Ended
+from schemas.outcomes import RolloutOutcome
 
 COLLECT_REPLY_TASK = "rollouts.collect_reply"
 """Task name of one rollout started through the Python API."""
@@ -46,15 +44,5 @@ class RolloutReply(BaseModel):
 
     index: int
     """The row's position in the invocation."""
-    kind: Ended
-    """How the rollout ended, in the engine's words (`schemas.outcomes.Ended`)."""
-    result: dict[str, Any] | None = None
-    """The engine's record: the `/run` result (landed, agent_failure, not_persisted; also a
-    duplicate found at landing), the final failure row (failed, worker_lost) or the drained row
-    (drained, stopped)."""
-    error: str | None = None
-    """Why, in words: the stop reason, the fencing writer, the error."""
-    run_ms: float | None = None
-    """Duration of the `/run` call(s), retries included."""
-    after_ms: float = 0.0
-    """From the end of the call until the reply was pushed (sorting and landing)."""
+    outcome: RolloutOutcome
+    """How the rollout ended: the rollout engine's own outcome."""

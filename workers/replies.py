@@ -22,7 +22,6 @@ import redis
 from infra import keys
 from infra.redis_client import client
 from schemas import fields as F
-from schemas.outcomes import RolloutOutcome
 from schemas.replies import ReplyingCollectRequest, RolloutReply
 from workers.admission import with_redis_retry
 from workers.rollout import Delivery, RolloutContext, run_rollout
@@ -65,18 +64,6 @@ def push_reply(redis_url: str, req: ReplyingCollectRequest, reply: RolloutReply)
     with_redis_retry("reply", send)
 
 
-def reply_of(index: int, outcome: RolloutOutcome) -> RolloutReply:
-    """The caller's reply for an outcome of the engine."""
-    return RolloutReply(
-        index=index,
-        kind=outcome.ended,
-        result=outcome.record,
-        error=outcome.detail,
-        run_ms=outcome.run_ms,
-        after_ms=outcome.after_ms,
-    )
-
-
 def collect_and_reply(
     req: ReplyingCollectRequest, redis_url: str, ctx: RolloutContext
 ) -> dict[str, Any]:
@@ -96,7 +83,7 @@ def collect_and_reply(
     )
     outcome = run_rollout(req, ctx, delivery)
     try:
-        push_reply(redis_url, req, reply_of(index, outcome))
+        push_reply(redis_url, req, RolloutReply(index=index, outcome=outcome))
     except redis.RedisError as exc:
         # The caller's awaitable for this row then never resolves; its close is bounded.
         log.error("could not reply for rollout %s of invocation %s: %s", index, invocation, exc)

@@ -213,18 +213,19 @@ class Invocation:
         i = reply.index
         if not 0 <= i < self.total or self._settled[i]:
             return  # another delivery of a settled row
-        outcome = Outcome(i, reply.kind, reply.result, reply.error)
-        if reply.kind == Ended.DUPLICATE:
+        done = reply.outcome
+        outcome = Outcome(i, done.ended, done.record, done.detail)
+        if done.ended == Ended.DUPLICATE:
             # Found landed at admission: read back; at landing: this delivery's own result.
-            if reply.result is None:
+            if done.record is None:
                 outcome = self._landed_outcome(i)
             else:
-                outcome = Outcome(i, Ended.LANDED, reply.result)
-        elif reply.run_ms is not None and reply.kind in RESULT_ENDS:
+                outcome = Outcome(i, Ended.LANDED, done.record)
+        elif done.run_ms is not None and done.ended in RESULT_ENDS:
             waited = (
-                (time.monotonic() - self._published_at[i]) * 1000 - reply.run_ms - reply.after_ms
+                (time.monotonic() - self._published_at[i]) * 1000 - done.run_ms - done.after_ms
             )
-            outcome.perf = {"rollout_latency_ms": round(reply.run_ms, 3),
+            outcome.perf = {"rollout_latency_ms": round(done.run_ms, 3),
                             "queue_wait_ms": round(max(0.0, waited), 3)}  # fmt: skip
         if outcome.kind in FAILURE_ENDS and not self.target.settings.route_failures_to_sidecar:
             self.first_failure = self.first_failure or run_failure_message(
