@@ -222,9 +222,7 @@ class Invocation:
             else:
                 outcome = Outcome(i, Ended.LANDED, done.record)
         elif done.run_ms is not None and done.ended in RESULT_ENDS:
-            waited = (
-                (time.monotonic() - self._published_at[i]) * 1000 - done.run_ms - done.after_ms
-            )
+            waited = (time.monotonic() - self._published_at[i]) * 1000 - done.run_ms - done.after_ms
             outcome.perf = {"rollout_latency_ms": round(done.run_ms, 3),
                             "queue_wait_ms": round(max(0.0, waited), 3)}  # fmt: skip
         if outcome.kind in FAILURE_ENDS and not self.target.settings.route_failures_to_sidecar:

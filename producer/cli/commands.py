@@ -327,17 +327,19 @@ def flower(
     Flower switches task events on in every worker it reaches; `rollouts worker --events` and
     `rollouts run --events` start workers with them on from the first task.
     """
-    from producer.ops.control import flower_command
+    from producer.ops.control import check_flower_exposure, flower_command
 
     cluster = resolve_cluster(broker, redis_url)
     if cluster is None:
         raise UsageError("flower needs --broker URL (or ROLLOUTS_BROKER_URL)")
     env = dict(os.environ)
-    env["ROLLOUTS_BROKER_URL"] = cluster.broker_url
+    # Through the environment, never argv: `ps` would show the URL's password.
+    env["ROLLOUTS_BROKER_URL"] = env["CELERY_BROKER_URL"] = cluster.broker_url
     env["ROLLOUTS_REDIS_URL"] = cluster.redis_url
     if unauthenticated_api:
         env["FLOWER_UNAUTHENTICATED_API"] = "true"
-    cmd = flower_command(cluster.broker_url, port, address, list(flower_args))
+    check_flower_exposure(address, list(flower_args), env)
+    cmd = flower_command(port, address, list(flower_args))
     os.execvpe(cmd[0], cmd, env)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 
 import redis
 
@@ -52,9 +53,32 @@ def cancel_shard(rd: RunDir, shard: str, redis_url: str, drain: bool) -> str:
     )
 
 
-def flower_command(broker_url: str, port: int, address: str, extra: list[str]) -> list[str]:
-    """`celery flower` against our app and broker."""
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+# Flower's own ways to authenticate its web pages (https://flower.readthedocs.io, auth).
+_AUTH_OPTIONS = ("--basic-auth", "--basic_auth", "--auth")
+_AUTH_ENV = ("FLOWER_BASIC_AUTH", "FLOWER_AUTH")
+
+
+def flower_command(port: int, address: str, extra: list[str]) -> list[str]:
+    """`celery flower` against our app; the broker comes from the environment, never argv (where
+    `ps` shows it with its password)."""
     return [
-        sys.executable, "-m", "celery", "-A", "workers.app", "--broker", broker_url, "flower",
+        sys.executable, "-m", "celery", "-A", "workers.app", "flower",
         f"--port={port}", f"--address={address}", *extra,
     ]  # fmt: skip
+
+
+def check_flower_exposure(address: str, extra: list[str], env: Mapping[str, str]) -> None:
+    """Refuse to serve Flower beyond loopback without authentication: its pages and `/metrics`
+    show every task's arguments to anyone who reaches them."""
+    if address in LOOPBACK:
+        return
+    if any(a.split("=", 1)[0] in _AUTH_OPTIONS for a in extra) or any(
+        env.get(k) for k in _AUTH_ENV
+    ):
+        return
+    raise UsageError(
+        f"--address {address}: Flower would serve its pages and /metrics unauthenticated beyond "
+        "this host; set FLOWER_BASIC_AUTH=user:password (or pass --basic-auth / --auth), or "
+        "listen on 127.0.0.1"
+    )

@@ -47,6 +47,9 @@ def test_flower_finds_the_runs_tasks_and_status_matches_the_files(
                 return False
 
         wait_for(flower_up, 60, "Flower to answer")
+        # The broker reaches Flower through its environment: no URL (and no password) in `ps`.
+        argv = Path(f"/proc/{flower.pid}/cmdline").read_bytes().decode().split("\0")
+        assert "flower" in argv and not any(redis_url in a for a in argv), argv
         rows = demo_rows(40)
         rows[5]["fault"] = {"kind": "http500", "times": 9}
         rows[6]["fault"] = {"kind": "list", "times": 9}
