@@ -180,6 +180,15 @@ def redact(value: Any) -> Any:
     return value
 
 
+def masked_paths(value: Any, path: str = "") -> list[str]:
+    """The dotted paths in `value` (a redacted config) whose values hold a masked secret."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in masked_paths(v, f"{path}.{k}" if path else k)]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in masked_paths(v, f"{path}[{i}]")]
+    return [path] if isinstance(value, str) and REDACTED in value else []
+
+
 def redact_url(url: str) -> str:
     """`url` with the password of its userinfo (`scheme://user:password@host`) and the values of
     secret query parameters (`?api_key=...`) replaced by `***`."""

@@ -35,7 +35,7 @@ from producer.shard.opening import OpenedRun, iter_materialized, record_opening
 from producer.shard.report import print_counts, print_metrics
 from producer.shard.supervise import raise_for_outcome
 from schemas import fields as F
-from schemas.config import ServersConfig
+from schemas.config import ServersConfig, masked_paths
 from schemas.errors import StorageError, UsageError
 from schemas.finish import FinishResult
 from schemas.records import Manifest
@@ -240,6 +240,19 @@ def _check_agents(rd: RunDir, shard: str, outcomes: ShardOutcomes, max_attempts:
         raise UsageError(f"the config has no agent {names}; pass --config with those agents")
 
 
+def saved_config(rd: RunDir, saved: dict[str, Any]) -> ServersConfig:
+    """The servers config the manifest saved, when it can call the agents as it is: a saved config
+    whose secrets were masked (`***`) would send the mask instead of the secret."""
+    masked = masked_paths(saved)
+    if masked:
+        raise UsageError(
+            f"{rd.url}: the saved servers config has masked secrets ({', '.join(masked[:5])}"
+            f"{', ...' if len(masked) > 5 else ''}); pass the config again with --config FILE "
+            "(or --head-server URL) to resume"
+        )
+    return ServersConfig.model_validate(saved)
+
+
 def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
     """Resume a shard to the end and return the exit code; UsageError (exit 2) for bad input."""
     console = console or Console()
@@ -257,7 +270,7 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
     config = (
         load_run_config(opts.config_path, opts.head_server)
         if opts.config_path or opts.head_server
-        else ServersConfig.model_validate(manifest.config)
+        else saved_config(rd, manifest.config)
     )
     plan, outcomes = plan_resume(
         rd, opts.shard, max_attempts, settings.count_failure_classes_as_zero

@@ -1,0 +1,70 @@
+"""Secrets of a servers config never reach a run directory, a log or `ps`; resume refuses a masked config."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from examples.servers import RunningServers
+from tests.conftest import Workers, demo_rows, write_rows
+from tests.ops_helpers import cli
+
+pytestmark = pytest.mark.integration
+
+# One secret per way a config names one (issue 13 item 4), each distinct so a leak names itself.
+NAMES = [
+    "Authorization", "X-Api-Key", "openai_key", "private_key", "aws_access_key_id", "credentials",
+    "passwd", "hf_access_key", "api_key",
+]  # fmt: skip
+
+
+def secret(name: str) -> str:
+    return f"s3cr3t-{name.lower().replace('_', '').replace('-', '')}"
+
+
+def config_with_secrets(servers: RunningServers, path: Path) -> list[str]:
+    config: dict[str, Any] = servers.config()
+    for agent in config["agents"].values():
+        # A URL password (the example agents ignore it) and a secret query parameter.
+        agent["url"] = agent["url"].replace("http://", "http://user:s3cr3t-urlpw@", 1)
+        agent["model_url"] = "http://model:8000/v1?api_key=s3cr3t-query&model=m"
+        agent["headers"] = {name: secret(name) for name in NAMES[:3]}
+        agent["headers"]["X-Forward"] = "Bearer s3cr3t-bearer"
+        agent.update({name: secret(name) for name in NAMES[3:]})
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return ["s3cr3t-urlpw", "s3cr3t-query", "s3cr3t-bearer", *(secret(n) for n in NAMES)]
+
+
+def test_no_secret_in_the_run_directory_logs_or_ps_and_resume_needs_the_config(
+    redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path
+) -> None:
+    config = tmp_path / "servers.yaml"
+    secrets = config_with_secrets(servers, config)
+    workers.start(count=1, concurrency=8)
+    workers.wait_ready()
+    out = tmp_path / "run"
+    rows = write_rows(tmp_path / "rows.jsonl", demo_rows(8))
+    proc = cli(
+        "run", "--config", str(config), "--input", rows, "--output-dir", str(out),
+        "--broker", redis_url,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout
+
+    resumed = cli("resume", str(out), "--broker", redis_url)
+    assert resumed.returncode == 2, resumed.stdout + resumed.stderr
+    assert "masked secrets" in resumed.stderr and "--config" in resumed.stderr
+    again = cli("resume", str(out), "--broker", redis_url, "--config", str(config))
+    assert again.returncode == 0, again.stdout + again.stderr
+
+    texts = {p: p.read_bytes().decode(errors="replace") for p in out.rglob("*") if p.is_file()}
+    texts.update({log: log.read_text(errors="replace") for log in workers.logs})
+    texts.update({Path("producer output"): proc.stdout + proc.stderr + again.stdout + again.stderr})
+    texts[Path("ps")] = ps
+    leaks = {str(p): [s for s in secrets if s in text] for p, text in texts.items()}
+    assert not {p: found for p, found in leaks.items() if found}
+    assert any("rollouts-0_manifest.json" in str(p) for p in texts)
