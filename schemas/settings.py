@@ -76,6 +76,9 @@ class CollectionSettings(BaseModel):
 
     disable_aggregation: bool = False
     """Skip /aggregate_metrics and the health check."""
+    redis_key_ttl_s: float = Field(default=7 * 24 * 3600, gt=0)
+    """When the run finishes, every Redis key of its shard expires this long after (leases go at
+    once); a resume makes them permanent again. Everything they hold is rebuilt from storage."""
     disable_health_check: bool = False
     """Write a `disabled` quality summary instead of checking."""
     health_check_ignored_checks: list[str] = Field(default_factory=list)

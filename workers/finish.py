@@ -28,6 +28,7 @@ from workers.health.sources import source_for
 from workers.landing import compact_shard
 from workers.shard.ledger import ShardLedger, count_shard
 from workers.shard.scored import ScoredRows
+from workers.shard.state import expire_shard_keys
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
         manifest.state = "failed"
         manifest.error = f"{manifest.error}; {rejection}" if manifest.error else rejection
     write_manifest(rd, manifest)
+    expire_shard_keys(r, sid, settings.redis_key_ttl_s)
     return FinishResult(
         state=manifest.state,
         error=manifest.error,

@@ -36,6 +36,7 @@ from schemas.messages import (
     RunRef,
 )
 from schemas.settings import CollectionSettings
+from workers.shard.state import persist_shard_keys
 
 PUBLISH_BATCH = 500
 
@@ -198,6 +199,7 @@ def open_generation(
     now = sec + usec / 1e6
     deadline = now + budget_s if budget_s is not None else None
     pipe = r.pipeline(transaction=True)
+    persist_shard_keys(pipe, sid)  # an earlier generation's finish set them to expire
     pipe.delete(keys.shard_generation(sid), keys.shard_durations(sid))
     pipe.hset(
         keys.shard_generation(sid),

@@ -210,3 +210,15 @@ def test_the_slot_is_freed_when_the_call_ends_and_the_delivery_counted_once_it_l
     gate.releaser.flush()
     assert r.hget(keys.shard_starts(SID), "9:0") is None
     assert r.hget(keys.shard_generation(SID), "done") == b"1"
+
+
+def test_a_new_generation_makes_an_expiring_shards_keys_permanent(r: redis.Redis) -> None:
+    from producer.shard.dispatch import open_generation
+    from workers.shard.state import expire_shard_keys
+
+    r.sadd(keys.shard_landed(SID), "1:0")
+    r.hset(keys.shard_state(SID), "opener", TOKEN)
+    expire_shard_keys(r, SID, 60)
+    assert 0 < r.ttl(keys.shard_landed(SID)) <= 60 and 0 < r.ttl(keys.shard_state(SID)) <= 60
+    open_generation(r, SID, TOKEN, 1, None)
+    assert r.ttl(keys.shard_landed(SID)) == -1 and r.ttl(keys.shard_state(SID)) == -1

@@ -211,3 +211,18 @@ class ShardState:
         pipe.execute()
         log.info("rebuilt Redis state of %s shard %s from storage", self.rd.url, self.files.shard)
         return state
+
+
+def expire_shard_keys(r: redis.Redis, sid: str, ttl_s: float) -> None:
+    """Let every key of the shard expire `ttl_s` from now, its slot leases at once (a finished run)."""
+    pipe = r.pipeline(transaction=False)
+    pipe.delete(keys.shard_leases(sid), keys.shard_waiting(sid))
+    for key in keys.all_shard_keys(sid):
+        pipe.expire(key, max(1, int(ttl_s)))
+    pipe.execute()
+
+
+def persist_shard_keys(pipe: redis.client.Pipeline, sid: str) -> None:
+    """Queue in `pipe`: the shard's keys expire no more (a generation opens on them again)."""
+    for key in keys.all_shard_keys(sid):
+        pipe.persist(key)

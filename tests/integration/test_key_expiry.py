@@ -1,0 +1,44 @@
+"""A finished run (and a finished resume) leaves no Redis key of its shard without a TTL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+
+from examples.servers import RunningServers
+from infra import keys
+from infra.store import RunDir
+from tests.conftest import Workers, demo_rows, write_rows
+from tests.ops_helpers import cli
+
+pytestmark = pytest.mark.integration
+
+
+def shard_keys(r: redis.Redis, out: Path) -> dict[str, int]:
+    sid = keys.shard_id(RunDir(str(out)).url, "0")
+    return {k.decode(): int(r.ttl(k)) for k in r.scan_iter(f"{keys.PREFIX}:shard:{sid}:*")}
+
+
+def test_every_key_of_a_finished_run_or_resume_expires(
+    redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path
+) -> None:
+    workers.start(count=1, concurrency=8)
+    workers.wait_ready()
+    config = servers.write_config(str(tmp_path / "servers.yaml"))
+    out = tmp_path / "run"
+    proc = cli(
+        "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", demo_rows(12)),
+        "--output-dir", str(out), "--broker", redis_url, "+redis_key_ttl_s=3600",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = redis.Redis.from_url(redis_url)
+    left = shard_keys(r, out)
+    assert left and all(0 < ttl <= 3600 for ttl in left.values()), left
+    assert not any(k.endswith((":leases", ":waiting")) for k in left)
+
+    proc = cli("resume", str(out), "--broker", redis_url)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    after = shard_keys(r, out)
+    assert after and all(ttl > 0 for ttl in after.values()), after
