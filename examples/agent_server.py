@@ -5,7 +5,9 @@ latency, a random fault rate over chosen fault kinds, and a request log. A row c
 its own fault (`"fault": {"kind": "http500", "times": 1}`: its first request fails) or its own
 latency (`"agent_latency_ms": 2000`). Fault kinds: http500, http503, reset, malformed, list, hang.
 A row's `"result_extra": {...}` is merged into its result (e.g. an agent-chosen failure row with
-`_ng_failure_class`, or `_ng_no_persist`).
+`_ng_failure_class`, or `_ng_no_persist`). `deep_reply_every` N makes the reply of every task
+whose index is a multiple of N nested `deep_reply_depth` levels deep (valid JSON that a parser
+with a higher depth limit than its encoder reads but cannot write again).
 
 `GET /stats` reports requests, in-flight calls now and at most, and cancelled calls (the client
 closed the connection mid-call).
@@ -41,6 +43,10 @@ class AgentKnobs:
     # Extra reasoning items in each response, about this many KB of JSON: long trajectories,
     # so that parsing and landing results is where a worker spends its CPU (bench `workers`).
     pad_kb: int = 0
+    # Every task whose `_ng_task_index` is a multiple of this (0: none) gets a reply nested
+    # `deep_reply_depth` levels deep (the top-level object counts as one): a hostile reply.
+    deep_reply_every: int = 0
+    deep_reply_depth: int = 300
 
 
 def padding_items(kb: int) -> list[dict[str, Any]]:
@@ -139,9 +145,7 @@ class AgentServer:
                 outcome = f"fault:{fault}"
                 return self._fault_response(request, fault)
             st.completed += 1
-            return web.Response(
-                body=orjson.dumps(self.result(row)), content_type="application/json"
-            )
+            return web.Response(body=self.reply_body(row), content_type="application/json")
         except asyncio.CancelledError:
             st.cancelled += 1
             outcome = "cancelled"
@@ -166,6 +170,16 @@ class AgentServer:
         if request.transport is not None:
             request.transport.close()
         raise ConnectionResetError("injected fault: connection reset")
+
+    def reply_body(self, row: dict[str, Any]) -> bytes:
+        """The encoded result; a deep one for the tasks `deep_reply_every` picks."""
+        body = orjson.dumps(self.result(row))
+        every, task = self.knobs.deep_reply_every, row.get("_ng_task_index")
+        if every > 0 and isinstance(task, int) and task % every == 0:
+            # Written by hand: orjson (like the collector) refuses to encode past 254 levels.
+            levels = max(self.knobs.deep_reply_depth - 1, 1)
+            body = body[:-1] + b',"nested":' + b"[" * levels + b"]" * levels + b"}"
+        return body
 
     def _padding(self) -> list[dict[str, Any]]:
         kb = self.knobs.pad_kb
@@ -255,6 +269,8 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-log", default=None)
+    parser.add_argument("--deep-reply-every", type=int, default=0)
+    parser.add_argument("--deep-reply-depth", type=int, default=300)
     a = parser.parse_args()
     knobs = AgentKnobs(
         latency_ms=a.latency_ms,
@@ -263,6 +279,8 @@ def main() -> None:
         fault_kinds=[k for k in a.fault_kinds.split(",") if k],
         seed=a.seed,
         request_log=a.request_log,
+        deep_reply_every=a.deep_reply_every,
+        deep_reply_depth=a.deep_reply_depth,
     )
     web.run_app(
         AgentServer(a.name, knobs).app(), host=a.host, port=a.port, handler_cancellation=True
