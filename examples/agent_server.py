@@ -9,7 +9,9 @@ hang (no reply), stall (a reply that stops after its first bytes), huge (a valid
 `Content-Encoding: gzip`), redirect307 and redirect302 (to `/redirected`, which counts the
 requests that followed it and answers with a valid result).
 A row's `"result_extra": {...}` is merged into its result (e.g. an agent-chosen failure row with
-`_ng_failure_class`, or `_ng_no_persist`).
+`_ng_failure_class`, or `_ng_no_persist`). `deep_reply_every` N makes the reply of every task
+whose index is a multiple of N nested `deep_reply_depth` levels deep (valid JSON that a parser
+with a higher depth limit than its encoder reads but cannot write again).
 
 `GET /stats` reports requests, in-flight calls now and at most, and cancelled calls (the client
 closed the connection mid-call).
@@ -63,6 +65,10 @@ class AgentKnobs:
     pad_kb: int = 0
     # Size of a `huge` or `gzip_bomb` reply in MB (decompressed).
     huge_reply_mb: int = 300
+    # Every task whose `_ng_task_index` is a multiple of this (0: none) gets a reply nested
+    # `deep_reply_depth` levels deep (the top-level object counts as one): a hostile reply.
+    deep_reply_every: int = 0
+    deep_reply_depth: int = 300
 
 
 def padding_items(kb: int) -> list[dict[str, Any]]:
@@ -163,9 +169,7 @@ class AgentServer:
                 outcome = f"fault:{fault}"
                 return await self._fault_response(request, fault)
             st.completed += 1
-            return web.Response(
-                body=orjson.dumps(self.result(row)), content_type="application/json"
-            )
+            return web.Response(body=self.reply_body(row), content_type="application/json")
         except asyncio.CancelledError:
             st.cancelled += 1
             outcome = "cancelled"
@@ -245,6 +249,16 @@ class AgentServer:
         """Where the redirect faults point: a client that followed one is counted here."""
         self.stats.redirected += 1
         return web.json_response({"reward": 1.0, "redirected": True, "method": request.method})
+
+    def reply_body(self, row: dict[str, Any]) -> bytes:
+        """The encoded result; a deep one for the tasks `deep_reply_every` picks."""
+        body = orjson.dumps(self.result(row))
+        every, task = self.knobs.deep_reply_every, row.get("_ng_task_index")
+        if every > 0 and isinstance(task, int) and task % every == 0:
+            # Written by hand: orjson (like the collector) refuses to encode past 254 levels.
+            levels = max(self.knobs.deep_reply_depth - 1, 1)
+            body = body[:-1] + b',"nested":' + b"[" * levels + b"]" * levels + b"}"
+        return body
 
     def _padding(self) -> list[dict[str, Any]]:
         kb = self.knobs.pad_kb
@@ -338,6 +352,8 @@ def main() -> None:
     parser.add_argument(
         "--huge-reply-mb", type=int, default=300, help="Size of a huge or gzip_bomb reply."
     )
+    parser.add_argument("--deep-reply-every", type=int, default=0)
+    parser.add_argument("--deep-reply-depth", type=int, default=300)
     a = parser.parse_args()
     knobs = AgentKnobs(
         latency_ms=a.latency_ms,
@@ -347,6 +363,8 @@ def main() -> None:
         seed=a.seed,
         request_log=a.request_log,
         huge_reply_mb=a.huge_reply_mb,
+        deep_reply_every=a.deep_reply_every,
+        deep_reply_depth=a.deep_reply_depth,
     )
     web.run_app(
         AgentServer(a.name, knobs).app(), host=a.host, port=a.port, handler_cancellation=True

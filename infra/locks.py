@@ -118,9 +118,12 @@ class HeldLock:
     def __post_init__(self) -> None:
         self._release = self.r.register_script(RELEASE_LUA)
 
-    def release_in(self, pipe: redis.client.Pipeline) -> None:
-        """Queue the release in `pipe`: it happens with the commit, in the same round trip."""
+    def commit(self, pipe: redis.client.Pipeline) -> None:
+        """Execute `pipe` with the release queued last: it happens with the commit, in the same
+        round trip. If the commit fails the lock is still this holder's, released the plain way
+        when `held_reading` exits (not left to expire while the next batch waits for it)."""
         self._release(keys=[self.name], args=[self.token], client=pipe)
+        pipe.execute()
         self.released = True
 
     def release(self) -> None:
@@ -143,7 +146,7 @@ def held_reading(
     """Hold lock `name` (as `held` does) and read the state hash and the members' landed flags.
 
     One round trip takes the lock and reads; the holder can fold the release into its commit
-    (`HeldLock.release_in`), so an uncontended batch costs two round trips in all.
+    (`HeldLock.commit`), so an uncontended batch costs two round trips in all.
     """
     ttl_s = from_env().lock_ttl_s if ttl_s is None else ttl_s
     token = uuid.uuid4().hex

@@ -30,7 +30,8 @@ class Ended(StrEnum):
     NOT_PERSISTED = "not_persisted"
     """The agent answered with `_ng_no_persist`: nothing landed, a resume runs it again."""
     FAILED = "failed"
-    """`/run` failed after its retries: the final failure row went to the sidecar."""
+    """`/run` failed after its retries, or its record could not be stored (`result_not_stored`):
+    the final failure row went to the sidecar."""
     WORKER_LOST = "worker_lost"
     """Workers died running it more often than the attempt limit: a `worker_lost` failure row."""
     DUPLICATE = "duplicate"

@@ -6,6 +6,12 @@ commits the landed keys to Redis before any waiting task is released (and then a
 "Appends" are in place on a local folder (O_APPEND + fsync) and one write-once segment object per
 batch elsewhere (`infra/segments.py`); the finish step compacts the segments (`compact_shard`).
 
+Every record handed in is settled, one way or another: each is encoded on its own before it is
+queued (`workers/encoding.py`: one that cannot be becomes its rollout's `result_not_stored`
+failure row, and the rest of the batch lands), and every waiting task is released with its report
+or the batch's exception, also those whose records joined the batch while it waited for the lock.
+The waiting task bounds its own wait (`LAND_WAIT_S`), so a stuck write cannot hold it forever.
+
 Exactly once: a result whose (task, rollout) key is already in the shard's landed set is not
 written again, however often its task is delivered. The landed set, the committed file sizes and
 the opener token are all rebuilt from storage when Redis has lost them, and bytes written by a
@@ -26,8 +32,8 @@ from typing import Any
 
 import redis
 
-from infra import jsonl, keys
-from infra.locks import HeldLock, held, held_reading
+from infra import keys
+from infra.locks import ACQUIRE_TIMEOUT_S, HeldLock, held, held_reading
 from infra.process import PerProcess
 from infra.redis_client import client
 from infra.runs import write_status
@@ -35,15 +41,8 @@ from infra.store import RunDir, WriteConflictError
 from schemas.errors import ShardFencedError, StorageError
 from schemas.messages import RunRef
 from schemas.records import ShardStatus
-from workers.shard.state import (
-    OPENER,
-    PLANNED,
-    RUN_ID,
-    SHARD,
-    ShardState,
-    failure_counter,
-    key_str,
-)
+from workers.encoding import EncodedRecords, encode_records
+from workers.shard.state import OPENER, PLANNED, RUN_ID, SHARD, ShardState
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +50,10 @@ MAX_BATCH = 1024
 STATUS_EVERY_S = 2.0
 # Conflicts in a row before a batch gives up (each one means another writer's bytes were adopted).
 MAX_CONFLICTS = 8
+LAND_WAIT_S = 2 * ACQUIRE_TIMEOUT_S + 60.0
+"""How long a task waits for its records to be settled: a record can wait out another shard's
+lock acquisition (it arrived while that batch waited, and was carried) and then its own, plus the
+writes. Past it the rollout ends in error; its records may still land, and a resume finds them."""
 
 
 @dataclass
@@ -60,14 +63,23 @@ class LandReport:
     landed: bool = False
     duplicate: bool = False
     failures_written: int = 0
+    not_stored: dict[str, Any] | None = None
+    """The `result_not_stored` failure row written in place of the rollout's last record (its
+    result, else its final failure row), which could not be encoded; None when it was stored."""
 
 
 @dataclass
 class _Pending:
     run: RunRef
-    result: dict[str, Any] | None
-    failures: list[dict[str, Any]]
+    records: EncodedRecords
     future: concurrent.futures.Future[LandReport] = field(default_factory=concurrent.futures.Future)
+
+
+def _settle(pending: list[_Pending], exc: BaseException) -> None:
+    """Release every task of `pending` still waiting, with `exc`."""
+    for p in pending:
+        if not p.future.done():
+            p.future.set_exception(exc)
 
 
 class Lander:
@@ -83,17 +95,30 @@ class Lander:
         self._thread = threading.Thread(target=self._loop, name="rollouts-lander", daemon=True)
         self._thread.start()
 
+    def submit(
+        self, run: RunRef, result: dict[str, Any] | None, failures: list[dict[str, Any]]
+    ) -> concurrent.futures.Future[LandReport]:
+        """Queue the records for landing; the future settles once they are durable (or refused).
+
+        The records are encoded here, in the calling thread, each on its own. The future raises
+        `ShardFencedError` when the shard was opened by a newer writer than `run.token` (nothing
+        of this task was written), or the error that failed the batch.
+        """
+        try:
+            records = encode_records(result, failures)
+        except StorageError as exc:
+            failed: concurrent.futures.Future[LandReport] = concurrent.futures.Future()
+            failed.set_exception(exc)
+            return failed
+        pending = _Pending(run, records)
+        self._queue.put(pending)
+        return pending.future
+
     def land(
         self, run: RunRef, result: dict[str, Any] | None, failures: list[dict[str, Any]]
     ) -> LandReport:
-        """Make the records durable (or refuse them) and return what happened; blocks until then.
-
-        Raises `ShardFencedError` when the shard was opened by a newer writer than `run.token`:
-        nothing of this task was written.
-        """
-        pending = _Pending(run, result, failures)
-        self._queue.put(pending)
-        return pending.future.result()
+        """`submit` and wait for the report without a bound (tests and benchmarks)."""
+        return self.submit(run, result, failures).result()
 
     def _rundir(self, url: str) -> RunDir:
         rd = self._dirs.get(url)
@@ -123,13 +148,16 @@ class Lander:
                 try:
                     self._commit(self._rundir(url), shard, group)
                 except Exception as exc:  # handed to each waiting task, which decides
-                    for p in group:
-                        if not p.future.done():
-                            p.future.set_exception(exc)
+                    log.warning(
+                        "landing a batch of %d in shard %s failed: %r", len(group), shard, exc
+                    )
+                    _settle(group, exc)  # joined records included: `_commit` added them
 
     def _commit(self, rd: RunDir, shard: str, group: list[_Pending]) -> None:
+        """Land `group` under the shard lock; records that join it are appended to `group` itself,
+        so that the caller releases them too when this raises."""
         st = ShardState(self.r, rd, shard)
-        ks = [key_str(p.result) for p in group if p.result is not None]
+        ks = [k for k in (p.records.key for p in group) if k is not None]
         lock_key, state_key = keys.shard_lock(st.sid), keys.shard_state(st.sid)
         with held_reading(self.r, lock_key, state_key, keys.shard_landed(st.sid), ks) as lock:
             # Records that arrived while the lock was awaited (other processes writing) join
@@ -139,12 +167,12 @@ class Lander:
             for p in self._drain([]):
                 same = (p.run.output_dir, p.run.shard) == key
                 (joined if same else self._carry).append(p)
+            group.extend(joined)
             present = dict(zip(ks, lock.present, strict=True))
-            late = [key_str(p.result) for p in joined if p.result is not None]
+            late = [k for k in (p.records.key for p in joined) if k is not None]
             if late:
                 flags = self.r.smismember(keys.shard_landed(st.sid), late)
                 present.update(zip(late, (bool(f) for f in flags), strict=True))
-            group = group + joined
             state = st.load(lock.state)
             if state is not lock.state and present:
                 # Rebuilt from storage or a dead writer's tail adopted: what landed changed.
@@ -164,8 +192,8 @@ class Lander:
                     accepted.append(p)
             if not accepted:
                 return
-            reports = {id(p): LandReport() for p in accepted}
-            has_failures = any(p.failures for p in accepted)
+            reports = {id(p): LandReport(not_stored=p.records.not_stored) for p in accepted}
+            has_failures = any(p.records.failures for p in accepted)
             self._land_results(
                 st, state, accepted, reports, present, None if has_failures else lock
             )
@@ -201,10 +229,10 @@ class Lander:
         lock: HeldLock | None,
     ) -> None:
         """Write the batch's new results and commit their keys (releasing `lock` with the commit)."""
-        with_result = [p for p in accepted if p.result is not None]
+        with_result = [(p, item) for p in accepted if (item := p.records.to_land()) is not None]
         if not with_result:
             return
-        ks = [key_str(p.result) for p in with_result if p.result is not None]
+        ks = [k for _, (k, _) in with_result]
         for attempt in range(MAX_CONFLICTS):
             if attempt:  # another writer's bytes were adopted: check our keys against them
                 flags = self.r.smismember(keys.shard_landed(st.sid), ks)
@@ -212,7 +240,7 @@ class Lander:
             new_keys: list[str] = []
             seen: set[str] = set()
             data = bytearray()
-            for p, k in zip(with_result, ks, strict=True):
+            for p, (k, line) in with_result:
                 report = reports[id(p)]
                 report.landed = report.duplicate = False
                 if present.get(k) or k in seen:
@@ -220,7 +248,7 @@ class Lander:
                     continue
                 seen.add(k)
                 new_keys.append(k)
-                data += jsonl.dumps_line(p.result)
+                data += line
                 report.landed = True
             if data and not self._append(st, state, st.files.results, bytes(data)):
                 continue
@@ -233,8 +261,9 @@ class Lander:
             if dups:
                 pipe.hincrby(keys.shard_counts(st.sid), "duplicates", dups)
             if lock is not None:
-                lock.release_in(pipe)
-            pipe.execute()
+                lock.commit(pipe)
+            else:
+                pipe.execute()
             return
         raise StorageError(
             f"{st.rd.path(st.files.results)}: gave up after {MAX_CONFLICTS} conflicts"
@@ -252,10 +281,10 @@ class Lander:
         data = bytearray()
         counts: dict[str, int] = defaultdict(int)
         for p in accepted:
-            for row in p.failures:
-                data += jsonl.dumps_line(row)
-                counts[failure_counter(row)] += 1
-            reports[id(p)].failures_written = len(p.failures)
+            data += b"".join(p.records.failure_lines)
+            for name in p.records.counters():
+                counts[name] += 1
+            reports[id(p)].failures_written = len(p.records.failure_lines)
         if not data:
             return
         for _ in range(MAX_CONFLICTS):
@@ -265,8 +294,7 @@ class Lander:
             for name, n in counts.items():
                 pipe.hincrby(keys.shard_counts(st.sid), name, n)
             st.commit_size(pipe, st.files.failures, state)
-            lock.release_in(pipe)
-            pipe.execute()
+            lock.commit(pipe)
             return
         raise StorageError(
             f"{st.rd.path(st.files.failures)}: gave up after {MAX_CONFLICTS} conflicts"

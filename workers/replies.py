@@ -9,7 +9,10 @@ The engine (`workers/rollout/`) admits, calls `/run`, sorts and lands exactly as
   keys the rollout by its index in the call;
 - a failed `/run` never fails the run: the caller's awaitable raises, the caller decides;
 - the rollout is in the invocation's *active* set from before its call until its reply, so a
-  closing caller can wait until nothing of its invocation runs any more.
+  closing caller can wait until nothing of its invocation runs any more;
+- a result that cannot be encoded into the reply (JSON nested deeper than the encoder writes)
+  is replied as the rollout's `result_not_stored` failure, as landing would store it: the caller
+  always gets a reply.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ import logging
 from typing import Any
 
 import redis
+from pydantic_core import PydanticSerializationError
 
 from infra import keys
 from infra.redis_client import client
 from schemas import fields as F
+from schemas.outcomes import Ended
 from schemas.replies import ReplyingCollectRequest, RolloutReply
 from workers.admission import with_redis_retry
+from workers.encoding import not_stored_row
 from workers.rollout import Delivery, RolloutContext, run_rollout
 
 log = logging.getLogger(__name__)
@@ -48,11 +54,23 @@ def admission_view(req: ReplyingCollectRequest) -> ReplyingCollectRequest:
     return req.model_copy(update={"row": view})
 
 
+def reply_body(reply: RolloutReply) -> str:
+    """The reply's JSON; one whose record cannot be encoded becomes its `result_not_stored` failure."""
+    try:
+        return reply.model_dump_json(exclude_none=True)
+    except PydanticSerializationError as exc:
+        row = not_stored_row(reply.outcome.record or {}, "the /run result", exc)
+        failed = reply.outcome.model_copy(
+            update={"ended": Ended.FAILED, "record": row, "detail": row[F.FAILURE_MESSAGE]}
+        )
+        return RolloutReply(index=reply.index, outcome=failed).model_dump_json(exclude_none=True)
+
+
 def push_reply(redis_url: str, req: ReplyingCollectRequest, reply: RolloutReply) -> None:
     """Push the reply and leave the active set in one MULTI, riding out a Redis restart."""
     r = client(redis_url)
     replies = keys.api_replies(req.reply.invocation)
-    body = reply.model_dump_json(exclude_none=True)
+    body = reply_body(reply)
 
     def send() -> None:
         pipe = r.pipeline(transaction=True)

@@ -410,3 +410,41 @@ def test_a_fully_consumed_call_records_a_completed_shard_on_s3(
     }
     assert check.returncode == 0, check.stdout + check.stderr
     assert "Rollout health: 6 checked" in check.stdout
+
+
+def test_a_reply_too_deep_to_store_is_a_result_not_stored_failure_recorded_or_not(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(deep_reply_every=2))
+    config = servers.config()
+    out = tmp_path / "recorded"
+    try:
+        workers.start(count=1, concurrency=8)
+        workers.wait_ready()
+        rows = planned(servers, 4)
+
+        async def outcomes(**recording: Any) -> dict[tuple[int, int], Any]:
+            it = run_outcomes(rows, config, broker_url=redis_url, **recording)
+            try:
+                return {key(row): result async for row, result in it}
+            finally:
+                await it.aclose()
+
+        unrecorded = asyncio.run(asyncio.wait_for(outcomes(), 120))
+        recorded = asyncio.run(
+            asyncio.wait_for(outcomes(record_output_dir=str(out), record_shard="deep"), 120)
+        )
+    finally:
+        servers.stop()
+    for got in (unrecorded, recorded):
+        assert sorted(got) == [(0, 0), (1, 0), (2, 0), (3, 0)]  # every rollout has its outcome
+        assert "reward" in got[(1, 0)] and "reward" in got[(3, 0)]
+        for k in ((0, 0), (2, 0)):
+            failure = got[k]
+            assert isinstance(failure, RolloutFailureRecord)
+            assert failure.failure_class == "result_not_stored"
+            assert failure.exception_type == "JSONEncodeError"
+    landed = [orjson.loads(x) for x in (out / "rollouts-deep.jsonl").read_bytes().splitlines()]
+    assert sorted(key(row) for row in landed) == [(1, 0), (3, 0)]
+    sidecar = (out / "rollouts-deep_failures.jsonl").read_bytes().splitlines()
+    assert sorted(key(orjson.loads(x)) for x in sidecar) == [(0, 0), (2, 0)]

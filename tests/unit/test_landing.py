@@ -6,6 +6,7 @@ Redis here is the session's real server (flushed per test); storage is a tmp dir
 from __future__ import annotations
 
 import concurrent.futures
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -17,13 +18,15 @@ import pytest
 import redis
 
 from infra import keys
+from infra.locks import held
 from infra.runs import read_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
 from schemas.errors import ShardFencedError
 from schemas.messages import RunRef
 from schemas.records import Generation, InputSource, Manifest, utc_now
-from workers.landing import Lander, compact_shard, open_shard
+from workers.encoding import RESULT_NOT_STORED
+from workers.landing import Lander, LandReport, compact_shard, open_shard
 
 FILES = ShardFiles("0")
 
@@ -199,3 +202,128 @@ def test_concurrent_tasks_share_batches_and_compaction_keeps_every_line(
     assert lander.land(run, result(5), []).duplicate
     assert lander.land(run, result(200), []).landed
     assert landed_keys(rd)[(200, 0)] == 1
+
+
+def deep(levels: int = 300) -> Any:
+    """A value nested `levels` deep: orjson reads it (up to 1,024) but writes at most 254."""
+    return orjson.loads(b"[" * levels + b"]" * levels)
+
+
+def land_in_one_batch(
+    r: redis.Redis, lander: Lander, run: RunRef, records: list[tuple[Any, list[Any]]]
+) -> list[concurrent.futures.Future[LandReport]]:
+    """Submit while the shard lock is held elsewhere: the first record's batch waits for the lock
+    and the others join it there (`joined` in `_commit`)."""
+    with held(r, keys.shard_lock(keys.shard_id(run.output_dir, run.shard))):
+        (res, fails), *rest = records
+        futures = [lander.submit(run, res, fails)]
+        time.sleep(0.2)  # the lander took it and waits for the lock
+        futures += [lander.submit(run, res, fails) for res, fails in rest]
+        time.sleep(0.2)
+    return futures
+
+
+def settled(futures: list[concurrent.futures.Future[LandReport]]) -> list[Any]:
+    """Each future's report or exception; none may still be waiting after a few seconds."""
+    _, waiting = concurrent.futures.wait(futures, timeout=10)
+    assert not waiting, f"{len(waiting)} tasks were never released"
+    return [f.exception() or f.result() for f in futures]
+
+
+def test_a_record_that_cannot_be_encoded_fails_alone_and_its_batch_lands(
+    r: redis.Redis, rd: RunDir, lander: Lander
+) -> None:
+    run = open_run(r, rd)
+    records: list[tuple[Any, list[Any]]] = [
+        (result(t, nested=deep()) if t % 5 == 0 else result(t), [failure(t)] if t == 7 else [])
+        for t in range(20)
+    ]
+    records.append((None, [{**failure(20), "detail": deep()}]))  # a final failure row too deep
+
+    reports = settled(land_in_one_batch(r, lander, run, records))
+
+    assert landed_keys(rd) == {(t, 0): 1 for t in range(20) if t % 5}
+    for t, rep in enumerate(reports):
+        assert isinstance(rep, LandReport)
+        assert rep.landed == (t % 5 != 0 and t < 20)
+        assert (rep.not_stored is not None) == (t % 5 == 0)
+    rows = [orjson.loads(line) for _, line in rd.iter_lines(FILES.failures)]
+    not_stored = [row for row in rows if row[F.FAILURE_CLASS] == RESULT_NOT_STORED]
+    assert [(row[F.TASK_INDEX], row[F.ROLLOUT_INDEX]) for row in not_stored] == [
+        (0, 0), (5, 0), (10, 0), (15, 0), (20, 0)
+    ]  # fmt: skip
+    assert reports[5].not_stored == not_stored[1]
+    assert not_stored[1][F.FAILURE_TYPE] == "JSONEncodeError"
+    assert not_stored[1][F.FAILURE_MESSAGE] == (
+        "the /run result could not be stored: it cannot be encoded as JSON: Recursion limit reached"
+    )
+    assert "nested" not in not_stored[1] and "reward" not in not_stored[1]
+    assert len(rows) == 6  # and task 7's own failure row
+    counts = r.hgetall(keys.shard_counts(keys.shard_id(rd.url, "0")))
+    assert counts[b"landed"] == b"16" and counts[b"failed:result_not_stored"] == b"5"
+
+
+@pytest.mark.parametrize("written", [False, True], ids=["before-writing", "after-writing"])
+def test_a_storage_write_that_fails_releases_every_task_and_the_retry_lands_once(
+    r: redis.Redis,
+    rd: RunDir,
+    lander: Lander,
+    monkeypatch: pytest.MonkeyPatch,
+    written: bool,
+) -> None:
+    run = open_run(r, rd)
+    original = RunDir.append_at
+    calls: list[str] = []
+
+    def append_at(self: RunDir, name: str, data: bytes, offset: int) -> None:
+        calls.append(name)
+        if len(calls) == 1:
+            if written:  # the bytes are down, the reply was lost
+                original(self, name, data, offset)
+            raise OSError("injected: the write failed")
+        original(self, name, data, offset)
+
+    monkeypatch.setattr(RunDir, "append_at", append_at)
+    records: list[tuple[Any, list[Any]]] = [(result(t), [failure(t)]) for t in range(10)]
+
+    outcomes = settled(land_in_one_batch(r, lander, run, records))
+
+    assert all(isinstance(o, OSError) for o in outcomes)  # the joined ones too
+    assert not rd.exists(FILES.failures)
+    # The retry (each task's redelivery): every rollout lands, none twice.
+    again = settled([lander.submit(run, res, fails) for res, fails in records])
+    assert all(isinstance(rep, LandReport) for rep in again)
+    assert landed_keys(rd) == {(t, 0): 1 for t in range(10)}
+    assert sum(rep.duplicate for rep in again) == (10 if written else 0)
+    assert sum(1 for _ in rd.iter_lines(FILES.failures)) == 10
+
+
+def test_a_redis_commit_that_fails_releases_every_task_and_the_retry_lands_once(
+    r: redis.Redis, rd: RunDir, lander: Lander, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = open_run(r, rd)
+    pipeline = lander.r.pipeline
+    armed = [True]
+
+    def failing_pipeline(*args: Any, **kwargs: Any) -> Any:
+        pipe = pipeline(*args, **kwargs)
+        if armed.pop() if armed else False:
+
+            def execute(*_: Any, **__: Any) -> Any:
+                raise redis.ConnectionError("injected: connection lost at the commit")
+
+            pipe.execute = execute  # type: ignore[method-assign]
+        return pipe
+
+    monkeypatch.setattr(lander.r, "pipeline", failing_pipeline)
+    records: list[tuple[Any, list[Any]]] = [(result(t), []) for t in range(10)]
+
+    outcomes = settled(land_in_one_batch(r, lander, run, records))
+
+    assert all(isinstance(o, redis.ConnectionError) for o in outcomes)
+    assert not armed
+    again = settled([lander.submit(run, res, fails) for res, fails in records])
+    assert all(isinstance(rep, LandReport) and rep.duplicate for rep in again)  # adopted
+    assert landed_keys(rd) == {(t, 0): 1 for t in range(10)}
+    counts = r.hgetall(keys.shard_counts(keys.shard_id(rd.url, "0")))
+    assert counts[b"landed"] == b"10"

@@ -7,6 +7,7 @@ agent is an `httpx.AsyncClient` over a `MockTransport` driven by the real `call_
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from schemas import fields as F
 from schemas.errors import StorageError
 from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
 from schemas.outcomes import Ended, RolloutOutcome
+from workers.encoding import RESULT_NOT_STORED
 from workers.rollout import CHORD, Delivery, LoopCaller, RolloutContext, run_rollout
 from workers.rollout.fakes import FakeGate, FakeLander, FakeShard
 
@@ -50,6 +52,7 @@ class Harness:
         self.handler: Handler = self.reply(200, {"reward": 1.0})
         self.slept: list[float] = []
         self.clients: list[httpx.AsyncClient] = []
+        self.land_wait_s = 5.0
 
     def reply(self, status: int, body: Any) -> Handler:
         async def answer(request: httpx.Request) -> httpx.Response:
@@ -72,6 +75,7 @@ class Harness:
             lander=self.lander,
             agent=LoopCaller(self.loop, self.client, poll_s=0.01),
             sleep=self.slept.append,
+            land_wait_s=self.land_wait_s,
         )
 
     def run(
@@ -323,3 +327,60 @@ def test_an_unexpected_error_is_an_outcome_not_an_exception(h: Harness) -> None:
     out = h.run()
     assert out.ended is Ended.ERROR and out.detail == "RuntimeError: bug"
     assert h.slots_returned()
+
+
+def deep_reply(extra: dict[str, Any] | None = None) -> Handler:
+    """An agent answering JSON nested 300 levels deep: it parses, and orjson cannot write it."""
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        body = orjson.dumps({"reward": 1.0, **(extra or {})})
+        return httpx.Response(
+            200, content=body[:-1] + b',"nested":' + b"[" * 299 + b"]" * 299 + b"}"
+        )
+
+    return answer
+
+
+def test_a_result_that_cannot_be_stored_fails_alone_with_its_row(h: Harness) -> None:
+    h.handler = deep_reply()
+    out = h.run()
+    assert out.ended is Ended.FAILED and h.shard.results == [] and "3:1" not in h.shard.landed
+    assert h.shard.failures == [out.record]
+    assert out.record == {
+        F.TASK_INDEX: 3,
+        F.ROLLOUT_INDEX: 1,
+        F.AGENT_REF: {"name": "a"},
+        F.FAILURE_CLASS: RESULT_NOT_STORED,
+        F.FAILURE_TYPE: "JSONEncodeError",
+        F.FAILURE_MESSAGE: "the /run result could not be stored: it cannot be encoded as JSON: "
+        "Recursion limit reached",
+        F.FAILURE_HTTP_STATUS: None,
+        F.FAILURE_RESPONSE_BODY: None,
+    }
+    assert h.shard.run_failed == (
+        "rollout 3-1 failed: result_not_stored: the /run result could not be stored: "
+        "it cannot be encoded as JSON: Recursion limit reached"
+    )  # not routed: it fails the run, as any failed rollout does
+    assert h.slots_returned()
+
+
+def test_a_result_that_cannot_be_stored_routed_to_the_sidecar_leaves_the_run_going(
+    h: Harness,
+) -> None:
+    h.handler = deep_reply({F.FAILURE_CLASS: "judge_failed"})  # the agent's own row, too deep
+    out = h.run(route_failures_to_sidecar=True)
+    assert out.ended is Ended.FAILED and h.shard.run_failed is None
+    assert [f[F.FAILURE_CLASS] for f in h.shard.failures] == [RESULT_NOT_STORED]
+    assert out.record == h.shard.failures[0]
+    assert out.record is not None and "the failure row could not" in out.record[F.FAILURE_MESSAGE]
+
+
+def test_a_lander_that_never_answers_is_an_error_within_the_bound(h: Harness) -> None:
+    h.lander.stuck, h.land_wait_s = True, 0.05
+    started = time.monotonic()
+    out = h.run()
+    assert time.monotonic() - started < 2
+    assert out.ended is Ended.ERROR and h.lander.calls == 1 and h.slots_returned()
+    assert out.detail == (
+        "StorageError: landing did not finish within 0.05s; its records may land later"
+    )

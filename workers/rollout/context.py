@@ -19,7 +19,7 @@ from infra.process import PerProcess
 from schemas.messages import CallPolicy, CollectRequest, RunRef
 from workers.admission import Ticket, gate
 from workers.agent_call import CallOutcome, call_run
-from workers.landing import LandReport, lander
+from workers.landing import LAND_WAIT_S, LandReport, lander
 
 STOP_POLL_S = 0.5
 
@@ -45,9 +45,11 @@ class AdmissionGate(Protocol):
 class RecordLander(Protocol):
     """Lands a rollout's records in its shard exactly once (`workers/landing.py`)."""
 
-    def land(
+    def submit(
         self, run: RunRef, result: dict[str, Any] | None, failures: list[dict[str, Any]]
-    ) -> LandReport: ...
+    ) -> concurrent.futures.Future[LandReport]:
+        """Queue the records; the future settles with the report, or the error that failed them."""
+        ...
 
 
 class LoopCaller:
@@ -96,6 +98,8 @@ class RolloutContext:
     """The clock durations are measured with."""
     sleep: Callable[[float], None] = field(default=time.sleep)
     """How the engine waits between landing retries."""
+    land_wait_s: float = LAND_WAIT_S
+    """How long one landing attempt may take before the rollout ends in error."""
 
 
 def _real_context(redis_url: str) -> RolloutContext:

@@ -8,6 +8,7 @@ and the shard would never finish): every path returns a `RolloutOutcome`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,6 +83,8 @@ class _Run:
         self.rollout = F.rollout_id(req.row)
         self.sid = keys.shard_id(req.run.output_dir, req.run.shard)
         self.land_error: str | None = None
+        self.not_stored: dict[str, Any] | None = None
+        """The `result_not_stored` row stored in place of the rollout's last record, if any."""
 
     def end(self, ended: Ended, **fields: Any) -> RolloutOutcome:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
@@ -122,6 +125,8 @@ class _Run:
             ctx.gate.release(ticket, token, duration_s=ended_call - started if timed else None)
         kept = ended in RESULT_ENDS or ended in FAILURE_ENDS or ended is Ended.DUPLICATE
         record = outcome.result if outcome.result is not None else failures[-1]
+        if self.not_stored is not None:
+            record = self.not_stored
         return self.end(
             ended,
             record=record if kept else None,
@@ -156,7 +161,8 @@ class _Run:
         ended = Ended.WORKER_LOST
         if self.delivery.record:
             ended = self.land(None, [lost], ended)
-        return self.end(ended, record=lost if ended is Ended.WORKER_LOST else None,
+        record = self.not_stored or lost
+        return self.end(ended, record=record if ended in FAILURE_ENDS else None,
                         detail=self.land_error)  # fmt: skip
 
     def land(
@@ -173,20 +179,37 @@ class _Run:
             log.error("rollout %s could not be landed: %s", self.rollout, exc)
             self.land_error = f"{type(exc).__name__}: {exc}"
             return Ended.ERROR
+        final = failures[-1] if failures else None
+        if report.not_stored is not None:
+            # Its last record could not be encoded: the rollout failed, with the row stored instead.
+            log.error("rollout %s: %s", self.rollout, report.not_stored[F.FAILURE_MESSAGE])
+            self.not_stored = final = report.not_stored
+            ended = Ended.FAILED
         routed = self.req.policy.route_failures_to_sidecar
-        if ended in FAILURE_ENDS and self.delivery.fails_run and not routed:
-            self.ctx.gate.fail_run(self.sid, run_failure_message(self.rollout, failures[-1]))
+        if ended in FAILURE_ENDS and self.delivery.fails_run and not routed and final is not None:
+            self.ctx.gate.fail_run(self.sid, run_failure_message(self.rollout, final))
         return Ended.DUPLICATE if report.duplicate else ended
 
     def land_with_retry(
         self, result: dict[str, Any] | None, failures: list[dict[str, Any]]
     ) -> LandReport:
-        """Land the records, riding out a Redis restart or a busy lock for up to LAND_RETRY_S."""
+        """Land the records, riding out a Redis restart or a busy lock for up to LAND_RETRY_S.
+
+        Each attempt waits at most `land_wait_s` for the lander: past it, `StorageError` (the
+        records may land later; the rollout's outcome is an error, and a resume finds them).
+        """
         deadline = self.ctx.monotonic() + LAND_RETRY_S
         delay = 0.5
         while True:
+            future = self.ctx.lander.submit(self.req.run, result, failures)
+            done, _ = concurrent.futures.wait([future], timeout=self.ctx.land_wait_s)
+            if not done:
+                raise StorageError(
+                    f"landing did not finish within {self.ctx.land_wait_s:g}s; "
+                    "its records may land later"
+                )
             try:
-                return self.ctx.lander.land(self.req.run, result, failures)
+                return future.result()
             except (redis.ConnectionError, redis.TimeoutError, TransientError) as exc:
                 if self.ctx.monotonic() + delay > deadline:
                     raise

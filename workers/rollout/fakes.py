@@ -3,12 +3,14 @@
 `FakeShard` holds what Redis and the shard's files would: the landed keys, the opener token,
 the stop flags, the budget, the unfinished deliveries, and the records written. `FakeGate` admits
 against it as the begin script does (stop flags, fencing, landed, budget, attempt limit, in that
-order); `FakeLander` lands into it as the lander does (fenced writers refused, a result whose key
-landed before is a duplicate). Either can be told to fail its next calls.
+order); `FakeLander` lands into it as the lander does (records encoded one by one, fenced writers
+refused, a result whose key landed before is a duplicate). Either can be told to fail its next
+calls; the lander also to never answer.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +18,7 @@ from schemas import fields as F
 from schemas.errors import ShardFencedError
 from schemas.messages import CollectRequest, RunRef
 from workers.admission import Ticket
+from workers.encoding import encode_records
 from workers.landing import LandReport
 
 
@@ -117,30 +120,47 @@ class FakeGate:
 
 
 class FakeLander:
-    """Lands into a `FakeShard`; `errors` are raised by the next calls, one each, first first."""
+    """Lands into a `FakeShard`; `errors` are raised by the next calls, one each, first first.
+
+    With `stuck`, a call's future never settles (a lander whose write hangs).
+    """
 
     def __init__(self, shard: FakeShard) -> None:
         self.shard = shard
         self.errors: list[BaseException] = []
+        self.stuck = False
         self.calls = 0
 
-    def land(
+    def submit(
+        self, run: RunRef, result: dict[str, Any] | None, failures: list[dict[str, Any]]
+    ) -> concurrent.futures.Future[LandReport]:
+        self.calls += 1
+        future: concurrent.futures.Future[LandReport] = concurrent.futures.Future()
+        if self.stuck:
+            return future
+        try:
+            future.set_result(self._land(run, result, failures))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
+
+    def _land(
         self, run: RunRef, result: dict[str, Any] | None, failures: list[dict[str, Any]]
     ) -> LandReport:
-        self.calls += 1
         if self.errors:
             raise self.errors.pop(0)
         s = self.shard
         if run.token != s.opener:
             raise ShardFencedError(f"shard {run.shard} was opened by another writer ({s.opener})")
-        report = LandReport(failures_written=len(failures))
-        if result is not None:
-            key = _key(result)
+        records = encode_records(result, failures)
+        report = LandReport(failures_written=len(records.failures), not_stored=records.not_stored)
+        if records.result is not None:
+            key = _key(records.result)
             if key in s.landed:
                 report.duplicate = True
             else:
                 s.landed.add(key)
-                s.results.append(result)
+                s.results.append(records.result)
                 report.landed = True
-        s.failures.extend(failures)
+        s.failures.extend(records.failures)
         return report

@@ -1,0 +1,71 @@
+"""A reply that parses but cannot be stored fails alone (SPEC §5), through `rollouts run`.
+
+The example agent answers every fifth task with JSON nested 300 levels deep: orjson reads up to
+1,024 levels but writes at most 254, so the lander cannot encode the result. That rollout gets a
+`result_not_stored` failure row; the good rollouts batched with it land, and every task returns.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+
+from examples.agent_server import AgentKnobs
+from examples.servers import start_servers
+from infra import keys
+from infra.store import RunDir
+from schemas import fields as F
+from tests.conftest import Workers, demo_rows, write_rows
+from tests.ops_helpers import cli, manifest, rows_by_key, wait_for
+
+pytestmark = pytest.mark.integration
+
+ROWS = 100
+EVERY = 5
+
+
+def test_deep_replies_fail_alone_and_every_rollout_has_an_outcome(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    servers = start_servers(knobs=AgentKnobs(deep_reply_every=EVERY, deep_reply_depth=300))
+    try:
+        workers.start(count=2, concurrency=16)
+        workers.wait_ready()
+        out = tmp_path / "run"
+        proc = cli(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", demo_rows(ROWS)),
+            "--output-dir", str(out), "--broker", redis_url, "+route_failures_to_sidecar=true",
+            timeout=180,
+        )  # fmt: skip
+    finally:
+        servers.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert manifest(out)["state"] == "completed"
+
+    deep = {(t, 0) for t in range(0, ROWS, EVERY)}
+    landed = rows_by_key(out / "rollouts-0.jsonl")
+    failures = rows_by_key(out / "rollouts-0_failures.jsonl")
+    assert set(landed) == {(t, 0) for t in range(ROWS)} - deep  # all 80 good ones
+    assert all(len(rows) == 1 for rows in landed.values())
+    assert set(failures) == deep  # and each deep one has its failure row
+    for rows in failures.values():
+        [row] = rows
+        assert row[F.FAILURE_CLASS] == "result_not_stored"
+        assert row[F.FAILURE_TYPE] == "JSONEncodeError"
+        assert "Recursion limit" in row[F.FAILURE_MESSAGE]
+        assert "nested" not in row and "response" not in row  # identity and cause only
+
+    # No task outlives the run: every delivery ended, no slot is held, no message is unacked.
+    r = redis.Redis.from_url(redis_url)
+    sid = keys.shard_id(RunDir(str(out)).url, "0")
+    assert r.hlen(keys.shard_starts(sid)) == 0
+    assert r.zcard(keys.shard_leases(sid)) == 0
+    wait_for(lambda: r.hlen("unacked") == 0, 10, "the last acks")  # written in batches
+    counts = {k.decode(): int(v) for k, v in r.hgetall(keys.shard_counts(sid)).items()}  # type: ignore[union-attr]
+    r.close()
+    assert counts["landed"] == ROWS - len(deep)
+    assert counts["failed:result_not_stored"] == len(deep)
+    assert "Traceback" not in workers.output()

@@ -1,0 +1,113 @@
+"""A rollout's records as the lines the lander appends: each record encoded on its own, up front.
+
+A record that cannot be encoded fails its own rollout and nothing else: it is replaced by a
+`result_not_stored` failure row (SPEC §5: "a rollout whose result could not be stored fails alone,
+with a class that says so"), which carries the record's identity and the cause and goes to the
+sidecar with the batch; the batch never holds an unencodable record. The case that happens is an
+agent reply nested 255-1,024 levels deep: orjson reads JSON up to 1,024 levels but writes at most
+254, so such a reply parses and cannot be written again.
+
+Why the agent's bytes are not stored as they came (splicing the stamped identity into them):
+the finish step decodes every landed result and encodes it again, with the same encoder, for
+the `/aggregate_metrics` body (`workers/aggregation.py`), so a result too deep to encode would
+fail the whole shard's finish there instead of its one rollout here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from infra import jsonl
+from schemas.errors import StorageError
+from schemas.records import FailureRow
+from workers.agent_call import failure_row
+from workers.shard.state import failure_counter, key_str
+
+RESULT_NOT_STORED = "result_not_stored"
+"""The failure class of a record that could not be stored (ours)."""
+
+
+@dataclass
+class EncodedRecords:
+    """One rollout's records for its shard, each encoded already."""
+
+    result: dict[str, Any] | None = None
+    """The result to land; None when there is none or it could not be encoded."""
+    result_line: bytes | None = None
+    """Its JSONL line."""
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    """The failure rows for the sidecar, a `result_not_stored` row in place of each record that
+    could not be encoded."""
+    failure_lines: list[bytes] = field(default_factory=list)
+    """Their JSONL lines, in order."""
+    not_stored: dict[str, Any] | None = None
+    """The `result_not_stored` row that replaced the rollout's last record (its result, else its
+    final failure row); None when that record was stored as it is."""
+
+    @property
+    def key(self) -> str | None:
+        """The `task:rollout` key of the result to land."""
+        return None if self.result is None else key_str(self.result)
+
+    def to_land(self) -> tuple[str, bytes] | None:
+        """(key, line) of the result to land, if there is one."""
+        if self.result is None or self.result_line is None:
+            return None
+        return key_str(self.result), self.result_line
+
+    def counters(self) -> list[str]:
+        """The `failed:<class>` counter of each failure row."""
+        return [failure_counter(row) for row in self.failures]
+
+
+def not_stored_row(record: dict[str, Any], what: str, exc: Exception) -> dict[str, Any]:
+    """The failure row of a rollout whose `record` could not be encoded: its identity and why."""
+    return failure_row(
+        record,
+        FailureRow(
+            _ng_failure_class=RESULT_NOT_STORED,
+            _ng_failure_type="JSONEncodeError",
+            _ng_failure_message=f"{what} could not be stored: it cannot be encoded as JSON: {exc}",
+        ),
+    )
+
+
+def encode_records(result: dict[str, Any] | None, failures: list[dict[str, Any]]) -> EncodedRecords:
+    """Encode each record on its own, replacing one that cannot be encoded by its failure row.
+
+    Raises `StorageError` only when even the replacement cannot be encoded (an identity field
+    that is not JSON): then nothing of the rollout is stored.
+    """
+    out = EncodedRecords()
+    last_replaced: dict[str, Any] | None = None
+    for row in failures:
+        try:
+            line, last_replaced = jsonl.dumps_line(row), None
+        except orjson.JSONEncodeError as exc:
+            row = last_replaced = not_stored_row(row, "the failure row", exc)
+            line = _encode_replacement(row, exc)
+        out.failures.append(row)
+        out.failure_lines.append(line)
+    if result is not None:
+        try:
+            out.result_line, out.result = jsonl.dumps_line(result), result
+        except orjson.JSONEncodeError as exc:
+            row = not_stored_row(result, "the /run result", exc)
+            out.failures.append(row)
+            out.failure_lines.append(_encode_replacement(row, exc))
+            out.not_stored = row
+    elif last_replaced is not None:
+        out.not_stored = last_replaced
+    return out
+
+
+def _encode_replacement(row: dict[str, Any], cause: Exception) -> bytes:
+    try:
+        return jsonl.dumps_line(row)
+    except orjson.JSONEncodeError as exc:
+        raise StorageError(
+            f"a record could not be encoded ({cause}), nor its identity ({exc}); nothing stored"
+        ) from exc
