@@ -10,8 +10,9 @@ import contextlib
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -98,6 +99,24 @@ def _may_have_segments(name: str) -> bool:
     return name.endswith(".jsonl")
 
 
+@contextmanager
+def replacing_file(target: str, durable: bool = True) -> Iterator[IO[bytes]]:
+    """A local file that atomically replaces `target` when the block exits cleanly (never on
+    error): readers see the old content or the new, never a mix. `durable` syncs it first."""
+    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
 class RunDir:
     """A run directory: a local folder or an object-store prefix, addressed by URL.
 
@@ -172,12 +191,8 @@ class RunDir:
         """Replace `name` with `data` so readers see the old or the new content, never a mix."""
         target = self.path(name)
         if self.is_local:
-            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
+            with replacing_file(target) as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
         else:
             # An object PUT is atomic: readers see the old object or the new one.
             self.fs.pipe_file(target, data)
@@ -291,12 +306,8 @@ class RunDir:
         if base is None or base.end < end:
             target = self.path(name)
             if self.is_local:
-                tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-                with open(tmp, "wb") as f:
+                with replacing_file(target) as f:
                     self._copy_logical(name, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, target)
             else:
                 # A streamed (multipart) upload becomes visible only when complete.
                 with self.fs.open(target, "wb") as f:

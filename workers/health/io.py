@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO
 
-from infra.store import RunDir
+from infra.store import RunDir, replacing_file
 
 SCRATCH_BLOCK = 1 << 18
 
@@ -81,18 +79,8 @@ def open_writer(rd: RunDir, name: str, durable: bool = True) -> Iterator[IO[byte
     """
     target = rd.path(name)
     if rd.is_local:
-        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb") as f:
-                yield f
-                if durable:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, target)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
+        with replacing_file(target, durable) as f:
+            yield f
         return
     f = rd.fs.open(target, "wb")
     try:
