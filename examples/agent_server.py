@@ -3,7 +3,7 @@
 Knobs for tests and benchmarks (command-line flags, or `POST /admin/knobs` with the same names):
 latency, a random fault rate over chosen fault kinds, and a request log. A row can also ask for
 its own fault (`"fault": {"kind": "http500", "times": 1}`: its first request fails) or its own
-latency (`"agent_latency_ms": 2000`). Fault kinds: http500, http503, reset, malformed, list,
+latency (`"agent_latency_ms": 2000`). Fault kinds: http500, http502, http503, reset, malformed, list,
 hang (no reply), stall (a reply that stops after its first bytes), huge (a valid JSON object of
 `huge_reply_mb` MB, streamed), gzip_bomb (the same object gzip-compressed, sent with
 `Content-Encoding: gzip`), redirect307 and redirect302 (to `/redirected`, which counts the
@@ -11,8 +11,12 @@ requests that followed it and answers with a valid result).
 A row's `"result_extra": {...}` is merged into its result (e.g. an agent-chosen failure row with
 `_ng_failure_class`, or `_ng_no_persist`).
 
-`GET /stats` reports requests, in-flight calls now and at most, and cancelled calls (the client
-closed the connection mid-call).
+A rate limit (`--rate-limit-above K --retry-after S`): a call that would be the agent's
+(K+1)-th concurrent one is answered at once with HTTP 429 and `Retry-After: S` (K = 0: every
+call; S < 0: no header); the request log marks it `rate_limited` with its `retry_after`.
+
+`GET /stats` reports requests, in-flight calls now and at most, cancelled calls (the client
+closed the connection mid-call) and the 429s sent (`rate_limited`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from examples.tasks import _unit, stand_in_answer
 
 FAULT_KINDS = (
     "http500",
+    "http502",
     "http503",
     "reset",
     "malformed",
@@ -63,6 +68,10 @@ class AgentKnobs:
     pad_kb: int = 0
     # Size of a `huge` or `gzip_bomb` reply in MB (decompressed).
     huge_reply_mb: int = 300
+    # Answer 429 to a call above this many concurrent ones (None: never; 0: every call).
+    rate_limit_above: int | None = None
+    # The 429's Retry-After in seconds (negative: no header).
+    retry_after_s: float = 1.0
 
 
 def padding_items(kb: int) -> list[dict[str, Any]]:
@@ -83,6 +92,7 @@ class AgentStats:
     faults: int = 0
     completed: int = 0
     redirected: int = 0
+    rate_limited: int = 0
 
 
 class AgentServer:
@@ -149,6 +159,9 @@ class AgentServer:
         self._write_log({**event, "event": "start"})
         outcome = "ok"
         try:
+            limit = self.knobs.rate_limit_above
+            if limit is not None and st.in_flight > limit:
+                return self._rate_limited(event)
             fault = self._fault_for(row, key, attempt_no)
             delay = float(row.get("agent_latency_ms", self.knobs.latency_ms))
             if self.knobs.latency_jitter_ms:
@@ -172,11 +185,25 @@ class AgentServer:
             raise
         finally:
             st.in_flight -= 1
+            outcome = event.pop("outcome", outcome)
             self._write_log({**event, "event": "end", "end": time.time(), "outcome": outcome})
+
+    def _rate_limited(self, event: dict[str, Any]) -> web.Response:
+        """A 429 with the knobs' Retry-After; the log's end event says so."""
+        self.stats.rate_limited += 1
+        wait = self.knobs.retry_after_s
+        event["outcome"] = "rate_limited"
+        headers = {}
+        if wait >= 0:
+            event["retry_after"] = wait
+            headers["Retry-After"] = f"{wait:g}"
+        return web.Response(status=429, headers=headers, text="rate limited: slow down")
 
     async def _fault_response(self, request: web.Request, fault: str) -> web.StreamResponse:
         if fault == "http500":
             return web.Response(status=500, text="injected fault: internal error")
+        if fault == "http502":
+            return web.Response(status=502, text="injected fault: bad gateway")
         if fault == "http503":
             return web.Response(status=503, text="injected fault: unavailable")
         if fault == "malformed":
@@ -338,6 +365,15 @@ def main() -> None:
     parser.add_argument(
         "--huge-reply-mb", type=int, default=300, help="Size of a huge or gzip_bomb reply."
     )
+    parser.add_argument(
+        "--rate-limit-above",
+        type=int,
+        default=None,
+        help="Answer 429 to a call above this many concurrent ones (0: every call).",
+    )
+    parser.add_argument(
+        "--retry-after", type=float, default=1.0, help="The 429's Retry-After in seconds."
+    )
     a = parser.parse_args()
     knobs = AgentKnobs(
         latency_ms=a.latency_ms,
@@ -347,6 +383,8 @@ def main() -> None:
         seed=a.seed,
         request_log=a.request_log,
         huge_reply_mb=a.huge_reply_mb,
+        rate_limit_above=a.rate_limit_above,
+        retry_after_s=a.retry_after,
     )
     web.run_app(
         AgentServer(a.name, knobs).app(), host=a.host, port=a.port, handler_cancellation=True
