@@ -7,7 +7,7 @@ layouts are `infra/keys.py`'s. Callers register them with `redis.Redis.register_
 
 - `BEGIN_LUA`, `END_LUA`, `RENEW_LUA`, `BACK_OFF_LUA`: a rollout's admission (with its agent's
   adaptive window), slot release (growing the window), lease renewal, and a 429/503 reply
-  (halving the window) (`workers/admission.py`).
+  (shrinking the window) (`workers/admission.py`).
 - `ACQUIRE_READING_LUA`, `RELEASE_LUA`, `EXTEND_LUA`: the shard lock (`infra/locks.py`).
 - `RUNNING_LUA`: what of a `run_examples` call still runs (`producer/api/transport.py`).
 """
@@ -124,15 +124,20 @@ return {'run', ''}
 END_LUA = """
 -- Releases of many rollouts at once: each frees its slot and, once its rollout landed, takes
 -- back its unfinished start and counts its outcome in the generation. ARGV[1] is how many
--- durations to keep; then six KEYS and six ARGV per release. An empty `key` frees the slot
+-- durations to keep; then seven KEYS and six ARGV per release. An empty `key` frees the slot
 -- only (the call ended; the accounting follows once it landed); a negative duration is none;
 -- ok = '1' (the call succeeded) grows the agent's window: by one below ssthresh (slow start,
--- doubling per round trip), else by 1/window (one per round trip), up to its cap.
+-- doubling per round trip), else by 1/window (one per round trip), up to its cap. An agent left
+-- idle (no call in flight, nobody waiting for it) forgets its window, as TCP restarts an idle
+-- connection's: the next burst slow-starts again, and a finished run leaves no agent state.
 local keep = tonumber(ARGV[1])
-for i = 0, #KEYS / 6 - 1 do
-  local k, a = i * 6, i * 6 + 1
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+for i = 0, #KEYS / 7 - 1 do
+  local k, a = i * 7, i * 6 + 1
   local leases_key, agent_leases_key, starts_key = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   local generation_key, durations_key, agent_window_key = KEYS[k + 4], KEYS[k + 5], KEYS[k + 6]
+  local agent_waiting_key = KEYS[k + 7]
   local member, key, token = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local field, duration, ok = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
   redis.call('ZREM', leases_key, member)
@@ -156,22 +161,27 @@ for i = 0, #KEYS / 6 - 1 do
       redis.call('HSET', agent_window_key, 'window', math.min(window, cap))
     end
   end
+  redis.call('ZREMRANGEBYSCORE', agent_leases_key, '-inf', now)
+  redis.call('ZREMRANGEBYSCORE', agent_waiting_key, '-inf', now)
+  if redis.call('ZCARD', agent_leases_key) == 0 and redis.call('ZCARD', agent_waiting_key) == 0 then
+    redis.call('DEL', agent_window_key)
+  end
 end
 return 1
 """
 
 BACK_OFF_LUA = """
--- A /run answered 429 or 503: free the rollout's slot, count the reply, and halve the agent's
--- window (multiplicative decrease, not below 1; slow start ends there), at most once per round
--- trip: a reply to a call sent before the last decrease (now - last_decrease < call_s) saw the
+-- A /run answered 429 or 503: free the rollout's slot, count the reply, and shrink the agent's
+-- window by `decrease` (multiplicative, not below 1; slow start ends there), at most once per
+-- round trip: a reply to a call sent before the last decrease (now - last_decrease < call_s) saw the
 -- old window and changes nothing. wait_s >= 0: the rollout now sleeps that long; it is counted
 -- (per agent, in the shard's counts) and listed as waiting for the agent meanwhile; a negative
--- wait_s: none follows (the rollout gave up). Returns {window, 1 if it was halved else 0}.
+-- wait_s: none follows (the rollout gave up). Returns {window, 1 if it shrank else 0}.
 local leases_key, agent_leases_key, agent_window_key = KEYS[1], KEYS[2], KEYS[3]
 local agent_limited_key, agent_waiting_key, counts_key = KEYS[4], KEYS[5], KEYS[6]
 local member, call_s, wait_s = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local agent, ttl, initial_window = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
-local window_keep_s, limited_keep_s = ARGV[7], tonumber(ARGV[8])
+local window_keep_s, limited_keep_s, decrease = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -187,14 +197,14 @@ if wait_s >= 0 then
 end
 local window = tonumber(redis.call('HGET', agent_window_key, 'window')) or initial_window
 local last = tonumber(redis.call('HGET', agent_window_key, 'last_decrease')) or 0
-local halved = 0
+local shrank = 0
 if now - last >= call_s then
-  window = math.max(1, math.floor(window / 2))
+  window = math.max(1, window * decrease)
   redis.call('HSET', agent_window_key, 'window', window, 'ssthresh', window, 'last_decrease', now)
-  halved = 1
+  shrank = 1
 end
 redis.call('EXPIRE', agent_window_key, window_keep_s)
-return {tostring(window), halved}
+return {tostring(window), shrank}
 """
 
 RENEW_LUA = """

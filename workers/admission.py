@@ -3,7 +3,8 @@
 One Lua call per rollout decides it (`begin`), one more returns the slot (`end`); a 429/503
 reply returns it early (`back_off`) while the rollout waits. Each agent's concurrent calls are
 also bounded by its adaptive window (`keys.agent_window`), one for the whole cluster: slow start
-from `INITIAL_WINDOW`, halved on a 429/503 at most once per round trip, grown on success, up to
+from `INITIAL_WINDOW`, shrunk by `WINDOW_DECREASE` on a 429/503 at most once per round trip, grown
+on success, up to
 the agent's `max_concurrency` (else the run's `max_resident_tasks`, else `DEFAULT_WINDOW_CAP`). A slot is a
 *lease*: a member of a Redis sorted set scored by its expiry on the Redis server's clock. Each
 worker process renews the leases it holds from one thread; a process that dies stops renewing,
@@ -54,12 +55,17 @@ REDIS_RETRY_S = 120.0
 
 RELEASE_BATCH = 256
 
-INITIAL_WINDOW = 4
-"""An agent's window before its first success: a cold server is not stormed by the first burst."""
+INITIAL_WINDOW = 10
+"""An agent's window before its first success (TCP's initial window, RFC 6928): a cold server is
+not stormed by the first burst."""
 DEFAULT_WINDOW_CAP = 1024
 """The largest window of an agent with no max_concurrency, in a run with no max_resident_tasks."""
 WINDOW_KEEP_S = 3600
-"""An agent's window idle this long is forgotten (the next run slow-starts again)."""
+"""An agent's window unused this long is forgotten, e.g. after its workers died (an agent left
+idle forgets it at once: the end script)."""
+WINDOW_DECREASE = 0.7
+"""A 429/503 shrinks the window to this fraction (CUBIC's beta: a shallower saw than halving
+keeps more of a rate-limited agent's capacity in use)."""
 LIMITED_KEEP_S = 60.0
 """How far back the 429/503 counter of `rollouts status` looks."""
 
@@ -322,7 +328,7 @@ class Gate:
         )
 
     def back_off(self, ticket: Ticket, status: int, wait_s: float | None, call_s: float) -> None:
-        """A 429/503 reply: give the slot back now, count it, and halve the agent's window (at
+        """A 429/503 reply: give the slot back now, count it, and shrink the agent's window (at
         most once per round trip); `wait_s` is the wait that follows, None if the rollout gave up."""
         self.renewer.remove(ticket.member)
         url = ticket.agent_url
@@ -345,6 +351,7 @@ class Gate:
             INITIAL_WINDOW,
             WINDOW_KEEP_S,
             LIMITED_KEEP_S,
+            WINDOW_DECREASE,
         ]
         try:
             with_redis_retry(
@@ -375,6 +382,7 @@ class Gate:
             keys.shard_generation(ticket.sid),
             keys.shard_durations(ticket.sid),
             keys.agent_window(ticket.agent_url),
+            keys.agent_waiting(ticket.agent_url),
         ]  # fmt: skip
 
     def fail_run(self, sid: str, message: str) -> None:

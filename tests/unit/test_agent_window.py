@@ -11,7 +11,7 @@ import redis
 
 from infra import keys
 from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
-from workers.admission import INITIAL_WINDOW, Gate, Ticket
+from workers.admission import INITIAL_WINDOW, WINDOW_DECREASE, Gate, Ticket
 
 TOKEN = "tok-1"
 URL = "file:///tmp/run-window"
@@ -61,6 +61,11 @@ def begin(gate: Gate, task: int, readmit: bool = False, **admission: Any) -> lis
     return [v.decode() if isinstance(v, bytes) else str(v) for v in answer]
 
 
+def busy(r: redis.Redis) -> None:
+    """Another call holds a lease on the agent: it is not idle, so it keeps its window."""
+    r.zadd(keys.agent_leases(AGENT), {"elsewhere|a|0:9": 1e12})
+
+
 def ticket(task: int) -> Ticket:
     return Ticket("run", "", SID, f"{task}:0", f"h:1:{task}|a|{task}:0",
                   keys.agent_leases(AGENT), AGENT)  # fmt: skip
@@ -77,34 +82,37 @@ def test_a_cold_agent_starts_with_the_initial_window(gate: Gate, r: redis.Redis)
 def test_slow_start_doubles_per_round_then_grows_by_one_per_round(
     gate: Gate, r: redis.Redis
 ) -> None:
-    for i in range(INITIAL_WINDOW):
+    busy(r)
+    for i in range(INITIAL_WINDOW - 1):
         assert begin(gate, i)[0] == "run"
     for i in range(INITIAL_WINDOW):
         gate.free_slot(ticket(i), TOKEN, ok=True)
     gate.releaser.flush()
     assert window(r)["window"] == 2 * INITIAL_WINDOW
-    # A rate limit ends slow start at half the window ...
-    gate.back_off(ticket(50), 429, 1.0, call_s=0.0)
-    assert window(r)["window"] == INITIAL_WINDOW and window(r)["ssthresh"] == INITIAL_WINDOW
+    # A rate limit ends slow start at a fraction of the window ...
+    gate.back_off(ticket(50), 429, -1, call_s=0.0)
+    shrunk = 2 * INITIAL_WINDOW * WINDOW_DECREASE
+    assert window(r)["window"] == pytest.approx(shrunk) == window(r)["ssthresh"]
     # ... and from there a round of successes adds one.
-    for i in range(INITIAL_WINDOW):
+    for i in range(round(shrunk)):
         gate.free_slot(ticket(100 + i), TOKEN, ok=True)
     gate.releaser.flush()
-    assert window(r)["window"] == pytest.approx(INITIAL_WINDOW + 1, abs=0.1)
+    assert window(r)["window"] == pytest.approx(shrunk + 1, abs=0.15)
     # Failures that are not rate limits leave it.
+    before = window(r)["window"]
     gate.free_slot(ticket(200), TOKEN, ok=False)
     gate.releaser.flush()
-    assert window(r)["window"] == pytest.approx(INITIAL_WINDOW + 1, abs=0.1)
+    assert window(r)["window"] == before
 
 
-def test_halving_happens_once_per_round_trip_and_never_below_one(
+def test_the_window_shrinks_once_per_round_trip_and_never_below_one(
     gate: Gate, r: redis.Redis
 ) -> None:
     r.hset(keys.agent_window(AGENT), mapping={"window": 64, "ssthresh": 1024, "cap": 1024})
-    # A burst of 429s to calls sent before the first decrease (each took 10 s): one halving.
+    # A burst of 429s to calls sent before the first decrease (each took 10 s): one decrease.
     for i in range(20):
         gate.back_off(ticket(i), 429, 1.0, call_s=10.0)
-    assert window(r)["window"] == 32
+    assert window(r)["window"] == pytest.approx(64 * WINDOW_DECREASE)
     r.hset(keys.agent_window(AGENT), "last_decrease", 0)
     for i in range(20):
         gate.back_off(ticket(i), 503, 1.0, call_s=0.0)  # each call after the last decrease
@@ -114,19 +122,34 @@ def test_halving_happens_once_per_round_trip_and_never_below_one(
 def test_the_window_refuses_at_its_size_and_is_capped_by_max_concurrency(
     gate: Gate, r: redis.Redis
 ) -> None:
-    r.hset(keys.agent_window(AGENT), mapping={"window": 2.9, "ssthresh": 1, "cap": 1024})
+    busy(r)
+    r.hset(keys.agent_window(AGENT), mapping={"window": 3.9, "ssthresh": 1, "cap": 1024})
     assert [begin(gate, i)[0] for i in range(3)] == ["run", "run", "wait"]
     # A run whose agent has max_concurrency 2 caps the window there.
     r.hset(keys.agent_window(AGENT), "window", 500)
-    assert begin(gate, 3, agent_cap=2) == ["wait", "max_concurrency"]
+    assert begin(gate, 3, agent_cap=3) == ["wait", "max_concurrency"]
     gate.free_slot(ticket(0), TOKEN)
     gate.releaser.flush()
-    assert begin(gate, 3, agent_cap=2)[0] == "run"
-    assert window(r)["window"] == 2 and window(r)["cap"] == 2
+    assert begin(gate, 3, agent_cap=3)[0] == "run"
+    assert window(r)["window"] == 3 and window(r)["cap"] == 3
     for i in range(10):
         gate.free_slot(ticket(100 + i), TOKEN, ok=True)
     gate.releaser.flush()
-    assert window(r)["window"] == 2
+    assert window(r)["window"] == 3
+
+
+def test_an_idle_agent_forgets_its_window(gate: Gate, r: redis.Redis) -> None:
+    assert begin(gate, 0)[0] == "run" and begin(gate, 1)[0] == "run"
+    gate.back_off(ticket(0), 429, 5.0, call_s=0.0)  # waiting for the agent: not idle
+    gate.free_slot(ticket(1), TOKEN, ok=True)
+    gate.releaser.flush()
+    shrunk = INITIAL_WINDOW * WINDOW_DECREASE
+    assert window(r)["window"] == pytest.approx(shrunk + 1 / shrunk)
+    assert begin(gate, 0, readmit=True)[0] == "run"
+    gate.free_slot(ticket(0), TOKEN, ok=True)
+    gate.releaser.flush()
+    assert not r.exists(keys.agent_window(AGENT))
+    assert not r.exists(keys.agent_leases(AGENT)) and not r.exists(keys.agent_waiting(AGENT))
 
 
 def test_a_lost_window_is_rebuilt_with_the_defaults(gate: Gate, r: redis.Redis) -> None:

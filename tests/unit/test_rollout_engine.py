@@ -411,8 +411,9 @@ def test_a_rollout_landed_elsewhere_during_its_wait_gives_its_start_back(h: Harn
     assert not h.shard.starts and h.shard.in_flight == 0
 
 
-def test_the_window_halves_on_a_rate_limit_and_grows_on_success(h: Harness) -> None:
-    h.shard.window = 16.0
+def test_the_window_shrinks_on_a_rate_limit_and_grows_on_success(h: Harness) -> None:
+    h.shard.window = 20.0
     h.handler = replies(limited(429, "1"), h.reply(200, {"reward": 1.0}))
     h.run()
-    assert h.shard.ssthresh == 8.0 and h.shard.window == pytest.approx(8.0 + 1 / 8)
+    assert h.shard.ssthresh == pytest.approx(14.0)
+    assert h.shard.window == pytest.approx(14.0 + 1 / 14)

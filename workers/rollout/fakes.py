@@ -16,7 +16,7 @@ from typing import Any
 from schemas import fields as F
 from schemas.errors import ShardFencedError
 from schemas.messages import CollectRequest, RunRef
-from workers.admission import Ticket
+from workers.admission import WINDOW_DECREASE, Ticket
 from workers.landing import LandReport
 
 
@@ -47,7 +47,7 @@ class FakeShard:
     """The drain margin."""
     starts: dict[str, int] = field(default_factory=dict)
     """Deliveries of each rollout that started and did not end."""
-    window: float = 4.0
+    window: float = 10.0
     """The agent's adaptive window (what `keys.agent_window` holds)."""
     ssthresh: float = 1024.0
     """Below it the window slow-starts."""
@@ -148,12 +148,12 @@ class FakeGate:
             s.window = min(s.window_cap, s.window + (1 if s.window < s.ssthresh else 1 / s.window))
 
     def back_off(self, ticket: Ticket, status: int, wait_s: float | None, call_s: float) -> None:
-        # The real script halves at most once per round trip; one rollout's replies are a round
+        # The real script shrinks it at most once per round trip; one rollout's replies are a round
         # trip apart.
         self.backed_off.append(BackOff(ticket.key, status, wait_s))
         self._free(ticket.key)
         s = self.shard
-        s.window = s.ssthresh = max(1.0, float(int(s.window / 2)))
+        s.window = s.ssthresh = max(1.0, s.window * WINDOW_DECREASE)
 
     def release(
         self, ticket: Ticket, token: str, field: str = "done", duration_s: float | None = None

@@ -1,0 +1,146 @@
+"""Backpressure end to end, measured by the agent itself: an agent that answers 429 above K
+concurrent calls is waited out by the whole fleet (issue 16, acceptance 1 and 3).
+
+The agent's request log has a `start` and an `end` event per request; a 429's end event carries
+its `retry_after`. No rollout may come back sooner than that after its 429.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from examples.agent_server import AgentKnobs
+from examples.servers import start_servers
+from examples.tasks import make_row
+from tests.conftest import Workers, write_rows
+from tests.ops_helpers import (
+    cli,
+    cli_background,
+    manifest,
+    request_log,
+    requests_per_key,
+    rows_by_key,
+    wait_for,
+)
+from workers.backpressure import MIN_WAIT_S
+
+pytestmark = pytest.mark.integration
+
+K = 8
+RETRY_AFTER_S = 1.0
+
+
+def landed(out: Path) -> int:
+    path = out / "rollouts-0.jsonl"
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def too_soon(log: list[dict[str, Any]]) -> list[tuple[Any, float]]:
+    """Requests that followed their rollout's 429 sooner than its Retry-After: (key, gap)."""
+    by_key: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    for event in log:
+        by_key[(event["task"], event["rollout"])].append(event)
+    early = []
+    for key, events in by_key.items():
+        events.sort(key=lambda e: (e["start"], e["event"] == "end"))
+        limited_until = None
+        for e in events:
+            if e["event"] == "start" and limited_until is not None and e["start"] < limited_until:
+                early.append((key, limited_until - e["start"]))
+            if e["event"] == "end" and e["outcome"] == "rate_limited":
+                limited_until = e["end"] + e["retry_after"]
+    return early
+
+
+@pytest.mark.parametrize(
+    ("rollouts", "concurrency"),
+    [(600, 64), pytest.param(2000, 256, marks=pytest.mark.bench)],
+)
+def test_a_rate_limited_agent_is_waited_out_by_the_fleet(
+    redis_url: str, workers: Workers, tmp_path: Path, rollouts: int, concurrency: int
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    knobs = AgentKnobs(
+        latency_ms=200, rate_limit_above=K, retry_after_s=RETRY_AFTER_S, request_log=str(log)
+    )
+    servers = start_servers({"math_agent": "math_env"}, knobs)
+    try:
+        workers.start(count=2, concurrency=concurrency)
+        workers.wait_ready()
+        rows = [make_row("arithmetic", i, "math_agent") for i in range(rollouts)]
+        out = tmp_path / "run"
+        run = cli_background(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(out),
+            "--broker", redis_url, log=tmp_path / "run.log",
+        )  # fmt: skip
+        wait_for(lambda: landed(out) >= rollouts // 4, 120, "a quarter of the results")
+        during = cli("status", str(out), "--json", "--broker", redis_url)
+        code = run.wait(600)
+        stats = httpx.get(servers.urls["math_agent"] + "/stats").json()
+        after = cli("status", str(out), "--json", "--broker", redis_url)
+    finally:
+        servers.stop()
+    assert code == 0, (tmp_path / "run.log").read_text()
+    assert len(rows_by_key(out / "rollouts-0.jsonl")) == rollouts
+    assert rows_by_key(out / "rollouts-0_failures.jsonl") == {}
+    assert manifest(out)["state"] == "completed"
+    events = request_log(log)
+    assert too_soon(events) == []
+    assert stats["completed"] == rollouts
+    assert stats["rate_limited"] <= 0.5 * rollouts, stats
+    # While it runs, status shows the agent's window; once idle the agent forgets it, and the
+    # shard's waits are one per 429 the agent sent.
+    assert during.returncode == 0, during.stdout + during.stderr
+    live = json.loads(during.stdout)["by_agent"]["math_agent"]
+    assert 1 <= live["window"] <= 1024 and live["window_cap"] == 1024
+    assert live["waiting_for_agent"] >= 0
+    assert after.returncode == 0, after.stdout + after.stderr
+    done = json.loads(after.stdout)["by_agent"]["math_agent"]
+    assert done["window"] is None and done["waiting_for_agent"] == 0
+    assert done.get("rate_limit_waits", 0) == stats["rate_limited"]
+    assert done["rate_limited_last_minute"] <= stats["rate_limited"]
+    if stats["rate_limited"]:
+        assert done["rate_limit_waited_s"] >= stats["rate_limited"] * RETRY_AFTER_S
+
+
+def test_an_agent_that_rate_limits_forever_fails_each_rollout_within_the_bound(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    knobs = AgentKnobs(rate_limit_above=0, retry_after_s=RETRY_AFTER_S, request_log=str(log))
+    servers = start_servers({"math_agent": "math_env"}, knobs)
+    budget_s = 3.0
+    try:
+        workers.start(count=1, concurrency=16)
+        workers.wait_ready()
+        rows = [make_row("arithmetic", i, "math_agent") for i in range(20)]
+        out = tmp_path / "run"
+        proc = cli(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(out),
+            "--broker", redis_url, "+route_failures_to_sidecar=true",
+            f"+rate_limit_budget_s={budget_s:g}",
+        )  # fmt: skip
+    finally:
+        servers.stop()
+    assert manifest(out)["state"] in ("completed", "failed"), proc.stdout + proc.stderr
+    assert rows_by_key(out / "rollouts-0.jsonl") == {}
+    failures = rows_by_key(out / "rollouts-0_failures.jsonl")
+    assert sorted(failures) == [(i, 0) for i in range(20)]
+    for [row] in failures.values():
+        assert row["_ng_failure_class"] == "agent_request_failed"
+        assert row["failure_kind"] == "rollouts:rate_limited"
+        assert row["_ng_failure_http_status"] == 429
+        assert "rate_limit_budget_s=3s" in row["_ng_failure_message"]
+    # The README's bound for one delivery: 1 + floor(budget / MIN_WAIT_S) rate-limited requests.
+    bound = 1 + int(budget_s // max(MIN_WAIT_S, RETRY_AFTER_S))
+    per_key = requests_per_key(log)
+    assert max(per_key.values()) <= bound, per_key
+    assert too_soon(request_log(log)) == []
