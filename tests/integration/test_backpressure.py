@@ -43,9 +43,9 @@ def landed(out: Path) -> int:
 
 def too_soon(log: list[dict[str, Any]]) -> list[tuple[Any, float]]:
     """Requests that followed their rollout's 429 sooner than its Retry-After: (key, gap)."""
-    by_key: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    by_key: dict[tuple[Any, Any, Any], list[dict[str, Any]]] = defaultdict(list)
     for event in log:
-        by_key[(event["task"], event["rollout"])].append(event)
+        by_key[(event["run"], event["task"], event["rollout"])].append(event)
     early = []
     for key, events in by_key.items():
         events.sort(key=lambda e: (e["start"], e["event"] == "end"))
@@ -144,3 +144,47 @@ def test_an_agent_that_rate_limits_forever_fails_each_rollout_within_the_bound(
     per_key = requests_per_key(log)
     assert max(per_key.values()) <= bound, per_key
     assert too_soon(request_log(log)) == []
+
+
+def most_concurrent(log: list[dict[str, Any]], after: float) -> int:
+    """The most requests the agent held at once from `after` on (its own start/end events)."""
+    edges = sorted((e["start"], 1) if e["event"] == "start" else (e["end"], -1) for e in log)
+    held = peak = 0
+    for when, step in edges:
+        held += step
+        if when >= after:
+            peak = max(peak, held)
+    return peak
+
+
+def test_three_runs_at_once_share_the_agents_window(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    knobs = AgentKnobs(
+        latency_ms=200, rate_limit_above=K, retry_after_s=RETRY_AFTER_S, request_log=str(log)
+    )
+    servers = start_servers({"math_agent": "math_env"}, knobs)
+    try:
+        workers.start(count=2, concurrency=64)
+        workers.wait_ready()
+        config = servers.write_config(str(tmp_path / "servers.yaml"))
+        runs = []
+        for i in range(3):
+            rows = [make_row("arithmetic", j, "math_agent") for j in range(300)]
+            run = cli_background(
+                "run", "--config", config, "--output-dir", str(tmp_path / f"run{i}"),
+                "--input", write_rows(tmp_path / f"rows{i}.jsonl", rows),
+                "--broker", redis_url, log=tmp_path / f"run{i}.log",
+            )  # fmt: skip
+            runs.append(run)
+        codes = [run.wait(600) for run in runs]
+    finally:
+        servers.stop()
+    assert codes == [0, 0, 0], [(tmp_path / f"run{i}.log").read_text() for i in range(3)]
+    for i in range(3):
+        assert len(rows_by_key(tmp_path / f"run{i}" / "rollouts-0.jsonl")) == 300
+    events = request_log(log)
+    first = min(e["start"] for e in events)
+    assert most_concurrent(events, first + 10.0) <= K + 2
+    assert too_soon(events) == []
