@@ -71,7 +71,8 @@ expire and their slots come back by themselves.
 """
 
 shard_waiting = _shard_key("waiting")
-"""Sorted set: rollouts a worker has taken but that wait for a slot, scored by expiry."""
+"""Sorted set: rollouts a worker has taken but that wait for a slot (or sleep out a 429/503
+before they ask for one again), scored by expiry."""
 
 shard_starts = _shard_key("starts")
 """Hash `task:rollout` -> deliveries that started and did not finish.

@@ -175,10 +175,12 @@ BACK_OFF_LUA = """
 -- window by `decrease` (multiplicative, not below 1; slow start ends there), at most once per
 -- round trip: a reply to a call sent before the last decrease (now - last_decrease < call_s) saw the
 -- old window and changes nothing. wait_s >= 0: the rollout now sleeps that long; it is counted
--- (per agent, in the shard's counts) and listed as waiting for the agent meanwhile; a negative
--- wait_s: none follows (the rollout gave up). Returns {window, 1 if it shrank else 0}.
+-- (per agent, in the shard's counts) and listed meanwhile as waiting, for the agent and in the
+-- shard (so a run whose rollouts all sleep out a long Retry-After is not taken for stalled); a
+-- negative wait_s: none follows (the rollout gave up). Returns {window, 1 if it shrank else 0}.
 local leases_key, agent_leases_key, agent_window_key = KEYS[1], KEYS[2], KEYS[3]
 local agent_limited_key, agent_waiting_key, counts_key = KEYS[4], KEYS[5], KEYS[6]
+local waiting_key = KEYS[7]
 local member, call_s, wait_s = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local agent, ttl, initial_window = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
 local window_keep_s, limited_keep_s, decrease = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -192,6 +194,7 @@ redis.call('ZREMRANGEBYSCORE', agent_limited_key, '-inf', now - limited_keep_s)
 redis.call('EXPIRE', agent_limited_key, math.ceil(2 * limited_keep_s))
 if wait_s >= 0 then
   redis.call('ZADD', agent_waiting_key, now + wait_s + ttl, member)
+  redis.call('ZADD', waiting_key, now + wait_s + ttl, member)
   redis.call('HINCRBY', counts_key, 'rate_limit_waits:' .. agent, 1)
   redis.call('HINCRBY', counts_key, 'rate_limit_wait_ms:' .. agent, math.floor(wait_s * 1000))
 end

@@ -341,6 +341,7 @@ class Gate:
             keys.agent_limited(url),
             keys.agent_waiting(url),
             keys.shard_counts(ticket.sid),
+            keys.shard_waiting(ticket.sid),
         ]
         args: list[str | float] = [
             ticket.member,

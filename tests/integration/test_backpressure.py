@@ -188,3 +188,27 @@ def test_three_runs_at_once_share_the_agents_window(
     first = min(e["start"] for e in events)
     assert most_concurrent(events, first + 10.0) <= K + 2
     assert too_soon(events) == []
+
+
+def test_rollouts_sleeping_out_a_long_retry_after_are_not_a_stall(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    knobs = AgentKnobs(rate_limit_above=0, retry_after_s=3.0)
+    servers = start_servers({"math_agent": "math_env"}, knobs)
+    try:
+        workers.start(count=1, concurrency=4)
+        workers.wait_ready()
+        rows = [make_row("arithmetic", i, "math_agent") for i in range(4)]
+        out = tmp_path / "run"
+        proc = cli(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(out),
+            "--broker", redis_url, "+route_failures_to_sidecar=true",
+            "+rate_limit_budget_s=7", "+stall_timeout_s=2",
+        )  # fmt: skip
+    finally:
+        servers.stop()
+    assert "stalled" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    failures = rows_by_key(out / "rollouts-0_failures.jsonl")
+    assert sorted(failures) == [(i, 0) for i in range(4)]
+    assert {row["failure_kind"] for [row] in failures.values()} == {"rollouts:rate_limited"}

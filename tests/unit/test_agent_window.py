@@ -167,13 +167,13 @@ def test_a_readmission_counts_no_start_and_gives_it_back_when_it_does_not_run(
     assert t.verdict == "run" and r.hget(keys.shard_starts(SID), "7:0") == b"1"
     gate.back_off(t, 429, 2.0, call_s=0.01)
     assert r.zcard(keys.agent_leases(AGENT)) == 0 and r.zcard(keys.shard_leases(SID)) == 0
-    assert r.zcard(keys.agent_waiting(AGENT)) == 1
+    assert r.zcard(keys.agent_waiting(AGENT)) == 1 and r.zcard(keys.shard_waiting(SID)) == 1
     assert r.zcard(keys.agent_limited(AGENT)) == 1
     counts = r.hgetall(keys.shard_counts(SID))
     assert counts[b"rate_limit_waits:a"] == b"1" and counts[b"rate_limit_wait_ms:a"] == b"2000"
     again = gate.admit(request(7), SID, readmit=t)
     assert again.verdict == "run" and r.hget(keys.shard_starts(SID), "7:0") == b"1"
-    assert r.zcard(keys.agent_waiting(AGENT)) == 0
+    assert r.zcard(keys.agent_waiting(AGENT)) == 0 and r.zcard(keys.shard_waiting(SID)) == 0
     gate.back_off(again, 429, 2.0, call_s=0.01)
     r.set(keys.shard_cancel(SID), "cancel")
     assert gate.admit(request(7), SID, readmit=again).verdict == "stopped"
