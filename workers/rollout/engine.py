@@ -92,6 +92,38 @@ class _Run:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
 
     def run(self) -> RolloutOutcome:
+        ctx, token = self.ctx, self.req.run.token
+        called = self.call()
+        if isinstance(called, RolloutOutcome):
+            return called
+        ticket, outcome, started = called
+        ended_call = ctx.monotonic()
+        # The slot covers the /run call: the next rollout may start while this one lands.
+        ctx.gate.free_slot(ticket, token, ok=outcome.result is not None)
+        result, failures, ended = sort_outcome(outcome)
+        timed = ended is Ended.LANDED and self.req.admission.dispatch_deadline is not None
+        try:
+            if self.delivery.record:
+                ended = self.land(result, failures, ended)
+        finally:
+            ctx.gate.release(ticket, token, duration_s=ended_call - started if timed else None)
+        kept = ended in RESULT_ENDS or ended in FAILURE_ENDS or ended is Ended.DUPLICATE
+        record = outcome.result if outcome.result is not None else failures[-1]
+        return self.end(
+            ended,
+            record=record if kept else None,
+            detail=self.land_error,
+            requests=outcome.requests_sent,
+            run_ms=(ended_call - started) * 1000,
+            after_ms=(ctx.monotonic() - ended_call) * 1000,
+        )
+
+    def call(self) -> tuple[Ticket, CallOutcome, float] | RolloutOutcome:
+        """Admit the rollout and call `/run`, waiting out 429/503s without the slot.
+
+        Returns the slot's ticket, the call's outcome (its failures and requests over every
+        admission) and when the first call started; or how the rollout ended before that.
+        """
         req, ctx, token = self.req, self.ctx, self.req.run.token
         seen = self.delivery.admission or req
         waits = RateLimitWaits(req.policy.rate_limit_budget_s)
@@ -144,26 +176,8 @@ class _Run:
             row = with_attempt(req.row, limited.attempt)
         outcome.failures = earlier
         outcome.requests_sent = requests
-        ended_call = ctx.monotonic()
-        # The slot covers the /run call: the next rollout may start while this one lands.
-        ctx.gate.free_slot(ticket, token, ok=outcome.result is not None)
-        result, failures, ended = sort_outcome(outcome)
-        timed = ended is Ended.LANDED and req.admission.dispatch_deadline is not None
-        try:
-            if self.delivery.record:
-                ended = self.land(result, failures, ended)
-        finally:
-            ctx.gate.release(ticket, token, duration_s=ended_call - started if timed else None)
-        kept = ended in RESULT_ENDS or ended in FAILURE_ENDS or ended is Ended.DUPLICATE
-        record = outcome.result if outcome.result is not None else failures[-1]
-        return self.end(
-            ended,
-            record=record if kept else None,
-            detail=self.land_error,
-            requests=requests,
-            run_ms=(ended_call - started) * 1000,
-            after_ms=(ctx.monotonic() - ended_call) * 1000,
-        )
+        assert started is not None  # set by the first call
+        return ticket, outcome, started
 
     def wait(self, wait_s: float) -> str | None:
         """Sleep out a rate-limit wait; returns the stop reason if the run was failed or cancelled."""
