@@ -3,7 +3,8 @@
 Scenarios: latency (N=5,000, agent latency 1 s, 512 in flight), overhead (N=10,000, instant
 agent, CPU per rollout over every process), scale (N=1k/10k/100k: throughput, enqueue rate and
 the producer's peak RSS), workers (1 vs 2 worker processes with the workers' CPU the
-bottleneck). Figures are ratios within one invocation; this machine is shared and noisy, so
+bottleneck), ratelimit (N=2,000, agent latency 200 ms, 429 above 8 concurrent calls, 512 in flight;
+`bench/ratelimit.py`). Figures are ratios within one invocation; this machine is shared and noisy, so
 absolute numbers vary between runs.
 """
 
@@ -273,12 +274,16 @@ def agent_url(config_path: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", choices=["latency", "overhead", "scale", "workers"])
+    parser.add_argument(
+        "scenario", choices=["latency", "overhead", "scale", "workers", "ratelimit"]
+    )
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--in-flight", type=int, default=512)
-    parser.add_argument("--latency-ms", type=float, default=1000.0)
+    parser.add_argument(
+        "--latency-ms", type=float, default=None, help="latency: 1000 (default), ratelimit: 200"
+    )
     parser.add_argument(
         "--pad-kb", type=int, default=64, help="workers: KB of trajectory in each response"
     )
@@ -288,21 +293,42 @@ def main() -> None:
         default=3,
         help="latency, overhead, workers: interleaved rounds; each collector's best is shown",
     )
+    parser.add_argument("--limit", type=int, default=8, help="ratelimit: 429 above this many")
+    parser.add_argument("--retry-after", type=float, default=1.0, help="ratelimit: Retry-After")
     parser.add_argument("--sizes", default="1000,10000,100000", help="scale: the values of N")
     parser.add_argument(
         "--nemo-python",
         default=None,
-        help="latency: an interpreter with nemo-gym 0.7.0 (default $ROLLOUTS_BENCH_NEMO_PYTHON, "
+        help="latency, ratelimit: an interpreter with nemo-gym 0.7.0 (default $ROLLOUTS_BENCH_NEMO_PYTHON, "
         "or this one if it has nemo_gym)",
     )
     a = parser.parse_args()
     if a.scenario == "latency":
         nemo = nemo_gym_python(a.nemo_python)
-        print(latency(a.n or 5000, a.in_flight, a.latency_ms, a.workers, nemo, a.rounds))
+        latency_ms = 1000.0 if a.latency_ms is None else a.latency_ms
+        print(latency(a.n or 5000, a.in_flight, latency_ms, a.workers, nemo, a.rounds))
     elif a.scenario == "overhead":
         print(overhead(a.n or 10000, a.workers, a.concurrency, a.rounds))
     elif a.scenario == "scale":
         print(scale([int(x) for x in a.sizes.split(",")], a.workers, a.concurrency))
+    elif a.scenario == "ratelimit":
+        from bench.ratelimit import ratelimit
+
+        nemo = nemo_gym_python(a.nemo_python)
+        latency_ms = 200.0 if a.latency_ms is None else a.latency_ms
+        concurrency = a.in_flight // a.workers
+        report = ratelimit(
+            a.n or 2000,
+            a.limit,
+            a.retry_after,
+            latency_ms,
+            a.workers,
+            concurrency,
+            nemo,
+            write_rows,
+            agent_url,
+        )
+        print(report)
     elif a.scenario == "workers":
         print(workers_scenario(a.n or 5000, a.concurrency, a.pad_kb, a.rounds))
 

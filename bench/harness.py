@@ -54,6 +54,8 @@ class AgentProcess:
     latency_ms: float = 0.0
     agents: str = "math_agent"
     pad_kb: int = 0
+    rate_limit_above: int | None = None
+    retry_after_s: float = 1.0
     proc: subprocess.Popen[bytes] | None = None
     config_path: str = ""
 
@@ -61,10 +63,13 @@ class AgentProcess:
         fd, self.config_path = tempfile.mkstemp(prefix="bench-servers-", suffix=".yaml")
         os.close(fd)
         os.unlink(self.config_path)
+        limit = [] if self.rate_limit_above is None else [
+            "--rate-limit-above", str(self.rate_limit_above), "--retry-after", str(self.retry_after_s)
+        ]  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "examples.servers", "--write-config", self.config_path,
              "--latency-ms", str(self.latency_ms), "--agents", self.agents,
-             "--pad-kb", str(self.pad_kb)],
+             "--pad-kb", str(self.pad_kb), *limit],
             cwd=ROOT, stdout=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 30

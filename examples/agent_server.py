@@ -3,7 +3,7 @@
 Knobs for tests and benchmarks (command-line flags, or `POST /admin/knobs` with the same names):
 latency, a random fault rate over chosen fault kinds, and a request log. A row can also ask for
 its own fault (`"fault": {"kind": "http500", "times": 1}`: its first request fails) or its own
-latency (`"agent_latency_ms": 2000`). Fault kinds: http500, http503, reset, malformed, list,
+latency (`"agent_latency_ms": 2000`). Fault kinds: http500, http502, http503, reset, malformed, list,
 hang (no reply), stall (a reply that stops after its first bytes), huge (a valid JSON object of
 `huge_reply_mb` MB, streamed), gzip_bomb (the same object gzip-compressed, sent with
 `Content-Encoding: gzip`), redirect307 and redirect302 (to `/redirected`, which counts the
@@ -13,8 +13,12 @@ A row's `"result_extra": {...}` is merged into its result (e.g. an agent-chosen 
 whose index is a multiple of N nested `deep_reply_depth` levels deep (valid JSON that a parser
 with a higher depth limit than its encoder reads but cannot write again).
 
-`GET /stats` reports requests, in-flight calls now and at most, and cancelled calls (the client
-closed the connection mid-call).
+A rate limit (`--rate-limit-above K --retry-after S`): a call that would be the agent's
+(K+1)-th concurrent one is answered at once with HTTP 429 and `Retry-After: S` (K = 0: every
+call; S < 0: no header); the request log marks it `rate_limited` with its `retry_after`.
+
+`GET /stats` reports requests, in-flight calls now and at most, cancelled calls (the client
+closed the connection mid-call) and the 429s sent (`rate_limited`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from examples.tasks import _unit, stand_in_answer
 
 FAULT_KINDS = (
     "http500",
+    "http502",
     "http503",
     "reset",
     "malformed",
@@ -69,6 +74,10 @@ class AgentKnobs:
     # `deep_reply_depth` levels deep (the top-level object counts as one): a hostile reply.
     deep_reply_every: int = 0
     deep_reply_depth: int = 300
+    # Answer 429 to a call above this many concurrent ones (None: never; 0: every call).
+    rate_limit_above: int | None = None
+    # The 429's Retry-After in seconds (negative: no header).
+    retry_after_s: float = 1.0
 
 
 def padding_items(kb: int) -> list[dict[str, Any]]:
@@ -89,6 +98,7 @@ class AgentStats:
     faults: int = 0
     completed: int = 0
     redirected: int = 0
+    rate_limited: int = 0
 
 
 class AgentServer:
@@ -155,6 +165,9 @@ class AgentServer:
         self._write_log({**event, "event": "start"})
         outcome = "ok"
         try:
+            limit = self.knobs.rate_limit_above
+            if limit is not None and st.in_flight > limit:
+                return self._rate_limited(event)
             fault = self._fault_for(row, key, attempt_no)
             delay = float(row.get("agent_latency_ms", self.knobs.latency_ms))
             if self.knobs.latency_jitter_ms:
@@ -176,11 +189,25 @@ class AgentServer:
             raise
         finally:
             st.in_flight -= 1
+            outcome = event.pop("outcome", outcome)
             self._write_log({**event, "event": "end", "end": time.time(), "outcome": outcome})
+
+    def _rate_limited(self, event: dict[str, Any]) -> web.Response:
+        """A 429 with the knobs' Retry-After; the log's end event says so."""
+        self.stats.rate_limited += 1
+        wait = self.knobs.retry_after_s
+        event["outcome"] = "rate_limited"
+        headers = {}
+        if wait >= 0:
+            event["retry_after"] = wait
+            headers["Retry-After"] = f"{wait:g}"
+        return web.Response(status=429, headers=headers, text="rate limited: slow down")
 
     async def _fault_response(self, request: web.Request, fault: str) -> web.StreamResponse:
         if fault == "http500":
             return web.Response(status=500, text="injected fault: internal error")
+        if fault == "http502":
+            return web.Response(status=502, text="injected fault: bad gateway")
         if fault == "http503":
             return web.Response(status=503, text="injected fault: unavailable")
         if fault == "malformed":
@@ -354,6 +381,15 @@ def main() -> None:
     )
     parser.add_argument("--deep-reply-every", type=int, default=0)
     parser.add_argument("--deep-reply-depth", type=int, default=300)
+    parser.add_argument(
+        "--rate-limit-above",
+        type=int,
+        default=None,
+        help="Answer 429 to a call above this many concurrent ones (0: every call).",
+    )
+    parser.add_argument(
+        "--retry-after", type=float, default=1.0, help="The 429's Retry-After in seconds."
+    )
     a = parser.parse_args()
     knobs = AgentKnobs(
         latency_ms=a.latency_ms,
@@ -365,6 +401,8 @@ def main() -> None:
         huge_reply_mb=a.huge_reply_mb,
         deep_reply_every=a.deep_reply_every,
         deep_reply_depth=a.deep_reply_depth,
+        rate_limit_above=a.rate_limit_above,
+        retry_after_s=a.retry_after,
     )
     web.run_app(
         AgentServer(a.name, knobs).app(), host=a.host, port=a.port, handler_cancellation=True

@@ -150,6 +150,13 @@ def main() -> None:
     parser.add_argument(
         "--agents", default=",".join(DEMO_TOPOLOGY), help="Which demo agents to start."
     )
+    parser.add_argument(
+        "--rate-limit-above",
+        type=int,
+        default=None,
+        help="Agents answer 429 to a call above this many concurrent ones (0: every call).",
+    )
+    parser.add_argument("--retry-after", type=float, default=1.0, help="The 429's Retry-After.")
     a = parser.parse_args()
     topology = {name: DEMO_TOPOLOGY[name] for name in a.agents.split(",") if name}
     knobs = AgentKnobs(
@@ -160,6 +167,8 @@ def main() -> None:
         seed=a.seed,
         request_log=a.request_log,
         pad_kb=a.pad_kb,
+        rate_limit_above=a.rate_limit_above,
+        retry_after_s=a.retry_after,
     )
     servers = start_servers(topology, knobs)
     servers.write_config(a.write_config)

@@ -71,7 +71,8 @@ expire and their slots come back by themselves.
 """
 
 shard_waiting = _shard_key("waiting")
-"""Sorted set: rollouts a worker has taken but that wait for a slot, scored by expiry."""
+"""Sorted set: rollouts a worker has taken but that wait for a slot (or sleep out a 429/503
+before they ask for one again), scored by expiry."""
 
 shard_starts = _shard_key("starts")
 """Hash `task:rollout` -> deliveries that started and did not finish.
@@ -100,12 +101,38 @@ Keeps `rollouts-S_status.json` to one write every few seconds across all worker 
 """
 
 
+def _agent_key(agent_url: str, part: str) -> str:
+    """One key of an agent server: keyed by its URL, as the server is what the keys protect."""
+    digest = hashlib.sha1(agent_url.rstrip("/").encode()).hexdigest()[:20]
+    return f"{PREFIX}:agent:{digest}:{part}"
+
+
 def agent_leases(agent_url: str) -> str:
     """Sorted set: `/run` calls in flight to one agent server across all runs, scored by lease
-    expiry; what the agent's `max_concurrency` caps. Keyed by the agent's URL: the server is what
-    the cap protects."""
-    digest = hashlib.sha1(agent_url.rstrip("/").encode()).hexdigest()[:20]
-    return f"{PREFIX}:agent:{digest}:leases"
+    expiry; what the agent's `max_concurrency` and its window cap."""
+    return _agent_key(agent_url, "leases")
+
+
+def agent_window(agent_url: str) -> str:
+    """Hash: the agent's adaptive window, shared by every worker and run of the cluster.
+
+    `window` (concurrent `/run` calls allowed, a float), `ssthresh` (slow start below it),
+    `cap` (the largest window: max_concurrency, else the run's cap or a default),
+    `last_decrease` (Redis time of the last halving). Rebuilt with defaults when missing; expires
+    after an idle hour (a later run slow-starts again).
+    """
+    return _agent_key(agent_url, "window")
+
+
+def agent_waiting(agent_url: str) -> str:
+    """Sorted set: rollouts waiting for the agent (refused by its window or cap, or sleeping out
+    a 429/503), scored by when the entry expires."""
+    return _agent_key(agent_url, "waiting")
+
+
+def agent_limited(agent_url: str) -> str:
+    """Sorted set: the agent's 429/503 replies, scored by Redis time; trimmed to the last minute."""
+    return _agent_key(agent_url, "limited")
 
 
 def all_shard_keys(sid: str) -> list[str]:

@@ -5,8 +5,9 @@ commands, and it reads the server's clock (`TIME`), so every process agrees on l
 Each script names its KEYS and ARGV at the top, in the order its caller passes them; the key
 layouts are `infra/keys.py`'s. Callers register them with `redis.Redis.register_script`.
 
-- `BEGIN_LUA`, `END_LUA`, `RENEW_LUA`: a rollout's admission, slot release and lease renewal
-  (`workers/admission.py`).
+- `BEGIN_LUA`, `END_LUA`, `RENEW_LUA`, `BACK_OFF_LUA`: a rollout's admission (with its agent's
+  adaptive window), slot release (growing the window), lease renewal, and a 429/503 reply
+  (shrinking the window) (`workers/admission.py`).
 - `ACQUIRE_READING_LUA`, `RELEASE_LUA`, `EXTEND_LUA`: the shard lock (`infra/locks.py`).
 - `RUNNING_LUA`: what of a `run_examples` call still runs (`producer/api/transport.py`).
 """
@@ -16,17 +17,26 @@ from __future__ import annotations
 BEGIN_LUA = """
 -- Whether one delivery of a rollout may start now, and if so take its slot (a lease).
 -- Returns {verdict, detail} in the words of schemas.outcomes (Admit), or wait: run, wait (a cap
--- is full: call again; detail names it), duplicate (it landed already), fenced (another run
--- owns the shard; detail: its token), drained (the dispatch budget is spent; detail: seconds
--- left), stopped (the run was failed or cancelled; detail: 'failed: <first error>', or the
--- cancel flag's 'cancel' or 'drain'), worker_lost (workers died on it more than max_attempts
--- times; detail: how many).
+-- is full: call again; detail names it: max_resident_tasks, max_concurrency or window), duplicate
+-- (it landed already), fenced (another run owns the shard; detail: its token), drained (the
+-- dispatch budget is spent; detail: seconds left), stopped (the run was failed or cancelled;
+-- detail: 'failed: <first error>', or the cancel flag's 'cancel' or 'drain'), worker_lost
+-- (workers died on it more than max_attempts times; detail: how many).
+-- A readmission (readmit = 1: the delivery comes back from a rate-limit wait) keeps the start
+-- it counted the first time: it counts none, and gives it back when it does not run; a drain
+-- lets it go on, as it lets running calls finish.
+-- The agent's adaptive window (agent_window_key, a hash: window, ssthresh, cap, last_decrease)
+-- refuses a start while the agent's leases reach floor(window); it is made with the initial
+-- window when missing (Redis lost it, or it idled out).
 local state_key, landed_key, run_failed_key, cancel_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local generation_key, counts_key, starts_key = KEYS[5], KEYS[6], KEYS[7]
 local leases_key, waiting_key, agent_leases_key = KEYS[8], KEYS[9], KEYS[10]
+local agent_window_key, agent_waiting_key = KEYS[11], KEYS[12]
 local token, key, member, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local run_cap, agent_cap, max_attempts = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local deadline, margin, starts_keep_s = tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10]
+local readmit, default_cap = ARGV[11] == '1', tonumber(ARGV[12])
+local initial_window, window_keep_s = tonumber(ARGV[13]), ARGV[14]
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -34,8 +44,15 @@ local mine = redis.call('HGET', generation_key, 'token') == token
 local function count(field)
   if mine then redis.call('HINCRBY', generation_key, field, 1) end
 end
-local function not_started(verdict, detail)
+local function leave()
   redis.call('ZREM', waiting_key, member)
+  redis.call('ZREM', agent_waiting_key, member)
+  if readmit and redis.call('HINCRBY', starts_key, key, -1) <= 0 then
+    redis.call('HDEL', starts_key, key)
+  end
+end
+local function not_started(verdict, detail)
+  leave()
   if verdict == 'drained' then
     count('drained')
     redis.call('HINCRBY', counts_key, 'drained', 1)
@@ -44,21 +61,26 @@ local function not_started(verdict, detail)
   end
   return {verdict, detail}
 end
+local function wait_for(what, for_agent)
+  redis.call('ZADD', waiting_key, now + ttl, member)
+  if for_agent then redis.call('ZADD', agent_waiting_key, now + ttl, member) end
+  return {'wait', what}
+end
 local failed = redis.call('GET', run_failed_key)
 if failed then return not_started('stopped', 'failed: ' .. failed) end
 local cancel = redis.call('GET', cancel_key)
-if cancel then return not_started('stopped', cancel) end
+if cancel and not (readmit and cancel == 'drain') then return not_started('stopped', cancel) end
 local opener = redis.call('HGET', state_key, 'opener')
 if opener and opener ~= token then
-  redis.call('ZREM', waiting_key, member)
+  leave()
   return {'fenced', opener}
 end
 if redis.call('SISMEMBER', landed_key, key) == 1 then
-  redis.call('ZREM', waiting_key, member)
+  leave()
   count('duplicate')
   return {'duplicate', ''}
 end
-if deadline > 0 then
+if deadline > 0 and not readmit then
   local remaining = deadline - now
   if remaining <= 0 or (margin >= 0 and remaining < margin) then
     return not_started('drained', tostring(remaining))
@@ -66,41 +88,58 @@ if deadline > 0 then
 end
 redis.call('ZREMRANGEBYSCORE', leases_key, '-inf', now)
 if run_cap > 0 and redis.call('ZCARD', leases_key) >= run_cap then
-  redis.call('ZADD', waiting_key, now + ttl, member)
-  return {'wait', 'max_resident_tasks'}
+  return wait_for('max_resident_tasks', false)
 end
-if agent_cap > 0 then
-  redis.call('ZREMRANGEBYSCORE', agent_leases_key, '-inf', now)
-  if redis.call('ZCARD', agent_leases_key) >= agent_cap then
-    redis.call('ZADD', waiting_key, now + ttl, member)
-    return {'wait', 'max_concurrency'}
+redis.call('ZREMRANGEBYSCORE', agent_leases_key, '-inf', now)
+local agent_in_flight = redis.call('ZCARD', agent_leases_key)
+if agent_cap > 0 and agent_in_flight >= agent_cap then return wait_for('max_concurrency', true) end
+local cap = default_cap
+if agent_cap > 0 then cap = agent_cap elseif run_cap > 0 then cap = run_cap end
+local window = tonumber(redis.call('HGET', agent_window_key, 'window'))
+if not window then
+  window = math.min(initial_window, cap)
+  redis.call('HSET', agent_window_key, 'window', window, 'ssthresh', cap, 'cap', cap)
+elseif tonumber(redis.call('HGET', agent_window_key, 'cap')) ~= cap then
+  window = math.min(window, cap)
+  redis.call('HSET', agent_window_key, 'window', window, 'cap', cap)
+end
+redis.call('EXPIRE', agent_window_key, window_keep_s)
+if agent_in_flight >= math.floor(window) then return wait_for('window', true) end
+redis.call('ZREM', waiting_key, member)
+redis.call('ZREM', agent_waiting_key, member)
+if not readmit then
+  local n = redis.call('HINCRBY', starts_key, key, 1)
+  redis.call('EXPIRE', starts_key, starts_keep_s)
+  if n > max_attempts then
+    redis.call('HDEL', starts_key, key)
+    count('done')
+    return {'worker_lost', tostring(n - 1)}
   end
 end
-redis.call('ZREM', waiting_key, member)
-local n = redis.call('HINCRBY', starts_key, key, 1)
-redis.call('EXPIRE', starts_key, starts_keep_s)
-if n > max_attempts then
-  redis.call('HDEL', starts_key, key)
-  count('done')
-  return {'worker_lost', tostring(n - 1)}
-end
 redis.call('ZADD', leases_key, now + ttl, member)
-if agent_cap > 0 then redis.call('ZADD', agent_leases_key, now + ttl, member) end
+redis.call('ZADD', agent_leases_key, now + ttl, member)
 return {'run', ''}
 """
 
 END_LUA = """
 -- Releases of many rollouts at once: each frees its slot and, once its rollout landed, takes
 -- back its unfinished start and counts its outcome in the generation. ARGV[1] is how many
--- durations to keep; then five KEYS and five ARGV per release. An empty `key` frees the slot
--- only (the call ended; the accounting follows once it landed); a negative duration is none.
+-- durations to keep; then seven KEYS and six ARGV per release. An empty `key` frees the slot
+-- only (the call ended; the accounting follows once it landed); a negative duration is none;
+-- ok = '1' (the call succeeded) grows the agent's window: by one below ssthresh (slow start,
+-- doubling per round trip), else by 1/window (one per round trip), up to its cap. An agent left
+-- idle (no call in flight, nobody waiting for it) forgets its window, as TCP restarts an idle
+-- connection's: the next burst slow-starts again, and a finished run leaves no agent state.
 local keep = tonumber(ARGV[1])
-for i = 0, #KEYS / 5 - 1 do
-  local k, a = i * 5, i * 5 + 1
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+for i = 0, #KEYS / 7 - 1 do
+  local k, a = i * 7, i * 6 + 1
   local leases_key, agent_leases_key, starts_key = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
-  local generation_key, durations_key = KEYS[k + 4], KEYS[k + 5]
+  local generation_key, durations_key, agent_window_key = KEYS[k + 4], KEYS[k + 5], KEYS[k + 6]
+  local agent_waiting_key = KEYS[k + 7]
   local member, key, token = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-  local field, duration = ARGV[a + 4], ARGV[a + 5]
+  local field, duration, ok = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
   redis.call('ZREM', leases_key, member)
   redis.call('ZREM', agent_leases_key, member)
   if key ~= '' then
@@ -113,8 +152,62 @@ for i = 0, #KEYS / 5 - 1 do
     redis.call('LPUSH', durations_key, duration)
     redis.call('LTRIM', durations_key, 0, keep - 1)
   end
+  if ok == '1' then
+    local window = tonumber(redis.call('HGET', agent_window_key, 'window'))
+    if window then
+      local cap = tonumber(redis.call('HGET', agent_window_key, 'cap')) or window
+      local ssthresh = tonumber(redis.call('HGET', agent_window_key, 'ssthresh')) or cap
+      if window < ssthresh then window = window + 1 else window = window + 1 / window end
+      redis.call('HSET', agent_window_key, 'window', math.min(window, cap))
+    end
+  end
+  redis.call('ZREMRANGEBYSCORE', agent_leases_key, '-inf', now)
+  redis.call('ZREMRANGEBYSCORE', agent_waiting_key, '-inf', now)
+  if redis.call('ZCARD', agent_leases_key) == 0 and redis.call('ZCARD', agent_waiting_key) == 0 then
+    redis.call('DEL', agent_window_key)
+  end
 end
 return 1
+"""
+
+BACK_OFF_LUA = """
+-- A /run answered 429 or 503: free the rollout's slot, count the reply, and shrink the agent's
+-- window by `decrease` (multiplicative, not below 1; slow start ends there), at most once per
+-- round trip: a reply to a call sent before the last decrease (now - last_decrease < call_s) saw the
+-- old window and changes nothing. wait_s >= 0: the rollout now sleeps that long; it is counted
+-- (per agent, in the shard's counts) and listed meanwhile as waiting, for the agent and in the
+-- shard (so a run whose rollouts all sleep out a long Retry-After is not taken for stalled); a
+-- negative wait_s: none follows (the rollout gave up). Returns {window, 1 if it shrank else 0}.
+local leases_key, agent_leases_key, agent_window_key = KEYS[1], KEYS[2], KEYS[3]
+local agent_limited_key, agent_waiting_key, counts_key = KEYS[4], KEYS[5], KEYS[6]
+local waiting_key = KEYS[7]
+local member, call_s, wait_s = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local agent, ttl, initial_window = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local window_keep_s, limited_keep_s, decrease = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZREM', leases_key, member)
+redis.call('ZREM', agent_leases_key, member)
+redis.call('ZADD', agent_limited_key, now, member .. '@' .. t[1] .. '.' .. t[2])
+redis.call('ZREMRANGEBYSCORE', agent_limited_key, '-inf', now - limited_keep_s)
+redis.call('EXPIRE', agent_limited_key, math.ceil(2 * limited_keep_s))
+if wait_s >= 0 then
+  redis.call('ZADD', agent_waiting_key, now + wait_s + ttl, member)
+  redis.call('ZADD', waiting_key, now + wait_s + ttl, member)
+  redis.call('HINCRBY', counts_key, 'rate_limit_waits:' .. agent, 1)
+  redis.call('HINCRBY', counts_key, 'rate_limit_wait_ms:' .. agent, math.floor(wait_s * 1000))
+end
+local window = tonumber(redis.call('HGET', agent_window_key, 'window')) or initial_window
+local last = tonumber(redis.call('HGET', agent_window_key, 'last_decrease')) or 0
+local shrank = 0
+if now - last >= call_s then
+  window = math.max(1, window * decrease)
+  redis.call('HSET', agent_window_key, 'window', window, 'ssthresh', window, 'last_decrease', now)
+  shrank = 1
+end
+redis.call('EXPIRE', agent_window_key, window_keep_s)
+return {tostring(window), shrank}
 """
 
 RENEW_LUA = """

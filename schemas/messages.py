@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict
 from schemas.settings import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_REPLY_BYTES,
+    DEFAULT_RATE_LIMIT_BUDGET_S,
+    DEFAULT_RATE_LIMIT_MAX_WAIT_S,
     DEFAULT_READ_IDLE_TIMEOUT_S,
     DEFAULT_ROLLOUT_TIMEOUT_S,
 )
@@ -57,6 +59,10 @@ class CallPolicy(BaseModel):
     """Retries of a connection that was never established (always safe)."""
     backoff_base_s: float = 0.5
     """First backoff delay; it doubles per retry, with full jitter, capped at 30 s."""
+    rate_limit_budget_s: float = DEFAULT_RATE_LIMIT_BUDGET_S
+    """Longest the rollout waits out 429/503 replies in all (waits consume no attempt)."""
+    rate_limit_max_wait_s: float = DEFAULT_RATE_LIMIT_MAX_WAIT_S
+    """Cap on one wait: a larger `Retry-After` is cut to this."""
 
 
 class Admission(BaseModel):

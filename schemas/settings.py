@@ -11,6 +11,8 @@ DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_MAX_ROW_BYTES = 32 << 20
 DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
 DEFAULT_READ_IDLE_TIMEOUT_S = 300.0
+DEFAULT_RATE_LIMIT_BUDGET_S = 900.0
+DEFAULT_RATE_LIMIT_MAX_WAIT_S = 120.0
 
 
 class CollectionSettings(BaseModel):
@@ -42,7 +44,7 @@ class CollectionSettings(BaseModel):
     route_failures_to_sidecar: bool = False
     """A failed /run becomes a failure row and the run goes on; off: the run fails on the first one."""
     retry_requests: bool = True
-    """Replay a /run that failed after the request was sent (read timeout, reset, 502/503/504)."""
+    """Replay a /run that failed after the request was sent (read timeout, reset, 502/504)."""
     rollout_timeout_s: float = Field(default=DEFAULT_ROLLOUT_TIMEOUT_S, gt=0)
     """Time limit of one rollout's /run call."""
     max_reply_bytes: int = Field(default=DEFAULT_MAX_REPLY_BYTES, ge=1)
@@ -65,6 +67,10 @@ class CollectionSettings(BaseModel):
     """Retries of a `/run` connection that was never established (the agent never saw it)."""
     retry_backoff_s: float = Field(default=0.5, gt=0)
     """First retry delay; it doubles per retry (capped at 30 s), with full jitter."""
+    rate_limit_budget_s: float = Field(default=DEFAULT_RATE_LIMIT_BUDGET_S, ge=0)
+    """Longest a rollout waits out 429/503 replies in all; past it it fails (`rollouts:rate_limited`)."""
+    rate_limit_max_wait_s: float = Field(default=DEFAULT_RATE_LIMIT_MAX_WAIT_S, gt=0)
+    """Longest single wait after a 429/503: a larger `Retry-After` is cut to this."""
     stall_timeout_s: float = Field(default=60.0, gt=0)
     """A waiting producer gives up after this long with no progress and nothing queued or running."""
     require_complete: bool = False

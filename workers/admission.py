@@ -1,6 +1,11 @@
 """Whether a rollout may start now: stop flags, fencing, the dispatch budget, cluster-wide caps.
 
-One Lua call per rollout decides it (`begin`), one more returns the slot (`end`). A slot is a
+One Lua call per rollout decides it (`begin`), one more returns the slot (`end`); a 429/503
+reply returns it early (`back_off`) while the rollout waits. Each agent's concurrent calls are
+also bounded by its adaptive window (`keys.agent_window`), one for the whole cluster: slow start
+from `INITIAL_WINDOW`, shrunk by `WINDOW_DECREASE` on a 429/503 at most once per round trip, grown
+on success, up to
+the agent's `max_concurrency` (else the run's `max_resident_tasks`, else `DEFAULT_WINDOW_CAP`). A slot is a
 *lease*: a member of a Redis sorted set scored by its expiry on the Redis server's clock. Each
 worker process renews the leases it holds from one thread; a process that dies stops renewing,
 and its slots come back when the leases expire, with nobody cleaning up. The same sorted sets
@@ -32,7 +37,7 @@ from infra import keys
 from infra.environment import from_env
 from infra.process import PerProcess
 from infra.redis_client import client
-from infra.scripts import BEGIN_LUA, END_LUA, RENEW_LUA
+from infra.scripts import BACK_OFF_LUA, BEGIN_LUA, END_LUA, RENEW_LUA
 from schemas import fields as F
 from schemas.messages import CollectRequest
 from schemas.outcomes import Admit
@@ -50,6 +55,20 @@ REDIS_RETRY_S = 120.0
 
 RELEASE_BATCH = 256
 
+INITIAL_WINDOW = 10
+"""An agent's window before its first success (TCP's initial window, RFC 6928): a cold server is
+not stormed by the first burst."""
+DEFAULT_WINDOW_CAP = 1024
+"""The largest window of an agent with no max_concurrency, in a run with no max_resident_tasks."""
+WINDOW_KEEP_S = 3600
+"""An agent's window unused this long is forgotten, e.g. after its workers died (an agent left
+idle forgets it at once: the end script)."""
+WINDOW_DECREASE = 0.7
+"""A 429/503 shrinks the window to this fraction (CUBIC's beta: a shallower saw than halving
+keeps more of a rate-limited agent's capacity in use)."""
+LIMITED_KEEP_S = 60.0
+"""How far back the 429/503 counter of `rollouts status` looks."""
+
 
 @dataclass
 class Ticket:
@@ -65,6 +84,7 @@ class Ticket:
     key: str
     member: str
     agent_key: str
+    agent_url: str = ""
 
 
 def with_redis_retry(what: str, fn: Callable[[], T], budget_s: float = REDIS_RETRY_S) -> T:
@@ -197,6 +217,7 @@ class Gate:
         self.pid = os.getpid()
         self.r = client(redis_url)
         self._begin = self.r.register_script(BEGIN_LUA)
+        self._back_off = self.r.register_script(BACK_OFF_LUA)
         self.releaser = _Releaser(self.r, self.r.register_script(END_LUA))
         self.ttl_s = from_env().lease_ttl_s if ttl_s is None else ttl_s
         self.renewer = _LeaseRenewer(self.r, self.r.register_script(RENEW_LUA), self.ttl_s)
@@ -229,6 +250,8 @@ class Gate:
                 keys.shard_leases(sid),
                 keys.shard_waiting(sid),
                 keys.agent_leases(agent_url),
+                keys.agent_window(agent_url),
+                keys.agent_waiting(agent_url),
             ]
         return found
 
@@ -247,12 +270,16 @@ class Gate:
         self._margins[sid] = (now, margin)
         return margin
 
-    def admit(self, req: CollectRequest, sid: str) -> Ticket:
-        """Wait for a slot and take it, or say why the rollout must not start."""
+    def admit(self, req: CollectRequest, sid: str, readmit: Ticket | None = None) -> Ticket:
+        """Wait for a slot and take it, or say why the rollout must not start.
+
+        `readmit`: the delivery's ticket before its rate-limit wait; it keeps its start (and
+        its lease member, which the wait listed as waiting for the agent).
+        """
         row = req.row
         key = f"{row[F.TASK_INDEX]}:{row[F.ROLLOUT_INDEX]}"
         agent = F.agent_name(row) or ""
-        member = self._member(agent, key)
+        member = readmit.member if readmit is not None else self._member(agent, key)
         call_keys = self._begin_keys(sid, req.agent_url)
         agent_key, leases = call_keys[9], call_keys[7]
         adm = req.admission
@@ -272,6 +299,10 @@ class Gate:
                 adm.dispatch_deadline or 0,
                 -1 if margin is None else margin,
                 STARTS_KEEP_S,
+                0 if readmit is None else 1,
+                DEFAULT_WINDOW_CAP,
+                INITIAL_WINDOW,
+                WINDOW_KEEP_S,
             ]
             answer = with_redis_retry(
                 "admission",
@@ -280,19 +311,58 @@ class Gate:
             word, detail = (v.decode() if isinstance(v, bytes) else str(v) for v in answer)
             if word != "wait":
                 verdict = cast(Admit, word)
-                ticket = Ticket(verdict, detail, sid, key, member, agent_key)
+                ticket = Ticket(verdict, detail, sid, key, member, agent_key, req.agent_url)
                 if verdict == "run":
-                    zsets = (leases, agent_key) if adm.agent_max_concurrency else (leases,)
-                    self.renewer.add(member, zsets)
+                    self.renewer.add(member, (leases, agent_key))
                 return ticket
             # Full: poll with jitter; the waiting entry itself expires unless re-added here.
             time.sleep(random.uniform(delay / 2, delay))
             delay = min(delay * 1.5, WAIT_MAX_S)
 
-    def free_slot(self, ticket: Ticket, token: str) -> None:
-        """Give the slot back as soon as the `/run` call ended, before the records land."""
+    def free_slot(self, ticket: Ticket, token: str, ok: bool = False) -> None:
+        """Give the slot back as soon as the `/run` call ended, before the records land; `ok`
+        (the call succeeded) grows the agent's window."""
         self.renewer.remove(ticket.member)
-        self.releaser.put(self._release_keys(ticket), [ticket.member, "", token, "", -1])
+        self.releaser.put(
+            self._release_keys(ticket), [ticket.member, "", token, "", -1, "1" if ok else "0"]
+        )
+
+    def back_off(self, ticket: Ticket, status: int, wait_s: float | None, call_s: float) -> None:
+        """A 429/503 reply: give the slot back now, count it, and shrink the agent's window (at
+        most once per round trip); `wait_s` is the wait that follows, None if the rollout gave up."""
+        self.renewer.remove(ticket.member)
+        url = ticket.agent_url
+        parts = ticket.member.split("|")
+        agent = parts[1] if len(parts) > 1 else ""
+        call_keys = [
+            keys.shard_leases(ticket.sid),
+            ticket.agent_key,
+            keys.agent_window(url),
+            keys.agent_limited(url),
+            keys.agent_waiting(url),
+            keys.shard_counts(ticket.sid),
+            keys.shard_waiting(ticket.sid),
+        ]
+        args: list[str | float] = [
+            ticket.member,
+            call_s,
+            -1 if wait_s is None else wait_s,
+            agent,
+            self.ttl_s,
+            INITIAL_WINDOW,
+            WINDOW_KEEP_S,
+            LIMITED_KEEP_S,
+            WINDOW_DECREASE,
+        ]
+        try:
+            with_redis_retry(
+                "rate-limit back-off",
+                lambda: self._back_off(keys=call_keys, args=args, client=self.r),
+                budget_s=30.0,
+            )
+        except redis.RedisError as exc:
+            # The lease expires by itself; the window misses one decrease.
+            log.warning("could not record a %d reply of %s: %s", status, url, exc)
 
     def release(
         self, ticket: Ticket, token: str, field: str = "done", duration_s: float | None = None
@@ -301,7 +371,7 @@ class Gate:
         self.renewer.remove(ticket.member)
         duration: str | float = -1 if duration_s is None else duration_s
         self.releaser.put(
-            self._release_keys(ticket), [ticket.member, ticket.key, token, field, duration]
+            self._release_keys(ticket), [ticket.member, ticket.key, token, field, duration, "0"]
         )
 
     @staticmethod
@@ -312,6 +382,8 @@ class Gate:
             keys.shard_starts(ticket.sid),
             keys.shard_generation(ticket.sid),
             keys.shard_durations(ticket.sid),
+            keys.agent_window(ticket.agent_url),
+            keys.agent_waiting(ticket.agent_url),
         ]  # fmt: skip
 
     def fail_run(self, sid: str, message: str) -> None:

@@ -2,8 +2,10 @@
 
 A connection that was never established is always retried (bounded, exponential backoff with
 jitter): the agent never saw the request. A request that was sent and then failed (read timeout,
-reset, 429/502/503/504) is replayed only with `retry_requests`, up to the attempt limit. Every
-failed attempt becomes a failure row; nothing here raises for an agent's fault.
+reset, 502/504) is replayed only with `retry_requests`, up to the attempt limit. Every failed
+attempt becomes a failure row; nothing here raises for an agent's fault. A 429 or 503 is no
+failed attempt: the call ends with `CallOutcome.rate_limited` and the engine waits it out without
+holding a slot (`workers/backpressure.py`).
 
 Replies are bounded: the body is read in chunks and cut as soon as it passes `max_reply_bytes`
 (decompressed), a body silent for `read_idle_timeout_s` fails as a timeout, and a redirect is
@@ -25,6 +27,7 @@ from infra.http import PostClient, StreamedReply
 from schemas import fields as F
 from schemas.messages import CallPolicy
 from schemas.records import FailureRow
+from workers.backpressure import RATE_LIMIT_STATUSES, RateLimited, parse_retry_after
 
 GATEWAY_STATUSES = frozenset({429, 502, 503, 504})
 BODY_LIMIT = 2000
@@ -43,6 +46,14 @@ class AttemptFailed(Exception):
         self.replayable = replayable
 
 
+class RateLimitedReply(AttemptFailed):
+    """Raised inside this module for a 429/503 reply; it carries its `Retry-After` in seconds."""
+
+    def __init__(self, failure: FailureRow, retry_after_s: float | None) -> None:
+        super().__init__(failure, sent=True, replayable=False)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass
 class CallOutcome:
     """What one rollout's calls produced: a result or a final failure, plus earlier failed attempts."""
@@ -51,6 +62,8 @@ class CallOutcome:
     final_failure: dict[str, Any] | None = None
     failures: list[dict[str, Any]] = field(default_factory=list)
     requests_sent: int = 0
+    rate_limited: RateLimited | None = None
+    """Set when the last reply was a 429/503: the engine waits and calls again (no final failure)."""
 
 
 def truncate_body(text: str | None) -> str | None:
@@ -122,6 +135,8 @@ def classify_reply(
             _ng_failure_response_body=truncate_body(_body_text(content)),
             failure_kind="agent_request_failed" if gateway else "agent_run_error",
         )
+        if status in RATE_LIMIT_STATUSES:
+            raise RateLimitedReply(failure, parse_retry_after((headers or {}).get("retry-after")))
         raise AttemptFailed(failure, sent=True, replayable=gateway)
     try:
         value = orjson.loads(content)
@@ -257,6 +272,10 @@ async def call_run(
                 return outcome
             outcome.requests_sent += 1
             row_out = failure_row(sent_row, failed.failure)
+            if isinstance(failed, RateLimitedReply):
+                status = failed.failure.http_status or 429
+                outcome.rate_limited = RateLimited(status, failed.retry_after_s, row_out, attempt)
+                return outcome
             if failed.replayable and policy.retry_requests and attempt + 1 < policy.max_attempts:
                 outcome.failures.append(row_out)
                 await asyncio.sleep(backoff_s(policy, replays))

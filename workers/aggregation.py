@@ -4,7 +4,9 @@ Rows are grouped by their `_ng_environment_server` stamp (a row without one goes
 that fronts its agent), one `POST /aggregate_metrics` per server runs concurrently, and the
 file holds one entry per server, sorted by server. A failed request keeps its entry with empty
 collections and `aggregation_error`, and the first original exception is handed back so that a
-caller that asks for it can re-raise it once the partial file is saved.
+caller that asks for it can re-raise it once the partial file is saved. A 429 or 503 is retried
+up to `AGGREGATE_RATE_LIMIT_RETRIES` times, each after at least its `Retry-After` (capped at
+`AGGREGATE_MAX_WAIT_S`), else a full-jitter backoff (`workers/backpressure.py`).
 
 Each server's rows are kept as their encoded bytes (stripped of the heavy fields), not as
 dicts: the request body is those bytes joined, so memory is the body's size, once.
@@ -23,9 +25,14 @@ import orjson
 
 from schemas import fields as F
 from schemas.config import ServersConfig
+from schemas.messages import CallPolicy
+from workers.backpressure import RATE_LIMIT_STATUSES, next_wait_s, parse_retry_after
 from workers.health.spool import compact, tagged
 
 AGGREGATE_TIMEOUT_S = 600.0
+AGGREGATE_RATE_LIMIT_RETRIES = 5
+AGGREGATE_MAX_WAIT_S = 60.0
+_AGGREGATE_WAITS = CallPolicy(rate_limit_max_wait_s=AGGREGATE_MAX_WAIT_S)
 
 
 @dataclass
@@ -122,12 +129,17 @@ async def _post_one(
                 f"config (available: {sorted(config.environments)}); aggregate with the config "
                 "that produced them"
             )
-        url = config.aggregation_url(server)
-        response = await client.post(
-            url.rstrip("/") + "/aggregate_metrics",
-            content=rows.body(),
-            headers={"content-type": "application/json"},
-        )
+        url = config.aggregation_url(server).rstrip("/") + "/aggregate_metrics"
+        body = rows.body()
+        for retry in range(AGGREGATE_RATE_LIMIT_RETRIES + 1):
+            response = await client.post(
+                url, content=body, headers={"content-type": "application/json"}
+            )
+            if response.status_code not in RATE_LIMIT_STATUSES:
+                break
+            if retry < AGGREGATE_RATE_LIMIT_RETRIES:
+                retry_after = parse_retry_after(response.headers.get("retry-after"))
+                await asyncio.sleep(next_wait_s(_AGGREGATE_WAITS, retry_after, retry))
         response.raise_for_status()
         answer = response.json()
         if not isinstance(answer, dict):

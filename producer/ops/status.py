@@ -24,6 +24,7 @@ from infra import keys
 from infra.redis_client import client
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
+from producer.ops.pressure import add_backpressure, backpressure_line
 from producer.shard.live import LiveSnapshot, snapshot
 from schemas.records import Manifest
 from workers.shard.ledger import ShardLedger
@@ -177,6 +178,7 @@ class StatusReader:
         report["stop"] = snap.stop
         for agent, n in snap.in_flight_by_agent.items():
             report["by_agent"].setdefault(agent, GroupCounts().as_json())["in_flight"] = n
+        add_backpressure(report, client(self.redis_url or ""), manifest.config, snap)
         if not current:
             report["queued"] = 0 if manifest.state in FINAL_STATES else None
             return
@@ -239,6 +241,7 @@ def summary_line(report: dict[str, Any]) -> str:
         line += f" · {report['rate_per_s']:.1f}/s"
     if report.get("eta_s") is not None:
         line += f" · ETA {report['eta_s']:.0f}s"
+    line += backpressure_line(report)
     if report.get("error"):
         line += f"\nerror: {report['error']}"
     return line

@@ -51,6 +51,8 @@ def call_policy(settings: CollectionSettings) -> CallPolicy:
         route_failures_to_sidecar=settings.route_failures_to_sidecar,
         connect_retries=settings.connect_retries,
         backoff_base_s=settings.retry_backoff_s,
+        rate_limit_budget_s=settings.rate_limit_budget_s,
+        rate_limit_max_wait_s=settings.rate_limit_max_wait_s,
     )
 
 

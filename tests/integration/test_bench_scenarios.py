@@ -74,3 +74,13 @@ def test_workers_compares_one_and_two_processes() -> None:
         ("empty Celery chord", "2"), ("rollouts (ours)", "2"),
     ]  # fmt: skip
     assert rows[1][-1] == "1.00x"
+
+
+@pytest.mark.timeout(320)
+def test_ratelimit_table_counts_the_429s() -> None:
+    rows = bench("ratelimit", "--n", "80", "--in-flight", "32", "--latency-ms", "50",
+                 "--limit", "4", "--nemo-python", "")  # fmt: skip
+    [ours] = [cells(r) for r in rows]
+    assert ours[0] == "rollouts (ours)" and ours[1] == "80"
+    requests, limited = int(ours[2]), int(ours[3])
+    assert requests == 80 + limited

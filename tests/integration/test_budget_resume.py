@@ -81,7 +81,7 @@ def test_nemo_gym_resume_counts_attempts_and_never_retries_terminal_failures(
             "_ng_failure_class": "judge_failed",
             "_ng_failure_terminal": True,
         }
-        rows[3]["fault"] = {"kind": "http503", "times": 9}  # replayed to the limit within the run
+        rows[3]["fault"] = {"kind": "http502", "times": 9}  # replayed to the limit within the run
         out = tmp_path / "run"
         proc = cli(
             "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),

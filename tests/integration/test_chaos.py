@@ -4,7 +4,7 @@ Afterwards every planned rollout has exactly one landed result or a settled fail
 (terminal, or as many failed attempts as the limit), never both, and the agent's own request log
 shows that every planned rollout was attempted.
 
-The faults are the replayable kinds (503 and reset): with `retry_requests` each delivery replays
+The faults are the replayable kinds (502 and reset): with `retry_requests` each delivery replays
 them up to the attempt limit, so one delivery settles a rollout. (A 500 is not replayed: such a
 rollout stays retryable until resumes use up its attempts; the failure-class tests cover it.)
 """
@@ -53,7 +53,7 @@ def test_chaos_run_then_resume_settles_every_rollout(
     knobs = AgentKnobs(
         latency_ms=200,
         fault_rate=0.1,
-        fault_kinds=["http503", "reset"],
+        fault_kinds=["http502", "reset"],
         seed=7,
         request_log=str(log),
     )

@@ -26,8 +26,9 @@ pytestmark = pytest.mark.integration
 
 FAULTS: dict[str, dict[str, Any]] = {
     "http500": {"fault": {"kind": "http500", "times": 9}},
+    "http502_once": {"fault": {"kind": "http502", "times": 1}},
+    "http502_always": {"fault": {"kind": "http502", "times": 9}},
     "http503_once": {"fault": {"kind": "http503", "times": 1}},
-    "http503_always": {"fault": {"kind": "http503", "times": 9}},
     "reset_once": {"fault": {"kind": "reset", "times": 1}},
     "malformed": {"fault": {"kind": "malformed", "times": 9}},
     "list": {"fault": {"kind": "list", "times": 9}},
@@ -131,11 +132,13 @@ def test_http500_is_agent_run_error_and_not_retried(fault_run: FaultRun) -> None
     assert fault_run.requests[fault_run.keys["http500"]] == 1
 
 
-def test_http503_is_agent_request_failed_and_replayed(fault_run: FaultRun) -> None:
-    k = fault_run.keys["http503_once"]
+# 503 is backpressure since issue 16 (test_http503_is_waited_out_without_a_failed_attempt); 502
+# keeps the gateway rule these two tests held 503 to.
+def test_http502_is_agent_request_failed_and_replayed(fault_run: FaultRun) -> None:
+    k = fault_run.keys["http502_once"]
     [failure] = fault_run.failures[k]
     assert failure[F.FAILURE_CLASS] == "agent_request_failed"
-    assert failure[F.FAILURE_HTTP_STATUS] == 503
+    assert failure[F.FAILURE_HTTP_STATUS] == 502
     assert F.ATTEMPT_INDEX not in failure
     [result] = fault_run.results[k]
     assert result[F.ATTEMPT_INDEX] == 1
@@ -143,13 +146,21 @@ def test_http503_is_agent_request_failed_and_replayed(fault_run: FaultRun) -> No
     assert fault_run.requests[k] == 2
 
 
-def test_http503_every_time_exhausts_the_attempt_limit(fault_run: FaultRun) -> None:
-    k = fault_run.keys["http503_always"]
+def test_http502_every_time_exhausts_the_attempt_limit(fault_run: FaultRun) -> None:
+    k = fault_run.keys["http502_always"]
     assert k not in fault_run.results
     rows = fault_run.failures[k]
     assert [r.get(F.ATTEMPT_INDEX, 0) for r in rows] == [0, 1, 2]
     assert {r[F.FAILURE_CLASS] for r in rows} == {"agent_request_failed"}
     assert fault_run.requests[k] == 3
+
+
+def test_http503_is_waited_out_without_a_failed_attempt(fault_run: FaultRun) -> None:
+    k = fault_run.keys["http503_once"]
+    assert k not in fault_run.failures
+    [result] = fault_run.results[k]
+    assert F.ATTEMPT_INDEX not in result
+    assert fault_run.requests[k] == 2
 
 
 def test_reset_is_a_peer_drop_and_replayed(fault_run: FaultRun) -> None:

@@ -34,7 +34,7 @@ def test_retry_requests_off_does_not_replay_after_sending(
         workers.start(count=1, concurrency=8)
         workers.wait_ready()
         rows = demo_rows(6)
-        for row, kind in zip(rows, ("hang", "http503", "reset"), strict=False):
+        for row, kind in zip(rows, ("hang", "http502", "reset"), strict=False):
             row["fault"] = {"kind": kind, "times": 9}
         out = tmp_path / "run"
         code = execute_run(

@@ -79,13 +79,31 @@ def test_500_is_agent_run_error_not_replayed_with_a_bounded_body() -> None:
     assert outcome.final_failure["_ng_failure_response_body"].endswith("…")
 
 
-@pytest.mark.parametrize("code", [429, 502, 503, 504])
+# 429 and 503 are backpressure since issue 16: test_rate_limit_replies_end_the_call_for_the_engine.
+@pytest.mark.parametrize("code", [502, 504])
 def test_gateway_statuses_are_replayed_with_attempt_indexes(code: int) -> None:
     outcome, calls = run(sequence(status(code), status(code), ok))
     assert calls == 3
     assert [f.get("_ng_attempt_index", 0) for f in outcome.failures] == [0, 1]
     assert {f["_ng_failure_class"] for f in outcome.failures} == {"agent_request_failed"}
     assert outcome.result is not None and outcome.result["_ng_attempt_index"] == 2
+
+
+@pytest.mark.parametrize("code", [429, 503])
+def test_rate_limit_replies_end_the_call_for_the_engine(code: int) -> None:
+    def limited(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(code, headers={"Retry-After": "7"}, text="slow down")
+
+    outcome, calls = run(sequence(status(502), limited))
+    assert calls == 2 and outcome.requests_sent == 2
+    assert outcome.final_failure is None and outcome.result is None
+    limit = outcome.rate_limited
+    assert limit is not None
+    assert (limit.status, limit.retry_after_s, limit.attempt) == (code, 7.0, 1)
+    assert limit.failure["_ng_failure_http_status"] == code
+    assert limit.failure["_ng_attempt_index"] == 1
+    # The 502 before it was a failed attempt; the rate limit is none.
+    assert [f["_ng_failure_http_status"] for f in outcome.failures] == [502]
 
 
 def test_replays_stop_at_the_attempt_limit_counting_earlier_attempts() -> None:

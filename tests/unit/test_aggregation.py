@@ -107,3 +107,40 @@ def test_a_failed_server_keeps_an_entry_with_empty_collections_and_the_error(
     assert entries[1]["agent_metrics"] == {} and entries[1]["group_level_metrics"] == []
     assert "500" in entries[1]["aggregation_error"]
     assert isinstance(error, httpx.HTTPStatusError)
+
+
+def test_a_rate_limited_aggregation_is_retried_after_its_retry_after_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    answers = {"e1": [429, 503, 200], "e2": [429] * 99}
+    sent: dict[str, int] = {"e1": 0, "e2": 0}
+    slept: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = str(request.url.host)
+        status = answers[host][sent[host]]
+        sent[host] += 1
+        if status != 200:
+            return httpx.Response(status, headers={"Retry-After": "3"})
+        return httpx.Response(200, json={"agent_metrics": {"ok": 1}})
+
+    real = httpx.AsyncClient
+
+    def fake_client(**kwargs: Any) -> httpx.AsyncClient:
+        return real(transport=httpx.MockTransport(handler), **kwargs)
+
+    async def fake_sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(httpx, "AsyncClient", fake_client)
+    monkeypatch.setattr("workers.aggregation.asyncio.sleep", fake_sleep)
+    rows = [
+        {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}, "reward": 1},
+        {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "b"}, "reward": 0},
+    ]
+    entries, error = asyncio.run(aggregation.aggregate(group_rows(rows, CONFIG), CONFIG))
+    assert entries[0]["agent_metrics"] == {"ok": 1}
+    assert sent == {"e1": 3, "e2": 1 + aggregation.AGGREGATE_RATE_LIMIT_RETRIES}
+    assert set(slept) == {3.0} and len(slept) == 2 + aggregation.AGGREGATE_RATE_LIMIT_RETRIES
+    assert "429" in entries[1]["aggregation_error"]
+    assert isinstance(error, httpx.HTTPStatusError)

@@ -236,7 +236,7 @@ def test_a_drain_lets_the_call_in_flight_finish(h: Harness) -> None:
 
 
 def test_failed_after_retries_fails_the_run(h: Harness) -> None:
-    h.handler = h.reply(503, {"detail": "overloaded"})
+    h.handler = h.reply(502, {"detail": "bad gateway"})  # 503 is backpressure (issue 16)
     out = h.run(max_attempts=3)
     assert out.ended is Ended.FAILED and out.requests == 3 and len(h.requests) == 3
     assert [f.get(F.ATTEMPT_INDEX) for f in h.shard.failures] == [None, 1, 2]
@@ -314,7 +314,7 @@ def test_a_storage_error_is_an_error_outcome_and_frees_the_slot(h: Harness) -> N
 
 
 def test_redis_down_at_admission_is_an_error_outcome(h: Harness) -> None:
-    def down(req: CollectRequest, sid: str) -> Any:
+    def down(req: CollectRequest, sid: str, readmit: Any = None) -> Any:
         raise redis.ConnectionError("no Redis")
 
     h.gate.admit = down  # type: ignore[method-assign]
@@ -337,6 +337,14 @@ def deep_reply(extra: dict[str, Any] | None = None) -> Handler:
         return httpx.Response(
             200, content=body[:-1] + b',"nested":' + b"[" * 299 + b"]" * 299 + b"}"
         )
+
+    return answer
+
+
+def limited(status: int = 429, retry_after: str | None = "2") -> Handler:
+    async def answer(request: httpx.Request) -> httpx.Response:
+        headers = {} if retry_after is None else {"Retry-After": retry_after}
+        return httpx.Response(status, headers=headers, text="slow down")
 
     return answer
 
@@ -384,3 +392,89 @@ def test_a_lander_that_never_answers_is_an_error_within_the_bound(h: Harness) ->
     assert out.detail == (
         "StorageError: landing did not finish within 0.05s; its records may land later"
     )
+
+
+def replies(*handlers: Handler) -> Handler:
+    it = iter(handlers)
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        return await next(it)(request)
+
+    return answer
+
+
+def test_a_rate_limit_is_waited_out_without_a_slot_or_an_attempt(h: Harness) -> None:
+    h.handler = replies(limited(429), limited(503), h.reply(200, {"reward": 1.0}))
+    out = h.run()
+    assert out.ended is Ended.LANDED and out.requests == 3 and h.shard.failures == []
+    assert F.ATTEMPT_INDEX not in h.shard.results[0]
+    assert [F.ATTEMPT_INDEX in r for r in h.requests] == [False, False, False]
+    # Each wait is the Retry-After, slept in steps that look at the stop flags.
+    assert sum(h.slept) == pytest.approx(4.0) and max(h.slept) <= 0.5
+    assert [(b.status, b.wait_s) for b in h.gate.backed_off] == [(429, 2.0), (503, 2.0)]
+    # One start, two readmissions that counted none; the slot was given back for each wait.
+    assert h.gate.admitted == ["3:1"] and h.gate.readmitted == ["3:1", "3:1"]
+    assert h.slots_returned() and h.shard.in_flight == 0
+
+
+def test_a_rate_limit_past_its_budget_fails_with_the_rate_limit_kind(h: Harness) -> None:
+    h.handler = limited(429, "2")
+    out = h.run(rate_limit_budget_s=5.0)
+    assert out.ended is Ended.FAILED and out.requests == 3 and len(h.requests) == 3
+    [row] = h.shard.failures
+    assert row[F.FAILURE_CLASS] == "agent_request_failed"
+    assert row["failure_kind"] == "rollouts:rate_limited"
+    assert row[F.FAILURE_HTTP_STATUS] == 429
+    assert "waited 4.0s over 2 waits" in row[F.FAILURE_MESSAGE]
+    assert "rate_limit_budget_s=5s" in row[F.FAILURE_MESSAGE]
+    assert [b.wait_s for b in h.gate.backed_off] == [2.0, 2.0, None]
+    assert h.shard.run_failed is not None and "rate limited" in h.shard.run_failed
+    assert h.slots_returned()
+
+
+def test_a_rate_limit_keeps_the_attempt_of_a_replay_before_it(h: Harness) -> None:
+    h.handler = replies(h.reply(502, {}), limited(429, "1"), h.reply(200, {"reward": 1.0}))
+    out = h.run()
+    assert out.ended is Ended.LANDED and out.requests == 3
+    assert [r.get(F.ATTEMPT_INDEX) for r in h.requests] == [None, 1, 1]
+    assert [f[F.FAILURE_HTTP_STATUS] for f in h.shard.failures] == [502]
+    assert h.shard.results[0][F.ATTEMPT_INDEX] == 1
+
+
+def test_a_cancel_during_a_rate_limit_wait_ends_it_cancelled(h: Harness) -> None:
+    async def limit_then_cancel(request: httpx.Request) -> httpx.Response:
+        h.shard.cancel = "cancel"
+        return httpx.Response(429, headers={"Retry-After": "30"})
+
+    h.handler = limit_then_cancel
+    out = h.run()
+    assert out.ended is Ended.CANCELLED and out.detail == "cancel"
+    assert sum(h.slept) <= 0.5 and len(h.requests) == 1
+    assert h.gate.released[-1].field == "cancelled" and h.slots_returned()
+
+
+def test_a_drain_lets_a_rate_limited_rollout_finish(h: Harness) -> None:
+    async def limit_then_drain(request: httpx.Request) -> httpx.Response:
+        h.shard.cancel = "drain"
+        return httpx.Response(429, headers={"Retry-After": "1"})
+
+    h.handler = replies(limit_then_drain, h.reply(200, {"reward": 1.0}))
+    assert h.run().ended is Ended.LANDED and h.slots_returned()
+
+
+def test_a_rollout_landed_elsewhere_during_its_wait_gives_its_start_back(h: Harness) -> None:
+    async def limit_then_land(request: httpx.Request) -> httpx.Response:
+        h.shard.landed.add("3:1")
+        return httpx.Response(429, headers={"Retry-After": "1"})
+
+    h.handler = limit_then_land
+    assert h.run().ended is Ended.DUPLICATE
+    assert not h.shard.starts and h.shard.in_flight == 0
+
+
+def test_the_window_shrinks_on_a_rate_limit_and_grows_on_success(h: Harness) -> None:
+    h.shard.window = 20.0
+    h.handler = replies(limited(429, "1"), h.reply(200, {"reward": 1.0}))
+    h.run()
+    assert h.shard.ssthresh == pytest.approx(14.0)
+    assert h.shard.window == pytest.approx(14.0 + 1 / 14)

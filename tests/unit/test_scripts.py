@@ -14,6 +14,7 @@ SCRIPTS = {name: value for name, value in vars(scripts).items() if name.endswith
 def test_every_script_is_here() -> None:
     assert sorted(SCRIPTS) == [
         "ACQUIRE_READING_LUA",
+        "BACK_OFF_LUA",
         "BEGIN_LUA",
         "END_LUA",
         "EXTEND_LUA",

@@ -27,9 +27,13 @@ STOP_POLL_S = 0.5
 class AdmissionGate(Protocol):
     """Whether a rollout may start, the slots it holds, and the run's stop flags (`workers/admission.py`)."""
 
-    def admit(self, req: CollectRequest, sid: str) -> Ticket: ...
+    def admit(self, req: CollectRequest, sid: str, readmit: Ticket | None = None) -> Ticket: ...
 
-    def free_slot(self, ticket: Ticket, token: str) -> None: ...
+    def free_slot(self, ticket: Ticket, token: str, ok: bool = False) -> None: ...
+
+    def back_off(
+        self, ticket: Ticket, status: int, wait_s: float | None, call_s: float
+    ) -> None: ...
 
     def release(
         self, ticket: Ticket, token: str, field: str = "done", duration_s: float | None = None
@@ -97,7 +101,7 @@ class RolloutContext:
     monotonic: Callable[[], float] = field(default=time.monotonic)
     """The clock durations are measured with."""
     sleep: Callable[[float], None] = field(default=time.sleep)
-    """How the engine waits between landing retries."""
+    """How the engine waits between landing retries and out rate limits."""
     land_wait_s: float = LAND_WAIT_S
     """How long one landing attempt may take before the rollout ends in error."""
 

@@ -1,5 +1,8 @@
 """One rollout, start to finish: admit it, call `/run`, sort the outcome, land it, release its slot.
 
+A 429/503 reply loops back before the sort: the slot is given back (`back_off`), the rollout
+waits (`workers/backpressure.py`), and it is admitted again, keeping its start and its attempt.
+
 Both rollout tasks are thin adapters over `run_rollout`: the chord task of `rollouts run` and
 `resume` (`workers/tasks.py`) and the Python API's reply task (`workers/replies.py`).
 Nothing here raises for a rollout's own trouble (a task that raised would fail the whole chord
@@ -28,8 +31,10 @@ from schemas.outcomes import (
     run_failure_message,
 )
 from workers.admission import Ticket
+from workers.agent_call import CallOutcome, with_attempt
+from workers.backpressure import RateLimitWaits, budget_failure, next_wait_s
 from workers.landing import LandReport
-from workers.rollout.context import RolloutContext
+from workers.rollout.context import STOP_POLL_S, RolloutContext
 from workers.rollout.rows import drained_row, not_started_message, sort_outcome, worker_lost_row
 
 log = logging.getLogger(__name__)
@@ -90,34 +95,16 @@ class _Run:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
 
     def run(self) -> RolloutOutcome:
-        req, ctx, token = self.req, self.ctx, self.req.run.token
-        seen = self.delivery.admission or req
-        try:
-            ticket = ctx.gate.admit(seen, self.sid)
-        except redis.RedisError as exc:
-            log.error("rollout %s not started: Redis unavailable: %s", self.rollout, exc)
-            return self.end(Ended.ERROR, detail=f"{type(exc).__name__}: {exc}")
-        if ticket.verdict != "run":
-            return self.not_run(ticket, seen)
-        if self.delivery.on_admitted is not None:
-            self.delivery.on_admitted()
-
-        started = ctx.monotonic()
-        try:
-            outcome, stop = ctx.agent.call(
-                req.agent_url, req.row, req.policy, lambda: ctx.gate.stop_reason(self.sid)
-            )
-        except BaseException:
-            ctx.gate.release(ticket, token)
-            raise
-        if outcome is None:
-            ctx.gate.release(ticket, token, field="cancelled")
-            return self.end(Ended.CANCELLED, detail=stop)
+        ctx, token = self.ctx, self.req.run.token
+        called = self.call()
+        if isinstance(called, RolloutOutcome):
+            return called
+        ticket, outcome, started = called
         ended_call = ctx.monotonic()
         # The slot covers the /run call: the next rollout may start while this one lands.
-        ctx.gate.free_slot(ticket, token)
+        ctx.gate.free_slot(ticket, token, ok=outcome.result is not None)
         result, failures, ended = sort_outcome(outcome)
-        timed = ended is Ended.LANDED and req.admission.dispatch_deadline is not None
+        timed = ended is Ended.LANDED and self.req.admission.dispatch_deadline is not None
         try:
             if self.delivery.record:
                 ended = self.land(result, failures, ended)
@@ -135,6 +122,79 @@ class _Run:
             run_ms=(ended_call - started) * 1000,
             after_ms=(ctx.monotonic() - ended_call) * 1000,
         )
+
+    def call(self) -> tuple[Ticket, CallOutcome, float] | RolloutOutcome:
+        """Admit the rollout and call `/run`, waiting out 429/503s without the slot.
+
+        Returns the slot's ticket, the call's outcome (its failures and requests over every
+        admission) and when the first call started; or how the rollout ended before that.
+        """
+        req, ctx, token = self.req, self.ctx, self.req.run.token
+        seen = self.delivery.admission or req
+        waits = RateLimitWaits(req.policy.rate_limit_budget_s)
+        row = req.row
+        earlier: list[dict[str, Any]] = []
+        requests = 0
+        started: float | None = None
+        ticket: Ticket | None = None
+        while True:
+            try:
+                # After a rate-limit wait the rollout is admitted again without a new start.
+                ticket = ctx.gate.admit(seen, self.sid, readmit=ticket)
+            except redis.RedisError as exc:
+                log.error("rollout %s not started: Redis unavailable: %s", self.rollout, exc)
+                return self.end(Ended.ERROR, detail=f"{type(exc).__name__}: {exc}")
+            if ticket.verdict != "run":
+                return self.not_run(ticket, seen)
+            if waits.count == 0 and self.delivery.on_admitted is not None:
+                self.delivery.on_admitted()
+
+            called = ctx.monotonic()
+            started = called if started is None else started
+            try:
+                outcome, stop = ctx.agent.call(
+                    req.agent_url, row, req.policy, lambda: ctx.gate.stop_reason(self.sid)
+                )
+            except BaseException:
+                ctx.gate.release(ticket, token)
+                raise
+            if outcome is None:
+                ctx.gate.release(ticket, token, field="cancelled")
+                return self.end(Ended.CANCELLED, detail=stop)
+            requests += outcome.requests_sent
+            earlier += outcome.failures
+            limited = outcome.rate_limited
+            if limited is None:
+                break
+            wait_s = next_wait_s(req.policy, limited.retry_after_s, waits.count)
+            if not waits.fits(wait_s):
+                ctx.gate.back_off(ticket, limited.status, None, ctx.monotonic() - called)
+                outcome = CallOutcome(final_failure=budget_failure(waits, limited))
+                break
+            # The slot goes back for the wait: a rate-limited rollout holds no concurrency.
+            ctx.gate.back_off(ticket, limited.status, wait_s, ctx.monotonic() - called)
+            waits.add(limited.status, wait_s)
+            stop = self.wait(wait_s)
+            if stop is not None:
+                ctx.gate.release(ticket, token, field="cancelled")
+                return self.end(Ended.CANCELLED, detail=stop)
+            row = with_attempt(req.row, limited.attempt)
+        outcome.failures = earlier
+        outcome.requests_sent = requests
+        assert started is not None  # set by the first call
+        return ticket, outcome, started
+
+    def wait(self, wait_s: float) -> str | None:
+        """Sleep out a rate-limit wait; returns the stop reason if the run was failed or cancelled."""
+        left = wait_s
+        while left > 0:
+            step = min(left, STOP_POLL_S)
+            self.ctx.sleep(step)
+            left -= step
+            reason = self.ctx.gate.stop_reason(self.sid)
+            if reason is not None and reason != "drain":
+                return reason
+        return None
 
     def not_run(self, ticket: Ticket, seen: CollectRequest) -> RolloutOutcome:
         verdict = ticket.verdict

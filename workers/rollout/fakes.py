@@ -3,9 +3,10 @@
 `FakeShard` holds what Redis and the shard's files would: the landed keys, the opener token,
 the stop flags, the budget, the unfinished deliveries, and the records written. `FakeGate` admits
 against it as the begin script does (stop flags, fencing, landed, budget, attempt limit, in that
-order); `FakeLander` lands into it as the lander does (records encoded one by one, fenced writers
-refused, a result whose key landed before is a duplicate). Either can be told to fail its next
-calls; the lander also to never answer.
+order; a readmission after a rate-limit wait counts no start and gives it back when it does not
+run) and keeps the agent's window as the end and back-off scripts do; `FakeLander` lands into it
+as the lander does (records encoded one by one, fenced writers refused, a result whose key landed
+before is a duplicate). Either can be told to fail its next calls; the lander also to never answer.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from schemas import fields as F
 from schemas.errors import ShardFencedError
 from schemas.messages import CollectRequest, RunRef
-from workers.admission import Ticket
+from workers.admission import WINDOW_DECREASE, Ticket
 from workers.encoding import encode_records
 from workers.landing import LandReport
 
@@ -49,6 +50,14 @@ class FakeShard:
     """The drain margin."""
     starts: dict[str, int] = field(default_factory=dict)
     """Deliveries of each rollout that started and did not end."""
+    window: float = 10.0
+    """The agent's adaptive window (what `keys.agent_window` holds)."""
+    ssthresh: float = 1024.0
+    """Below it the window slow-starts."""
+    window_cap: float = 1024.0
+    """The largest window."""
+    in_flight: int = 0
+    """The agent's calls holding a slot."""
 
 
 @dataclass
@@ -60,6 +69,15 @@ class Release:
     duration_s: float | None
 
 
+@dataclass
+class BackOff:
+    """One call of `back_off`: a 429/503 reply and the wait that follows (None: none)."""
+
+    key: str
+    status: int
+    wait_s: float | None
+
+
 class FakeGate:
     """Admission against a `FakeShard`, recording the slots it hands out and gets back."""
 
@@ -68,42 +86,83 @@ class FakeGate:
         self.admitted: list[str] = []
         self.freed: list[str] = []
         self.released: list[Release] = []
+        self.backed_off: list[BackOff] = []
+        self.readmitted: list[str] = []
+        self._held: set[str] = set()
 
-    def admit(self, req: CollectRequest, sid: str) -> Ticket:
+    def admit(self, req: CollectRequest, sid: str, readmit: Ticket | None = None) -> Ticket:
         s, key = self.shard, _key(req.row)
 
         def ticket(verdict: Any, detail: str = "") -> Ticket:
             return Ticket(verdict, detail, sid, key, f"fake|{key}", "agent")
 
+        again = readmit is not None
+
+        def leave(verdict: Any, detail: str = "") -> Ticket:
+            if again:
+                self._give_back(key)
+            return ticket(verdict, detail)
+
         if s.run_failed is not None:
-            return ticket("stopped", f"failed: {s.run_failed}")
-        if s.cancel is not None:
-            return ticket("stopped", s.cancel)
+            return leave("stopped", f"failed: {s.run_failed}")
+        if s.cancel is not None and not (again and s.cancel == "drain"):
+            return leave("stopped", s.cancel)
         if req.run.token != s.opener:
-            return ticket("fenced", s.opener)
+            return leave("fenced", s.opener)
         if key in s.landed:
-            return ticket("duplicate")
+            return leave("duplicate")
         left = s.budget_left_s
-        if left is not None and (left <= 0 or (s.margin_s is not None and left < s.margin_s)):
+        if (
+            not again
+            and left is not None
+            and (left <= 0 or (s.margin_s is not None and left < s.margin_s))
+        ):
             return ticket("drained", str(left))
-        n = s.starts[key] = s.starts.get(key, 0) + 1
-        if n > req.policy.max_attempts:
-            del s.starts[key]
-            return ticket("worker_lost", str(n - 1))
-        self.admitted.append(key)
+        # The real gate waits while the agent's leases reach the window; a fake one never fills.
+        if again:
+            self.readmitted.append(key)
+        else:
+            n = s.starts[key] = s.starts.get(key, 0) + 1
+            if n > req.policy.max_attempts:
+                del s.starts[key]
+                return ticket("worker_lost", str(n - 1))
+            self.admitted.append(key)
+        s.in_flight += 1
+        self._held.add(key)
         return ticket("run")
 
-    def free_slot(self, ticket: Ticket, token: str) -> None:
+    def _give_back(self, key: str) -> None:
+        starts = self.shard.starts
+        if key in starts:
+            starts[key] -= 1
+            if starts[key] <= 0:
+                del starts[key]
+
+    def _free(self, key: str) -> None:
+        if key in self._held:
+            self._held.discard(key)
+            self.shard.in_flight -= 1
+
+    def free_slot(self, ticket: Ticket, token: str, ok: bool = False) -> None:
         self.freed.append(ticket.key)
+        self._free(ticket.key)
+        s = self.shard
+        if ok:
+            s.window = min(s.window_cap, s.window + (1 if s.window < s.ssthresh else 1 / s.window))
+
+    def back_off(self, ticket: Ticket, status: int, wait_s: float | None, call_s: float) -> None:
+        # The real script shrinks it at most once per round trip; one rollout's replies are a round
+        # trip apart.
+        self.backed_off.append(BackOff(ticket.key, status, wait_s))
+        self._free(ticket.key)
+        s = self.shard
+        s.window = s.ssthresh = max(1.0, s.window * WINDOW_DECREASE)
 
     def release(
         self, ticket: Ticket, token: str, field: str = "done", duration_s: float | None = None
     ) -> None:
-        starts = self.shard.starts
-        if ticket.key in starts:
-            starts[ticket.key] -= 1
-            if starts[ticket.key] <= 0:
-                del starts[ticket.key]
+        self._give_back(ticket.key)
+        self._free(ticket.key)
         self.released.append(Release(ticket.key, field, duration_s))
 
     def stop_reason(self, sid: str) -> str | None:

@@ -1,0 +1,214 @@
+"""Backpressure end to end, measured by the agent itself: an agent that answers 429 above K
+concurrent calls is waited out by the whole fleet (issue 16, acceptance 1 and 3).
+
+The agent's request log has a `start` and an `end` event per request; a 429's end event carries
+its `retry_after`. No rollout may come back sooner than that after its 429.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from examples.agent_server import AgentKnobs
+from examples.servers import start_servers
+from examples.tasks import make_row
+from tests.conftest import Workers, write_rows
+from tests.ops_helpers import (
+    cli,
+    cli_background,
+    manifest,
+    request_log,
+    requests_per_key,
+    rows_by_key,
+    wait_for,
+)
+from workers.backpressure import MIN_WAIT_S
+
+pytestmark = pytest.mark.integration
+
+K = 8
+RETRY_AFTER_S = 1.0
+
+
+def landed(out: Path) -> int:
+    path = out / "rollouts-0.jsonl"
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def too_soon(log: list[dict[str, Any]]) -> list[tuple[Any, float]]:
+    """Requests that followed their rollout's 429 sooner than its Retry-After: (key, gap)."""
+    by_key: dict[tuple[Any, Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    for event in log:
+        by_key[(event["run"], event["task"], event["rollout"])].append(event)
+    early = []
+    for key, events in by_key.items():
+        events.sort(key=lambda e: (e["start"], e["event"] == "end"))
+        limited_until = None
+        for e in events:
+            if e["event"] == "start" and limited_until is not None and e["start"] < limited_until:
+                early.append((key, limited_until - e["start"]))
+            if e["event"] == "end" and e["outcome"] == "rate_limited":
+                limited_until = e["end"] + e["retry_after"]
+    return early
+
+
+@pytest.mark.parametrize(
+    ("rollouts", "concurrency"),
+    [(600, 64), pytest.param(2000, 256, marks=pytest.mark.bench)],
+)
+def test_a_rate_limited_agent_is_waited_out_by_the_fleet(
+    redis_url: str, workers: Workers, tmp_path: Path, rollouts: int, concurrency: int
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    knobs = AgentKnobs(
+        latency_ms=200, rate_limit_above=K, retry_after_s=RETRY_AFTER_S, request_log=str(log)
+    )
+    servers = start_servers({"math_agent": "math_env"}, knobs)
+    try:
+        workers.start(count=2, concurrency=concurrency)
+        workers.wait_ready()
+        rows = [make_row("arithmetic", i, "math_agent") for i in range(rollouts)]
+        out = tmp_path / "run"
+        run = cli_background(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(out),
+            "--broker", redis_url, log=tmp_path / "run.log",
+        )  # fmt: skip
+        wait_for(lambda: landed(out) >= rollouts // 4, 120, "a quarter of the results")
+        during = cli("status", str(out), "--json", "--broker", redis_url)
+        code = run.wait(600)
+        stats = httpx.get(servers.urls["math_agent"] + "/stats").json()
+        after = cli("status", str(out), "--json", "--broker", redis_url)
+    finally:
+        servers.stop()
+    assert code == 0, (tmp_path / "run.log").read_text()
+    assert len(rows_by_key(out / "rollouts-0.jsonl")) == rollouts
+    assert rows_by_key(out / "rollouts-0_failures.jsonl") == {}
+    assert manifest(out)["state"] == "completed"
+    events = request_log(log)
+    assert too_soon(events) == []
+    assert stats["completed"] == rollouts
+    assert stats["rate_limited"] <= 0.5 * rollouts, stats
+    # While it runs, status shows the agent's window; once idle the agent forgets it, and the
+    # shard's waits are one per 429 the agent sent.
+    assert during.returncode == 0, during.stdout + during.stderr
+    live = json.loads(during.stdout)["by_agent"]["math_agent"]
+    assert 1 <= live["window"] <= 1024 and live["window_cap"] == 1024
+    assert live["waiting_for_agent"] >= 0
+    assert after.returncode == 0, after.stdout + after.stderr
+    done = json.loads(after.stdout)["by_agent"]["math_agent"]
+    assert done["window"] is None and done["waiting_for_agent"] == 0
+    assert done.get("rate_limit_waits", 0) == stats["rate_limited"]
+    assert done["rate_limited_last_minute"] <= stats["rate_limited"]
+    if stats["rate_limited"]:
+        assert done["rate_limit_waited_s"] >= stats["rate_limited"] * RETRY_AFTER_S
+
+
+def test_an_agent_that_rate_limits_forever_fails_each_rollout_within_the_bound(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    knobs = AgentKnobs(rate_limit_above=0, retry_after_s=RETRY_AFTER_S, request_log=str(log))
+    servers = start_servers({"math_agent": "math_env"}, knobs)
+    budget_s = 3.0
+    try:
+        workers.start(count=1, concurrency=16)
+        workers.wait_ready()
+        rows = [make_row("arithmetic", i, "math_agent") for i in range(20)]
+        out = tmp_path / "run"
+        proc = cli(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(out),
+            "--broker", redis_url, "+route_failures_to_sidecar=true",
+            f"+rate_limit_budget_s={budget_s:g}",
+        )  # fmt: skip
+    finally:
+        servers.stop()
+    assert manifest(out)["state"] in ("completed", "failed"), proc.stdout + proc.stderr
+    assert rows_by_key(out / "rollouts-0.jsonl") == {}
+    failures = rows_by_key(out / "rollouts-0_failures.jsonl")
+    assert sorted(failures) == [(i, 0) for i in range(20)]
+    for [row] in failures.values():
+        assert row["_ng_failure_class"] == "agent_request_failed"
+        assert row["failure_kind"] == "rollouts:rate_limited"
+        assert row["_ng_failure_http_status"] == 429
+        assert "rate_limit_budget_s=3s" in row["_ng_failure_message"]
+    # The README's bound for one delivery: 1 + floor(budget / MIN_WAIT_S) rate-limited requests.
+    bound = 1 + int(budget_s // max(MIN_WAIT_S, RETRY_AFTER_S))
+    per_key = requests_per_key(log)
+    assert max(per_key.values()) <= bound, per_key
+    assert too_soon(request_log(log)) == []
+
+
+def most_concurrent(log: list[dict[str, Any]], after: float) -> int:
+    """The most requests the agent held at once from `after` on (its own start/end events)."""
+    edges = sorted((e["start"], 1) if e["event"] == "start" else (e["end"], -1) for e in log)
+    held = peak = 0
+    for when, step in edges:
+        held += step
+        if when >= after:
+            peak = max(peak, held)
+    return peak
+
+
+def test_three_runs_at_once_share_the_agents_window(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    knobs = AgentKnobs(
+        latency_ms=200, rate_limit_above=K, retry_after_s=RETRY_AFTER_S, request_log=str(log)
+    )
+    servers = start_servers({"math_agent": "math_env"}, knobs)
+    try:
+        workers.start(count=2, concurrency=64)
+        workers.wait_ready()
+        config = servers.write_config(str(tmp_path / "servers.yaml"))
+        runs = []
+        for i in range(3):
+            rows = [make_row("arithmetic", j, "math_agent") for j in range(300)]
+            run = cli_background(
+                "run", "--config", config, "--output-dir", str(tmp_path / f"run{i}"),
+                "--input", write_rows(tmp_path / f"rows{i}.jsonl", rows),
+                "--broker", redis_url, log=tmp_path / f"run{i}.log",
+            )  # fmt: skip
+            runs.append(run)
+        codes = [run.wait(600) for run in runs]
+    finally:
+        servers.stop()
+    assert codes == [0, 0, 0], [(tmp_path / f"run{i}.log").read_text() for i in range(3)]
+    for i in range(3):
+        assert len(rows_by_key(tmp_path / f"run{i}" / "rollouts-0.jsonl")) == 300
+    events = request_log(log)
+    first = min(e["start"] for e in events)
+    assert most_concurrent(events, first + 10.0) <= K + 2
+    assert too_soon(events) == []
+
+
+def test_rollouts_sleeping_out_a_long_retry_after_are_not_a_stall(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    knobs = AgentKnobs(rate_limit_above=0, retry_after_s=3.0)
+    servers = start_servers({"math_agent": "math_env"}, knobs)
+    try:
+        workers.start(count=1, concurrency=4)
+        workers.wait_ready()
+        rows = [make_row("arithmetic", i, "math_agent") for i in range(4)]
+        out = tmp_path / "run"
+        proc = cli(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(out),
+            "--broker", redis_url, "+route_failures_to_sidecar=true",
+            "+rate_limit_budget_s=7", "+stall_timeout_s=2",
+        )  # fmt: skip
+    finally:
+        servers.stop()
+    assert "stalled" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    failures = rows_by_key(out / "rollouts-0_failures.jsonl")
+    assert sorted(failures) == [(i, 0) for i in range(4)]
+    assert {row["failure_kind"] for [row] in failures.values()} == {"rollouts:rate_limited"}
