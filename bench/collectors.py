@@ -215,5 +215,6 @@ def run_nemo_gym(
         int(line["n"]),
         float(line["wall_s"]),
         float(line["cpu_s"]),
-        {"cpu_ms": {"producer": 1000 * float(line["cpu_s"]) / int(line["n"])}},
-    )
+        {"cpu_ms": {"producer": 1000 * float(line["cpu_s"]) / int(line["n"])},
+         "failed": line.get("failed") or {}},
+    )  # fmt: skip

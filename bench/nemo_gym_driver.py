@@ -53,14 +53,24 @@ def _head_server(config_yaml: str, port: int) -> None:
 
 async def _collect(
     rows: list[dict], out: str, concurrency: int, head: object, helper: object
-) -> None:
+) -> dict[str, int]:
+    """Collect every row; a rollout whose call raised (NeMo Gym 0.7.0's `run_examples` raises on
+    an HTTP error such as a 429) is counted by its exception, and the others go on."""
     semaphore = asyncio.Semaphore(concurrency)
+    failed: dict[str, int] = {}
     with open(out, "wb") as f:
         for future in asyncio.as_completed(
             list(helper.run_examples(rows, head_server_config=head, semaphore=semaphore))  # type: ignore[attr-defined]
         ):
-            _row, result = await future
+            try:
+                _row, result = await future
+            except Exception as exc:
+                status = getattr(exc, "status", None)
+                name = type(exc).__name__ + (f" {status}" if status else "")
+                failed[name] = failed.get(name, 0) + 1
+                continue
             f.write(json.dumps(result).encode() + b"\n")
+    return failed
 
 
 def main() -> None:
@@ -96,9 +106,9 @@ math_env:
     head = BaseServerConfig(host="127.0.0.1", port=head_port)
     helper = RolloutCollectionHelper()
     cpu0, t0 = _cpu(), time.perf_counter()
-    asyncio.run(_collect(rows, a.out, a.concurrency, head, helper))
+    failed = asyncio.run(_collect(rows, a.out, a.concurrency, head, helper))
     wall, cpu = time.perf_counter() - t0, _cpu() - cpu0
-    print(json.dumps({"n": len(rows), "wall_s": wall, "cpu_s": cpu}))
+    print(json.dumps({"n": len(rows), "wall_s": wall, "cpu_s": cpu, "failed": failed}))
 
 
 if __name__ == "__main__":

@@ -48,10 +48,12 @@ def ratelimit(
                 m = run()
                 stats = httpx.get(url + "/stats").json()
                 goodput = stats["completed"] / m.wall_s
+                raised = m.extra.get("failed") or {}
                 out.append([
                     m.name, n, stats["requests"], stats["rate_limited"],
-                    f"{stats['rate_limited'] / n:.2f}", m.wall_s, goodput,
-                    f"{100 * goodput / ideal:.1f}%",
+                    f"{stats['rate_limited'] / n:.2f}", n - stats["completed"],
+                    ", ".join(f"{k}: {v}" for k, v in sorted(raised.items())) or "-",
+                    m.wall_s, goodput, f"{100 * goodput / ideal:.1f}%",
                 ])  # fmt: skip
 
             with BenchCluster(workers=workers, concurrency=concurrency) as cluster:
@@ -82,6 +84,8 @@ def ratelimit(
                     "requests",
                     "429s",
                     "429s per rollout",
+                    "no result",
+                    "raised",
                     "wall s",
                     "goodput/s",
                     "of ideal",
