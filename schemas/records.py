@@ -36,6 +36,10 @@ class Generation(BaseModel):
     """Rollouts it enqueued."""
     redis_url: str | None = None
     """The Redis its workers coordinate through (password redacted), for `status` and `cancel`."""
+    broker_url: str | None = None
+    """The broker it enqueued onto (password redacted), for `resume`, `status` and `cancel`."""
+    local: bool = False
+    """It ran on a local cluster the command started (embedded Redis, local workers) and stopped."""
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Settings a resume changed for this generation."""
 
