@@ -18,6 +18,7 @@ from producer.cli.options import (
     PASS_THROUGH,
     cluster_options,
     events_option,
+    fail_on_unhealthy_option,
     local_cluster_options,
     no_wait_option,
     overrides_argument,
@@ -25,7 +26,7 @@ from producer.cli.options import (
     running_shard_options,
     shard_options,
 )
-from producer.cli.overrides import parse_overrides
+from producer.cli.overrides import parse_overrides, pop_flag_override
 from producer.shard.resume import ResumeOptions, execute_resume
 from producer.shard.runner import DEFAULT_CONCURRENCY, RunOptions, execute_run
 from schemas.errors import RolloutsError, UsageError
@@ -77,6 +78,7 @@ def main() -> None:
     help="Skip the allowed_agents checks.",
 )
 @events_option
+@fail_on_unhealthy_option
 @overrides_argument
 @reports()
 def run(
@@ -97,6 +99,7 @@ def run(
     head_server: str | None,
     allow_unsupported_pairing: bool | None,
     events: bool,
+    fail_on_unhealthy: bool,
     overrides: tuple[str, ...],
 ) -> None:
     """Run every row of INPUT, repeated, across the cluster.
@@ -105,6 +108,7 @@ def run(
     and with +resume_from_cache=true a shard that exists there is resumed instead.
     """
     settings: dict[str, Any] = parse_overrides(list(overrides))
+    fail_on_unhealthy = pop_flag_override(settings, "fail_on_unhealthy", fail_on_unhealthy)
     for key, value in (
         ("agent_name", agent),
         ("num_repeats", num_repeats),
@@ -123,7 +127,7 @@ def run(
                     output_dir=output_dir, shard=shard, config_path=config_path,
                     head_server=head_server, overrides=settings, workers=workers,
                     concurrency=concurrency, broker_url=broker, redis_url=redis_url,
-                    wait=not no_wait, events=events,
+                    wait=not no_wait, events=events, fail_on_unhealthy=fail_on_unhealthy,
                 ),
                 _console,
             )
@@ -146,6 +150,7 @@ def run(
         wait=not no_wait,
         head_server=head_server,
         events=events,
+        fail_on_unhealthy=fail_on_unhealthy,
     )
     sys.exit(execute_run(opts, _console))
 
@@ -226,6 +231,7 @@ def demo(tasks: int, repeats: int, workers: int, output_dir: str | None) -> None
 )
 @no_wait_option
 @events_option
+@fail_on_unhealthy_option
 @overrides_argument
 @reports()
 def resume(
@@ -239,13 +245,17 @@ def resume(
     redis_url: str | None,
     no_wait: bool,
     events: bool,
+    fail_on_unhealthy: bool,
     overrides: tuple[str, ...],
 ) -> None:
     """Run the planned rollouts of RUN_DIR that have no outcome yet, then finish the shard."""
+    settings = parse_overrides(list(overrides))
+    fail_on_unhealthy = pop_flag_override(settings, "fail_on_unhealthy", fail_on_unhealthy)
     opts = ResumeOptions(
         output_dir=run_dir, shard=shard, max_attempts=max_attempts, config_path=config_path,
-        overrides=parse_overrides(list(overrides)), workers=workers, concurrency=concurrency,
+        overrides=settings, workers=workers, concurrency=concurrency,
         broker_url=broker, redis_url=redis_url, wait=not no_wait, events=events,
+        fail_on_unhealthy=fail_on_unhealthy,
     )  # fmt: skip
     sys.exit(execute_resume(opts, _console))
 
@@ -359,6 +369,7 @@ def flower(
     "--distributed", is_flag=True, help="Run the recheck as Celery jobs on the cluster's workers."
 )
 @result_backend_options
+@fail_on_unhealthy_option
 @reports(RolloutsError)
 def health_check(
     run_dir: str,
@@ -369,6 +380,7 @@ def health_check(
     distributed: bool,
     broker: str | None,
     redis_url: str | None,
+    fail_on_unhealthy: bool,
 ) -> None:
     """Recheck RUN_DIR from its persisted artifacts and write its health reports."""
     from producer.ops.recheck import health_check as run_check
@@ -386,6 +398,7 @@ def health_check(
             broker_url=cluster.broker_url if cluster else None,
             redis_url=cluster.redis_url if cluster else None,
             console=_console,
+            fail_on_unhealthy=fail_on_unhealthy,
         )
     )
 

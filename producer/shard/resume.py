@@ -32,7 +32,7 @@ from producer.shard.cluster import RECORDED_BROKER, recorded_cluster
 from producer.shard.dispatch import ShardDispatch, dispatch_generation
 from producer.shard.local_cluster import LocalCluster
 from producer.shard.opening import OpenedRun, iter_materialized, record_opening
-from producer.shard.report import print_counts, print_metrics
+from producer.shard.report import print_counts, print_health, print_metrics, raise_if_unhealthy
 from producer.shard.supervise import raise_for_outcome
 from schemas import fields as F
 from schemas.config import ServersConfig, masked_paths, redact_url
@@ -69,6 +69,8 @@ class ResumeOptions:
     redis_url: str | None = None
     wait: bool = True
     events: bool = False
+    fail_on_unhealthy: bool = False
+    """Exit 1 when the finished shard's health verdict is UNHEALTHY."""
 
 
 @dataclass
@@ -309,6 +311,8 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
     if result is None:
         return 0
     print_metrics(console, rd, opts.shard)
+    print_health(console, result.health)
     print_counts(console, result)
     raise_for_outcome(result)
+    raise_if_unhealthy(result.health, opts.fail_on_unhealthy, "--fail-on-unhealthy")
     return 0

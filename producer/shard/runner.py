@@ -16,7 +16,7 @@ from producer.shard.cluster import named_cluster
 from producer.shard.dispatch import ShardDispatch, dispatch_generation
 from producer.shard.local_cluster import LocalCluster
 from producer.shard.opening import iter_materialized, open_planned
-from producer.shard.report import print_counts, print_health, print_metrics
+from producer.shard.report import print_counts, print_health, print_metrics, raise_if_unhealthy
 from producer.shard.stop import Stopped, counted, stop_on_sigterm, stop_run
 from producer.shard.supervise import raise_for_outcome
 from schemas.config import ServersConfig
@@ -46,6 +46,8 @@ class RunOptions:
     """A running NeMo Gym head server to read the servers config from, instead of config_path."""
     events: bool = False
     """Local workers send task events (for Flower)."""
+    fail_on_unhealthy: bool = False
+    """Exit 1 when the finished run's health verdict is UNHEALTHY."""
 
 
 def dispatch_and_wait(
@@ -105,4 +107,5 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     print_health(console, result.health)
     print_counts(console, result)
     raise_for_outcome(result)
+    raise_if_unhealthy(result.health, opts.fail_on_unhealthy, "--fail-on-unhealthy")
     return 0

@@ -18,9 +18,10 @@ import orjson
 import pytest
 import redis
 
-from examples.servers import RunningServers
+from examples.agent_server import AgentKnobs
+from examples.servers import RunningServers, start_servers
 from infra.embedded import EmbeddedRedis, free_port
-from tests.conftest import demo_rows, write_rows
+from tests.conftest import Workers, demo_rows, write_rows
 
 pytestmark = pytest.mark.integration
 
@@ -95,7 +96,9 @@ def test_an_amqp_broker_without_redis_says_to_pass_redis(
     proc = cli(*run_args(config_file, tmp_path), "--broker", amqp, "--no-wait")
     one_line_refusal(proc, "--broker", "amqp://guest:***@", "--redis URL")
     # With a Redis that answers, the AMQP broker itself is checked: nothing listens there.
-    proc = cli(*run_args(config_file, tmp_path), "--broker", amqp, "--redis", redis_url, "--no-wait")
+    proc = cli(
+        *run_args(config_file, tmp_path), "--broker", amqp, "--redis", redis_url, "--no-wait"
+    )
     one_line_refusal(proc, "--broker", "cannot reach this broker")
     assert not (tmp_path / "run").exists()
 
@@ -113,3 +116,46 @@ def test_resume_refuses_an_unusable_cluster_and_writes_nothing(
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
     manifest = orjson.loads((run_dir / "rollouts-0_manifest.json").read_bytes())
     assert len(manifest["generations"]) == 1
+
+
+@pytest.fixture
+def faulty_servers() -> Iterator[RunningServers]:
+    """The demo servers with agents that answer HTTP 500 to half the /run calls."""
+    running = start_servers(knobs=AgentKnobs(fault_rate=0.5, seed=7))
+    yield running
+    running.stop()
+
+
+def test_fail_on_unhealthy_gates_run_and_health_check(
+    redis_url: str, workers: Workers, faulty_servers: RunningServers, tmp_path: Path
+) -> None:
+    workers.start(count=1, concurrency=16)
+    workers.wait_ready()
+    config = faulty_servers.write_config(str(tmp_path / "servers.yaml"))
+    args = run_args(config, tmp_path, n=12)
+    limit = ["--route-failures-to-sidecar", "+max_failed_rollouts=1", "--broker", redis_url]
+    proc = cli(*args, *limit, "+fail_on_unhealthy=true")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Run health (complete): UNHEALTHY" in proc.stdout
+    assert "health verdict is UNHEALTHY (--fail-on-unhealthy)" in proc.stderr
+    run_dir = str(tmp_path / "run")
+    # The recheck judges with the persisted limit: exit 0, or 1 when asked to gate on it.
+    proc = cli("health-check", run_dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "UNHEALTHY" in proc.stdout
+    proc = cli("health-check", run_dir, "--fail-on-unhealthy")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "UNHEALTHY (--fail-on-unhealthy)" in proc.stderr
+    # Without a limit the verdict is unknown, and the line says how the recheck sets one.
+    proc = cli(
+        "health-check", run_dir, "--limit", "max_failed_rollouts=none", "--fail-on-unhealthy"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Run health (complete): unknown" in proc.stdout
+    assert "set a limit with --limit max_failed_fraction=F" in proc.stdout
+    # A run without a limit: unknown, the line names the overrides; --fail-on-unhealthy passes.
+    proc = cli(*run_args(config, tmp_path, n=4, out="plain"), "--route-failures-to-sidecar",
+               "--broker", redis_url, "--fail-on-unhealthy")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Run health (complete): unknown" in proc.stdout
+    assert "set a limit with +max_failed_fraction=F or +max_failed_rollouts=N" in proc.stdout

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from schemas.health import ALL_CHECKS, RUN_CHECK, Limits, SummaryState
-from workers.health.accounting import Accounting
+from workers.health.accounting import NO_LIMIT_SET, Accounting
 from workers.health.reduce import VERDICTS, Totals
 
 PROVISIONAL_REASON = (
@@ -172,8 +172,13 @@ def summary_chunks(run: dict[str, Any], tasks: Iterable[tuple[str, Any]]) -> Ite
     yield b',\n  "tasks": {}\n}\n' if first else b"\n  }\n}\n"
 
 
-def console_line(run: dict[str, Any], path: str) -> str:
-    """NeMo Gym's two console lines, then ours with the run verdict."""
+RUN_LIMITS_HINT = "+max_failed_fraction=F or +max_failed_rollouts=N"
+"""How `rollouts run` and `resume` set a failure limit (the recheck's is `--limit name=value`)."""
+
+
+def console_line(run: dict[str, Any], path: str, set_limit: str = RUN_LIMITS_HINT) -> str:
+    """NeMo Gym's two console lines, then ours with the run verdict; an unknown verdict for want
+    of a failure limit says how to `set_limit`."""
     v = run["verdicts"]
     lines = []
     if v["healthy"] is not None:
@@ -187,4 +192,6 @@ def console_line(run: dict[str, Any], path: str) -> str:
     word = {True: "healthy", False: "UNHEALTHY", None: "unknown"}[run["healthy"]]
     lines.append(f"Run health ({run['state']}): {word}")
     lines.extend(f"  - {reason}" for reason in run["reasons"])
+    if run["healthy"] is None and any(NO_LIMIT_SET in reason for reason in run["reasons"]):
+        lines.append(f"    set a limit with {set_limit}")
     return "\n".join(lines)
