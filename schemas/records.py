@@ -98,6 +98,8 @@ class ShardStatus(BaseModel):
     """Rollouts not started because the dispatch budget ran out."""
     cancelled: int = 0
     """Rollouts whose `/run` call was cancelled mid-flight (cancel or a failed run); no row."""
+    stopped: int = 0
+    """Rollouts of the last generation not started because the run failed or was cancelled."""
     in_flight: int = 0
     """Rollouts running now."""
     duplicates: int = 0

@@ -175,6 +175,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     generation = generation_counts(redis_url, sid, run.token)
     status.drained = generation.get("drained", 0)
     status.cancelled = generation.get("cancelled", 0)
+    status.stopped = generation.get("stopped", 0)
     rejection = None
     if settings.require_complete and counts.landed < counts.planned:
         rejection = completion_rejection(
@@ -208,7 +209,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
         planned=counts.planned,
         failed=dict(counts.failed),
         drained=status.drained,
-        stopped=generation.get("stopped", 0),
+        stopped=status.stopped,
         aggregation_error=aggregation_error,
         health=health,
         coverage=coverage,

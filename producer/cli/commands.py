@@ -277,13 +277,15 @@ def status(
     redis_url: str | None,
 ) -> None:
     """Planned, landed, failed by class, in flight, queued, rate and ETA, by agent and environment."""
-    from producer.ops.control import find_redis_url, load_manifest
+    from producer.ops.control import find_redis_url, load_manifest, unknown_redis
     from producer.ops.status import StatusReader, print_status
     from producer.ops.status import watch as watch_status
 
     rd = RunDir(run_dir)
     manifest = load_manifest(rd, shard)
     reader = StatusReader(rd, shard, find_redis_url(manifest, redis_url, broker))
+    if reader.redis_url is None and manifest.state == "running":
+        reader.live_error = unknown_redis(manifest)
     if watch:
         report = watch_status(_console, reader, interval)
     elif as_json:
@@ -307,10 +309,7 @@ def cancel(
 
     rd = RunDir(run_dir)
     manifest = load_manifest(rd, shard)
-    url = find_redis_url(manifest, redis_url, broker)
-    if url is None:
-        raise UsageError("the run's Redis is unknown; pass --redis URL")
-    _console.print(cancel_shard(rd, shard, url, drain))
+    _console.print(cancel_shard(rd, shard, find_redis_url(manifest, redis_url, broker), drain))
 
 
 @main.command(context_settings=PASS_THROUGH)

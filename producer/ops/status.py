@@ -2,8 +2,10 @@
 
 Counts come from the files, so they match them exactly: landed = distinct keys in
 `rollouts-S.jsonl`; failed = rollouts without a result whose latest failure row has that class.
-In flight, waiting, queued, drained and the rate come from Redis when it is reachable. `--watch`
-re-reads only the bytes appended since the last refresh.
+In flight, waiting, queued, drained and the rate come from Redis when it is reachable, while the
+shard runs; a finished shard's come from its status file (its Redis may be long gone: a local
+run's embedded one is), its rate is that of its last generation. `--watch` re-reads only the
+bytes appended since the last refresh.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import redis
@@ -22,7 +25,7 @@ from rich.table import Table
 
 from infra import keys
 from infra.redis_client import client
-from infra.runs import read_manifest
+from infra.runs import read_manifest, read_status
 from infra.store import RunDir, ShardFiles
 from producer.shard.live import LiveSnapshot, snapshot
 from schemas.records import Manifest
@@ -131,7 +134,8 @@ class StatusReader:
         manifest = read_manifest(self.rd, self.shard)
         self.tally.refresh()
         t = self.tally
-        snap = self.live()
+        final = manifest.state in FINAL_STATES
+        snap = None if final else self.live()
         current = snap is not None and snap.token == manifest.token
         failed_total = sum(t.failed.values())
         settled = len(t.landed) + failed_total
@@ -165,9 +169,24 @@ class StatusReader:
             "by_agent": {k: v.as_json() for k, v in sorted(t.by_agent.items())},
             "by_environment": {k: v.as_json() for k, v in sorted(t.by_env.items())},
         }
-        if snap is not None:
+        if final:
+            self._add_final(report, manifest)
+        elif snap is not None:
             self._add_live(report, manifest, snap, current)
         return report
+
+    def _add_final(self, report: dict[str, Any], manifest: Manifest) -> None:
+        """A finished shard's counts from its status file; nothing runs, waits or is queued."""
+        report.update(in_flight=0, waiting=0, queued=0)
+        status = read_status(self.rd, self.shard)
+        if status is None:
+            return
+        report.update(drained=status.drained, stopped=status.stopped, cancelled=status.cancelled)
+        last = manifest.generations[-1] if manifest.generations else None
+        if last is not None:
+            elapsed = seconds_between(last.started_at, status.updated_at)
+            if elapsed and elapsed > 0:
+                report["rate_per_s"] = round(last.enqueued / elapsed, 3)
 
     def _add_live(
         self, report: dict[str, Any], manifest: Manifest, snap: LiveSnapshot, current: bool
@@ -201,6 +220,14 @@ class StatusReader:
                 return (n1 - n0) / (t1 - t0)
         if snap.started_at is not None and snap.now > snap.started_at:
             return snap.resolved / (snap.now - snap.started_at)
+        return None
+
+
+def seconds_between(start: str, end: str) -> float | None:
+    """Seconds from one ISO timestamp of the records to another; None if either is unreadable."""
+    try:
+        return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+    except ValueError:
         return None
 
 

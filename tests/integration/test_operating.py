@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -159,3 +161,86 @@ def test_fail_on_unhealthy_gates_run_and_health_check(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Run health (complete): unknown" in proc.stdout
     assert "set a limit with +max_failed_fraction=F or +max_failed_rollouts=N" in proc.stdout
+
+
+def manifest_of(run_dir: Path) -> dict[str, Any]:
+    data: dict[str, Any] = orjson.loads((run_dir / "rollouts-0_manifest.json").read_bytes())
+    return data
+
+
+def test_resume_status_cancel_find_the_run_cluster_in_the_manifest(
+    config_file: str, tmp_path: Path, redis_url: str, workers: Workers, servers: RunningServers
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = cli(*run_args(config_file, tmp_path, n=10), "--broker", redis_url, "--no-wait")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first = manifest_of(run_dir)["generations"][0]
+    assert (first["broker_url"], first["redis_url"], first["local"]) == (redis_url, redis_url, False)
+    # No worker has taken a task yet: the cancel (no --broker) reaches the recorded Redis.
+    proc = cli("cancel", str(run_dir))
+    assert proc.returncode == 0 and "cancelling" in proc.stdout, proc.stdout + proc.stderr
+    workers.start(count=1, concurrency=8)
+    workers.wait_ready()
+    deadline = time.monotonic() + 60
+    while manifest_of(run_dir)["state"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert manifest_of(run_dir)["state"] == "cancelled"
+    # The resume without --broker runs on the run's cluster (its workers), not a local one.
+    proc = cli("resume", str(run_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"resuming on the run's cluster: broker {redis_url}" in proc.stdout
+    assert "embedded Redis" not in proc.stdout
+    m = manifest_of(run_dir)
+    assert m["state"] == "completed"
+    assert [(g["kind"], g["broker_url"], g["local"]) for g in m["generations"]] == [
+        ("run", redis_url, False), ("resume", redis_url, False),
+    ]  # fmt: skip
+    proc = cli("status", str(run_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    printed = " ".join(proc.stdout.split())
+    assert "landed 10" in printed and "drained 0" in printed
+    assert "unavailable" not in printed and "?" not in printed
+
+
+def test_a_local_run_stays_local_and_its_status_reads_files(
+    config_file: str, tmp_path: Path, servers: RunningServers
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = cli(*run_args(config_file, tmp_path, n=6), "--workers", "1", "--concurrency", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [g["local"] for g in manifest_of(run_dir)["generations"]] == [True]
+    # Its embedded Redis is gone: status reads the files and tries no Redis.
+    proc = cli("status", str(run_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    printed = " ".join(proc.stdout.split())
+    assert "unavailable" not in printed and "Error 111" not in printed
+    assert "drained 0" in printed and "?" not in printed
+    report = orjson.loads(cli("status", str(run_dir), "--json").stdout)
+    assert (report["drained"], report["cancelled"], report["in_flight"]) == (0, 0, 0)
+    assert report["rate_per_s"] and report["rate_per_s"] > 0
+    proc = cli("resume", str(run_dir), "--workers", "1", "--concurrency", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "local worker processes (the run was local" in proc.stdout
+    assert [g["local"] for g in manifest_of(run_dir)["generations"]] == [True, True]
+
+
+def test_a_masked_recorded_redis_asks_for_the_flags(
+    config_file: str, tmp_path: Path, password_redis: str, servers: RunningServers
+) -> None:
+    url = f"redis://:right@127.0.0.1:{password_redis}/0"
+    run_dir = tmp_path / "run"
+    proc = cli(*run_args(config_file, tmp_path), "--broker", url, "--no-wait")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    before = (run_dir / "rollouts-0_manifest.json").read_bytes()
+    assert b"right" not in before
+    proc = cli("resume", str(run_dir), "--no-wait")
+    one_line_refusal(proc, "password masked", "pass --broker URL")
+    assert (run_dir / "rollouts-0_manifest.json").read_bytes() == before
+    proc = cli("status", str(run_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    printed = " ".join(proc.stdout.split())
+    assert "recorded with its password masked" in printed and "--redis URL" in printed
+    proc = cli("cancel", str(run_dir))
+    one_line_refusal(proc, "recorded with its password masked", "--redis URL")
+    proc = cli("cancel", str(run_dir), "--redis", url)
+    assert proc.returncode == 0 and "cancelling" in proc.stdout, proc.stdout + proc.stderr
