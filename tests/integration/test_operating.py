@@ -175,7 +175,11 @@ def test_resume_status_cancel_find_the_run_cluster_in_the_manifest(
     proc = cli(*run_args(config_file, tmp_path, n=10), "--broker", redis_url, "--no-wait")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     first = manifest_of(run_dir)["generations"][0]
-    assert (first["broker_url"], first["redis_url"], first["local"]) == (redis_url, redis_url, False)
+    assert (first["broker_url"], first["redis_url"], first["local"]) == (
+        redis_url,
+        redis_url,
+        False,
+    )
     # No worker has taken a task yet: the cancel (no --broker) reaches the recorded Redis.
     proc = cli("cancel", str(run_dir))
     assert proc.returncode == 0 and "cancelling" in proc.stdout, proc.stdout + proc.stderr
