@@ -26,6 +26,13 @@ from schemas.config import ServersConfig
 from workers.health.spool import compact, tagged
 
 AGGREGATE_TIMEOUT_S = 600.0
+EMPTY_COLLECTIONS: tuple[tuple[str, Any], ...] = (
+    ("agent_metrics", {}),
+    ("key_metrics", {}),
+    ("group_level_metrics", []),
+    ("repeat_level_metrics", []),
+)
+"""The collections of an aggregate entry (NeMo Gym's file), each empty when the server gave none."""
 
 
 @dataclass
@@ -102,6 +109,7 @@ def empty_entry(label: str, server: str, error: str | None = None) -> dict[str, 
         "agent_metrics": {},
         "key_metrics": {},
         "group_level_metrics": [],
+        "repeat_level_metrics": [],
     }
     if error is not None:
         entry["aggregation_error"] = error
@@ -138,8 +146,9 @@ async def _post_one(
         message = f"{type(exc).__name__}: {exc}"
         return empty_entry(label, server, message), exc
     entry = {"agent_ref": {"name": label}, F.ENVIRONMENT_SERVER: server, **answer}
-    for key, empty in (("agent_metrics", {}), ("key_metrics", {}), ("group_level_metrics", [])):
-        entry.setdefault(key, empty)
+    # Every collection NeMo Gym's file has, also when the server answered without it.
+    for key, empty in EMPTY_COLLECTIONS:
+        entry.setdefault(key, type(empty)())
     return entry, None
 
 

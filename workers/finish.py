@@ -160,6 +160,10 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     # Every appended file becomes one object before anything reads it for the reports: after a
     # run finishes, any JSONL reader reads it.
     compact_shard(client(redis_url), rd, run.shard)
+    results = ShardFiles(run.shard).results
+    if not rd.exists(results):
+        # Nothing landed: NeMo Gym's readers (`gym eval health-check`) still expect the file.
+        rd.write_atomic(results, b"")
     r = client(redis_url)
     failed_raw, cancel_raw = r.mget(keys.shard_run_failed(sid), keys.shard_cancel(sid))
     run_error = failed_raw.decode() if isinstance(failed_raw, bytes) else None

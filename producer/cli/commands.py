@@ -31,7 +31,8 @@ from producer.shard.resume import ResumeOptions, execute_resume
 from producer.shard.runner import DEFAULT_CONCURRENCY, RunOptions, execute_run
 from schemas.errors import RolloutsError, UsageError
 
-_console = Console()
+# Piped (CI logs): lines are not wrapped at 80 columns, so paths and URLs stay whole to copy.
+_console = Console(soft_wrap=not sys.stdout.isatty())
 
 
 @click.group()

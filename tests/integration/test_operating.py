@@ -248,3 +248,48 @@ def test_a_masked_recorded_redis_asks_for_the_flags(
     one_line_refusal(proc, "recorded with its password masked", "--redis URL")
     proc = cli("cancel", str(run_dir), "--redis", url)
     assert proc.returncode == 0 and "cancelling" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.fixture
+def failing_agents() -> Iterator[RunningServers]:
+    """The demo servers with agents that answer every /run with HTTP 500."""
+    running = start_servers(knobs=AgentKnobs(fault_rate=1.0))
+    yield running
+    running.stop()
+
+
+def test_nemo_gym_readers_find_their_files(
+    redis_url: str, workers: Workers, failing_agents: RunningServers, servers: RunningServers,
+    config_file: str, tmp_path: Path,
+) -> None:  # fmt: skip
+    workers.start(count=1, concurrency=8)
+    workers.wait_ready()
+    # A failed run with nothing landed still has its (empty) rollouts file.
+    config = failing_agents.write_config(str(tmp_path / "failing.yaml"))
+    proc = cli(*run_args(config, tmp_path, n=4, out="failed"), "--broker", redis_url)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    failed = tmp_path / "failed"
+    assert manifest_of(failed)["state"] == "failed"
+    assert (failed / "rollouts-0.jsonl").read_bytes() == b""
+    # The aggregate file has repeat_level_metrics, as NeMo Gym writes it.
+    rows = write_rows(tmp_path / "rows.jsonl", demo_rows(6))
+    out = tmp_path / "gym"
+    proc = cli(
+        "run", "--config", config_file, f"+input_jsonl_fpath={rows}", "+num_repeats=2",
+        f"+output_jsonl_fpath={out}/rollouts.jsonl", "--broker", redis_url,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    printed = " ".join(proc.stdout.split())
+    assert f"NeMo Gym's default name is shard 0; writing {out}/rollouts-0.jsonl" in printed
+    entries = orjson.loads((out / "rollouts-0_aggregate_metrics.json").read_bytes())
+    for entry in entries:
+        repeats = entry["repeat_level_metrics"]
+        assert [r["_ng_rollout_index"] for r in repeats] == [0, 1]
+        assert sum(r["num_rollouts"] for r in repeats) == entry["agent_metrics"]["num_rollouts"]
+    # Any other name is refused with the one to use.
+    proc = cli(
+        "run", "--config", config_file, f"+input_jsonl_fpath={rows}",
+        f"+output_jsonl_fpath={tmp_path}/other/out.jsonl", "--broker", redis_url,
+    )  # fmt: skip
+    one_line_refusal(proc, f"use +output_jsonl_fpath={tmp_path}/other/rollouts-out.jsonl")
+    assert not (tmp_path / "other").exists()
