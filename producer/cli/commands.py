@@ -10,7 +10,7 @@ import click
 import orjson
 from rich.console import Console
 
-from infra.environment import resolve_cluster
+from infra.environment import LOCAL_REDIS_URL, resolve_cluster
 from infra.store import RunDir
 from producer.cli.errors import reports
 from producer.cli.nemo_gym import nemo_gym_spelling
@@ -158,7 +158,8 @@ def run(
 
 @main.command(context_settings=PASS_THROUGH)
 @cluster_options(
-    "Broker URL (else ROLLOUTS_BROKER_URL).", "Redis for locks and results (default: the broker)."
+    f"Broker URL (else ROLLOUTS_BROKER_URL, else {LOCAL_REDIS_URL}).",
+    f"Redis for locks and results (default: the broker when it is a Redis, else {LOCAL_REDIS_URL}).",
 )
 @click.option(
     "--concurrency",
@@ -178,7 +179,12 @@ def worker(
     events: bool,
     celery_args: tuple[str, ...],
 ) -> None:
-    """Start a worker process (it is `celery -A workers.app worker` with our defaults)."""
+    """Start a worker process (it is `celery -A workers.app worker` with our defaults).
+
+    It joins --broker, else ROLLOUTS_BROKER_URL, else the Redis on 127.0.0.1:6379. Its node name
+    is rollouts-<pid>@<host> unless celery's -n/--hostname is given, so workers on one host
+    never share one.
+    """
     env = dict(os.environ)
     if broker:
         env["ROLLOUTS_BROKER_URL"] = broker
@@ -190,6 +196,9 @@ def worker(
     ]  # fmt: skip
     if events:
         cmd.append("-E")
+    if not any(a in ("-n", "--hostname") or a.startswith("--hostname=") for a in celery_args):
+        # exec keeps this process's pid: the worker's own.
+        cmd.extend(["-n", f"rollouts-{os.getpid()}@%h"])
     cmd.extend(celery_args)
     os.execvpe(cmd[0], cmd, env)
 
@@ -332,7 +341,8 @@ def flower(
     unauthenticated_api: bool,
     flower_args: tuple[str, ...],
 ) -> None:
-    """Start Flower against the cluster's broker; rollout tasks show as rollouts.collect[RUN/SHARD ID].
+    """Start Flower against the cluster's broker; rollout tasks show as rollouts.collect with args
+    `run=RUN shard=S rollout=ID`.
 
     Flower switches task events on in every worker it reaches; `rollouts worker --events` and
     `rollouts run --events` start workers with them on from the first task.

@@ -23,6 +23,7 @@ import redis
 from examples.agent_server import AgentKnobs
 from examples.servers import RunningServers, start_servers
 from infra.embedded import EmbeddedRedis, free_port
+from producer.shard.celery_client import client_app
 from tests.conftest import Workers, demo_rows, write_rows
 
 pytestmark = pytest.mark.integration
@@ -293,3 +294,23 @@ def test_nemo_gym_readers_find_their_files(
     )  # fmt: skip
     one_line_refusal(proc, f"use +output_jsonl_fpath={tmp_path}/other/rollouts-out.jsonl")
     assert not (tmp_path / "other").exists()
+
+
+def test_two_rollouts_workers_on_one_host_have_their_own_node_names(
+    redis_url: str, workers: Workers
+) -> None:
+    command = [sys.executable, "-m", "producer.cli", "worker", "--broker", redis_url,
+               "--concurrency", "2"]  # fmt: skip
+    workers.start(count=2, command=command)
+    workers.wait_ready()
+    app = client_app(redis_url, redis_url)
+    names: set[str] = set()
+    deadline = time.monotonic() + 30
+    while len(names) < 2 and time.monotonic() < deadline:
+        names |= {name for reply in app.control.ping(timeout=2.0) for name in reply}
+    pids = {p.pid for p in workers.procs}
+    assert {name.split("@")[0] for name in names} == {f"rollouts-{pid}" for pid in pids}, names
+    assert "DuplicateNodenameWarning" not in workers.output()
+    usage = " ".join(cli("worker", "--help").stdout.split())
+    assert "--broker, else ROLLOUTS_BROKER_URL, else the Redis on 127.0.0.1:6379" in usage
+    assert "rollouts-<pid>@<host>" in usage
