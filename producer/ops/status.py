@@ -22,6 +22,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from infra import keys
 from infra.redis_client import client
@@ -250,22 +251,44 @@ def render(report: dict[str, Any]) -> Table:
     return table
 
 
-def summary_line(report: dict[str, Any]) -> str:
-    def fmt(value: Any) -> str:
-        return "?" if value is None else str(value)
+def _fmt(value: Any) -> str:
+    return "?" if value is None else str(value)
 
+
+def outcome_line(report: dict[str, Any]) -> str:
+    """Where the planned rollouts ended: landed, failed, cancelled, drained, not started."""
     failed = ", ".join(f"{c} {n}" for c, n in report["failed"].items()) or "0"
-    line = (
-        f"planned {report['planned']} · landed {report['landed']} · failed {failed} · "
-        f"in flight {fmt(report['in_flight'])} · waiting {fmt(report['waiting'])} · "
-        f"queued {fmt(report['queued'])} · drained {fmt(report['drained'])}"
-    )
+    line = f"planned {report['planned']} · landed {report['landed']} · failed {failed}"
+    if report.get("cancelled"):
+        line += f" · cancelled {report['cancelled']}"
+    line += f" · drained {_fmt(report['drained'])}"
     if report.get("stopped"):
         line += f" · not started (stopped) {report['stopped']}"
+    return line
+
+
+def activity_line(report: dict[str, Any]) -> str:
+    """What is running now, the rate and the ETA."""
+    line = (
+        f"in flight {_fmt(report['in_flight'])} · waiting {_fmt(report['waiting'])} · "
+        f"queued {_fmt(report['queued'])}"
+    )
+    return line + rate_text(report, " · ")
+
+
+def rate_text(report: dict[str, Any], sep: str = "") -> str:
+    """`3.2/s · ETA 28s`, whichever of the two is known."""
+    parts = []
     if report.get("rate_per_s") is not None:
-        line += f" · {report['rate_per_s']:.1f}/s"
+        parts.append(f"{report['rate_per_s']:.1f}/s")
     if report.get("eta_s") is not None:
-        line += f" · ETA {report['eta_s']:.0f}s"
+        parts.append(f"ETA {report['eta_s']:.0f}s")
+    return sep + " · ".join(parts) if parts else ""
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """The outcome and activity lines (each fits 80 columns), then the error if any."""
+    line = f"{outcome_line(report)}\n{activity_line(report)}"
     if report.get("error"):
         line += f"\nerror: {report['error']}"
     return line
@@ -281,20 +304,25 @@ def print_status(console: Console, reader: StatusReader) -> dict[str, Any]:
 
 
 def watch(console: Console, reader: StatusReader, interval_s: float = 2.0) -> dict[str, Any]:
-    """A live progress bar and table until the shard reaches a final state."""
+    """A live progress bar and table until the shard reaches a final state.
+
+    The bar's line holds the bar, the count, the rate and the ETA (under 80 columns); the counts
+    follow on their own lines, so nothing of it is cut in a narrow terminal.
+    """
     progress = Progress(
         TextColumn("[bold]{task.description}"),
-        BarColumn(),
+        BarColumn(bar_width=30),
         MofNCompleteColumn(),
-        TextColumn("{task.fields[line]}"),
+        TextColumn("{task.fields[rate]}"),
     )
     report = reader.report()
-    bar = progress.add_task("rollouts", total=report["planned"], line="")
+    bar = progress.add_task("rollouts", total=report["planned"], rate="")
     with Live(console=console, refresh_per_second=4) as live:
         while True:
             settled = report["landed"] + report["failed_total"]
-            progress.update(bar, completed=settled, line=escape(summary_line(report)))
-            live.update(Group(progress, render(report)))
+            progress.update(bar, completed=settled, rate=escape(rate_text(report)))
+            lines = Text(summary_line(report), no_wrap=False, overflow="fold")
+            live.update(Group(progress, lines, render(report)))
             if report["state"] in FINAL_STATES and not report.get("in_flight"):
                 return report
             time.sleep(interval_s)

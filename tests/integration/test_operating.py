@@ -8,9 +8,14 @@ processes where a run must finish.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
+import re
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -190,6 +195,9 @@ def test_resume_status_cancel_find_the_run_cluster_in_the_manifest(
     while manifest_of(run_dir)["state"] == "running" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert manifest_of(run_dir)["state"] == "cancelled"
+    # The cancelled run's text status accounts for every planned rollout.
+    printed = " ".join(cli("status", str(run_dir)).stdout.split())
+    assert "planned 10 · landed 0 · failed 0 · drained 0 · not started (stopped) 10" in printed
     # The resume without --broker runs on the run's cluster (its workers), not a local one.
     proc = cli("resume", str(run_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -223,6 +231,11 @@ def test_a_local_run_stays_local_and_its_status_reads_files(
     report = orjson.loads(cli("status", str(run_dir), "--json").stdout)
     assert (report["drained"], report["cancelled"], report["in_flight"]) == (0, 0, 0)
     assert report["rate_per_s"] and report["rate_per_s"] > 0
+    time.sleep(1.5)  # a finished run's rate is the run's: it does not fall as time passes
+    assert (
+        orjson.loads(cli("status", str(run_dir), "--json").stdout)["rate_per_s"]
+        == report["rate_per_s"]
+    )
     proc = cli("resume", str(run_dir), "--workers", "1", "--concurrency", "8")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "local worker processes (the run was local" in proc.stdout
@@ -314,3 +327,55 @@ def test_two_rollouts_workers_on_one_host_have_their_own_node_names(
     usage = " ".join(cli("worker", "--help").stdout.split())
     assert "--broker, else ROLLOUTS_BROKER_URL, else the Redis on 127.0.0.1:6379" in usage
     assert "rollouts-<pid>@<host>" in usage
+
+
+def run_in_terminal(args: list[str], columns: int = 80, timeout: float = 120) -> str:
+    """`python -m producer.cli ARGS` in a pseudo-terminal `columns` wide; what it drew."""
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["TERM"] = "xterm-256color"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "producer.cli", *args],
+        stdin=child, stdout=child, stderr=child, env=env, close_fds=True,
+    )  # fmt: skip
+    os.close(child)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            data = os.read(main, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    proc.wait(10)
+    os.close(main)
+    assert proc.returncode == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+
+
+def test_status_watch_fits_80_columns_with_bar_rate_and_eta(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    slow = start_servers(knobs=AgentKnobs(latency_ms=250))
+    try:
+        workers.start(count=1, concurrency=2)
+        workers.wait_ready()
+        config = slow.write_config(str(tmp_path / "servers.yaml"))
+        proc = cli(*run_args(config, tmp_path, n=40), "--broker", redis_url, "--no-wait")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        screen = run_in_terminal(["status", str(tmp_path / "run"), "--watch", "--interval", "0.3"])
+    finally:
+        slow.stop()
+    (tmp_path / "screen.txt").write_text(screen)  # what the terminal drew, to look at
+    lines = [line for line in re.split(r"[\r\n]", ANSI.sub("", screen)) if line.strip()]
+    assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
+    bars = [line for line in lines if line.startswith("rollouts") and "━" in line]
+    assert any(re.search(r"\d+/40 .*/s · ETA \d+s", line) for line in bars), bars
+    assert any("planned 40 · landed" in line for line in lines)
+    assert any(line.startswith("in flight ") for line in lines)

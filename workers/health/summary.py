@@ -172,6 +172,22 @@ def summary_chunks(run: dict[str, Any], tasks: Iterable[tuple[str, Any]]) -> Ite
     yield b',\n  "tasks": {}\n}\n' if first else b"\n  }\n}\n"
 
 
+def unobserved_note(run: dict[str, Any]) -> str:
+    """Why records are unobserved, in a few words: the checks that found none of their evidence."""
+    coverage = (run.get("artifacts") or {}).get("coverage") or {}
+    blind = sorted(
+        check
+        for check, cov in coverage.items()
+        if check != RUN_CHECK and cov.get("unobserved") and not cov.get("evaluated")
+    )
+    if not blind:
+        return " (a check lacked the evidence it reads in some records; not a failure)"
+    return (
+        f" (no record had the evidence of {len(blind)} checks, e.g. {blind[0]}: "
+        "unobserved, not a failure)"
+    )
+
+
 RUN_LIMITS_HINT = "+max_failed_fraction=F or +max_failed_rollouts=N"
 """How `rollouts run` and `resume` set a failure limit (the recheck's is `--limit name=value`)."""
 
@@ -187,6 +203,7 @@ def console_line(run: dict[str, Any], path: str, set_limit: str = RUN_LIMITS_HIN
         lines.append(
             f"Rollout health: {checked} checked, {v['healthy']} healthy, "
             f"{v['unhealthy']} unhealthy, {v['unobserved']} unobserved{ignored}"
+            + (unobserved_note(run) if v["unobserved"] else "")
         )
     lines.append(f"Quality summary: {path}")
     word = {True: "healthy", False: "UNHEALTHY", None: "unknown"}[run["healthy"]]
