@@ -58,6 +58,19 @@ def main() -> None:
 @click.option(
     "--max-resident-tasks", type=int, default=None, help="Cluster-wide cap on running rollouts."
 )
+@click.option(
+    "--num-shards",
+    type=int,
+    default=None,
+    help="Split the input into N shards by task number (with --shard-index).",
+)
+@click.option(
+    "--shard-index",
+    type=int,
+    default=None,
+    help="Run the tasks whose number is I modulo N; numbers stay the whole input's. Shard label "
+    "default: I.",
+)
 @local_cluster_options
 @cluster_options(
     "Broker URL of a running cluster (else ROLLOUTS_BROKER_URL, else a local cluster).",
@@ -91,6 +104,8 @@ def run(
     num_repeats: int | None,
     route_failures_to_sidecar: bool | None,
     max_resident_tasks: int | None,
+    num_shards: int | None,
+    shard_index: int | None,
     workers: int,
     concurrency: int,
     broker: str | None,
@@ -116,9 +131,14 @@ def run(
         ("route_failures_to_sidecar", route_failures_to_sidecar),
         ("max_resident_tasks", max_resident_tasks),
         ("allow_unsupported_pairing", allow_unsupported_pairing),
+        ("num_shards", num_shards),
+        ("shard_index", shard_index),
     ):
         if value is not None:
             settings[key] = value
+    split = settings.get("shard_index")
+    if shard is None and isinstance(split, int) and "output_jsonl_fpath" not in settings:
+        shard = str(split)  # one shard of a split input: labelled by its index
     spelled = nemo_gym_spelling(settings, input_path, output_dir, shard, _console)
     input_path, output_dir, shard, resume = spelled
     if resume and output_dir is not None:
@@ -421,6 +441,11 @@ def health_check(
 @click.option("--config", "config_path", default=None, help="Servers config (default: manifests).")
 @click.option("--ignore", default=None, metavar="A,B", help="Health check ids to skip.")
 @click.option("--no-health-check", is_flag=True, help="Skip the health check.")
+@click.option(
+    "--separate-datasets",
+    is_flag=True,
+    help="The shards are different inputs: (task, rollout) identities may repeat across them.",
+)
 @reports(RolloutsError)
 def aggregate(
     input_glob: str,
@@ -428,6 +453,7 @@ def aggregate(
     config_path: str | None,
     ignore: str | None,
     no_health_check: bool,
+    separate_datasets: bool,
 ) -> None:
     """Merge shards sorted by (task, rollout), aggregate their metrics, check their health."""
     from producer.ops.aggregate import aggregate as run_aggregate
@@ -440,5 +466,6 @@ def aggregate(
             ignore=ignore,
             health=not no_health_check,
             console=_console,
+            separate_datasets=separate_datasets,
         )
     )

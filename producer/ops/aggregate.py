@@ -52,9 +52,13 @@ def aggregate(
     ignore: str | None,
     health: bool,
     console: Console,
+    separate_datasets: bool = False,
 ) -> int:
-    """Merge the shards, aggregate metrics and check health from them; exit 1 if aggregation failed."""
-    report = merge_shards(input_glob, output)
+    """Merge the shards, aggregate metrics and check health from them; exit 1 if aggregation failed.
+
+    Shards whose (task, rollout) identities collide are refused (exit 2) unless they are
+    `separate_datasets`."""
+    report = merge_shards(input_glob, output, refuse_collisions=not separate_datasets)
     out = report.output
     console.print(
         f"merged {len(report.shards)} shards, {report.rows} rows, into {out.path(report.name)} "

@@ -49,6 +49,7 @@ PLANNING_SETTINGS = frozenset(
     {
         "agent_name", "agent_map", "fan_out", "num_repeats", "task_ids", "limit",
         "interleave_repeats", "interleave_by_agent", "allow_unsupported_pairing",
+        "num_shards", "shard_index",
     }
 )  # fmt: skip
 

@@ -29,7 +29,7 @@ from examples.agent_server import AgentKnobs
 from examples.servers import RunningServers, start_servers
 from infra.embedded import EmbeddedRedis, free_port
 from producer.shard.celery_client import client_app
-from tests.conftest import Workers, demo_rows, write_rows
+from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
 
 pytestmark = pytest.mark.integration
 
@@ -379,3 +379,47 @@ def test_status_watch_fits_80_columns_with_bar_rate_and_eta(
     assert any(re.search(r"\d+/40 .*/s · ETA \d+s", line) for line in bars), bars
     assert any("planned 40 · landed" in line for line in lines)
     assert any(line.startswith("in flight ") for line in lines)
+
+
+def test_one_input_split_across_shards_merges_and_colliding_shards_are_refused(
+    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
+) -> None:
+    workers.start(count=1, concurrency=16)
+    workers.wait_ready()
+    rows = write_rows(tmp_path / "rows.jsonl", demo_rows(8))
+    for index in (0, 1):
+        proc = cli(
+            "run", "--config", config_file, "--input", rows, "--output-dir",
+            str(tmp_path / "split" / str(index)), "--num-shards", "2", "--shard-index", str(index),
+            "--num-repeats", "2", "--broker", redis_url,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        planned = read_jsonl(
+            tmp_path / "split" / str(index) / f"rollouts-{index}_materialized_inputs.jsonl"
+        )
+        assert sorted({r["_ng_task_index"] for r in planned}) == list(range(index, 8, 2))
+    merged = tmp_path / "merged"
+    proc = cli(
+        "aggregate", "-i", f"{tmp_path}/split/*/rollouts-*.jsonl", "-o", str(merged / "all.jsonl")
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    keys = [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in read_jsonl(merged / "all.jsonl")]
+    assert keys == [(t, k) for t in range(8) for k in range(2)]
+    assert "duplicate" not in proc.stdout
+    # The same input run whole as two shards: every identity collides, and aggregate refuses.
+    for label in ("a", "b"):
+        proc = cli(
+            "run", "--config", config_file, "--input", rows, "--output-dir",
+            str(tmp_path / "twice" / label), "--shard", label, "--broker", redis_url,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "twice-merged"
+    pattern = f"{tmp_path}/twice/*/rollouts-*.jsonl"
+    proc = cli("aggregate", "-i", pattern, "-o", str(out / "all.jsonl"))
+    one_line_refusal(proc, "8 (task, rollout) identities are in more than one shard",
+                     "../twice/a/rollouts-a.jsonl and ../twice/b/rollouts-b.jsonl: 8",
+                     "--num-shards N --shard-index I", "--separate-datasets")  # fmt: skip
+    assert not (out / "all.jsonl").exists() and not (out / "all_merged_shards.json").exists()
+    proc = cli("aggregate", "-i", pattern, "-o", str(out / "all.jsonl"), "--separate-datasets")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "8 duplicate rollouts" in proc.stdout
