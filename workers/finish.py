@@ -25,6 +25,7 @@ from schemas.settings import CollectionSettings
 from workers.aggregation import aggregate, group_rows
 from workers.health.check import check_sources_here, write_disabled
 from workers.health.sources import source_for
+from workers.health.summary import blind_checks
 from workers.landing import compact_shard
 from workers.shard.ledger import ShardLedger, count_shard
 from workers.shard.scored import ScoredRows
@@ -78,9 +79,10 @@ def settings_limits(settings: CollectionSettings) -> Limits:
 
 
 def health_brief(run: dict[str, Any], path: str) -> dict[str, Any]:
-    """The part of a summary a caller prints: state, verdict, reasons, verdict counts."""
+    """The part of a summary a caller prints: state, verdict, reasons, verdict counts, and the
+    checks no record had the evidence for (what the unobserved count means)."""
     keys_ = ("state", "healthy", "reasons", "verdicts", "ignored_checks")
-    return {**{k: run[k] for k in keys_}, "path": path}
+    return {**{k: run[k] for k in keys_}, "path": path, "blind_checks": blind_checks(run)}
 
 
 def check_shard_health(rd: RunDir, shard: str, settings: CollectionSettings) -> dict[str, Any]:

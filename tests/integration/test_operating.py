@@ -167,6 +167,9 @@ def test_fail_on_unhealthy_gates_run_and_health_check(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Run health (complete): unknown" in proc.stdout
     assert "set a limit with +max_failed_fraction=F or +max_failed_rollouts=N" in proc.stdout
+    # The unobserved count says what it means (the example agents record no model calls).
+    assert re.search(r"unobserved \(no record carries the evidence \d+ checks read, e\.g\. \w+: "
+                     r"unchecked, not unhealthy\)", proc.stdout), proc.stdout  # fmt: skip
 
 
 def manifest_of(run_dir: Path) -> dict[str, Any]:

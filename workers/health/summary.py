@@ -172,19 +172,26 @@ def summary_chunks(run: dict[str, Any], tasks: Iterable[tuple[str, Any]]) -> Ite
     yield b',\n  "tasks": {}\n}\n' if first else b"\n  }\n}\n"
 
 
-def unobserved_note(run: dict[str, Any]) -> str:
-    """Why records are unobserved, in a few words: the checks that found none of their evidence."""
+def blind_checks(run: dict[str, Any]) -> list[str]:
+    """The rollout and task checks that no record had the evidence for (all unobserved)."""
+    if "blind_checks" in run:
+        return list(run["blind_checks"])
     coverage = (run.get("artifacts") or {}).get("coverage") or {}
-    blind = sorted(
+    return sorted(
         check
         for check, cov in coverage.items()
         if check != RUN_CHECK and cov.get("unobserved") and not cov.get("evaluated")
     )
+
+
+def unobserved_note(run: dict[str, Any]) -> str:
+    """Why records are unobserved, in a few words: the checks that found none of their evidence."""
+    blind = blind_checks(run)
     if not blind:
-        return " (a check lacked the evidence it reads in some records; not a failure)"
+        return " (some records lack the evidence a check reads: unchecked, not unhealthy)"
     return (
-        f" (no record had the evidence of {len(blind)} checks, e.g. {blind[0]}: "
-        "unobserved, not a failure)"
+        f" (no record carries the evidence {len(blind)} checks read, e.g. {blind[0]}: "
+        "unchecked, not unhealthy)"
     )
 
 
