@@ -69,6 +69,11 @@ def aggregate(
             f"[bold yellow]{report.duplicates} duplicate rollouts[/] (same task and rollout index, "
             f"all kept); first: {escape(orjson.dumps(report.duplicate_examples[:3]).decode())}"
         )
+        if report.collisions:
+            console.print(
+                "note: --separate-datasets: per-task metrics (pass@k) group together the tasks of "
+                "different shards that share a task number"
+            )
     config = _config_of(report, config_path)
     aggregate_name = f"{stem_of(report.name)}_aggregate_metrics.json"
     rows = itertools.chain.from_iterable(iter_rows(s.rd, s.name) for s in report.shards)
