@@ -26,13 +26,6 @@ from schemas.config import ServersConfig
 from workers.health.spool import compact, tagged
 
 AGGREGATE_TIMEOUT_S = 600.0
-EMPTY_COLLECTIONS: tuple[tuple[str, Any], ...] = (
-    ("agent_metrics", {}),
-    ("key_metrics", {}),
-    ("group_level_metrics", []),
-    ("repeat_level_metrics", []),
-)
-"""The collections of an aggregate entry (NeMo Gym's file), each empty when the server gave none."""
 
 
 @dataclass
@@ -100,6 +93,15 @@ def label_servers(first_agent: dict[str, str | None]) -> dict[str, str]:
         for servers in clashes:
             for server in servers:
                 labels[server] = server
+
+
+EMPTY_COLLECTIONS: tuple[tuple[str, Any], ...] = (
+    ("agent_metrics", {}),
+    ("key_metrics", {}),
+    ("group_level_metrics", []),
+    ("repeat_level_metrics", []),
+)
+"""The collections of an aggregate entry (NeMo Gym's file), each empty when the server gave none."""
 
 
 def empty_entry(label: str, server: str, error: str | None = None) -> dict[str, Any]:
