@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 INDEX_FIELDS = ("_ng_task_index", "_ng_rollout_index")
@@ -108,4 +108,20 @@ def aggregate_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "group_level_metrics": groups,
         "agent_metrics": agent_metrics,
         "key_metrics": key_metrics,
+        "repeat_level_metrics": repeat_metrics(rows),
     }
+
+
+def repeat_metrics(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per rollout index (the k-th repeat of every task), as NeMo Gym's servers report."""
+    by_repeat: dict[Any, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    counts: Counter[Any] = Counter()
+    for row in rows:
+        index = row.get("_ng_rollout_index", 0)
+        counts[index] += 1
+        for name, value in numeric_fields(row).items():
+            by_repeat[index][name].append(value)
+    return [
+        {"_ng_rollout_index": index, "num_rollouts": counts[index], **describe(by_repeat[index])}
+        for index in sorted(counts, key=lambda i: (isinstance(i, str), i))
+    ]

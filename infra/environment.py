@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -73,6 +73,10 @@ class Cluster:
 
     broker_url: str
     redis_url: str
+    broker_from: str = field(default="--broker", compare=False)
+    """Where the broker URL came from (`--broker`, `ROLLOUTS_BROKER_URL`, the manifest), for messages."""
+    redis_from: str = field(default="--redis", compare=False)
+    """Where the Redis URL came from (`--redis`, `ROLLOUTS_REDIS_URL`, the broker's flag, ...)."""
 
 
 def resolve_cluster(broker_url: str | None = None, redis_url: str | None = None) -> Cluster | None:
@@ -80,10 +84,16 @@ def resolve_cluster(broker_url: str | None = None, redis_url: str | None = None)
     else the broker. None when no broker is named (the caller starts a local cluster or refuses).
     """
     env = from_env()
-    broker = broker_url or env.broker_url
+    broker, broker_from = (
+        (broker_url, "--broker") if broker_url else (env.broker_url, "ROLLOUTS_BROKER_URL")
+    )
     if not broker:
         return None
-    return Cluster(broker, redis_url or env.redis_url or broker)
+    if redis_url:
+        return Cluster(broker, redis_url, broker_from, "--redis")
+    if env.redis_url:
+        return Cluster(broker, env.redis_url, broker_from, "ROLLOUTS_REDIS_URL")
+    return Cluster(broker, broker, broker_from, broker_from)
 
 
 def worker_cluster() -> Cluster:

@@ -36,3 +36,12 @@ def write_manifest(rd: RunDir, manifest: Manifest) -> None:
 def write_status(rd: RunDir, status: ShardStatus) -> None:
     status.updated_at = utc_now()
     rd.write_atomic(ShardFiles(status.shard).status, jsonl.dumps_pretty(status.model_dump()))
+
+
+def read_status(rd: RunDir, shard: str) -> ShardStatus | None:
+    """The shard's status record, or None when it has none (yet) or it is unreadable."""
+    files = ShardFiles(shard)
+    try:
+        return ShardStatus.model_validate_json(rd.read_bytes(files.status))
+    except (FileNotFoundError, ValueError):
+        return None

@@ -36,6 +36,10 @@ class Generation(BaseModel):
     """Rollouts it enqueued."""
     redis_url: str | None = None
     """The Redis its workers coordinate through (password redacted), for `status` and `cancel`."""
+    broker_url: str | None = None
+    """The broker it enqueued onto (password redacted), for `resume`, `status` and `cancel`."""
+    local: bool = False
+    """It ran on a local cluster the command started (embedded Redis, local workers) and stopped."""
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Settings a resume changed for this generation."""
 
@@ -94,6 +98,8 @@ class ShardStatus(BaseModel):
     """Rollouts not started because the dispatch budget ran out."""
     cancelled: int = 0
     """Rollouts whose `/run` call was cancelled mid-flight (cancel or a failed run); no row."""
+    stopped: int = 0
+    """Rollouts of the last generation not started because the run failed or was cancelled."""
     in_flight: int = 0
     """Rollouts running now."""
     duplicates: int = 0

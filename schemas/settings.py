@@ -32,6 +32,10 @@ class CollectionSettings(BaseModel):
     """Keep only these tasks (by task_id, problem_id, instance_id, else task index)."""
     limit: int | None = Field(default=None, ge=0)
     """Read only the first N input lines; 0 or None reads all."""
+    num_shards: int | None = Field(default=None, ge=1)
+    """Split the input into this many shards by task number (with `shard_index`)."""
+    shard_index: int | None = Field(default=None, ge=0)
+    """Plan only the tasks whose number is this modulo `num_shards`; numbers stay the whole input's."""
     interleave_repeats: bool = False
     """Order rollouts by rollout index (abcabc) instead of task by task (aabbcc)."""
     interleave_by_agent: bool = False
@@ -135,6 +139,15 @@ class CollectionSettings(BaseModel):
         if isinstance(value, int) and not isinstance(value, bool):
             return [value]
         return value
+
+    @model_validator(mode="after")
+    def _shard_split(self) -> CollectionSettings:
+        if (self.num_shards is None) != (self.shard_index is None):
+            raise ValueError("num_shards and shard_index go together: set both or neither")
+        n, i = self.num_shards, self.shard_index
+        if n is not None and i is not None and i >= n:
+            raise ValueError(f"shard_index={i} must be below num_shards={n} (0 to {n - 1})")
+        return self
 
     @model_validator(mode="after")
     def _agent_name_is_default(self) -> CollectionSettings:

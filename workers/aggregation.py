@@ -102,6 +102,15 @@ def label_servers(first_agent: dict[str, str | None]) -> dict[str, str]:
                 labels[server] = server
 
 
+EMPTY_COLLECTIONS: tuple[tuple[str, Any], ...] = (
+    ("agent_metrics", {}),
+    ("key_metrics", {}),
+    ("group_level_metrics", []),
+    ("repeat_level_metrics", []),
+)
+"""The collections of an aggregate entry (NeMo Gym's file), each empty when the server gave none."""
+
+
 def empty_entry(label: str, server: str, error: str | None = None) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "agent_ref": {"name": label},
@@ -109,6 +118,7 @@ def empty_entry(label: str, server: str, error: str | None = None) -> dict[str, 
         "agent_metrics": {},
         "key_metrics": {},
         "group_level_metrics": [],
+        "repeat_level_metrics": [],
     }
     if error is not None:
         entry["aggregation_error"] = error
@@ -150,8 +160,9 @@ async def _post_one(
         message = f"{type(exc).__name__}: {exc}"
         return empty_entry(label, server, message), exc
     entry = {"agent_ref": {"name": label}, F.ENVIRONMENT_SERVER: server, **answer}
-    for key, empty in (("agent_metrics", {}), ("key_metrics", {}), ("group_level_metrics", [])):
-        entry.setdefault(key, empty)
+    # Every collection NeMo Gym's file has, also when the server answered without it.
+    for key, empty in EMPTY_COLLECTIONS:
+        entry.setdefault(key, type(empty)())
     return entry, None
 
 

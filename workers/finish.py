@@ -25,6 +25,7 @@ from schemas.settings import CollectionSettings
 from workers.aggregation import aggregate, group_rows
 from workers.health.check import check_sources_here, write_disabled
 from workers.health.sources import source_for
+from workers.health.summary import blind_checks
 from workers.landing import compact_shard
 from workers.shard.ledger import ShardLedger, count_shard
 from workers.shard.scored import ScoredRows
@@ -79,9 +80,10 @@ def settings_limits(settings: CollectionSettings) -> Limits:
 
 
 def health_brief(run: dict[str, Any], path: str) -> dict[str, Any]:
-    """The part of a summary a caller prints: state, verdict, reasons, verdict counts."""
+    """The part of a summary a caller prints: state, verdict, reasons, verdict counts, and the
+    checks no record had the evidence for (what the unobserved count means)."""
     keys_ = ("state", "healthy", "reasons", "verdicts", "ignored_checks")
-    return {**{k: run[k] for k in keys_}, "path": path}
+    return {**{k: run[k] for k in keys_}, "path": path, "blind_checks": blind_checks(run)}
 
 
 def check_shard_health(rd: RunDir, shard: str, settings: CollectionSettings) -> dict[str, Any]:
@@ -161,6 +163,10 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     # Every appended file becomes one object before anything reads it for the reports: after a
     # run finishes, any JSONL reader reads it.
     compact_shard(client(redis_url), rd, run.shard)
+    results = ShardFiles(run.shard).results
+    if not rd.exists(results):
+        # Nothing landed: NeMo Gym's readers (`gym eval health-check`) still expect the file.
+        rd.write_atomic(results, b"")
     r = client(redis_url)
     failed_raw, cancel_raw = r.mget(keys.shard_run_failed(sid), keys.shard_cancel(sid))
     run_error = failed_raw.decode() if isinstance(failed_raw, bytes) else None
@@ -176,6 +182,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     generation = generation_counts(redis_url, sid, run.token)
     status.drained = generation.get("drained", 0)
     status.cancelled = generation.get("cancelled", 0)
+    status.stopped = generation.get("stopped", 0)
     rejection = None
     if settings.require_complete and counts.landed < counts.planned:
         rejection = completion_rejection(
@@ -210,7 +217,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
         planned=counts.planned,
         failed=dict(counts.failed),
         drained=status.drained,
-        stopped=generation.get("stopped", 0),
+        stopped=status.stopped,
         aggregation_error=aggregation_error,
         health=health,
         coverage=coverage,

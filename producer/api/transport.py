@@ -142,16 +142,14 @@ class Invocation:
                     row, agent = self.sent[index], self.agents[index]
                     reply = {"invocation": self.invocation, "index": index, "record": t.record}
                     rid = F.rollout_id(row) or str(index)
-                    payload, argsrepr, shadow = messages.message(
-                        COLLECT_REPLY_TASK, row, rid, agent, reply
-                    )
+                    payload, argsrepr = messages.message(row, rid, agent, reply)
                     self._published_at[index] = time.monotonic()
                     # One task at a time as the window frees slots, outside any chord: send_task
                     # (with Celery's publish retries) rather than the chord's batched stream.
                     t.app.send_task(
                         COLLECT_REPLY_TASK, args=(payload,), task_id=f"{self.invocation}.{index}",
                         producer=producer, add_to_parent=False, ignore_result=True,
-                        argsrepr=argsrepr, shadow=shadow, kwargsrepr="{}",
+                        argsrepr=argsrepr, kwargsrepr="{}",
                     )  # fmt: skip
         except Exception as exc:  # the broker is gone: every row not sent resolves to the error
             log.exception("run_examples could not enqueue row %d", index)

@@ -10,7 +10,7 @@ import click
 import orjson
 from rich.console import Console
 
-from infra.environment import resolve_cluster
+from infra.environment import LOCAL_REDIS_URL, resolve_cluster
 from infra.store import RunDir
 from producer.cli.errors import reports
 from producer.cli.nemo_gym import nemo_gym_spelling
@@ -18,6 +18,7 @@ from producer.cli.options import (
     PASS_THROUGH,
     cluster_options,
     events_option,
+    fail_on_unhealthy_option,
     local_cluster_options,
     no_wait_option,
     overrides_argument,
@@ -25,12 +26,13 @@ from producer.cli.options import (
     running_shard_options,
     shard_options,
 )
-from producer.cli.overrides import parse_overrides
+from producer.cli.overrides import parse_overrides, pop_flag_override
 from producer.shard.resume import ResumeOptions, execute_resume
 from producer.shard.runner import DEFAULT_CONCURRENCY, RunOptions, execute_run
 from schemas.errors import RolloutsError, UsageError
 
-_console = Console()
+# Piped (CI logs): lines are not wrapped at 80 columns, so paths and URLs stay whole to copy.
+_console = Console(soft_wrap=not sys.stdout.isatty())
 
 
 @click.group()
@@ -56,6 +58,19 @@ def main() -> None:
 @click.option(
     "--max-resident-tasks", type=int, default=None, help="Cluster-wide cap on running rollouts."
 )
+@click.option(
+    "--num-shards",
+    type=int,
+    default=None,
+    help="Split the input into N shards by task number (with --shard-index).",
+)
+@click.option(
+    "--shard-index",
+    type=int,
+    default=None,
+    help="Run the tasks whose number is I modulo N; numbers stay the whole input's. Shard label "
+    "default: I.",
+)
 @local_cluster_options
 @cluster_options(
     "Broker URL of a running cluster (else ROLLOUTS_BROKER_URL, else a local cluster).",
@@ -77,6 +92,7 @@ def main() -> None:
     help="Skip the allowed_agents checks.",
 )
 @events_option
+@fail_on_unhealthy_option
 @overrides_argument
 @reports()
 def run(
@@ -88,6 +104,8 @@ def run(
     num_repeats: int | None,
     route_failures_to_sidecar: bool | None,
     max_resident_tasks: int | None,
+    num_shards: int | None,
+    shard_index: int | None,
     workers: int,
     concurrency: int,
     broker: str | None,
@@ -97,6 +115,7 @@ def run(
     head_server: str | None,
     allow_unsupported_pairing: bool | None,
     events: bool,
+    fail_on_unhealthy: bool,
     overrides: tuple[str, ...],
 ) -> None:
     """Run every row of INPUT, repeated, across the cluster.
@@ -105,15 +124,21 @@ def run(
     and with +resume_from_cache=true a shard that exists there is resumed instead.
     """
     settings: dict[str, Any] = parse_overrides(list(overrides))
+    fail_on_unhealthy = pop_flag_override(settings, "fail_on_unhealthy", fail_on_unhealthy)
     for key, value in (
         ("agent_name", agent),
         ("num_repeats", num_repeats),
         ("route_failures_to_sidecar", route_failures_to_sidecar),
         ("max_resident_tasks", max_resident_tasks),
         ("allow_unsupported_pairing", allow_unsupported_pairing),
+        ("num_shards", num_shards),
+        ("shard_index", shard_index),
     ):
         if value is not None:
             settings[key] = value
+    split = settings.get("shard_index")
+    if shard is None and isinstance(split, int) and "output_jsonl_fpath" not in settings:
+        shard = str(split)  # one shard of a split input: labelled by its index
     spelled = nemo_gym_spelling(settings, input_path, output_dir, shard, _console)
     input_path, output_dir, shard, resume = spelled
     if resume and output_dir is not None:
@@ -123,7 +148,7 @@ def run(
                     output_dir=output_dir, shard=shard, config_path=config_path,
                     head_server=head_server, overrides=settings, workers=workers,
                     concurrency=concurrency, broker_url=broker, redis_url=redis_url,
-                    wait=not no_wait, events=events,
+                    wait=not no_wait, events=events, fail_on_unhealthy=fail_on_unhealthy,
                 ),
                 _console,
             )
@@ -146,13 +171,15 @@ def run(
         wait=not no_wait,
         head_server=head_server,
         events=events,
+        fail_on_unhealthy=fail_on_unhealthy,
     )
     sys.exit(execute_run(opts, _console))
 
 
 @main.command(context_settings=PASS_THROUGH)
 @cluster_options(
-    "Broker URL (else ROLLOUTS_BROKER_URL).", "Redis for locks and results (default: the broker)."
+    f"Broker URL (else ROLLOUTS_BROKER_URL, else {LOCAL_REDIS_URL}).",
+    f"Redis for locks and results (default: the broker when it is a Redis, else {LOCAL_REDIS_URL}).",
 )
 @click.option(
     "--concurrency",
@@ -172,7 +199,12 @@ def worker(
     events: bool,
     celery_args: tuple[str, ...],
 ) -> None:
-    """Start a worker process (it is `celery -A workers.app worker` with our defaults)."""
+    """Start a worker process (it is `celery -A workers.app worker` with our defaults).
+
+    It joins --broker, else ROLLOUTS_BROKER_URL, else the Redis on 127.0.0.1:6379. Its node name
+    is rollouts-<pid>@<host> unless celery's -n/--hostname is given, so workers on one host
+    never share one.
+    """
     env = dict(os.environ)
     if broker:
         env["ROLLOUTS_BROKER_URL"] = broker
@@ -184,6 +216,9 @@ def worker(
     ]  # fmt: skip
     if events:
         cmd.append("-E")
+    if not any(a in ("-n", "--hostname") or a.startswith("--hostname=") for a in celery_args):
+        # exec keeps this process's pid: the worker's own.
+        cmd.extend(["-n", f"rollouts-{os.getpid()}@%h"])
     cmd.extend(celery_args)
     os.execvpe(cmd[0], cmd, env)
 
@@ -226,6 +261,7 @@ def demo(tasks: int, repeats: int, workers: int, output_dir: str | None) -> None
 )
 @no_wait_option
 @events_option
+@fail_on_unhealthy_option
 @overrides_argument
 @reports()
 def resume(
@@ -239,13 +275,17 @@ def resume(
     redis_url: str | None,
     no_wait: bool,
     events: bool,
+    fail_on_unhealthy: bool,
     overrides: tuple[str, ...],
 ) -> None:
     """Run the planned rollouts of RUN_DIR that have no outcome yet, then finish the shard."""
+    settings = parse_overrides(list(overrides))
+    fail_on_unhealthy = pop_flag_override(settings, "fail_on_unhealthy", fail_on_unhealthy)
     opts = ResumeOptions(
         output_dir=run_dir, shard=shard, max_attempts=max_attempts, config_path=config_path,
-        overrides=parse_overrides(list(overrides)), workers=workers, concurrency=concurrency,
+        overrides=settings, workers=workers, concurrency=concurrency,
         broker_url=broker, redis_url=redis_url, wait=not no_wait, events=events,
+        fail_on_unhealthy=fail_on_unhealthy,
     )  # fmt: skip
     sys.exit(execute_resume(opts, _console))
 
@@ -267,13 +307,15 @@ def status(
     redis_url: str | None,
 ) -> None:
     """Planned, landed, failed by class, in flight, queued, rate and ETA, by agent and environment."""
-    from producer.ops.control import find_redis_url, load_manifest
+    from producer.ops.control import find_redis_url, load_manifest, unknown_redis
     from producer.ops.status import StatusReader, print_status
     from producer.ops.status import watch as watch_status
 
     rd = RunDir(run_dir)
     manifest = load_manifest(rd, shard)
     reader = StatusReader(rd, shard, find_redis_url(manifest, redis_url, broker))
+    if reader.redis_url is None and manifest.state == "running":
+        reader.live_error = unknown_redis(manifest)
     if watch:
         report = watch_status(_console, reader, interval)
     elif as_json:
@@ -297,10 +339,7 @@ def cancel(
 
     rd = RunDir(run_dir)
     manifest = load_manifest(rd, shard)
-    url = find_redis_url(manifest, redis_url, broker)
-    if url is None:
-        raise UsageError("the run's Redis is unknown; pass --redis URL")
-    _console.print(cancel_shard(rd, shard, url, drain))
+    _console.print(cancel_shard(rd, shard, find_redis_url(manifest, redis_url, broker), drain))
 
 
 @main.command(context_settings=PASS_THROUGH)
@@ -322,7 +361,8 @@ def flower(
     unauthenticated_api: bool,
     flower_args: tuple[str, ...],
 ) -> None:
-    """Start Flower against the cluster's broker; rollout tasks show as rollouts.collect[RUN/SHARD ID].
+    """Start Flower against the cluster's broker; rollout tasks show as rollouts.collect with args
+    `run=RUN shard=S rollout=ID`.
 
     Flower switches task events on in every worker it reaches; `rollouts worker --events` and
     `rollouts run --events` start workers with them on from the first task.
@@ -359,6 +399,7 @@ def flower(
     "--distributed", is_flag=True, help="Run the recheck as Celery jobs on the cluster's workers."
 )
 @result_backend_options
+@fail_on_unhealthy_option
 @reports(RolloutsError)
 def health_check(
     run_dir: str,
@@ -369,6 +410,7 @@ def health_check(
     distributed: bool,
     broker: str | None,
     redis_url: str | None,
+    fail_on_unhealthy: bool,
 ) -> None:
     """Recheck RUN_DIR from its persisted artifacts and write its health reports."""
     from producer.ops.recheck import health_check as run_check
@@ -386,6 +428,7 @@ def health_check(
             broker_url=cluster.broker_url if cluster else None,
             redis_url=cluster.redis_url if cluster else None,
             console=_console,
+            fail_on_unhealthy=fail_on_unhealthy,
         )
     )
 
@@ -398,6 +441,11 @@ def health_check(
 @click.option("--config", "config_path", default=None, help="Servers config (default: manifests).")
 @click.option("--ignore", default=None, metavar="A,B", help="Health check ids to skip.")
 @click.option("--no-health-check", is_flag=True, help="Skip the health check.")
+@click.option(
+    "--separate-datasets",
+    is_flag=True,
+    help="The shards are different inputs: (task, rollout) identities may repeat across them.",
+)
 @reports(RolloutsError)
 def aggregate(
     input_glob: str,
@@ -405,6 +453,7 @@ def aggregate(
     config_path: str | None,
     ignore: str | None,
     no_health_check: bool,
+    separate_datasets: bool,
 ) -> None:
     """Merge shards sorted by (task, rollout), aggregate their metrics, check their health."""
     from producer.ops.aggregate import aggregate as run_aggregate
@@ -417,5 +466,6 @@ def aggregate(
             ignore=ignore,
             health=not no_health_check,
             console=_console,
+            separate_datasets=separate_datasets,
         )
     )

@@ -23,6 +23,12 @@ events_option = click.option(
     "--events", is_flag=True, help="Local workers send task events (for Flower)."
 )
 
+fail_on_unhealthy_option = click.option(
+    "--fail-on-unhealthy",
+    is_flag=True,
+    help="Exit 1 when the health verdict is UNHEALTHY (also +fail_on_unhealthy=true).",
+)
+
 
 def local_cluster_options(command: C) -> C:
     """`--workers` and `--concurrency`: the local cluster a command starts without `--broker`."""

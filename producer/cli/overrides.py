@@ -44,3 +44,17 @@ def parse_overrides(tokens: list[str]) -> dict[str, Any]:
     if problems:
         raise PlanningError(problems, header="invalid overrides")
     return out
+
+
+def pop_flag_override(settings: dict[str, Any], key: str, flag: bool) -> bool:
+    """`flag`, or the `+key=true|false` override taken out of `settings` (it is the command's,
+    not a collection setting)."""
+    if key not in settings:
+        return flag
+    value = settings.pop(key)
+    if not isinstance(value, bool):
+        raise PlanningError(
+            [Problem(f"+{key} must be true or false, got {value!r}", field=key)],
+            header="invalid overrides",
+        )
+    return flag or value

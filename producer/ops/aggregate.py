@@ -52,9 +52,13 @@ def aggregate(
     ignore: str | None,
     health: bool,
     console: Console,
+    separate_datasets: bool = False,
 ) -> int:
-    """Merge the shards, aggregate metrics and check health from them; exit 1 if aggregation failed."""
-    report = merge_shards(input_glob, output)
+    """Merge the shards, aggregate metrics and check health from them; exit 1 if aggregation failed.
+
+    Shards whose (task, rollout) identities collide are refused (exit 2) unless they are
+    `separate_datasets`."""
+    report = merge_shards(input_glob, output, refuse_collisions=not separate_datasets)
     out = report.output
     console.print(
         f"merged {len(report.shards)} shards, {report.rows} rows, into {out.path(report.name)} "
@@ -65,6 +69,11 @@ def aggregate(
             f"[bold yellow]{report.duplicates} duplicate rollouts[/] (same task and rollout index, "
             f"all kept); first: {escape(orjson.dumps(report.duplicate_examples[:3]).decode())}"
         )
+        if report.collisions:
+            console.print(
+                "note: --separate-datasets: per-task metrics (pass@k) group together the tasks of "
+                "different shards that share a task number"
+            )
     config = _config_of(report, config_path)
     aggregate_name = f"{stem_of(report.name)}_aggregate_metrics.json"
     rows = itertools.chain.from_iterable(iter_rows(s.rd, s.name) for s in report.shards)

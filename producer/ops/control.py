@@ -12,6 +12,7 @@ from infra.environment import operated_redis_url
 from infra.redis_client import client
 from infra.runs import read_manifest
 from infra.store import RunDir
+from schemas.config import REDACTED
 from schemas.errors import StorageError, UsageError
 from schemas.records import Manifest
 
@@ -29,7 +30,18 @@ def find_redis_url(manifest: Manifest, redis_url: str | None, broker_url: str | 
     return operated_redis_url(redis_url, broker_url, recorded)
 
 
-def cancel_shard(rd: RunDir, shard: str, redis_url: str, drain: bool) -> str:
+def unknown_redis(manifest: Manifest) -> str:
+    """Why `find_redis_url` found no Redis for the shard, and what to pass."""
+    recorded = manifest.generations[-1].redis_url if manifest.generations else None
+    if recorded and REDACTED in recorded:
+        return (
+            f"the run's Redis is recorded with its password masked ({recorded}); "
+            "pass --redis URL (or --broker URL)"
+        )
+    return "the run's Redis is unknown; pass --redis URL"
+
+
+def cancel_shard(rd: RunDir, shard: str, redis_url: str | None, drain: bool) -> str:
     """Stop the shard: nothing new starts; without `drain` the running `/run` calls are cancelled too.
 
     Returns what was done, for the user.
@@ -37,6 +49,8 @@ def cancel_shard(rd: RunDir, shard: str, redis_url: str, drain: bool) -> str:
     manifest = load_manifest(rd, shard)
     if manifest.state != "running":
         return f"nothing to cancel: {rd.url} shard {shard} is {manifest.state}"
+    if redis_url is None:
+        raise UsageError(unknown_redis(manifest))
     sid = keys.shard_id(rd.url, shard)
     try:
         client(redis_url).set(keys.shard_cancel(sid), "drain" if drain else "cancel")

@@ -1,7 +1,10 @@
 """The merge of `rollouts aggregate`: shards into one rollouts file sorted by (task, rollout).
 
 The merge is an external sort (shards can be any size), and it keeps every row: two rows with
-the same (task, rollout) are reported as duplicates and both stay. The merged-shards record
+the same (task, rollout) are reported as duplicates and both stay. Identities found in more than
+one shard are counted per set of shards (`collisions`): shards of one input split with
+`--num-shards` never collide, so `aggregate` refuses colliding shards unless told they are
+separate datasets (`refuse_collisions`; the merged file is removed and nothing else written). The merged-shards record
 beside the output names each shard by its path relative to the output's folder, its size and
 its SHA-256 as read, and the merged file by its size and SHA-256, so that a later recheck of the
 folder can prove it reads the rows that were merged.
@@ -13,6 +16,7 @@ import hashlib
 import posixpath
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +59,8 @@ class MergeReport:
     rows: int = 0
     duplicates: int = 0
     duplicate_examples: list[dict[str, Any]] = field(default_factory=list)
+    collisions: Counter[tuple[str, ...]] = field(default_factory=Counter)
+    """(task, rollout) identities present in more than one shard, by the shards (labels) holding them."""
 
     @property
     def record_name(self) -> str:
@@ -109,8 +115,23 @@ def _key(row: Any, shard: Shard, line_no: int) -> list[Any]:
     return [*tagged(row[F.TASK_INDEX]), *tagged(row.get(F.ROLLOUT_INDEX, 0))]
 
 
-def merge_shards(input_glob: str, output_url: str) -> MergeReport:
-    """Merge the matched shards into `output_url`; nothing is written if a shard has a bad line."""
+def collision_error(report: MergeReport) -> UsageError:
+    """The refusal of shards whose identities collide: which shards, how many identities."""
+    total = sum(report.collisions.values())
+    pairs = "; ".join(
+        f"{' and '.join(labels)}: {n}" for labels, n in sorted(report.collisions.items())[:10]
+    )
+    return UsageError(
+        f"{total} (task, rollout) identities are in more than one shard ({pairs}); scores and "
+        "health would mix different tasks. Split one input with --num-shards N --shard-index I "
+        "(task numbers stay the whole input's), or pass --separate-datasets if the shards are "
+        "different inputs"
+    )
+
+
+def merge_shards(input_glob: str, output_url: str, refuse_collisions: bool = False) -> MergeReport:
+    """Merge the matched shards into `output_url`; nothing is written if a shard has a bad line,
+    or (with `refuse_collisions`) when an identity is in two shards: UsageError, exit 2."""
     parent, name = posixpath.split(output_url.rstrip("/"))
     output = RunDir(parent or ".")
     shards = expand(input_glob, output, name)
@@ -140,6 +161,9 @@ def merge_shards(input_glob: str, output_url: str) -> MergeReport:
             shard.sha256 = h.hexdigest()
         report = MergeReport(output, name, shards)
         _write_merged(report, scratch, writer.close())
+        if refuse_collisions and report.collisions:
+            output.fs.rm(output.path(name))
+            raise collision_error(report)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     record = {
@@ -161,6 +185,9 @@ def _write_merged(report: MergeReport, scratch: RunDir, runs: list[str]) -> None
     def close_group() -> None:
         if len(group) > 1:
             report.duplicates += len(group) - 1
+            holders = sorted({report.shards[e[4]].label for e in group})
+            if len(holders) > 1:
+                report.collisions[tuple(holders)] += 1
             if len(report.duplicate_examples) < MAX_DUPLICATE_EXAMPLES:
                 report.duplicate_examples.append(
                     {

@@ -20,11 +20,13 @@ from rich.markup import escape
 from infra import jsonl
 from infra.store import RunDir
 from producer.shard.celery_client import client_app
+from producer.shard.report import raise_if_unhealthy
 from schemas.errors import RunFailedError, UsageError
 from schemas.health import HEALTH_COMBINE_TASK, HEALTH_SCAN_TASK, QUALITY_SUMMARY, HealthPlan
 from workers.health import console_line, plan_recheck, run_local
 
 POLL_S = 0.5
+RECHECK_LIMITS_HINT = "--limit max_failed_fraction=F or --limit max_failed_rollouts=N"
 
 
 def parse_limits(values: tuple[str, ...] | list[str]) -> dict[str, str | None]:
@@ -69,8 +71,10 @@ def health_check(
     broker_url: str | None,
     redis_url: str | None,
     console: Console,
+    fail_on_unhealthy: bool = False,
 ) -> int:
-    """Recheck RUN_DIR from its persisted artifacts and write its reports."""
+    """Recheck RUN_DIR from its persisted artifacts and write its reports; with
+    `fail_on_unhealthy`, an UNHEALTHY verdict raises RunFailedError (exit 1)."""
     plan = plan_recheck(
         run_dir,
         rollouts_file=rollouts_file,
@@ -90,5 +94,7 @@ def health_check(
         summary = jsonl.loads(report.read_bytes(QUALITY_SUMMARY))
         console.file.write(orjson.dumps(summary).decode() + "\n")
     else:
-        console.print(escape(console_line(run, report.path(QUALITY_SUMMARY))), highlight=False)
+        line = console_line(run, report.path(QUALITY_SUMMARY), set_limit=RECHECK_LIMITS_HINT)
+        console.print(escape(line), highlight=False)
+    raise_if_unhealthy(run, fail_on_unhealthy, "--fail-on-unhealthy")
     return 0

@@ -2,8 +2,10 @@
 
 Counts come from the files, so they match them exactly: landed = distinct keys in
 `rollouts-S.jsonl`; failed = rollouts without a result whose latest failure row has that class.
-In flight, waiting, queued, drained and the rate come from Redis when it is reachable. `--watch`
-re-reads only the bytes appended since the last refresh.
+In flight, waiting, queued, drained and the rate come from Redis when it is reachable, while the
+shard runs; a finished shard's come from its status file (its Redis may be long gone: a local
+run's embedded one is), its rate is that of its last generation. `--watch` re-reads only the
+bytes appended since the last refresh.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import redis
@@ -19,10 +22,11 @@ from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from infra import keys
 from infra.redis_client import client
-from infra.runs import read_manifest
+from infra.runs import read_manifest, read_status
 from infra.store import RunDir, ShardFiles
 from producer.ops.pressure import add_backpressure, backpressure_line
 from producer.shard.live import LiveSnapshot, snapshot
@@ -132,7 +136,8 @@ class StatusReader:
         manifest = read_manifest(self.rd, self.shard)
         self.tally.refresh()
         t = self.tally
-        snap = self.live()
+        final = manifest.state in FINAL_STATES
+        snap = None if final else self.live()
         current = snap is not None and snap.token == manifest.token
         failed_total = sum(t.failed.values())
         settled = len(t.landed) + failed_total
@@ -166,9 +171,24 @@ class StatusReader:
             "by_agent": {k: v.as_json() for k, v in sorted(t.by_agent.items())},
             "by_environment": {k: v.as_json() for k, v in sorted(t.by_env.items())},
         }
-        if snap is not None:
+        if final:
+            self._add_final(report, manifest)
+        elif snap is not None:
             self._add_live(report, manifest, snap, current)
         return report
+
+    def _add_final(self, report: dict[str, Any], manifest: Manifest) -> None:
+        """A finished shard's counts from its status file; nothing runs, waits or is queued."""
+        report.update(in_flight=0, waiting=0, queued=0)
+        status = read_status(self.rd, self.shard)
+        if status is None:
+            return
+        report.update(drained=status.drained, stopped=status.stopped, cancelled=status.cancelled)
+        last = manifest.generations[-1] if manifest.generations else None
+        if last is not None:
+            elapsed = seconds_between(last.started_at, status.updated_at)
+            if elapsed and elapsed > 0:
+                report["rate_per_s"] = round(last.enqueued / elapsed, 3)
 
     def _add_live(
         self, report: dict[str, Any], manifest: Manifest, snap: LiveSnapshot, current: bool
@@ -206,6 +226,14 @@ class StatusReader:
         return None
 
 
+def seconds_between(start: str, end: str) -> float | None:
+    """Seconds from one ISO timestamp of the records to another; None if either is unreadable."""
+    try:
+        return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+    except ValueError:
+        return None
+
+
 def render(report: dict[str, Any]) -> Table:
     """The per-agent and per-environment table of a report."""
     table = Table(title=f"{report['run_id']} shard {report['shard']} — {report['state']}")
@@ -225,22 +253,44 @@ def render(report: dict[str, Any]) -> Table:
     return table
 
 
-def summary_line(report: dict[str, Any]) -> str:
-    def fmt(value: Any) -> str:
-        return "?" if value is None else str(value)
+def _fmt(value: Any) -> str:
+    return "?" if value is None else str(value)
 
+
+def outcome_line(report: dict[str, Any]) -> str:
+    """Where the planned rollouts ended: landed, failed, cancelled, drained, not started."""
     failed = ", ".join(f"{c} {n}" for c, n in report["failed"].items()) or "0"
-    line = (
-        f"planned {report['planned']} · landed {report['landed']} · failed {failed} · "
-        f"in flight {fmt(report['in_flight'])} · waiting {fmt(report['waiting'])} · "
-        f"queued {fmt(report['queued'])} · drained {fmt(report['drained'])}"
-    )
+    line = f"planned {report['planned']} · landed {report['landed']} · failed {failed}"
+    if report.get("cancelled"):
+        line += f" · cancelled {report['cancelled']}"
+    line += f" · drained {_fmt(report['drained'])}"
     if report.get("stopped"):
         line += f" · not started (stopped) {report['stopped']}"
+    return line
+
+
+def activity_line(report: dict[str, Any]) -> str:
+    """What is running now, the rate and the ETA."""
+    line = (
+        f"in flight {_fmt(report['in_flight'])} · waiting {_fmt(report['waiting'])} · "
+        f"queued {_fmt(report['queued'])}"
+    )
+    return line + rate_text(report, " · ")
+
+
+def rate_text(report: dict[str, Any], sep: str = "") -> str:
+    """`3.2/s · ETA 28s`, whichever of the two is known."""
+    parts = []
     if report.get("rate_per_s") is not None:
-        line += f" · {report['rate_per_s']:.1f}/s"
+        parts.append(f"{report['rate_per_s']:.1f}/s")
     if report.get("eta_s") is not None:
-        line += f" · ETA {report['eta_s']:.0f}s"
+        parts.append(f"ETA {report['eta_s']:.0f}s")
+    return sep + " · ".join(parts) if parts else ""
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """The outcome and activity lines (each fits 80 columns), then the error if any."""
+    line = f"{outcome_line(report)}\n{activity_line(report)}"
     line += backpressure_line(report)
     if report.get("error"):
         line += f"\nerror: {report['error']}"
@@ -257,20 +307,25 @@ def print_status(console: Console, reader: StatusReader) -> dict[str, Any]:
 
 
 def watch(console: Console, reader: StatusReader, interval_s: float = 2.0) -> dict[str, Any]:
-    """A live progress bar and table until the shard reaches a final state."""
+    """A live progress bar and table until the shard reaches a final state.
+
+    The bar's line holds the bar, the count, the rate and the ETA (under 80 columns); the counts
+    follow on their own lines, so nothing of it is cut in a narrow terminal.
+    """
     progress = Progress(
         TextColumn("[bold]{task.description}"),
-        BarColumn(),
+        BarColumn(bar_width=30),
         MofNCompleteColumn(),
-        TextColumn("{task.fields[line]}"),
+        TextColumn("{task.fields[rate]}"),
     )
     report = reader.report()
-    bar = progress.add_task("rollouts", total=report["planned"], line="")
+    bar = progress.add_task("rollouts", total=report["planned"], rate="")
     with Live(console=console, refresh_per_second=4) as live:
         while True:
             settled = report["landed"] + report["failed_total"]
-            progress.update(bar, completed=settled, line=escape(summary_line(report)))
-            live.update(Group(progress, render(report)))
+            progress.update(bar, completed=settled, rate=escape(rate_text(report)))
+            lines = Text(summary_line(report), no_wrap=False, overflow="fold")
+            live.update(Group(progress, lines, render(report)))
             if report["state"] in FINAL_STATES and not report.get("in_flight"):
                 return report
             time.sleep(interval_s)

@@ -99,6 +99,12 @@ class Planner:
         self._counters = RolloutCounters(capacity=expected_rows)
         self._explicit_ids = ExplicitRolloutIds()
         self._select = TaskSelection(settings.task_ids) if settings.task_ids is not None else None
+        # `num_shards`/`shard_index`: this shard's tasks; every line is numbered all the same.
+        self._split = (
+            (settings.num_shards, settings.shard_index)
+            if settings.num_shards is not None and settings.shard_index is not None
+            else None
+        )
         self._remaps: Counter[tuple[str, str]] = Counter()
         self._stamped_tasks = 0
         self._numbered_tasks = 0
@@ -150,6 +156,8 @@ class Planner:
         else:
             task = self._stamped_task(stamped, line_no)
         if task is not None and self._select is not None and not self._select.keep(row, task):
+            return []
+        if task is not None and self._split is not None and task % self._split[0] != self._split[1]:
             return []
         ref = get(AGENT_REF)
         source = get(TASK_SOURCE)

@@ -4,7 +4,7 @@ The rollout tasks form one Celery chord whose callback finishes the shard. The c
 from a stream of the materialized inputs, not built in memory: its size is known from planning,
 set in the result backend first, and each task is sent with the chord's callback, its group id
 and its index, exactly as Celery's own chord would send it. `CollectMessages` builds every rollout
-task's payload and what Flower shows of it, for the chord and for the Python API's publisher.
+task's payload and what Flower shows of it (its argsrepr; its name is the task's own), for the chord and for the Python API's publisher.
 `dispatch_generation` starts the generation's Redis counters, publishes the chord and, when
 asked, waits for it (`producer/shard/supervise.py`).
 """
@@ -106,10 +106,14 @@ class CollectMessages:
         )
 
     def message(
-        self, task: str, row: dict[str, Any], rid: str | None, agent: str,
-        reply: dict[str, Any] | None = None,
-    ) -> tuple[dict[str, Any], str, str]:  # fmt: skip
-        """(payload, argsrepr, shadow) of one row's task to `agent`; Flower shows the last two."""
+        self, row: dict[str, Any], rid: str | None, agent: str, reply: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], str]:
+        """(payload, argsrepr) of one row's task to `agent`.
+
+        The task keeps its fixed name (Celery counts a worker's tasks by name: one name per
+        rollout would grow `inspect stats` and Flower's worker stats by a key per rollout); the
+        run and the rollout go in the argsrepr, which Flower and worker logs show as its args.
+        """
         payload = {"run": self.run_payload, "agent_url": self.urls[agent], "policy": self.policy,
                    "row": row}  # fmt: skip
         if reply is not None:
@@ -117,12 +121,7 @@ class CollectMessages:
         if self.gates[agent]:
             payload["admission"] = self.gates[agent]
         run = self.run
-        return (
-            payload,
-            f"run={run.run_id} shard={run.shard} rollout={rid}",
-            # What Flower and worker logs show as the task's name: which run, which rollout.
-            f"{task}[{run.run_id}/{run.shard} {rid}]",
-        )
+        return payload, f"run={run.run_id} shard={run.shard} rollout={rid}"
 
 
 def enqueue(
@@ -142,8 +141,7 @@ def enqueue(
     finish_payload = FinishRequest(run=opened.run).model_dump(mode="json")
     callback = app.signature(FINISH_TASK, args=(finish_payload,), immutable=True)
     callback.set(
-        task_id=finish_id,
-        shadow=f"{FINISH_TASK}[{opened.manifest.run_id}/{opened.manifest.shard}]",
+        task_id=finish_id, argsrepr=f"run={opened.manifest.run_id} shard={opened.manifest.shard}"
     )
     if count == 0:
         callback.apply_async()
@@ -163,9 +161,7 @@ def enqueue(
         with producer.batch(PUBLISH_BATCH):
             for index, row in enumerate(rows):
                 rid = F.rollout_id(row)
-                payload, argsrepr, shadow = messages.message(
-                    COLLECT_TASK, row, rid, F.agent_name(row) or ""
-                )
+                payload, argsrepr = messages.message(row, rid, F.agent_name(row) or "")
                 message = app.amqp.as_task_v2(
                     f"{prefix}.{rid}",
                     COLLECT_TASK,
@@ -176,7 +172,6 @@ def enqueue(
                     chord=callback,
                     argsrepr=argsrepr,
                     kwargsrepr="{}",
-                    shadow=shadow,
                     # The chord counts the task without its result being stored; the rare
                     # outcome a caller may read (a drained row) is stored by the task itself.
                     ignore_result=True,

@@ -57,12 +57,14 @@ def record_opening(
     token: str | None = None,
     settings: CollectionSettings | None = None,
     overrides: dict[str, Any] | None = None,
+    broker_url: str | None = None,
+    local: bool = False,
 ) -> OpenedRun:
     """Append the generation that opens the shard now and write the manifest, once.
 
     The one place a shard's opening is recorded: a fresh run, a resume and a recorded API call.
-    The generation names the Redis it coordinates through (redacted), so `rollouts status` and
-    `cancel` find it. The shard is running again; a resume records the `settings` it runs with
+    The generation names the Redis it coordinates through and the broker (redacted), or that its
+    cluster was `local`, so `rollouts resume`, `status` and `cancel` find them. The shard is running again; a resume records the `settings` it runs with
     and the `overrides` that changed them.
     """
     token = token or new_token()
@@ -77,6 +79,8 @@ def record_opening(
             started_at=utc_now(),
             enqueued=enqueued,
             redis_url=redact_url(redis_url) if redis_url is not None else None,
+            broker_url=redact_url(broker_url) if broker_url is not None else None,
+            local=local,
             overrides=overrides or {},
         )
     )
@@ -90,13 +94,16 @@ def open_planned(
     redis_url: str | None = None,
     token: str | None = None,
     r: redis.Redis | None = None,
+    *,
+    broker_url: str | None = None,
+    local: bool = False,
 ) -> OpenedRun:
     """Write a planned shard's manifest with its first generation (`kind` run), once, and give
     the shard clean Redis state naming its opener token (when its Redis is given: `redis_url`,
     or the client `r` for it)."""
     opened = record_opening(
         planned.rd, planned.manifest, kind="run", enqueued=planned.manifest.planned,
-        redis_url=redis_url, token=token,
+        redis_url=redis_url, token=token, broker_url=broker_url, local=local,
     )  # fmt: skip
     if redis_url is not None:
         reset_shard_state(r or client(redis_url), opened)

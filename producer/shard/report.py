@@ -11,6 +11,7 @@ from rich.table import Table
 from infra import jsonl
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
+from schemas.errors import RunFailedError
 from schemas.finish import FinishResult
 from workers.health.summary import console_line
 
@@ -66,3 +67,12 @@ def print_health(console: Console, health: dict[str, Any] | None) -> None:
         )
         return
     console.print(escape(console_line(health, str(health.get("path")))), highlight=False)
+
+
+def raise_if_unhealthy(health: dict[str, Any] | None, fail_on_unhealthy: bool, flag: str) -> None:
+    """RunFailedError (exit 1) when asked to fail on an UNHEALTHY verdict and it is one."""
+    if fail_on_unhealthy and health is not None and health.get("healthy") is False:
+        reasons = "; ".join(str(r) for r in health.get("reasons") or [])
+        raise RunFailedError(
+            f"the run's health verdict is UNHEALTHY ({flag})" + (f": {reasons}" if reasons else "")
+        )

@@ -22,20 +22,20 @@ from typing import Any
 from rich.console import Console
 
 from infra import keys
-from infra.environment import resolve_cluster
 from infra.redis_client import client
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
 from producer.config.loading import load_run_config
 from producer.config.overrides import resolve_settings
 from producer.shard.celery_client import client_app
+from producer.shard.cluster import RECORDED_BROKER, recorded_cluster
 from producer.shard.dispatch import ShardDispatch, dispatch_generation
 from producer.shard.local_cluster import LocalCluster
 from producer.shard.opening import OpenedRun, iter_materialized, record_opening
-from producer.shard.report import print_counts, print_metrics
+from producer.shard.report import print_counts, print_health, print_metrics, raise_if_unhealthy
 from producer.shard.supervise import raise_for_outcome
 from schemas import fields as F
-from schemas.config import ServersConfig, masked_paths
+from schemas.config import ServersConfig, masked_paths, redact_url
 from schemas.errors import StorageError, UsageError
 from schemas.finish import FinishResult
 from schemas.records import Manifest
@@ -49,6 +49,7 @@ PLANNING_SETTINGS = frozenset(
     {
         "agent_name", "agent_map", "fan_out", "num_repeats", "task_ids", "limit",
         "interleave_repeats", "interleave_by_agent", "allow_unsupported_pairing",
+        "num_shards", "shard_index",
     }
 )  # fmt: skip
 
@@ -69,6 +70,8 @@ class ResumeOptions:
     redis_url: str | None = None
     wait: bool = True
     events: bool = False
+    fail_on_unhealthy: bool = False
+    """Exit 1 when the finished shard's health verdict is UNHEALTHY."""
 
 
 @dataclass
@@ -212,14 +215,14 @@ def resume_settings(
 
 def open_resume(
     rd: RunDir, shard: str, redis_url: str, enqueued: int, settings: CollectionSettings,
-    overrides: dict[str, Any],
+    overrides: dict[str, Any], broker_url: str | None = None, local: bool = False,
 ) -> OpenedRun:  # fmt: skip
     """Record a new generation and hand the shard's Redis state to its token, under the shard lock."""
     r = client(redis_url)
     sid = keys.shard_id(rd.url, shard)
     opened = record_opening(
         rd, read_manifest(rd, shard), kind="resume", enqueued=enqueued, redis_url=redis_url,
-        settings=settings, overrides=overrides,
+        settings=settings, overrides=overrides, broker_url=broker_url, local=local,
     )  # fmt: skip
     # The shard's Redis state rebuilt from storage under its lock, with the new token as opener:
     # the earlier generation's tasks are fenced out from here.
@@ -262,6 +265,8 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
     except StorageError as exc:
         raise UsageError(str(exc)) from None
     verify_materialized(rd, manifest)
+    # Before anything is written: the named or recorded cluster answers, or exit 2.
+    named = recorded_cluster(manifest, opts.broker_url, opts.redis_url)
     settings, changed = resume_settings(manifest, opts.overrides, console)
     max_attempts = max_attempts_limit(opts.max_attempts, settings, console)
     if max_attempts != settings.max_attempts:
@@ -283,23 +288,32 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
         f"{plan.exhausted} exhausted (attempt limit {max_attempts}){zero}; running {plan.to_run}"
     )
 
-    def go(broker: str, redis_url: str) -> FinishResult | None:
-        opened = open_resume(rd, opts.shard, redis_url, plan.to_run, settings, changed)
+    def go(broker: str, redis_url: str, local: bool = False) -> FinishResult | None:
+        opened = open_resume(
+            rd, opts.shard, redis_url, plan.to_run, settings, changed, broker, local
+        )
         to = ShardDispatch(client_app(broker, redis_url), redis_url, opened, config, settings)
         rows = rows_to_run(rd, opts.shard, outcomes, max_attempts)
         return dispatch_generation(to, rows, plan.to_run, console, wait=opts.wait)
 
-    named = resolve_cluster(opts.broker_url, opts.redis_url)
     if named is not None:
+        if named.broker_from == RECORDED_BROKER:
+            console.print(f"resuming on the run's cluster: broker {redact_url(named.broker_url)}")
         result = go(named.broker_url, named.redis_url)
     else:
-        console.print(f"starting an embedded Redis and {opts.workers} local worker processes")
+        was_local = manifest.generations and manifest.generations[-1].local
+        local = " (the run was local; pass --broker URL for a cluster)" if was_local else ""
+        console.print(
+            f"starting an embedded Redis and {opts.workers} local worker processes{local}"
+        )
         with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:
-            result = go(cluster.url, cluster.url)
+            result = go(cluster.url, cluster.url, local=True)
     console.print(f"run directory: {rd.url}")
     if result is None:
         return 0
     print_metrics(console, rd, opts.shard)
+    print_health(console, result.health)
     print_counts(console, result)
     raise_for_outcome(result)
+    raise_if_unhealthy(result.health, opts.fail_on_unhealthy, "--fail-on-unhealthy")
     return 0

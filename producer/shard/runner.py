@@ -8,15 +8,15 @@ from typing import Any
 
 from rich.console import Console
 
-from infra.environment import resolve_cluster
 from producer.config.loading import load_run_config
 from producer.config.overrides import resolve_settings
 from producer.planning.materialize import PlannedShard, plan_shard
 from producer.shard.celery_client import client_app
+from producer.shard.cluster import named_cluster
 from producer.shard.dispatch import ShardDispatch, dispatch_generation
 from producer.shard.local_cluster import LocalCluster
 from producer.shard.opening import iter_materialized, open_planned
-from producer.shard.report import print_counts, print_health, print_metrics
+from producer.shard.report import print_counts, print_health, print_metrics, raise_if_unhealthy
 from producer.shard.stop import Stopped, counted, stop_on_sigterm, stop_run
 from producer.shard.supervise import raise_for_outcome
 from schemas.config import ServersConfig
@@ -46,6 +46,8 @@ class RunOptions:
     """A running NeMo Gym head server to read the servers config from, instead of config_path."""
     events: bool = False
     """Local workers send task events (for Flower)."""
+    fail_on_unhealthy: bool = False
+    """Exit 1 when the finished run's health verdict is UNHEALTHY."""
 
 
 def dispatch_and_wait(
@@ -55,9 +57,10 @@ def dispatch_and_wait(
     redis_url: str,
     console: Console,
     config: ServersConfig,
+    local: bool = False,
 ) -> FinishResult | None:
     """Open the planned shard on this cluster, enqueue its chord and, unless `--no-wait`, wait."""
-    opened = open_planned(planned, redis_url)
+    opened = open_planned(planned, redis_url, broker_url=broker_url, local=local)
     groups: Counter[tuple[str | None, str | None]] = Counter()
     try:
         with stop_on_sigterm():
@@ -77,6 +80,8 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     console = console or Console()
     config = load_run_config(opts.config_path, opts.head_server)
     settings = resolve_settings(None, opts.settings)
+    # Before the run directory is touched: a cluster that does not answer is exit 2, nothing written.
+    named = named_cluster(opts.broker_url, opts.redis_url)
     planned = plan_shard(
         input_path=opts.input_path,
         output_dir=opts.output_dir,
@@ -85,7 +90,6 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
         settings=settings,
         overwrite=opts.overwrite,
     )
-    named = resolve_cluster(opts.broker_url, opts.redis_url)
     if named is not None:
         result = dispatch_and_wait(
             planned, opts, named.broker_url, named.redis_url, console, config
@@ -93,7 +97,9 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     else:
         console.print(f"starting an embedded Redis and {opts.workers} local worker processes")
         with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:
-            result = dispatch_and_wait(planned, opts, cluster.url, cluster.url, console, config)
+            result = dispatch_and_wait(
+                planned, opts, cluster.url, cluster.url, console, config, local=True
+            )
     console.print(f"run directory: {planned.rd.url}")
     if result is None:
         return 0
@@ -101,4 +107,5 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     print_health(console, result.health)
     print_counts(console, result)
     raise_for_outcome(result)
+    raise_if_unhealthy(result.health, opts.fail_on_unhealthy, "--fail-on-unhealthy")
     return 0

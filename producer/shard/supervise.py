@@ -118,12 +118,14 @@ def wait_for_shard(
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("landed {task.fields[landed]} · failure rows {task.fields[failed]} · "
-                   "in flight {task.fields[in_flight]}"),
+                   "in flight {task.fields[in_flight]}{task.fields[unstarted]}"),
         TimeRemainingColumn(),
         console=console,
         transient=False,
     ) as progress:  # fmt: skip
-        bar = progress.add_task("rollouts", total=count, landed=0, failed=0, in_flight=0)
+        bar = progress.add_task(
+            "rollouts", total=count, landed=0, failed=0, in_flight=0, unstarted=""
+        )
         value = poll_finish(app, finish_id, between=watch, on_error=warn)
         with contextlib.suppress(redis.RedisError):
             _show(progress, bar, snapshot(r, sid))
@@ -140,9 +142,24 @@ def _show(progress: Progress, bar: Any, snap: LiveSnapshot) -> None:
     fields: dict[str, Any] = {"in_flight": snap.in_flight}
     if snap.token is not None:  # else Redis lost the generation's counters: keep the last view
         fields["completed"] = snap.resolved
+        fields["unstarted"] = unstarted_text(snap.counters)
     if snap.shard_counts:
         fields.update(landed=snap.shard_counts.get("landed", 0), failed=failed)
     progress.update(bar, **fields)
+
+
+def unstarted_text(counters: dict[str, int]) -> str:
+    """The resolved rollouts that neither landed nor failed (so the bar's count adds up)."""
+    parts = [
+        f"{label} {counters[key]}"
+        for key, label in (
+            ("cancelled", "cancelled"),
+            ("drained", "drained"),
+            ("stopped", "not started"),
+        )
+        if counters.get(key)
+    ]
+    return "".join(f" · {part}" for part in parts)
 
 
 def stalled(opened: OpenedRun, settings: CollectionSettings, queued: int | None) -> RunFailedError:

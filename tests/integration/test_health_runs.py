@@ -142,8 +142,9 @@ def test_aggregate_then_recheck_refuses_a_changed_shard(
     merged = tmp_path / "merged"
 
     proc = cli(
-        "aggregate", "-i", f"{tmp_path}/runs/*/rollouts-*.jsonl", "-o", str(merged / "all.jsonl")
-    )
+        "aggregate", "-i", f"{tmp_path}/runs/*/rollouts-*.jsonl", "-o", str(merged / "all.jsonl"),
+        "--separate-datasets",  # shards a and b are two inputs, both numbered from task 0
+    )  # fmt: skip
 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = read_jsonl(merged / "all.jsonl")

@@ -99,14 +99,14 @@ def test_one_message_builder_for_the_chord_and_the_api() -> None:
     run = RunRef(run_id="run-1", output_dir="/tmp/x", shard="0", token="t" * 32)
     row = {"agent_ref": {"name": "solo_agent"}, "_ng_task_index": 0}
     capped = CollectMessages.of(run, CONFIG, CollectionSettings(), None)
-    payload, argsrepr, shadow = capped.message("rollouts.collect", row, "0.0", "solo_agent")
+    payload, argsrepr = capped.message(row, "0.0", "solo_agent")
     assert list(payload) == ["run", "agent_url", "policy", "row", "admission"]
     assert payload["admission"] == {"agent_max_concurrency": 3}
     assert (payload["agent_url"], payload["row"]) == ("http://s", row)
     assert argsrepr == "run=run-1 shard=0 rollout=0.0"
-    assert shadow == "rollouts.collect[run-1/0 0.0]"
     reply = {"invocation": "i", "index": 0, "record": False}
     uncapped = CollectMessages.of(run, UNCAPPED, CollectionSettings(), None)
-    payload, _, shadow = uncapped.message("rollouts.collect_reply", row, "7", "solo_agent", reply)
+    payload, argsrepr = uncapped.message(row, "7", "solo_agent", reply)
     assert list(payload) == ["run", "agent_url", "policy", "row", "reply"]
-    assert shadow == "rollouts.collect_reply[run-1/0 7]"
+    # The task keeps its own name; the run and rollout are in what Flower shows as its args.
+    assert argsrepr == "run=run-1 shard=0 rollout=7"

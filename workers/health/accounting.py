@@ -16,6 +16,9 @@ from schemas.health import RUN_CHECK, Limits
 
 Group = tuple[str | None, str | None]
 
+NO_LIMIT_SET = "no max_failed_rollouts or max_failed_fraction is set"
+"""Why run_excessive_failures is unobserved without a limit (the console line says how to set one)."""
+
 
 @dataclass
 class SourceCounts:
@@ -119,7 +122,7 @@ def excessive_failures(
     if ignored:
         return "ignored", None, []
     if not limits.any():
-        return "unobserved", "no max_failed_rollouts or max_failed_fraction is set", []
+        return "unobserved", NO_LIMIT_SET, []
     if not acc.inventory_complete:
         return "unobserved", "no materialized inputs to count owed rollouts against", []
     if not acc.groups_known:

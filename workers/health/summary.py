@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from schemas.health import ALL_CHECKS, RUN_CHECK, Limits, SummaryState
-from workers.health.accounting import Accounting
+from workers.health.accounting import NO_LIMIT_SET, Accounting
 from workers.health.reduce import VERDICTS, Totals
 
 PROVISIONAL_REASON = (
@@ -172,8 +172,36 @@ def summary_chunks(run: dict[str, Any], tasks: Iterable[tuple[str, Any]]) -> Ite
     yield b',\n  "tasks": {}\n}\n' if first else b"\n  }\n}\n"
 
 
-def console_line(run: dict[str, Any], path: str) -> str:
-    """NeMo Gym's two console lines, then ours with the run verdict."""
+def blind_checks(run: dict[str, Any]) -> list[str]:
+    """The rollout and task checks that no record had the evidence for (all unobserved)."""
+    if "blind_checks" in run:
+        return list(run["blind_checks"])
+    coverage = (run.get("artifacts") or {}).get("coverage") or {}
+    return sorted(
+        check
+        for check, cov in coverage.items()
+        if check != RUN_CHECK and cov.get("unobserved") and not cov.get("evaluated")
+    )
+
+
+def unobserved_note(run: dict[str, Any]) -> str:
+    """Why records are unobserved, in a few words: the checks that found none of their evidence."""
+    blind = blind_checks(run)
+    if not blind:
+        return " (some records lack the evidence a check reads: unchecked, not unhealthy)"
+    return (
+        f" (no record carries the evidence {len(blind)} checks read, e.g. {blind[0]}: "
+        "unchecked, not unhealthy)"
+    )
+
+
+RUN_LIMITS_HINT = "+max_failed_fraction=F or +max_failed_rollouts=N"
+"""How `rollouts run` and `resume` set a failure limit (the recheck's is `--limit name=value`)."""
+
+
+def console_line(run: dict[str, Any], path: str, set_limit: str = RUN_LIMITS_HINT) -> str:
+    """NeMo Gym's two console lines, then ours with the run verdict; an unknown verdict for want
+    of a failure limit says how to `set_limit`."""
     v = run["verdicts"]
     lines = []
     if v["healthy"] is not None:
@@ -182,9 +210,12 @@ def console_line(run: dict[str, Any], path: str) -> str:
         lines.append(
             f"Rollout health: {checked} checked, {v['healthy']} healthy, "
             f"{v['unhealthy']} unhealthy, {v['unobserved']} unobserved{ignored}"
+            + (unobserved_note(run) if v["unobserved"] else "")
         )
     lines.append(f"Quality summary: {path}")
     word = {True: "healthy", False: "UNHEALTHY", None: "unknown"}[run["healthy"]]
     lines.append(f"Run health ({run['state']}): {word}")
     lines.extend(f"  - {reason}" for reason in run["reasons"])
+    if run["healthy"] is None and any(NO_LIMIT_SET in reason for reason in run["reasons"]):
+        lines.append(f"    set a limit with {set_limit}")
     return "\n".join(lines)
