@@ -205,21 +205,13 @@ def worker(
     is rollouts-<pid>@<host> unless celery's -n/--hostname is given, so workers on one host
     never share one.
     """
-    env = dict(os.environ)
-    if broker:
-        env["ROLLOUTS_BROKER_URL"] = broker
-    if redis_url:
-        env["ROLLOUTS_REDIS_URL"] = redis_url
-    cmd = [
-        sys.executable, "-m", "celery", "--quiet", "-A", "workers.app", "worker",
-        "-P", "threads", "-c", str(concurrency), "-Q", "rollouts", "-l", loglevel,
-    ]  # fmt: skip
-    if events:
-        cmd.append("-E")
-    if not any(a in ("-n", "--hostname") or a.startswith("--hostname=") for a in celery_args):
-        # exec keeps this process's pid: the worker's own.
-        cmd.extend(["-n", f"rollouts-{os.getpid()}@%h"])
-    cmd.extend(celery_args)
+    from producer.shard.local_cluster import worker_command, worker_env
+
+    named = any(a in ("-n", "--hostname") or a.startswith("--hostname=") for a in celery_args)
+    # exec keeps this process's pid: the worker's own.
+    node = None if named else f"rollouts-{os.getpid()}@%h"
+    cmd = worker_command(concurrency, loglevel, events, node=node, extra=celery_args)
+    env = worker_env(broker, redis_url)
     os.execvpe(cmd[0], cmd, env)
 
 

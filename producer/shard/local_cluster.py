@@ -14,26 +14,37 @@ from infra.embedded import EmbeddedRedis
 
 
 def worker_command(
-    index: int, concurrency: int, loglevel: str = "WARNING", events: bool = False
+    concurrency: int,
+    loglevel: str = "WARNING",
+    events: bool = False,
+    node: str | None = None,
+    extra: tuple[str, ...] | list[str] = (),
 ) -> list[str]:
+    """`celery -A workers.app worker` with our defaults: a thread pool of `concurrency`, the
+    rollouts queue, node name `node` (when given), task events with `events`, then `extra`."""
     cmd = [
         sys.executable, "-m", "celery", "--quiet", "-A", "workers.app", "worker",
-        "-P", "threads", "-c", str(concurrency),
-        "-n", f"local{index}-{os.getpid()}@%h",
-        "-Q", "rollouts",
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-        "-l", loglevel,
+        "-P", "threads", "-c", str(concurrency), "-Q", "rollouts", "-l", loglevel,
     ]  # fmt: skip
+    if node is not None:
+        cmd += ["-n", node]
     if events:
         cmd.append("-E")
-    return cmd
+    return [*cmd, *extra]
 
 
-def worker_env(broker_url: str, redis_url: str) -> dict[str, str]:
+def worker_env(broker_url: str | None, redis_url: str | None) -> dict[str, str]:
+    """This process's environment with the cluster a worker joins (given parts only)."""
     env = dict(os.environ)
-    env["ROLLOUTS_BROKER_URL"] = broker_url
-    env["ROLLOUTS_REDIS_URL"] = redis_url
+    if broker_url:
+        env["ROLLOUTS_BROKER_URL"] = broker_url
+    if redis_url:
+        env["ROLLOUTS_REDIS_URL"] = redis_url
     return env
+
+
+# A local cluster's workers know each other through nothing but the broker.
+_LOCAL_WORKER_FLAGS = ("--without-gossip", "--without-mingle", "--without-heartbeat")
 
 
 class WorkerProcesses:
@@ -61,11 +72,16 @@ class WorkerProcesses:
         """Start the workers; their output goes to `log_dir/worker-N.log` (a new temp folder by default)."""
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="rollouts-workers-")
         env = worker_env(self.broker_url, self.redis_url)
+        pid = os.getpid()
         for i in range(self.count):
+            cmd = worker_command(
+                self.concurrency, self.loglevel, self.events, f"local{i}-{pid}@%h",
+                _LOCAL_WORKER_FLAGS,
+            )  # fmt: skip
             with open(os.path.join(self.log_dir, f"worker-{i}.log"), "ab") as log:
                 self.procs.append(
                     subprocess.Popen(
-                        worker_command(i, self.concurrency, self.loglevel, self.events),
+                        cmd,
                         env=env,
                         stdin=subprocess.DEVNULL,
                         stdout=log,

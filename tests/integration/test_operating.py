@@ -64,7 +64,7 @@ def one_line_refusal(proc: subprocess.CompletedProcess[str], *fragments: str) ->
 def password_redis() -> Iterator[str]:
     """A private Redis that requires the password `right`; yields its port as a string."""
     with EmbeddedRedis() as server:
-        redis.Redis(port=server.port).config_set("requirepass", "right")
+        redis.Redis.from_url(server.url).config_set("requirepass", "right")
         yield str(server.port)
 
 
