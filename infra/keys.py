@@ -46,7 +46,8 @@ shard_landed = _shard_key("landed")
 """Set of `task:rollout` keys present in `rollouts-S.jsonl`: the exactly-once guard."""
 
 shard_counts = _shard_key("counts")
-"""Hash of progress counters: `landed`, `duplicates`, `drained`, `failed:<class>`."""
+"""Hash of progress counters: `landed`, `duplicates`, `drained`, `failed:<class>`, and per agent
+`rate_limit_waits:<agent>` and `rate_limit_wait_ms:<agent>` (the back-off script's)."""
 
 shard_lock = _shard_key("lock")
 """Lock protecting the shard's files: opening, tail repair and every append batch.

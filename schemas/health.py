@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.records import RateLimitWaits
+
 QUALITY_SUMMARY = "quality_summary.json"
 ROLLOUT_VERDICTS = "rollout_verdicts.jsonl"
 MERGED_SHARDS_SUFFIX = "_merged_shards.json"
@@ -85,6 +87,8 @@ class Source(BaseModel):
     """File name of its materialized inputs (the inventory of owed rollouts), when one exists."""
     drained: int | None = None
     """Rollouts drained (never started), from its status record; None when unknown."""
+    rate_limit_waits: dict[str, RateLimitWaits] | None = None
+    """Per agent, the 429/503 replies waited out, from its status record; None when unknown."""
 
 
 FileKind = Literal["results", "failures", "materialized"]

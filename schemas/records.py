@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -81,6 +82,32 @@ class Manifest(BaseModel):
         return self.generations[-1].token
 
 
+RATE_LIMIT_WAITS = "rate_limit_waits:"
+"""Prefix of the shard counts' field `rate_limit_waits:<agent>`: 429/503 replies waited out."""
+RATE_LIMIT_WAIT_MS = "rate_limit_wait_ms:"
+"""Prefix of the shard counts' field `rate_limit_wait_ms:<agent>`: milliseconds those waits last."""
+
+
+class RateLimitWaits(BaseModel):
+    """One agent's rate-limit waits in a shard: the 429/503 replies its rollouts waited out."""
+
+    count: int = 0
+    """Waits, one per 429/503 reply that a wait followed (a reply the rollout gave up on is none)."""
+    seconds: float = 0.0
+    """Their total length as each was set (`Retry-After`, else the backoff); milliseconds kept."""
+
+
+def rate_limit_waits(counts: Mapping[str, int]) -> dict[str, RateLimitWaits]:
+    """Per agent, sorted by name, the waits a shard's counts hash holds (`infra/keys.py`)."""
+    out: dict[str, RateLimitWaits] = {}
+    for field, n in sorted(counts.items()):
+        if field.startswith(RATE_LIMIT_WAITS):
+            out.setdefault(field[len(RATE_LIMIT_WAITS) :], RateLimitWaits()).count = n
+        elif field.startswith(RATE_LIMIT_WAIT_MS):
+            out.setdefault(field[len(RATE_LIMIT_WAIT_MS) :], RateLimitWaits()).seconds = n / 1000
+    return dict(sorted(out.items()))
+
+
 class ShardStatus(BaseModel):
     """`rollouts-S_status.json`: progress counts of a shard."""
 
@@ -104,6 +131,8 @@ class ShardStatus(BaseModel):
     """Rollouts running now."""
     duplicates: int = 0
     """Deliveries of an already landed rollout that wrote nothing."""
+    rate_limit_waits: dict[str, RateLimitWaits] = Field(default_factory=dict)
+    """Per agent name, the 429/503 replies waited out since the run or its latest resume began."""
     updated_at: str = Field(default_factory=utc_now)
     """When these counts were taken."""
 

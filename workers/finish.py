@@ -21,12 +21,13 @@ from schemas.config import ServersConfig
 from schemas.finish import Coverage, FinishResult
 from schemas.health import QUALITY_SUMMARY, STOPPED_BY_SIGTERM, Limits
 from schemas.messages import RunRef
+from schemas.records import rate_limit_waits
 from schemas.settings import CollectionSettings
 from workers.aggregation import aggregate, group_rows
 from workers.health.check import check_sources_here, write_disabled
 from workers.health.sources import source_for
 from workers.health.summary import blind_checks
-from workers.landing import compact_shard
+from workers.landing import compact_shard, shard_counts
 from workers.shard.ledger import ShardLedger, count_shard
 from workers.shard.scored import ScoredRows
 from workers.shard.state import expire_shard_keys
@@ -183,6 +184,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     status.drained = generation.get("drained", 0)
     status.cancelled = generation.get("cancelled", 0)
     status.stopped = generation.get("stopped", 0)
+    status.rate_limit_waits = rate_limit_waits(shard_counts(r, sid))
     rejection = None
     if settings.require_complete and counts.landed < counts.planned:
         rejection = completion_rejection(

@@ -40,7 +40,7 @@ from infra.runs import write_status
 from infra.store import RunDir, WriteConflictError
 from schemas.errors import ShardFencedError, StorageError
 from schemas.messages import RunRef
-from schemas.records import ShardStatus
+from schemas.records import ShardStatus, rate_limit_waits
 from workers.encoding import EncodedRecords, encode_records
 from workers.shard.state import OPENER, PLANNED, RUN_ID, SHARD, ShardState
 
@@ -315,10 +315,15 @@ class Lander:
             log.warning("could not write status of %s: %s", st.rd.url, exc)
 
 
+def shard_counts(r: redis.Redis, sid: str) -> dict[str, int]:
+    """The shard's Redis counters (`infra/keys.py`: `shard_counts`)."""
+    raw: dict[bytes, bytes] = r.hgetall(keys.shard_counts(sid))  # type: ignore[assignment]
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
 def shard_status(r: redis.Redis, sid: str, state: dict[str, str]) -> ShardStatus:
     """The status record from the shard's Redis counters."""
-    raw: dict[bytes, bytes] = r.hgetall(keys.shard_counts(sid))  # type: ignore[assignment]
-    counts = {k.decode(): int(v) for k, v in raw.items()}
+    counts = shard_counts(r, sid)
     return ShardStatus(
         run_id=state.get(RUN_ID, ""),
         shard=state.get(SHARD, ""),
@@ -327,6 +332,7 @@ def shard_status(r: redis.Redis, sid: str, state: dict[str, str]) -> ShardStatus
         failed={k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("failed:")},
         drained=counts.get("drained", 0),
         duplicates=counts.get("duplicates", 0),
+        rate_limit_waits=rate_limit_waits(counts),
     )
 
 

@@ -14,10 +14,9 @@ import redis
 
 from infra import keys
 from producer.shard.live import LiveSnapshot
+from schemas.records import rate_limit_waits
 
 LIMITED_WINDOW_S = 60.0
-WAITS = "rate_limit_waits:"
-WAIT_MS = "rate_limit_wait_ms:"
 
 
 def agent_urls(config: dict[str, Any]) -> dict[str, str]:
@@ -57,13 +56,10 @@ def agent_pressure(r: redis.Redis, urls: dict[str, str], now: float) -> dict[str
 
 def shard_waits(snap: LiveSnapshot) -> dict[str, dict[str, Any]]:
     """Per agent name: this shard's rate-limit waits, `rate_limit_waits` and `rate_limit_waited_s`."""
-    out: dict[str, dict[str, Any]] = {}
-    for field, n in snap.shard_counts.items():
-        if field.startswith(WAITS):
-            out.setdefault(field[len(WAITS) :], {})["rate_limit_waits"] = n
-        elif field.startswith(WAIT_MS):
-            out.setdefault(field[len(WAIT_MS) :], {})["rate_limit_waited_s"] = round(n / 1000, 1)
-    return out
+    return {
+        name: {"rate_limit_waits": w.count, "rate_limit_waited_s": round(w.seconds, 1)}
+        for name, w in rate_limit_waits(snap.shard_counts).items()
+    }
 
 
 def add_backpressure(

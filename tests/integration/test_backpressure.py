@@ -108,6 +108,21 @@ def test_a_rate_limited_agent_is_waited_out_by_the_fleet(
     assert done["rate_limited_last_minute"] <= stats["rate_limited"]
     if stats["rate_limited"]:
         assert done["rate_limit_waited_s"] >= stats["rate_limited"] * RETRY_AFTER_S
+    # The final status file and the quality summary's accounting record the same waits: slow
+    # start grows the window past K until the first 429, so there are some, and each 429 the agent
+    # sent was waited out (none gave up: the budget is 15 min), at least its Retry-After each.
+    status = json.loads((out / "rollouts-0_status.json").read_bytes())
+    accounting = json.loads((out / "quality_summary.json").read_bytes())["run"]["accounting"]
+    for waits in (status["rate_limit_waits"], accounting["rate_limit_waits"]):
+        assert set(waits) == {"math_agent"}, waits
+        count, seconds = waits["math_agent"]["count"], waits["math_agent"]["seconds"]
+        assert count == stats["rate_limited"] > 0, (waits, stats)
+        assert seconds >= count * RETRY_AFTER_S
+    assert accounting["rate_limit_waits"] == {
+        "math_agent": {
+            k: pytest.approx(v) for k, v in status["rate_limit_waits"]["math_agent"].items()
+        }
+    }
 
 
 def test_an_agent_that_rate_limits_forever_fails_each_rollout_within_the_bound(

@@ -436,6 +436,39 @@ def clean_folder(tmp_path: Path, limits: dict[str, Any] | None, failed: int = 0)
     return folder
 
 
+def test_the_accounting_sums_each_agents_rate_limit_waits_from_the_status_records(
+    tmp_path: Path,
+) -> None:
+    folder = clean_folder(tmp_path, None)
+    for shard in ("1", "2"):
+        for suffix in ("", "_materialized_inputs"):
+            src = folder / f"rollouts-0{suffix}.jsonl"
+            (folder / f"rollouts-{shard}{suffix}.jsonl").write_bytes(src.read_bytes())
+    waits = {"a": {"count": 3, "seconds": 4.5}, "b": {"count": 1, "seconds": 0.125}}
+    status = {"run_id": "r", "shard": "0", "planned": 6, "drained": 0, "rate_limit_waits": waits}
+    (folder / "rollouts-0_status.json").write_bytes(orjson.dumps(status))
+    status["rate_limit_waits"] = {"a": {"count": 2, "seconds": 2.0}}
+    (folder / "rollouts-1_status.json").write_bytes(orjson.dumps(status))
+    del status["rate_limit_waits"]  # a status record written before waits were recorded
+    (folder / "rollouts-2_status.json").write_bytes(orjson.dumps(status))
+    acc = check(folder)["run"]["accounting"]
+    assert acc["rate_limit_waits"] == {
+        "a": {"count": 5, "seconds": 6.5},
+        "b": {"count": 1, "seconds": 0.125},
+    }
+    assert acc["drained"] == 0
+    # No input records its waits: unknown, not zero.
+    single = tmp_path / "single"
+    single.mkdir()
+    for name in (
+        "rollouts-2.jsonl",
+        "rollouts-2_materialized_inputs.jsonl",
+        "rollouts-2_status.json",
+    ):
+        (single / name).write_bytes((folder / name).read_bytes())
+    assert check(single)["run"]["accounting"]["rate_limit_waits"] is None
+
+
 def test_whole_run_without_a_limit_is_unknown_not_healthy(tmp_path: Path) -> None:
     run = check(clean_folder(tmp_path, None))["run"]
     assert run["verdicts"] == {"healthy": 6, "unhealthy": 0, "unobserved": 0}

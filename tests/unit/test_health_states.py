@@ -100,3 +100,16 @@ def test_provisional_summary_from_redis_and_the_sidecar(tmp_path: Path) -> None:
     assert run["accounting"]["owed"] == 10
     assert run["healthy"] is None
     assert run["reasons"][0].startswith("provisional")
+
+
+def test_the_provisional_accounting_has_the_shards_rate_limit_waits(tmp_path: Path) -> None:
+    rd = RunDir(str(shard_folder(tmp_path)))
+    r = fakeredis.FakeRedis()
+    sid = keys.shard_id(rd.url, "0")
+    r.hset(keys.shard_state(sid), mapping={"built": "1", "opener": "t"})
+    r.hset(
+        keys.shard_counts(sid),
+        mapping={"rate_limit_waits:math_agent": 4, "rate_limit_wait_ms:math_agent": 4250},
+    )
+    run = write_provisional(rd, "0", r, planned=10, group_owed=None, limits=Limits(), ignored=[])
+    assert run["accounting"]["rate_limit_waits"] == {"math_agent": {"count": 4, "seconds": 4.25}}

@@ -23,10 +23,11 @@ from infra.runs import read_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
 from schemas.errors import ShardFencedError
-from schemas.messages import RunRef
-from schemas.records import Generation, InputSource, Manifest, utc_now
+from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
+from schemas.records import Generation, InputSource, Manifest, RateLimitWaits, utc_now
+from workers.admission import Gate, Ticket
 from workers.encoding import RESULT_NOT_STORED
-from workers.landing import Lander, LandReport, compact_shard, open_shard
+from workers.landing import Lander, LandReport, compact_shard, open_shard, shard_status
 
 FILES = ShardFiles("0")
 
@@ -113,6 +114,53 @@ def test_a_result_delivered_twice_lands_once(r: redis.Redis, rd: RunDir, lander:
     assert landed_keys(rd) == {(1, 0): 1, (2, 0): 1}
     counts = r.hgetall(keys.shard_counts(keys.shard_id(rd.url, "0")))
     assert counts[b"landed"] == b"2" and counts[b"duplicates"] == b"8"
+
+
+def test_the_status_records_each_agents_rate_limit_waits(
+    r: redis.Redis, rd: RunDir, lander: Lander, redis_url: str
+) -> None:
+    run = open_run(r, rd)
+    sid = keys.shard_id(rd.url, "0")
+    r.hset(keys.shard_generation(sid), mapping={"token": run.token, "enqueued": 100})
+    lander.land(run, result(1), [])
+    gate = Gate(redis_url, ttl_s=30.0)
+    steps: list[tuple[int, str, list[float | None]]] = [
+        (2, "a", [1.0, 2.5]),
+        (3, "b", [0.25]),
+        (4, "c", [None]),
+    ]
+    for task, agent, waits in steps:
+        req = CollectRequest(
+            run=run,
+            agent_url=f"http://127.0.0.1:9/{agent}",
+            policy=CallPolicy(),
+            row={**result(task), "agent_ref": {"name": agent}},
+            admission=Admission(),
+        )
+        ticket: Ticket | None = None
+        for wait_s in waits:
+            ticket = gate.admit(req, sid, readmit=ticket)
+            assert ticket.verdict == "run"
+            gate.back_off(ticket, 429, wait_s, call_s=0.01)
+    raw: dict[bytes, bytes] = r.hgetall(keys.shard_state(sid))  # type: ignore[assignment]
+    status = shard_status(r, sid, {k.decode(): v.decode() for k, v in raw.items()})
+    assert (status.run_id, status.planned, status.landed) == ("run-test", 100, 1)
+    # One wait per 429 that a wait followed (agent c's rollout gave up: none), seconds as set.
+    assert status.rate_limit_waits == {
+        "a": RateLimitWaits(count=2, seconds=3.5),
+        "b": RateLimitWaits(count=1, seconds=0.25),
+    }
+    assert orjson.loads(status.model_dump_json())["rate_limit_waits"]["a"] == {
+        "count": 2,
+        "seconds": 3.5,
+    }
+    # A resume opens the shard anew: its waits start again.
+    resume(r, rd)
+    raw = r.hgetall(keys.shard_state(sid))  # type: ignore[assignment]
+    assert (
+        shard_status(r, sid, {k.decode(): v.decode() for k, v in raw.items()}).rate_limit_waits
+        == {}
+    )
 
 
 def test_a_superseded_writer_is_fenced_and_writes_nothing(

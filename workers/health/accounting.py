@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.health import RUN_CHECK, Limits
+from schemas.records import RateLimitWaits
 
 Group = tuple[str | None, str | None]
 
@@ -26,6 +27,7 @@ class SourceCounts:
 
     has_inventory: bool
     drained: int | None = None
+    rate_limit_waits: dict[str, RateLimitWaits] | None = None
     owed: int = 0
     landed: int = 0
     scored: int = 0
@@ -86,6 +88,21 @@ class Accounting:
         self.failed[cls] += 1
         self.group_failed[(agent, env, cls)] += 1
 
+    def rate_limit_waits(self) -> dict[str, dict[str, float]] | None:
+        """Per agent over the inputs whose waits are known: `count` and `seconds`; None if none is."""
+        known = [s.rate_limit_waits for s in self.sources if s.rate_limit_waits is not None]
+        if not known:
+            return None
+        total: dict[str, RateLimitWaits] = {}
+        for waits in known:
+            for agent, w in waits.items():
+                t = total.setdefault(agent, RateLimitWaits())
+                t.count += w.count
+                t.seconds += w.seconds
+        return {
+            a: {"count": w.count, "seconds": round(w.seconds, 3)} for a, w in sorted(total.items())
+        }
+
     @property
     def inventory_complete(self) -> bool:
         return all(s.has_inventory for s in self.sources)
@@ -107,6 +124,7 @@ class Accounting:
             },
             "missing": missing,
             "drained": drained,
+            "rate_limit_waits": self.rate_limit_waits(),
             "duplicates": self.duplicates if self.records_read else None,
             "not_owed": (sum(s.not_owed for s in self.sources) + self.failures_not_owed)
             if self.records_read

@@ -71,7 +71,10 @@ def _combine(plan: HealthPlan, results: dict[int, ScanResult], scratch: RunDir) 
     names = [n for job in plan.jobs for n in results[job.job].runs]
     names += _key_late(plan, results, scratch)
     accounting = Accounting(
-        [SourceCounts(s.materialized is not None, s.drained) for s in plan.sources]
+        [
+            SourceCounts(s.materialized is not None, s.drained, s.rate_limit_waits)
+            for s in plan.sources
+        ]
     )
     totals = Totals(frozenset(plan.ignored))
     multi = len(plan.sources) > 1

@@ -20,6 +20,7 @@ import redis
 from infra import keys
 from infra.store import RunDir, ShardFiles
 from schemas.health import RUN_CHECK, Limits
+from schemas.records import rate_limit_waits
 from workers.health.accounting import Accounting, SourceCounts, excessive_failures
 from workers.health.check import write_summary
 from workers.health.registry import normalize_ignored
@@ -47,7 +48,11 @@ def provisional_accounting(
     if built != b"1":
         # Redis lost the shard's state; its counters would undercount.
         raise RuntimeError(f"Redis holds no state for {rd.url} shard {shard}")
-    source = SourceCounts(has_inventory=True, drained=counts.get("drained", 0))
+    source = SourceCounts(
+        has_inventory=True,
+        drained=counts.get("drained", 0),
+        rate_limit_waits=rate_limit_waits(counts),
+    )
     acc = Accounting([source], records_read=False, groups_known=group_owed is not None)
     source.owed = planned
     source.landed = int(landed)

@@ -11,10 +11,13 @@ import posixpath
 import re
 from typing import Any
 
+from pydantic import ValidationError
+
 from infra import jsonl
 from infra.store import RunDir
 from schemas.errors import StorageError, UsageError
 from schemas.health import LIMIT_NAMES, MERGED_SHARDS_SUFFIX, QUALITY_SUMMARY, Limits, Source
+from schemas.records import RateLimitWaits
 from workers.health.io import file_digest, iter_range
 
 SHARD_FILE = re.compile(r"^rollouts-(.+)\.jsonl$")
@@ -32,6 +35,17 @@ def _read_json(rd: RunDir, name: str) -> Any:
         return None
 
 
+def _rate_limit_waits(status: Any) -> dict[str, RateLimitWaits] | None:
+    """The status record's waits per agent; None when it has none (an older record) or is bad."""
+    raw = status.get("rate_limit_waits") if isinstance(status, dict) else None
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return {str(agent): RateLimitWaits.model_validate(w) for agent, w in raw.items()}
+    except ValidationError:
+        return None
+
+
 def source_for(rd: RunDir, name: str, label: str) -> Source:
     """A rollouts file with the sidecars found beside it (by NeMo Gym's path rules)."""
     stem = stem_of(name)
@@ -45,6 +59,7 @@ def source_for(rd: RunDir, name: str, label: str) -> Source:
         failures=failures if rd.exists(failures) else None,
         materialized=materialized if rd.exists(materialized) else None,
         drained=drained if isinstance(drained, int) else None,
+        rate_limit_waits=_rate_limit_waits(status),
     )
 
 

@@ -149,6 +149,7 @@ def _null_accounting() -> dict[str, Any]:
         "failed": {"total": None, "by_class": None},
         "missing": None,
         "drained": None,
+        "rate_limit_waits": None,
         "duplicates": None,
         "not_owed": None,
         "unreadable": None,
