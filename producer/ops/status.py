@@ -184,6 +184,11 @@ class StatusReader:
         if status is None:
             return
         report.update(drained=status.drained, stopped=status.stopped, cancelled=status.cancelled)
+        for agent, waits in status.rate_limit_waits.items():
+            if agent in report["by_agent"]:
+                report["by_agent"][agent].update(
+                    rate_limit_waits=waits.count, rate_limit_waited_s=round(waits.seconds, 1)
+                )
         last = manifest.generations[-1] if manifest.generations else None
         if last is not None:
             elapsed = seconds_between(last.started_at, status.updated_at)

@@ -95,17 +95,16 @@ def test_a_rate_limited_agent_is_waited_out_by_the_fleet(
     assert too_soon(events) == []
     assert stats["completed"] == rollouts
     assert stats["rate_limited"] <= 0.5 * rollouts, stats
-    # While it runs, status shows the agent's window; once idle the agent forgets it, and the
-    # shard's waits are one per 429 the agent sent.
+    # While it runs, status shows the agent's window; once finished, status reads the run's files
+    # (no window: nothing runs), and the shard's waits are one per 429 the agent sent.
     assert during.returncode == 0, during.stdout + during.stderr
     live = json.loads(during.stdout)["by_agent"]["math_agent"]
     assert 1 <= live["window"] <= 1024 and live["window_cap"] == 1024
     assert live["waiting_for_agent"] >= 0
     assert after.returncode == 0, after.stdout + after.stderr
     done = json.loads(after.stdout)["by_agent"]["math_agent"]
-    assert done["window"] is None and done["waiting_for_agent"] == 0
+    assert done.get("window") is None and done.get("waiting_for_agent", 0) == 0
     assert done.get("rate_limit_waits", 0) == stats["rate_limited"]
-    assert done["rate_limited_last_minute"] <= stats["rate_limited"]
     if stats["rate_limited"]:
         assert done["rate_limit_waited_s"] >= stats["rate_limited"] * RETRY_AFTER_S
     # The final status file and the quality summary's accounting record the same waits: slow
