@@ -88,6 +88,42 @@ and its outcome counters `done`, `duplicate`, `drained` (the budget ran out), `s
 started: the run was cancelled or failed), `cancelled` (cancelled in flight). Tasks of an
 older generation do not count here."""
 
+shard_rollout_leases = _shard_key("rollout_leases")
+"""Hash `task:rollout` -> the JSON lease of the attempt running it now (`workers/leases.py`).
+
+`holder` (`host:pid` of the worker process), `attempt` (this attempt's token), `n` (attempts so
+far, the first is 1), `token` (the generation it runs for), `stage` (admitted, calling, landing;
+`redispatched` once a live process took it over), `beat` (Redis time of the last renewal), `ttl`,
+and `lost` (the holders that went silent on it, oldest first). Its expiry is its score in
+`ROLLOUT_LEASES`. Removed when the attempt settles; a taken-over lease is replaced.
+"""
+
+shard_lease_messages = _shard_key("lease_messages")
+"""Hash `task:rollout` -> the JSON of the task message that runs the rollout: what a takeover
+publishes again, without the producer (`workers/redispatch.py`)."""
+
+shard_attempts = _shard_key("attempts")
+"""Hash `task:rollout` -> the token of the rollout's current attempt, kept after it settled.
+
+The lander refuses records of any other attempt: a holder that was taken over lands nothing.
+"""
+
+shard_settled = _shard_key("settled")
+"""Hash `task:rollout` -> the generation token the rollout's chord part was counted for.
+
+A delivery of a rollout settled in its own generation (a copy the broker redelivered, a takeover
+racing a late holder) is acknowledged without side effects and counts no chord part.
+"""
+
+ROLLOUT_LEASES = f"{PREFIX}:rollout_leases"
+"""Sorted set of the cluster: `<sid>|<task>:<rollout>` per running rollout, scored by its lease's
+expiry (Redis time). Every worker process scans it for expired leases to take over."""
+
+ROLLOUT_LEASE_KEY = shard_rollout_leases("%s")
+ROLLOUT_MESSAGE_KEY = shard_lease_messages("%s")
+"""`shard_rollout_leases` and `shard_lease_messages` as patterns (`%s`: the sid), for the
+takeover script, which learns the sids from `ROLLOUT_LEASES` members."""
+
 shard_durations = _shard_key("durations")
 """List of recent successful rollout durations (seconds), newest first: the drain margin's p75."""
 
@@ -150,6 +186,10 @@ def all_shard_keys(sid: str) -> list[str]:
         shard_generation(sid),
         shard_durations(sid),
         shard_status_tick(sid),
+        shard_rollout_leases(sid),
+        shard_lease_messages(sid),
+        shard_attempts(sid),
+        shard_settled(sid),
     ]
 
 

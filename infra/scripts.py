@@ -8,6 +8,8 @@ layouts are `infra/keys.py`'s. Callers register them with `redis.Redis.register_
 - `BEGIN_LUA`, `END_LUA`, `RENEW_LUA`, `BACK_OFF_LUA`: a rollout's admission (with its agent's
   adaptive window), slot release (growing the window), lease renewal, and a 429/503 reply
   (shrinking the window) (`workers/admission.py`).
+- `TAKE_LEASE_LUA`, `RENEW_ROLLOUTS_LUA`, `SETTLE_LUA`: a rollout's lease (holder, attempt,
+  stage), its renewal with the takeover of expired leases, and its settling (`workers/leases.py`).
 - `ACQUIRE_READING_LUA`, `RELEASE_LUA`, `EXTEND_LUA`: the shard lock (`infra/locks.py`).
 - `RUNNING_LUA`: what of a `run_examples` call still runs (`producer/api/transport.py`).
 """
@@ -222,6 +224,116 @@ for i, lease_set in ipairs(KEYS) do
   redis.call('ZADD', lease_set, expiry, member)
 end
 return #KEYS
+"""
+
+TAKE_LEASE_LUA = """
+-- One delivery of a rollout asks for its lease. Returns {verdict, detail, lost}:
+-- settled (its chord part was counted in this generation already: a copy), live (another
+-- attempt of this generation holds a fresh lease; detail: its holder), or taken (detail: this
+-- attempt's token; lost: the silent holder taken over, else ''). A lease is taken when there is
+-- none, when it expired, when a takeover re-published it (stage redispatched) or when it is an
+-- older generation's. The message (if any) is kept for a takeover to publish again.
+local lease_key, attempts_key, messages_key, settled_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local all_key = KEYS[5]
+local key, token, holder, ttl, message = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local member = ARGV[6]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+if redis.call('HGET', settled_key, key) == token then return {'settled', '', ''} end
+local n, lost, was = 1, '', ''
+local raw = redis.call('HGET', lease_key, key)
+if raw then
+  local lease = cjson.decode(raw)
+  local expiry = tonumber(redis.call('ZSCORE', all_key, member) or '0')
+  if lease.token == token and lease.stage ~= 'redispatched' and expiry > now then
+    return {'live', lease.holder, ''}
+  end
+  n, lost = lease.n + 1, lease.lost
+  if lease.stage ~= 'redispatched' then
+    if lost ~= '' then lost = lost .. ',' end
+    lost = lost .. lease.holder
+  end
+  was = string.match(lost, '([^,]*)$')
+end
+local attempt = holder .. '/' .. n .. '/' .. t[1] .. '.' .. t[2]
+redis.call('HSET', lease_key, key, cjson.encode({holder = holder, attempt = attempt, n = n,
+  token = token, stage = 'admitted', beat = now, ttl = ttl, lost = lost, since = now}))
+redis.call('HSET', attempts_key, key, attempt)
+if message ~= '' then redis.call('HSET', messages_key, key, message) end
+redis.call('ZADD', all_key, now + ttl, member)
+return {'taken', attempt, was}
+"""
+
+RENEW_ROLLOUTS_LUA = """
+-- A worker process's one round trip per interval: renew the leases it holds, then take over up
+-- to `claim` expired leases of the cluster. ARGV: ttl, claim, this process's holder, the lease
+-- and message hash patterns (`%s`: the sid), then (member, attempt, stage) per held lease, the
+-- member being `<sid>|<task>:<rollout>`. A lease is renewed only while its attempt is the
+-- current one. An expired lease is marked redispatched, its expiry pushed by ttl (if the taker
+-- dies before publishing, another takes it over later) and its message returned.
+-- Returns {members no longer this process's, {member, message} per taken-over lease}.
+-- The shards' keys are built here from the members (single-node Redis, as everywhere).
+local all_key = KEYS[1]
+local ttl, claim, holder = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local lease_pattern, message_pattern = ARGV[4], ARGV[5]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local function split(member)
+  local bar = string.find(member, '|', 1, true)
+  return string.sub(member, 1, bar - 1), string.sub(member, bar + 1)
+end
+local gone = {}
+for i = 6, #ARGV, 3 do
+  local member, attempt, stage = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local sid, key = split(member)
+  local lease_key = string.format(lease_pattern, sid)
+  local raw = redis.call('HGET', lease_key, key)
+  local lease = raw and cjson.decode(raw)
+  if lease and lease.attempt == attempt then
+    lease.stage, lease.beat = stage, now
+    redis.call('HSET', lease_key, key, cjson.encode(lease))
+    redis.call('ZADD', all_key, now + ttl, member)
+  else
+    gone[#gone + 1] = member
+  end
+end
+local taken = {}
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', all_key, '-inf', now, 'LIMIT', 0, claim)) do
+  local sid, key = split(member)
+  local lease_key = string.format(lease_pattern, sid)
+  local raw = redis.call('HGET', lease_key, key)
+  local message = redis.call('HGET', string.format(message_pattern, sid), key)
+  if raw and message then
+    local lease = cjson.decode(raw)
+    if lease.stage ~= 'redispatched' then
+      if lease.lost ~= '' then lease.lost = lease.lost .. ',' end
+      lease.lost = lease.lost .. lease.holder
+    end
+    lease.stage, lease.holder, lease.beat = 'redispatched', holder, now
+    redis.call('HSET', lease_key, key, cjson.encode(lease))
+    redis.call('ZADD', all_key, now + ttl, member)
+    taken[#taken + 1] = {member, message}
+  else
+    redis.call('ZREM', all_key, member)
+  end
+end
+return {gone, taken}
+"""
+
+SETTLE_LUA = """
+-- An attempt of a rollout ended. If it is the rollout's current attempt (or Redis lost the
+-- attempts), its chord part counts: the rollout is settled for this generation and its lease
+-- and message go. Returns 1 if it counts, 0 if the attempt was taken over (its outcome is void).
+local lease_key, attempts_key, messages_key, settled_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local all_key = KEYS[5]
+local key, attempt, token, member = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local current = redis.call('HGET', attempts_key, key)
+if current and current ~= attempt then return 0 end
+redis.call('HSET', settled_key, key, token)
+redis.call('HDEL', lease_key, key)
+redis.call('HDEL', messages_key, key)
+redis.call('ZREM', all_key, member)
+return 1
 """
 
 ACQUIRE_READING_LUA = """

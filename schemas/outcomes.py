@@ -46,6 +46,12 @@ class Ended(StrEnum):
     """In flight when the run was failed or cancelled: the call was cut, nothing written."""
     ERROR = "error"
     """The worker could not finish it (Redis or storage unavailable); a resume runs it."""
+    REDELIVERED = "redelivered"
+    """A copy of a delivery (the broker redelivered it): another attempt holds the rollout's
+    fresh lease, or the rollout settled already. Acknowledged without side effects, no death."""
+    TAKEN_OVER = "taken_over"
+    """This attempt's holder went silent and another attempt took its lease over: whatever this
+    one did was refused by the lander, and it counts nothing."""
 
 
 NOT_STARTED = frozenset({Ended.DRAINED, Ended.STOPPED})
@@ -54,6 +60,8 @@ RESULT_ENDS = frozenset({Ended.LANDED, Ended.AGENT_FAILURE, Ended.NOT_PERSISTED}
 """Ends whose outcome carries the agent's `/run` result."""
 FAILURE_ENDS = frozenset({Ended.FAILED, Ended.WORKER_LOST})
 """Ends whose outcome carries the final failure row the collector wrote."""
+VOID_ENDS = frozenset({Ended.REDELIVERED, Ended.TAKEN_OVER})
+"""Ends of a delivery that is not the rollout's: acknowledged, no chord part, no counts."""
 
 
 def run_failure_message(rollout: object, final: dict[str, Any]) -> str:

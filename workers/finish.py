@@ -163,7 +163,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     settings = CollectionSettings.model_validate(manifest.settings)
     # Every appended file becomes one object before anything reads it for the reports: after a
     # run finishes, any JSONL reader reads it.
-    compact_shard(client(redis_url), rd, run.shard)
+    compact_shard(client(redis_url), rd, run.shard, close=True)
     results = ShardFiles(run.shard).results
     if not rd.exists(results):
         # Nothing landed: NeMo Gym's readers (`gym eval health-check`) still expect the file.

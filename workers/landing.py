@@ -1,4 +1,5 @@
-"""Landing records in a shard exactly once: group commit under the shard lock, fenced by opener token.
+"""Landing records in a shard exactly once: group commit under the shard lock, fenced by opener
+token and by attempt.
 
 Each worker process has one lander thread. Rollout tasks hand it their records and wait; the
 thread gathers whatever is queued, and per shard takes the lock once, appends the batch, and
@@ -11,6 +12,10 @@ queued (`workers/encoding.py`: one that cannot be becomes its rollout's `result_
 failure row, and the rest of the batch lands), and every waiting task is released with its report
 or the batch's exception, also those whose records joined the batch while it waited for the lock.
 The waiting task bounds its own wait (`LAND_WAIT_S`), so a stuck write cannot hold it forever.
+
+Fenced: records of a writer whose generation is not the shard's opener, of an attempt that is
+not its rollout's current one (its lease was taken over, `workers/leases.py`), or for a shard
+whose finish step closed it (`CLOSED`), are refused whole: nothing of them is written.
 
 Exactly once: a result whose (task, rollout) key is already in the shard's landed set is not
 written again, however often its task is delivered. The landed set, the committed file sizes and
@@ -42,7 +47,8 @@ from schemas.errors import ShardFencedError, StorageError
 from schemas.messages import RunRef
 from schemas.records import ShardStatus, rate_limit_waits
 from workers.encoding import EncodedRecords, encode_records
-from workers.shard.state import OPENER, PLANNED, RUN_ID, SHARD, ShardState
+from workers.leases import Lease
+from workers.shard.state import CLOSED, OPENER, PLANNED, RUN_ID, SHARD, ShardState
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,7 @@ class LandReport:
 class _Pending:
     run: RunRef
     records: EncodedRecords
+    lease: Lease | None = None
     future: concurrent.futures.Future[LandReport] = field(default_factory=concurrent.futures.Future)
 
 
@@ -96,13 +103,18 @@ class Lander:
         self._thread.start()
 
     def submit(
-        self, run: RunRef, result: dict[str, Any] | None, failures: list[dict[str, Any]]
+        self,
+        run: RunRef,
+        result: dict[str, Any] | None,
+        failures: list[dict[str, Any]],
+        lease: Lease | None = None,
     ) -> concurrent.futures.Future[LandReport]:
         """Queue the records for landing; the future settles once they are durable (or refused).
 
         The records are encoded here, in the calling thread, each on its own. The future raises
-        `ShardFencedError` when the shard was opened by a newer writer than `run.token` (nothing
-        of this task was written), or the error that failed the batch.
+        `ShardFencedError` when the shard was opened by a newer writer than `run.token`, when
+        `lease`'s attempt is no longer its rollout's current one, or when the shard was closed
+        (nothing of this task was written); or the error that failed the batch.
         """
         try:
             records = encode_records(result, failures)
@@ -110,7 +122,7 @@ class Lander:
             failed: concurrent.futures.Future[LandReport] = concurrent.futures.Future()
             failed.set_exception(exc)
             return failed
-        pending = _Pending(run, records)
+        pending = _Pending(run, records, lease)
         self._queue.put(pending)
         return pending.future
 
@@ -178,16 +190,10 @@ class Lander:
                 # Rebuilt from storage or a dead writer's tail adopted: what landed changed.
                 flags = self.r.smismember(keys.shard_landed(st.sid), list(present))
                 present = dict(zip(present, (bool(f) for f in flags), strict=True))
-            opener = state.get(OPENER)
             accepted = []
-            for p in group:
-                if p.run.token != opener:
-                    p.future.set_exception(
-                        ShardFencedError(
-                            f"shard {shard} of {rd.url} was opened by another writer "
-                            f"({opener}) since this task's writer ({p.run.token}); nothing written"
-                        )
-                    )
+            for p, refused in zip(group, self._fences(st, state, group), strict=True):
+                if refused is not None:
+                    p.future.set_exception(ShardFencedError(f"{rd.url} shard {shard}: {refused}"))
                 else:
                     accepted.append(p)
             if not accepted:
@@ -201,6 +207,34 @@ class Lander:
         for p in accepted:
             p.future.set_result(reports[id(p)])
         self._maybe_write_status(st, state)
+
+    def _fences(
+        self, st: ShardState, state: dict[str, str], group: list[_Pending]
+    ) -> list[str | None]:
+        """Why each of `group` must not land (None: it may), read under the lock."""
+        opener, closed = state.get(OPENER), state.get(CLOSED)
+        leased = [p.lease.key for p in group if p.lease is not None]
+        current: dict[str, str | None] = {}
+        if leased and not closed:
+            raw = self.r.hmget(keys.shard_attempts(st.sid), leased)
+            current = {
+                k: v.decode() if isinstance(v, bytes) else None
+                for k, v in zip(leased, raw, strict=True)
+            }
+        why: list[str | None] = []
+        for p in group:
+            now = current.get(p.lease.key) if p.lease is not None else None
+            if closed:
+                why.append("the shard was finished; nothing written")
+            elif p.run.token != opener:
+                why.append(f"opened by another writer ({opener}) since this task's writer "
+                           f"({p.run.token}); nothing written")  # fmt: skip
+            elif p.lease is not None and now is not None and now != p.lease.attempt:
+                why.append(f"rollout {p.lease.key}: this attempt ({p.lease.attempt}) was taken "
+                           f"over by {now}; nothing written")  # fmt: skip
+            else:
+                why.append(None)
+        return why
 
     def _append(self, st: ShardState, state: dict[str, str], name: str, data: bytes) -> bool:
         """Append at the committed size; on a conflict adopt what is there and return False."""
@@ -355,15 +389,19 @@ def open_shard(r: redis.Redis, rd: RunDir, shard: str) -> dict[str, str]:
         return st.rebuild()
 
 
-def compact_shard(r: redis.Redis, rd: RunDir, shard: str) -> dict[str, int]:
+def compact_shard(r: redis.Redis, rd: RunDir, shard: str, close: bool = False) -> dict[str, int]:
     """Rewrite each appended file of the shard as one object; returns segments merged per file.
 
-    Run by the finish step, under the shard lock. A no-op on a local folder (appends go in
-    place) and for a file with no segments.
+    Run by the finish step, under the shard lock, with `close`: from then on nothing lands in
+    the shard until a resume opens it again (a late attempt changes no file). A no-op on a
+    local folder (appends go in place) and for a file with no segments.
     """
     st = ShardState(r, rd, shard)
     merged: dict[str, int] = {}
     with held(r, keys.shard_lock(st.sid)):
+        if close:
+            st.load()
+            r.hset(keys.shard_state(st.sid), CLOSED, "1")
         for name in (st.files.results, st.files.failures):
             merged[name] = rd.compact(name)
     return merged

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery import Task
+from celery.exceptions import Ignore
+from celery.signals import worker_ready
+
 from infra.store import RunDir
 from schemas.health import (
     HEALTH_COMBINE_TASK,
@@ -14,19 +18,30 @@ from schemas.health import (
     ScanResult,
 )
 from schemas.messages import COLLECT_TASK, FINISH_TASK, CollectRequest, FinishRequest
+from schemas.outcomes import VOID_ENDS
 from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
 from workers.app import app, state_redis_url
 from workers.finish import finish_shard, health_brief
 from workers.health import combine, scan
+from workers.redispatch import CollectTaskMessage
 from workers.replies import collect_and_reply
-from workers.rollout import process_context, run_rollout
+from workers.rollout import Delivery, process_context, run_rollout
 
 
-@app.task(name=COLLECT_TASK, acks_late=True)
-def collect_task(payload: dict[str, Any]) -> dict[str, Any]:
-    """Run one rollout and land its result exactly once."""
+@app.task(name=COLLECT_TASK, acks_late=True, bind=True)
+def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any]:
+    """Run one rollout and land its result exactly once.
+
+    A delivery that is not the rollout's (a copy, or an attempt taken over) is acknowledged
+    without a result: `Ignore` counts no chord part, so the chord counts each rollout once.
+    """
     url = state_redis_url()
-    return run_rollout(CollectRequest.model_validate(payload), process_context(url)).chord_summary()
+    message = CollectTaskMessage.from_request(self.request, payload).to_json()
+    req = CollectRequest.model_validate(payload)
+    outcome = run_rollout(req, process_context(url), Delivery(message=message))
+    if outcome.ended in VOID_ENDS:
+        raise Ignore()
+    return outcome.chord_summary()
 
 
 @app.task(name=FINISH_TASK, acks_late=True)
@@ -58,3 +73,9 @@ def collect_reply_task(payload: dict[str, Any]) -> dict[str, Any]:
     return collect_and_reply(
         ReplyingCollectRequest.model_validate(payload), url, process_context(url)
     )
+
+
+@worker_ready.connect
+def _start_leases(**_: Any) -> None:
+    """A worker takes over silent holders' rollouts from its start, before it runs any itself."""
+    process_context(state_redis_url())

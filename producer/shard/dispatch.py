@@ -27,7 +27,6 @@ from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.finish import FinishResult
 from schemas.messages import (
-    COLLECT_TASK,
     FINISH_TASK,
     QUEUE,
     Admission,
@@ -36,6 +35,7 @@ from schemas.messages import (
     RunRef,
 )
 from schemas.settings import CollectionSettings
+from workers.redispatch import CollectTaskMessage, publish_collect
 from workers.shard.state import persist_shard_keys
 
 PUBLISH_BATCH = 500
@@ -151,40 +151,19 @@ def enqueue(
     messages = CollectMessages.of(opened.run, config, settings, deadline)
     prefix = f"{opened.manifest.run_id}.{opened.run.token[:8]}"
     queue = app.amqp.queues[QUEUE]
+    chord = dict(callback)
     with app.producer_or_acquire() as producer:
         producer.maybe_declare(queue)
         # One pipelined write per PUBLISH_BATCH messages (kombu's publish batch; immediate on
-        # brokers without it), messages built by Celery's own protocol-2 builder, sent through
-        # the anonymous exchange to the queue as Celery does for its default queue. send_task
+        # brokers without it), messages built as `workers/redispatch.py` says. send_task
         # per message costs 8x the CPU: a new Redis client and a round trip per message, and
         # an AsyncResult that subscribes and unsubscribes to the result channel.
         with producer.batch(PUBLISH_BATCH):
             for index, row in enumerate(rows):
                 rid = F.rollout_id(row)
                 payload, argsrepr = messages.message(row, rid, F.agent_name(row) or "")
-                message = app.amqp.as_task_v2(
-                    f"{prefix}.{rid}",
-                    COLLECT_TASK,
-                    args=(payload,),
-                    kwargs={},
-                    group_id=group_id,
-                    group_index=index,
-                    chord=callback,
-                    argsrepr=argsrepr,
-                    kwargsrepr="{}",
-                    # The chord counts the task without its result being stored; the rare
-                    # outcome a caller may read (a drained row) is stored by the task itself.
-                    ignore_result=True,
-                )
-                producer.publish(
-                    message.body,
-                    exchange="",
-                    routing_key=queue.name,
-                    serializer="json",
-                    headers=message.headers,
-                    retry=False,
-                    **message.properties,
-                )
+                m = CollectTaskMessage(f"{prefix}.{rid}", payload, argsrepr, group_id, index, chord)
+                publish_collect(app, producer, queue, m)
     return finish_id
 
 

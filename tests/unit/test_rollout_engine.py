@@ -23,7 +23,7 @@ from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
 from schemas.outcomes import Ended, RolloutOutcome
 from workers.encoding import RESULT_NOT_STORED
 from workers.rollout import CHORD, Delivery, LoopCaller, RolloutContext, run_rollout
-from workers.rollout.fakes import FakeGate, FakeLander, FakeShard
+from workers.rollout.fakes import FakeGate, FakeLander, FakeLeases, FakeShard
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 ROW = {F.TASK_INDEX: 3, F.ROLLOUT_INDEX: 1, F.AGENT_REF: {"name": "a"}, "question": "1+1"}
@@ -48,6 +48,7 @@ class Harness:
         self.shard = FakeShard()
         self.gate = FakeGate(self.shard)
         self.lander = FakeLander(self.shard)
+        self.leases = FakeLeases(self.shard)
         self.requests: list[dict[str, Any]] = []
         self.handler: Handler = self.reply(200, {"reward": 1.0})
         self.slept: list[float] = []
@@ -76,6 +77,7 @@ class Harness:
             agent=LoopCaller(self.loop, self.client, poll_s=0.01),
             sleep=self.slept.append,
             land_wait_s=self.land_wait_s,
+            leases=self.leases,
         )
 
     def run(
@@ -478,3 +480,72 @@ def test_the_window_shrinks_on_a_rate_limit_and_grows_on_success(h: Harness) -> 
     h.run()
     assert h.shard.ssthresh == pytest.approx(14.0)
     assert h.shard.window == pytest.approx(14.0 + 1 / 14)
+
+
+MESSAGE = {"task_id": "r.abc.3-1", "payload": {}, "argsrepr": "rollout=3-1"}
+LEASED = Delivery(message=MESSAGE)
+"""A chord delivery carrying its task message: it takes the rollout's lease."""
+
+
+def test_a_leased_attempt_notes_its_stages_and_settles_its_lease(h: Harness) -> None:
+    out = h.run(LEASED)
+    assert out.ended is Ended.LANDED and h.shard.results == [RESULT]
+    assert h.leases.stages == [("3:1", "calling"), ("3:1", "landing")]
+    assert h.leases.settled == {"3:1": "token-1"} and not h.leases.held
+    assert h.slots_returned()
+
+
+def test_a_copy_of_a_delivery_whose_lease_is_fresh_calls_nothing_and_is_no_death(
+    h: Harness,
+) -> None:
+    h.leases.take("sid", "3:1", "token-1", MESSAGE)  # the live attempt, elsewhere
+    out = h.run(LEASED)
+    assert out.ended is Ended.REDELIVERED and out.detail == "running on fake:1"
+    assert h.requests == [] and h.gate.admitted == [] and h.shard.starts == {}
+    assert h.lander.calls == 0 and "3:1" in h.leases.held  # the live lease stands
+
+
+def test_a_copy_of_a_settled_rollout_calls_nothing(h: Harness) -> None:
+    assert h.run(LEASED).ended is Ended.LANDED
+    again = h.run(LEASED)
+    assert again.ended is Ended.REDELIVERED and again.detail == "settled already"
+    assert len(h.requests) == 1 and h.gate.admitted == ["3:1"]
+
+
+def test_an_older_generations_lease_does_not_hold_back_a_resume(h: Harness) -> None:
+    h.leases.take("sid", "3:1", "token-0", MESSAGE)  # a frozen worker of the earlier generation
+    assert h.run(LEASED).ended is Ended.LANDED
+
+
+def test_an_attempt_taken_over_while_it_called_lands_nothing_and_counts_nothing(
+    h: Harness,
+) -> None:
+    async def slow_then_taken_over(request: httpx.Request) -> httpx.Response:
+        # The holder froze: its lease expired, a live process re-published the rollout and
+        # the new delivery took the lease as a new attempt.
+        h.leases.take_over("3:1")
+        return httpx.Response(200, content=orjson.dumps({"reward": 1.0}))
+
+    h.handler = slow_then_taken_over
+    out = h.run(LEASED)
+    assert out.ended is Ended.TAKEN_OVER and out.detail == "taken over; this attempt fenced"
+    assert h.shard.results == [] and h.shard.failures == [] and h.lander.calls == 1
+    assert h.leases.republished == [MESSAGE]
+    assert h.leases.settled == {}  # the new attempt settles it
+    assert h.slots_returned()
+
+
+def test_a_finished_shard_takes_nothing_from_a_late_attempt(h: Harness) -> None:
+    h.shard.closed = True
+    out = h.run(LEASED)
+    assert out.ended is Ended.FENCED and h.shard.results == []
+
+
+def test_the_last_attempt_after_takeovers_lands_worker_lost(h: Harness) -> None:
+    # Two holders died on it (their starts never ended); the third delivery may not call.
+    h.shard.starts["3:1"] = 2
+    out = h.run(LEASED, max_attempts=2)
+    assert out.ended is Ended.WORKER_LOST and h.requests == []
+    [lost] = h.shard.failures
+    assert lost[F.FAILURE_CLASS] == "worker_lost" and "died 2 times" in lost[F.FAILURE_MESSAGE]
+    assert h.leases.settled == {"3:1": "token-1"}

@@ -20,7 +20,10 @@ def test_every_script_is_here() -> None:
         "EXTEND_LUA",
         "RELEASE_LUA",
         "RENEW_LUA",
+        "RENEW_ROLLOUTS_LUA",
         "RUNNING_LUA",
+        "SETTLE_LUA",
+        "TAKE_LEASE_LUA",
     ]
 
 

@@ -1,7 +1,7 @@
 """What the rollout engine works with: its collaborators, passed in as one per-process context.
 
-The engine (`workers/rollout/engine.py`) reaches Redis, storage and the agent only through these
-three: an admission gate, a lander and an agent caller. A worker process builds the real ones
+The engine (`workers/rollout/engine.py`) reaches Redis, storage and the agent only through these:
+an admission gate, a lander, an agent caller and the rollout leases. A worker process builds the real ones
 once (`process_context`); unit tests build a context of in-memory fakes (`workers/rollout/fakes.py`)
 and an agent caller whose client is an `httpx.AsyncClient` over `httpx.MockTransport`.
 """
@@ -20,6 +20,8 @@ from schemas.messages import CallPolicy, CollectRequest, RunRef
 from workers.admission import Ticket, gate
 from workers.agent_call import CallOutcome, call_run
 from workers.landing import LAND_WAIT_S, LandReport, lander
+from workers.leases import Lease, LeaseTicket, RolloutLeases, Stage
+from workers.redispatch import publisher
 
 STOP_POLL_S = 0.5
 
@@ -50,10 +52,27 @@ class RecordLander(Protocol):
     """Lands a rollout's records in its shard exactly once (`workers/landing.py`)."""
 
     def submit(
-        self, run: RunRef, result: dict[str, Any] | None, failures: list[dict[str, Any]]
+        self,
+        run: RunRef,
+        result: dict[str, Any] | None,
+        failures: list[dict[str, Any]],
+        lease: Lease | None = None,
     ) -> concurrent.futures.Future[LandReport]:
-        """Queue the records; the future settles with the report, or the error that failed them."""
+        """Queue the records (of the attempt holding `lease`); the future settles with the report,
+        or the error that failed them (`ShardFencedError`: a newer writer or attempt)."""
         ...
+
+
+class LeaseKeeper(Protocol):
+    """Rollout leases: who runs each rollout, and the takeover of silent ones (`workers/leases.py`)."""
+
+    def take(self, sid: str, key: str, token: str, message: dict[str, Any]) -> LeaseTicket: ...
+
+    def stage(self, lease: Lease, stage: Stage) -> None: ...
+
+    def settle(self, lease: Lease, token: str) -> bool: ...
+
+    def forget(self, lease: Lease) -> None: ...
 
 
 class LoopCaller:
@@ -104,13 +123,27 @@ class RolloutContext:
     """How the engine waits between landing retries and out rate limits."""
     land_wait_s: float = LAND_WAIT_S
     """How long one landing attempt may take before the rollout ends in error."""
+    leases: LeaseKeeper | None = None
+    """The rollout leases; None: deliveries take none."""
 
 
 def _real_context(redis_url: str) -> RolloutContext:
     io = process_io()
     return RolloutContext(
-        gate=gate(redis_url), lander=lander(redis_url), agent=LoopCaller(io.loop, lambda: io.http)
+        gate=gate(redis_url),
+        lander=lander(redis_url),
+        agent=LoopCaller(io.loop, lambda: io.http),
+        leases=_leases.get(redis_url),
     )
+
+
+def _real_leases(redis_url: str) -> RolloutLeases:
+    from workers.app import app  # the worker's app publishes the rollouts it takes over
+
+    return RolloutLeases(redis_url, publish=publisher(app))
+
+
+_leases: PerProcess[str, RolloutLeases] = PerProcess(_real_leases)
 
 
 _contexts: PerProcess[str, RolloutContext] = PerProcess(_real_context)

@@ -3,6 +3,11 @@
 A 429/503 reply loops back before the sort: the slot is given back (`back_off`), the rollout
 waits (`workers/backpressure.py`), and it is admitted again, keeping its start and its attempt.
 
+A delivery that carries its task message (the chord's) first takes its rollout's lease
+(`workers/leases.py`): a copy of a delivery whose rollout runs elsewhere, or settled already,
+ends there (`REDELIVERED`); the lease's attempt token fences what lands; and an attempt whose
+lease was taken over while it was silent ends `TAKEN_OVER`, counting nothing.
+
 Both rollout tasks are thin adapters over `run_rollout`: the chord task of `rollouts run` and
 `resume` (`workers/tasks.py`) and the Python API's reply task (`workers/replies.py`).
 Nothing here raises for a rollout's own trouble (a task that raised would fail the whole chord
@@ -34,8 +39,10 @@ from workers.admission import Ticket
 from workers.agent_call import CallOutcome, with_attempt
 from workers.backpressure import RateLimitWaits, budget_failure, next_wait_s
 from workers.landing import LandReport
+from workers.leases import Lease, Stage
 from workers.rollout.context import STOP_POLL_S, RolloutContext
 from workers.rollout.rows import drained_row, not_started_message, sort_outcome, worker_lost_row
+from workers.shard.state import key_str
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,9 @@ class Delivery:
     unrecorded rows by their index in the call)."""
     on_admitted: Callable[[], None] | None = None
     """Called once the rollout was admitted, before `/run` is called."""
+    message: dict[str, Any] | None = None
+    """The task message of this delivery (`workers/redispatch.py`): kept with the rollout's
+    lease, for a takeover to publish again. None: the delivery takes no lease."""
 
 
 CHORD = Delivery()
@@ -67,15 +77,16 @@ def run_rollout(
     req: CollectRequest, ctx: RolloutContext, delivery: Delivery = CHORD
 ) -> RolloutOutcome:
     """Run one delivery of one rollout and return how it ended; never raises for its trouble."""
-    rollout = F.rollout_id(req.row)
     try:
         return _Run(req, ctx, delivery).run()
     except Exception as exc:
-        # The rollout is left without an outcome (a resume runs it) and the error is logged.
-        log.exception("rollout %s: unexpected error", rollout)
-        return RolloutOutcome(
-            rollout=rollout, ended=Ended.ERROR, detail=f"{type(exc).__name__}: {exc}"
-        )
+        return unexpected(F.rollout_id(req.row), exc)
+
+
+def unexpected(rollout: str | None, exc: Exception) -> RolloutOutcome:
+    """The rollout is left without an outcome (a resume runs it) and the error is logged."""
+    log.exception("rollout %s: unexpected error", rollout)
+    return RolloutOutcome(rollout=rollout, ended=Ended.ERROR, detail=f"{type(exc).__name__}: {exc}")
 
 
 class _Run:
@@ -90,11 +101,63 @@ class _Run:
         self.land_error: str | None = None
         self.not_stored: dict[str, Any] | None = None
         """The `result_not_stored` row stored in place of the rollout's last record, if any."""
+        self.lease: Lease | None = None
+        """This attempt's lease of the rollout, when the delivery takes one."""
 
     def end(self, ended: Ended, **fields: Any) -> RolloutOutcome:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
 
     def run(self) -> RolloutOutcome:
+        """Take the lease, run the attempt, settle the lease."""
+        taken = self.take_lease()
+        if taken is not None:
+            return taken
+        try:
+            outcome = self.attempt()
+        except Exception as exc:
+            outcome = unexpected(self.rollout, exc)
+        return outcome if self.lease is None else self.settle(self.lease, outcome)
+
+    def take_lease(self) -> RolloutOutcome | None:
+        """Take the rollout's lease (setting `self.lease`); or how a copy of a delivery ends."""
+        leases, message = self.ctx.leases, self.delivery.message
+        if leases is None or message is None:
+            return None
+        try:
+            ticket = leases.take(self.sid, key_str(self.req.row), self.req.run.token, message)
+        except redis.RedisError as exc:
+            # Admission retries Redis, and ends the rollout in error if it stays away.
+            log.warning("rollout %s runs without a lease: %s", self.rollout, exc)
+            return None
+        if ticket.verdict == "live":
+            log.info("rollout %s is running on %s: this copy is acknowledged", self.rollout,
+                     ticket.detail)  # fmt: skip
+            return self.end(Ended.REDELIVERED, detail=f"running on {ticket.detail}")
+        if ticket.verdict == "settled":
+            return self.end(Ended.REDELIVERED, detail="settled already")
+        self.lease = ticket.lease
+        return None
+
+    def settle(self, lease: Lease, outcome: RolloutOutcome) -> RolloutOutcome:
+        """Drop the lease; an attempt that was taken over meanwhile ends `TAKEN_OVER`."""
+        assert self.ctx.leases is not None
+        try:
+            counts = self.ctx.leases.settle(lease, self.req.run.token)
+        except redis.RedisError as exc:
+            self.ctx.leases.forget(lease)
+            log.warning("rollout %s: its lease could not be settled: %s", self.rollout, exc)
+            return outcome
+        if counts:
+            return outcome
+        log.warning("rollout %s: this attempt was taken over; it ended %s and counts nothing",
+                    self.rollout, outcome.ended.value)  # fmt: skip
+        return self.end(Ended.TAKEN_OVER, detail=f"taken over; this attempt {outcome.ended.value}")
+
+    def staged(self, stage: Stage) -> None:
+        if self.lease is not None and self.ctx.leases is not None:
+            self.ctx.leases.stage(self.lease, stage)
+
+    def attempt(self) -> RolloutOutcome:
         ctx, token = self.ctx, self.req.run.token
         called = self.call()
         if isinstance(called, RolloutOutcome):
@@ -146,6 +209,7 @@ class _Run:
                 return self.end(Ended.ERROR, detail=f"{type(exc).__name__}: {exc}")
             if ticket.verdict != "run":
                 return self.not_run(ticket, seen)
+            self.staged("calling")
             if waits.count == 0 and self.delivery.on_admitted is not None:
                 self.delivery.on_admitted()
 
@@ -229,6 +293,7 @@ class _Run:
         self, result: dict[str, Any] | None, failures: list[dict[str, Any]], ended: Ended
     ) -> Ended:
         """Land the records; returns how the rollout ended once they are (or could not be) down."""
+        self.staged("landing")
         try:
             report = self.land_with_retry(result, failures)
         except ShardFencedError as exc:
@@ -261,7 +326,7 @@ class _Run:
         deadline = self.ctx.monotonic() + LAND_RETRY_S
         delay = 0.5
         while True:
-            future = self.ctx.lander.submit(self.req.run, result, failures)
+            future = self.ctx.lander.submit(self.req.run, result, failures, self.lease)
             done, _ = concurrent.futures.wait([future], timeout=self.ctx.land_wait_s)
             if not done:
                 raise StorageError(

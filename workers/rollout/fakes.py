@@ -7,6 +7,9 @@ order; a readmission after a rate-limit wait counts no start and gives it back w
 run) and keeps the agent's window as the end and back-off scripts do; `FakeLander` lands into it
 as the lander does (records encoded one by one, fenced writers refused, a result whose key landed
 before is a duplicate). Either can be told to fail its next calls; the lander also to never answer.
+`FakeLeases` keeps the rollout leases as the lease scripts do (a fresh lease of this generation
+makes a copy of a delivery `live`, a settled rollout `settled`; a takeover, `take_over`, makes a
+new current attempt), and the lander refuses an attempt that is not current.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from schemas.messages import CollectRequest, RunRef
 from workers.admission import WINDOW_DECREASE, Ticket
 from workers.encoding import encode_records
 from workers.landing import LandReport
+from workers.leases import Lease, LeaseTicket, Stage
 
 
 def _key(row: dict[str, Any]) -> str:
@@ -58,6 +62,10 @@ class FakeShard:
     """The largest window."""
     in_flight: int = 0
     """The agent's calls holding a slot."""
+    attempts: dict[str, str] = field(default_factory=dict)
+    """Each rollout's current attempt token (`keys.shard_attempts`)."""
+    closed: bool = False
+    """The finish step ran: nothing lands."""
 
 
 @dataclass
@@ -191,26 +199,38 @@ class FakeLander:
         self.calls = 0
 
     def submit(
-        self, run: RunRef, result: dict[str, Any] | None, failures: list[dict[str, Any]]
+        self,
+        run: RunRef,
+        result: dict[str, Any] | None,
+        failures: list[dict[str, Any]],
+        lease: Lease | None = None,
     ) -> concurrent.futures.Future[LandReport]:
         self.calls += 1
         future: concurrent.futures.Future[LandReport] = concurrent.futures.Future()
         if self.stuck:
             return future
         try:
-            future.set_result(self._land(run, result, failures))
+            future.set_result(self._land(run, result, failures, lease))
         except Exception as exc:
             future.set_exception(exc)
         return future
 
     def _land(
-        self, run: RunRef, result: dict[str, Any] | None, failures: list[dict[str, Any]]
+        self,
+        run: RunRef,
+        result: dict[str, Any] | None,
+        failures: list[dict[str, Any]],
+        lease: Lease | None,
     ) -> LandReport:
         if self.errors:
             raise self.errors.pop(0)
         s = self.shard
+        if s.closed:
+            raise ShardFencedError(f"shard {run.shard}: the shard was finished")
         if run.token != s.opener:
             raise ShardFencedError(f"shard {run.shard} was opened by another writer ({s.opener})")
+        if lease is not None and s.attempts.get(lease.key, lease.attempt) != lease.attempt:
+            raise ShardFencedError(f"rollout {lease.key}: this attempt was taken over")
         records = encode_records(result, failures)
         report = LandReport(failures_written=len(records.failures), not_stored=records.not_stored)
         if records.result is not None:
@@ -223,3 +243,65 @@ class FakeLander:
                 report.landed = True
         s.failures.extend(records.failures)
         return report
+
+
+class FakeLeases:
+    """Rollout leases against a `FakeShard`: the take, renew and settle scripts' rules in memory.
+
+    Every lease taken stays fresh until `expire` or `take_over`; `stages` records what each
+    attempt noted, `republished` what a takeover would publish again.
+    """
+
+    def __init__(self, shard: FakeShard, holder: str = "fake:1") -> None:
+        self.shard = shard
+        self.holder = holder
+        self.held: dict[str, Lease] = {}
+        """Fresh leases by rollout key."""
+        self.tokens: dict[str, str] = {}
+        """The generation each held lease runs for."""
+        self.settled: dict[str, str] = {}
+        """Rollout key -> the generation it settled in."""
+        self.messages: dict[str, dict[str, Any]] = {}
+        self.stages: list[tuple[str, Stage]] = []
+        self.republished: list[dict[str, Any]] = []
+        self._n = 0
+
+    def take(self, sid: str, key: str, token: str, message: dict[str, Any]) -> LeaseTicket:
+        if self.settled.get(key) == token:
+            return LeaseTicket("settled")
+        if key in self.held and self.tokens[key] == token:
+            return LeaseTicket("live", self.holder)
+        self._n += 1
+        lease = Lease(sid, key, f"{self.holder}/{self._n}")
+        self.held[key], self.tokens[key], self.messages[key] = lease, token, message
+        self.shard.attempts[key] = lease.attempt
+        return LeaseTicket("taken", lease=lease)
+
+    def stage(self, lease: Lease, stage: Stage) -> None:
+        self.stages.append((lease.key, stage))
+
+    def settle(self, lease: Lease, token: str) -> bool:
+        current = self.shard.attempts.get(lease.key)
+        if current is not None and current != lease.attempt:
+            return False
+        self.settled[lease.key] = token
+        self.held.pop(lease.key, None)
+        self.messages.pop(lease.key, None)
+        return True
+
+    def forget(self, lease: Lease) -> None:
+        self.held.pop(lease.key, None)
+
+    def expire(self, key: str) -> None:
+        """The holder went silent and its lease expired; a takeover re-publishes the message."""
+        self.held.pop(key, None)
+        self.republished.append(self.messages[key])
+
+    def take_over(self, key: str) -> Lease:
+        """Another attempt took the lease over (what a re-published delivery does)."""
+        self.expire(key)
+        self._n += 1
+        lease = Lease("sid", key, f"other:2/{self._n}")
+        self.held[key] = lease
+        self.shard.attempts[key] = lease.attempt
+        return lease

@@ -39,6 +39,10 @@ FAILURES_SIZE = "failures_size"
 """Committed logical size of the failures sidecar."""
 BUILT = "built"
 """`1` once the landed set and the sizes were loaded from storage."""
+CLOSED = "closed"
+"""`1` once the finish step ran (or, rebuilt from storage, the manifest says the run ended):
+nothing lands until a resume opens the shard again."""
+FINAL_STATES = frozenset({"completed", "failed", "cancelled"})
 
 SIZE_FIELDS = {"results": RESULTS_SIZE, "failures": FAILURES_SIZE}
 
@@ -208,6 +212,9 @@ class ShardState:
             results_size=results_end,
             failures_size=failures_end,
         )
+        if manifest.state in FINAL_STATES:
+            pipe.hset(keys.shard_state(self.sid), CLOSED, "1")
+            state[CLOSED] = "1"
         pipe.execute()
         log.info("rebuilt Redis state of %s shard %s from storage", self.rd.url, self.files.shard)
         return state

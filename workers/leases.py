@@ -1,0 +1,210 @@
+"""Rollout leases: who runs each rollout now, and the takeover of those whose holder went silent.
+
+A delivery of a rollout takes the rollout's lease before anything else (`take`): holder (this
+worker process), attempt token, stage, last heartbeat, and the task message that runs it. One
+thread per process renews every lease the process holds, in one round trip per third of the
+lease TTL (`ROLLOUTS_LEASE_TTL_S`), and in the same round trip takes over expired leases of the
+whole cluster: a holder that died, froze or lost Redis stops renewing, and the first live
+process to notice publishes the rollout's task again (`workers/redispatch.py`), with no producer
+and no person, long before the broker's visibility timeout. The next delivery takes the lease as
+a new attempt; the attempt limit (`keys.shard_starts`) still ends a rollout that kills every
+worker running it as `worker_lost`.
+
+Fencing per attempt: the lander refuses records whose attempt is not the rollout's current one
+(`keys.shard_attempts`), and an attempt that settles after a takeover counts no chord part.
+A copy of a delivery whose rollout runs elsewhere under a fresh lease (celery/celery#5935: the
+Redis transport redelivers a message unacknowledged past its visibility timeout) is acknowledged
+without calling the agent and is no death.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import redis
+
+from infra import keys
+from infra.environment import from_env
+from infra.redis_client import client
+from infra.scripts import RENEW_ROLLOUTS_LUA, SETTLE_LUA, TAKE_LEASE_LUA
+
+log = logging.getLogger(__name__)
+
+CLAIM_BATCH = 64
+"""Expired leases one renewal takes over at most; the next renewal takes the rest."""
+
+Stage = Literal["admitted", "calling", "landing"]
+"""What a held lease's attempt is doing: waiting for its slot, calling `/run`, landing."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One attempt's hold on a rollout."""
+
+    sid: str
+    key: str
+    """`task:rollout`."""
+    attempt: str
+    """This attempt's token: the lander lands only the current attempt's records."""
+
+    @property
+    def member(self) -> str:
+        """Its member of `keys.ROLLOUT_LEASES`."""
+        return f"{self.sid}|{self.key}"
+
+
+@dataclass(frozen=True)
+class LeaseTicket:
+    """The answer to a delivery asking for its rollout's lease."""
+
+    verdict: Literal["taken", "live", "settled"]
+    """taken: run it; live: another attempt holds a fresh lease; settled: it ended already."""
+    detail: str = ""
+    """live: the holder running it."""
+    lease: Lease | None = None
+    """taken: the lease."""
+    lost: str = ""
+    """taken: the silent holder it was taken over from, if any."""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RolloutLeases:
+    """This process's rollout leases: take, stage, settle, and the renewal and takeover thread."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        publish: Callable[[dict[str, Any]], None] | None = None,
+        ttl_s: float | None = None,
+        start: bool = True,
+    ) -> None:
+        self.r = client(redis_url)
+        self.ttl_s = from_env().lease_ttl_s if ttl_s is None else ttl_s
+        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self._publish = publish
+        self._take = self.r.register_script(TAKE_LEASE_LUA)
+        self._renew = self.r.register_script(RENEW_ROLLOUTS_LUA)
+        self._settle = self.r.register_script(SETTLE_LUA)
+        self._held: dict[str, tuple[str, Stage]] = {}
+        # Held across a renewal, so a lease settled meanwhile is not renewed after its removal.
+        self._lock = threading.Lock()
+        self.republished = 0
+        """Rollouts this process took over and published again."""
+        if start:
+            threading.Thread(target=self._loop, name="rollouts-rollout-leases", daemon=True).start()
+
+    @staticmethod
+    def _keys(sid: str) -> list[str]:
+        return [
+            keys.shard_rollout_leases(sid),
+            keys.shard_attempts(sid),
+            keys.shard_lease_messages(sid),
+            keys.shard_settled(sid),
+            keys.ROLLOUT_LEASES,
+        ]
+
+    def take(self, sid: str, key: str, token: str, message: dict[str, Any]) -> LeaseTicket:
+        """Take the rollout's lease for a new attempt of generation `token`, unless it runs or ended."""
+        member = f"{sid}|{key}"
+        args: list[str | float] = [key, token, self.holder, self.ttl_s, json.dumps(message), member]
+        answer = self._take(keys=self._keys(sid), args=args, client=self.r)
+        verdict, detail, lost = (_text(v) for v in answer)
+        if verdict != "taken":
+            return LeaseTicket(cast(Literal["live", "settled"], verdict), detail)
+        lease = Lease(sid, key, detail)
+        with self._lock:
+            self._held[member] = (lease.attempt, "admitted")
+        if lost:
+            log.warning("rollout %s of shard %s taken over from %s, which went silent", key, sid,
+                        lost)  # fmt: skip
+        return LeaseTicket("taken", lease=lease, lost=lost)
+
+    def stage(self, lease: Lease, stage: Stage) -> None:
+        """Note the attempt's stage; it reaches Redis with the next renewal (no round trip now)."""
+        with self._lock:
+            if lease.member in self._held:
+                self._held[lease.member] = (lease.attempt, stage)
+
+    def settle(self, lease: Lease, token: str) -> bool:
+        """The attempt ended: drop its lease. False if it was taken over (its outcome is void)."""
+        with self._lock:
+            self._held.pop(lease.member, None)
+        args = [lease.key, lease.attempt, token, lease.member]
+        return bool(self._settle(keys=self._keys(lease.sid), args=args, client=self.r))
+
+    def forget(self, lease: Lease) -> None:
+        """Stop renewing the lease without settling it (Redis could not be reached to settle)."""
+        with self._lock:
+            self._held.pop(lease.member, None)
+
+    def renew_once(self) -> int:
+        """Renew the held leases and take over expired ones; returns how many were published again."""
+        with self._lock:
+            args: list[str | int | float] = [
+                self.ttl_s,
+                CLAIM_BATCH if self._publish is not None else 0,
+                self.holder,
+                keys.ROLLOUT_LEASE_KEY,
+                keys.ROLLOUT_MESSAGE_KEY,
+            ]
+            for member, (attempt, stage) in self._held.items():
+                args += [member, attempt, stage]
+            try:
+                gone, taken = self._renew(keys=[keys.ROLLOUT_LEASES], args=args, client=self.r)
+            except redis.RedisError as exc:
+                log.warning("could not renew %d rollout leases: %s", len(self._held), exc)
+                return 0
+            for member in gone:
+                # Taken over while this process was silent: its outcome will be refused.
+                if self._held.pop(_text(member), None) is not None:
+                    log.warning("lost the lease of %s: another attempt runs it", _text(member))
+        published = 0
+        for member, message in taken:
+            published += self._republish(_text(member), json.loads(_text(message)))
+        return published
+
+    def _republish(self, member: str, message: dict[str, Any]) -> int:
+        assert self._publish is not None
+        try:
+            self._publish(message)
+        except Exception as exc:  # the lease expires again and is taken over again
+            log.warning("could not publish %s again: %r", member, exc)
+            return 0
+        log.warning("rollout %s: its holder went silent; published it again", member)
+        self.republished += 1
+        return 1
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.ttl_s / 3)
+            try:
+                self.renew_once()
+            except Exception:  # the thread must outlive anything one round trip does
+                log.exception("rollout lease renewal failed")
+
+
+def lease_rows(r: redis.Redis, sid: str) -> list[dict[str, Any]]:
+    """The shard's rollout leases as stored, each with its `key` and `expiry` (Redis time)."""
+    raw: dict[bytes, bytes] = r.hgetall(keys.shard_rollout_leases(sid))  # type: ignore[assignment]
+    if not raw:
+        return []
+    members = [f"{sid}|{k.decode()}" for k in raw]
+    expiries = r.zmscore(keys.ROLLOUT_LEASES, members)
+    rows = []
+    for (k, v), expiry in zip(raw.items(), expiries, strict=True):
+        row = json.loads(v)
+        row["key"] = k.decode()
+        row["expiry"] = expiry
+        rows.append(row)
+    return rows
