@@ -32,12 +32,15 @@ from workers.rollout import Delivery, process_context, run_rollout
 def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any]:
     """Run one rollout and land its result exactly once.
 
-    A delivery that is not the rollout's (a copy, or an attempt taken over) is acknowledged
-    without a result: `Ignore` counts no chord part, so the chord counts each rollout once.
+    A chord's delivery takes the rollout's lease; one that is not the rollout's (a copy, or an
+    attempt taken over) is acknowledged without a result: `Ignore` counts no chord part, so the
+    chord counts each rollout once. A task sent outside a chord takes no lease.
     """
     url = state_redis_url()
-    message = CollectTaskMessage.from_request(self.request, payload).to_json()
     req = CollectRequest.model_validate(payload)
+    message = None
+    if self.request.group is not None:  # a task of a chord: one lease per rollout of it
+        message = CollectTaskMessage.from_request(self.request, payload).to_json()
     outcome = run_rollout(req, process_context(url), Delivery(message=message))
     if outcome.ended in VOID_ENDS:
         raise Ignore()

@@ -138,8 +138,9 @@ def test_a_rollout_its_workers_keep_dying_on_becomes_worker_lost(
 ) -> None:
     log = tmp_path / "requests.jsonl"
     servers = start_servers(knobs=AgentKnobs(request_log=str(log)))
-    # A short visibility timeout: the broker hands a dead worker's message to another worker soon.
-    env = {"ROLLOUTS_VISIBILITY_TIMEOUT_S": "3"}
+    # Short lease and visibility timeouts: a dead worker's rollout is taken over in seconds (its
+    # message, redelivered by the broker meanwhile, is a copy and is acknowledged).
+    env = {"ROLLOUTS_LEASE_TTL_S": "3", "ROLLOUTS_VISIBILITY_TIMEOUT_S": "3"}
     rows = demo_rows(2)
     rows[1]["fault"] = {"kind": "hang", "times": 99}
     out = tmp_path / "run"
