@@ -202,7 +202,7 @@ def test_redelivery_after_sigkill_mid_write_leaves_one_whole_line(
         assert "adopted" in log
         sid = keys.shard_id(RunDir(run_dir_url).url, "0")
         r = redis.Redis.from_url(redis_url)
-        generation_dups = int(r.hget(keys.shard_generation(sid), "duplicate") or 0)  # type: ignore[arg-type]
+        generation_dups = int(r.hget(keys.shard_generation(sid), "duplicate") or 0)
         r.close()
         assert counters(redis_url, run_dir_url).get("duplicates", 0) + generation_dups >= 1
     elif rd.can_append:
