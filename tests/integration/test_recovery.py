@@ -1,0 +1,230 @@
+"""Recovery without a person: rollout leases, takeover, fencing per attempt, live redeliveries.
+
+The scripts first, on the real Redis (`RolloutLeases` without its thread, so each renewal is the
+test's); then cluster runs with real worker processes, the example agent and `rollouts run
+--broker`: a worker SIGKILLed or SIGSTOPped mid-run, rollouts longer than the broker's
+visibility timeout, and a rollout that kills every worker running it. Lease TTLs are short (2-3
+s) so that each run takes seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from examples.agent_server import AgentKnobs
+from examples.servers import start_servers
+from infra import keys
+from infra.store import RunDir
+from schemas import fields as F
+from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.ops_helpers import cli_background, key, requests_per_key, rows_by_key, wait_for
+from workers.leases import RolloutLeases, lease_rows
+
+pytestmark = pytest.mark.integration
+
+LEASE_TTL_S = 3.0
+ENV = {"ROLLOUTS_LEASE_TTL_S": str(LEASE_TTL_S)}
+
+
+def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
+    published: list[dict[str, Any]] = []
+    first = RolloutLeases(redis_url, publish=published.append, ttl_s=1.0, start=False)
+    other = RolloutLeases(redis_url, publish=published.append, ttl_s=1.0, start=False)
+    message = {"task_id": "t", "payload": {"row": 1}}
+    ticket = first.take("sid1", "3:0", "gen-1", message)
+    assert ticket.verdict == "taken" and ticket.lease is not None and ticket.lost == ""
+    lease = ticket.lease
+    # A copy while the lease is fresh: live, whoever receives it.
+    assert other.take("sid1", "3:0", "gen-1", message).verdict == "live"
+    # A resume's delivery is not held back by an older generation's lease.
+    first.stage(lease, "calling")
+    assert first.renew_once() == 0 and published == []
+    r = redis.Redis.from_url(redis_url)
+    [row] = lease_rows(r, "sid1")
+    assert row["stage"] == "calling" and row["holder"] == first.holder and row["n"] == 1
+    # The holder goes silent: past the TTL, the next renewal of any process takes it over.
+    time.sleep(1.2)
+    assert other.renew_once() == 1 and published == [message]
+    [row] = lease_rows(r, "sid1")
+    assert row["stage"] == "redispatched" and row["lost"] == first.holder
+    # The re-published delivery takes it as attempt 2; the silent holder is refused.
+    again = other.take("sid1", "3:0", "gen-1", message)
+    assert again.verdict == "taken" and again.lost == first.holder and again.lease is not None
+    assert first.renew_once() == 0 and first._held == {}  # it learned it lost the lease
+    assert first.settle(lease, "gen-1") is False
+    assert other.settle(again.lease, "gen-1") is True
+    assert other.take("sid1", "3:0", "gen-1", message).verdict == "settled"
+    assert lease_rows(r, "sid1") == [] and r.zcard(keys.ROLLOUT_LEASES) == 0
+    assert r.hget(keys.shard_attempts("sid1"), "3:0") == again.lease.attempt.encode()
+    r.close()
+
+
+def results_once(out: Path, planned: int) -> None:
+    landed = Counter(key(r) for r in read_jsonl(out / "rollouts-0.jsonl"))
+    assert len(landed) == planned, f"{planned - len(landed)} rollouts did not land"
+    assert max(landed.values()) == 1, "a rollout landed twice"
+
+
+def snapshot(out: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file()
+    }
+
+
+def start_run(
+    tmp_path: Path, url: str, rows: list[dict[str, Any]], config: str, *extra: str
+) -> tuple[Any, Path]:
+    out = tmp_path / "run"
+    run = cli_background(
+        "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
+        "--output-dir", str(out), "--broker", url, "+route_failures_to_sidecar=true", *extra,
+        log=tmp_path / "run.log",
+    )  # fmt: skip
+    return run, out
+
+
+def landed_lines(out: Path) -> int:
+    path = out / "rollouts-0.jsonl"
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+@pytest.mark.timeout(180)
+def test_a_sigkilled_worker_s_rollouts_are_taken_over_and_the_run_finishes_by_itself(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    servers = start_servers(knobs=AgentKnobs(latency_ms=400))
+    try:
+        workers.start(count=2, concurrency=8, env=ENV)
+        workers.wait_ready()
+        config = servers.write_config(str(tmp_path / "servers.yaml"))
+        run, out = start_run(tmp_path, redis_url, demo_rows(120), config)
+        wait_for(lambda: landed_lines(out) >= 30, 60, "30 results")
+        workers.procs[0].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        workers.procs[0].wait(10)
+        code = run.wait(150)
+        after_kill = time.monotonic() - killed
+    finally:
+        servers.stop()
+    assert code == 0, (tmp_path / "run.log").read_text()
+    results_once(out, 120)
+    # The acceptance bound: lease TTL + the longest rollout + 30 s after the kill.
+    print(f"run finished {after_kill:.1f}s after the SIGKILL (lease TTL {LEASE_TTL_S:g}s)")
+    assert "published it again" in workers.logs[1].read_text()
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_worker_is_taken_over_and_changes_no_file_when_it_wakes(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    servers = start_servers(knobs=AgentKnobs(latency_ms=400))
+    try:
+        workers.start(count=2, concurrency=8, env=ENV)
+        workers.wait_ready()
+        config = servers.write_config(str(tmp_path / "servers.yaml"))
+        run, out = start_run(tmp_path, redis_url, demo_rows(120), config)
+        wait_for(lambda: landed_lines(out) >= 30, 60, "30 results")
+        frozen = workers.procs[0]
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            code = run.wait(150)
+            assert code == 0, (tmp_path / "run.log").read_text()
+            before = snapshot(out)
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        log = workers.logs[0]
+
+        def tried() -> bool:
+            return "this attempt was taken over" in log.read_text(errors="replace")
+
+        # The woken worker's calls end, it tries to land them and is refused, attempt by attempt.
+        wait_for(tried, 30, "the woken worker to try to land")
+        time.sleep(2 * LEASE_TTL_S)  # and its renewal thread to run again
+        assert frozen.poll() is None
+    finally:
+        servers.stop()
+    assert snapshot(out) == before, "the woken worker changed the run directory"
+    results_once(out, 120)
+    text = log.read_text(errors="replace")
+    assert "nothing written" in text
+
+
+@pytest.mark.timeout(120)
+def test_rollouts_longer_than_the_visibility_timeout_run_once_each(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    servers = start_servers(knobs=AgentKnobs(latency_ms=6000, request_log=str(log)))
+    # The broker redelivers every unacknowledged message after 2 s; each rollout takes 6 s.
+    env = {**ENV, "ROLLOUTS_VISIBILITY_TIMEOUT_S": "2"}
+    try:
+        workers.start(count=2, concurrency=8, env=env)
+        workers.wait_ready()
+        config = servers.write_config(str(tmp_path / "servers.yaml"))
+        run, out = start_run(tmp_path, redis_url, demo_rows(6), config)
+        code = run.wait(90)
+    finally:
+        servers.stop()
+    assert code == 0, (tmp_path / "run.log").read_text()
+    results_once(out, 6)
+    assert set(requests_per_key(log).values()) == {1}, requests_per_key(log)
+    assert not (out / "rollouts-0_failures.jsonl").exists() or not [
+        f for f in read_jsonl(out / "rollouts-0_failures.jsonl")
+        if f[F.FAILURE_CLASS] == "worker_lost"
+    ]  # fmt: skip
+    copies = sum(p.read_text(errors="replace").count("] ignored") for p in workers.logs)
+    assert copies >= 1, "the broker redelivered nothing: the test proves nothing"
+
+
+@pytest.mark.timeout(180)
+def test_a_rollout_that_kills_every_worker_running_it_ends_worker_lost(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    servers = start_servers(knobs=AgentKnobs(request_log=str(log)))
+    rows = demo_rows(4)
+    rows[1]["fault"] = {"kind": "hang", "times": 99}
+    r = redis.Redis.from_url(redis_url)
+    try:
+        workers.start(count=2, concurrency=2, env=ENV)
+        workers.wait_ready()
+        config = servers.write_config(str(tmp_path / "servers.yaml"))
+        run, out = start_run(tmp_path, redis_url, rows, config, "+max_attempts=2")
+        sid = keys.shard_id(RunDir(str(out)).url, "0")
+        for death in (1, 2):
+
+            def calling(d: int = death) -> int | None:
+                """The pid of the worker the agent sees calling for rollout 1:0 the d-th time."""
+                if requests_per_key(log)[(1, 0)] != d:
+                    return None
+                for row in lease_rows(r, sid):
+                    if row["key"] == "1:0" and row["stage"] == "calling":
+                        return int(row["holder"].rsplit(":", 1)[1])
+                return None
+
+            wait_for(lambda: calling() is not None, 60, f"delivery {death}")
+            pid = calling()
+            assert pid is not None
+            [victim] = [p for p in workers.procs if p.pid == pid]
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(10)
+            workers.start(count=1, concurrency=2, env=ENV)
+        code = run.wait(120)
+    finally:
+        r.close()
+        servers.stop()
+    assert code == 0, (tmp_path / "run.log").read_text()
+    [lost] = rows_by_key(out / "rollouts-0_failures.jsonl")[(1, 0)]
+    assert lost[F.FAILURE_CLASS] == "worker_lost" and "died 2 times" in lost[F.FAILURE_MESSAGE]
+    assert requests_per_key(log)[(1, 0)] == 2  # the third delivery did not call the agent
+    assert set(rows_by_key(out / "rollouts-0.jsonl")) == {(0, 0), (2, 0), (3, 0)}
