@@ -300,7 +300,7 @@ def status(
 ) -> None:
     """Planned, landed, failed by class, in flight, queued, rate and ETA, by agent and environment."""
     from producer.ops.control import find_redis_url, load_manifest, unknown_redis
-    from producer.ops.status import StatusReader, print_status
+    from producer.ops.status import StatusReader, exit_code, print_status
     from producer.ops.status import watch as watch_status
 
     rd = RunDir(run_dir)
@@ -316,6 +316,9 @@ def status(
         report = print_status(_console, reader)
     if as_json:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+    if watch:
+        # Re-attached to a run (its producer may be gone): end as the run does.
+        sys.exit(exit_code(report))
 
 
 @main.command()

@@ -6,6 +6,11 @@ In flight, waiting, queued, drained and the rate come from Redis when it is reac
 shard runs; a finished shard's come from its status file (its Redis may be long gone: a local
 run's embedded one is), its rate is that of its last generation. `--watch` re-reads only the
 bytes appended since the last refresh.
+
+Who holds what comes from the rollout leases: running rollouts by holder with their stages and
+last heartbeat, the re-dispatched ones with the holders that went silent on them, and the oldest
+rollout in flight. `--watch` ends when the shard does, with the run's exit code (a person or a
+script re-attaches to a run whose producer went away).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from infra.redis_client import client
 from infra.runs import read_manifest, read_status
 from infra.store import RunDir, ShardFiles
 from producer.ops.pressure import add_backpressure, backpressure_line
-from producer.shard.live import LiveSnapshot, snapshot
+from producer.shard.live import LiveSnapshot, RunningRollout, snapshot
 from schemas.records import Manifest
 from workers.shard.ledger import ShardLedger
 
@@ -201,6 +206,7 @@ class StatusReader:
         report["in_flight"] = snap.in_flight
         report["waiting"] = snap.waiting
         report["stop"] = snap.stop
+        add_holders(report, snap.rollouts)
         for agent, n in snap.in_flight_by_agent.items():
             report["by_agent"].setdefault(agent, GroupCounts().as_json())["in_flight"] = n
         add_backpressure(report, client(self.redis_url or ""), manifest.config, snap)
@@ -229,6 +235,56 @@ class StatusReader:
         if snap.started_at is not None and snap.now > snap.started_at:
             return snap.resolved / (snap.now - snap.started_at)
         return None
+
+
+def add_holders(report: dict[str, Any], rollouts: list[RunningRollout]) -> None:
+    """Who holds what: running rollouts by holder, the re-dispatched ones, the oldest in flight."""
+    holders: dict[str, dict[str, Any]] = {}
+    for x in rollouts:
+        if x.stage == "redispatched":
+            continue
+        h = holders.setdefault(
+            x.holder, {"rollouts": 0, "stages": Counter(), "heartbeat_age_s": None, "silent": True}
+        )
+        h["rollouts"] += 1
+        h["stages"][x.stage] += 1
+        age = round(x.heartbeat_age_s, 1)
+        h["heartbeat_age_s"] = (
+            age if h["heartbeat_age_s"] is None else min(age, h["heartbeat_age_s"])
+        )
+        h["silent"] = h["silent"] and x.expired
+    for h in holders.values():
+        h["stages"] = dict(sorted(h["stages"].items()))
+    report["holders"] = dict(sorted(holders.items()))
+    report["redispatched"] = [x.as_json() for x in rollouts if x.lost or x.stage == "redispatched"]
+    running = [x for x in rollouts if x.stage != "redispatched"]
+    report["oldest_in_flight"] = running[0].as_json() if running else None
+    report["rollouts_in_flight"] = [x.as_json() for x in rollouts]
+
+
+def holders_lines(report: dict[str, Any]) -> str:
+    """One line per holder, the re-dispatched rollouts and the oldest in flight (80 columns)."""
+    lines = []
+    for holder, h in report.get("holders", {}).items():
+        stages = ", ".join(f"{s} {n}" for s, n in h["stages"].items())
+        state = "SILENT" if h["silent"] else "heartbeat"
+        lines.append(f"{holder}: {h['rollouts']} ({stages}) · {state} {h['heartbeat_age_s']}s ago")
+    redispatched = report.get("redispatched") or []
+    if redispatched:
+        lost = sorted({h for x in redispatched for h in x["lost"]})
+        shown = ", ".join(x["key"] for x in redispatched[:5])
+        more = f" +{len(redispatched) - 5}" if len(redispatched) > 5 else ""
+        lines.append(f"re-dispatched {len(redispatched)}: {shown}{more} · lost {', '.join(lost)}")
+    oldest = report.get("oldest_in_flight")
+    if oldest:
+        lines.append(f"oldest in flight {oldest['key']} · {oldest['stage']} "
+                     f"{oldest['running_s']:.0f}s on {oldest['holder']}")  # fmt: skip
+    return "".join(f"\n{line}" for line in lines)
+
+
+def exit_code(report: dict[str, Any]) -> int:
+    """The run's exit code once it ended: 0 completed, 1 failed, cancelled or in error."""
+    return 0 if report["state"] == "completed" and not report.get("error") else 1
 
 
 def seconds_between(start: str, end: str) -> float | None:
@@ -296,6 +352,7 @@ def rate_text(report: dict[str, Any], sep: str = "") -> str:
 def summary_line(report: dict[str, Any]) -> str:
     """The outcome and activity lines (each fits 80 columns), then the error if any."""
     line = f"{outcome_line(report)}\n{activity_line(report)}"
+    line += holders_lines(report)
     line += backpressure_line(report)
     if report.get("error"):
         line += f"\nerror: {report['error']}"

@@ -1,5 +1,8 @@
 """What a shard is doing right now, read from Redis: leases, waiting rollouts, generation counters.
 
+The rollout leases (`workers/leases.py`) say who runs what: each running rollout's holder, stage,
+last heartbeat and attempt, the holders that went silent and the rollouts taken over from them.
+
 Files say what happened; Redis says what is happening (and the broker how much is queued).
 Nothing here writes.
 """
@@ -16,9 +19,62 @@ from celery import Celery
 
 from infra import keys
 from schemas.messages import QUEUE
+from workers.leases import lease_rows
 
 COUNTERS = ("done", "duplicate", "drained", "stopped", "cancelled")
 """The generation's outcome counters; together they are the tasks that reached an end."""
+
+
+@dataclass(frozen=True)
+class RunningRollout:
+    """One rollout's lease as `rollouts status` shows it."""
+
+    key: str
+    """`task:rollout`."""
+    holder: str
+    """The worker process (`host:pid`) running it; for a redispatched one, the process that took
+    it over and published it again."""
+    stage: str
+    """admitted, calling, landing, or redispatched (published again, not picked up yet)."""
+    attempt: int
+    """1 for the first attempt; each takeover adds one."""
+    heartbeat_age_s: float
+    """Seconds since its holder last renewed it."""
+    running_s: float
+    """Seconds since this attempt took the lease."""
+    lost: tuple[str, ...]
+    """Holders that went silent on it, oldest first."""
+    expired: bool
+    """Its holder went silent and no live process took it over yet."""
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key, "holder": self.holder, "stage": self.stage, "attempt": self.attempt,
+            "heartbeat_age_s": round(self.heartbeat_age_s, 1),
+            "running_s": round(self.running_s, 1), "lost": list(self.lost),
+            "expired": self.expired,
+        }  # fmt: skip
+
+
+def running_rollouts(r: redis.Redis, sid: str, now: float) -> list[RunningRollout]:
+    """The shard's rollout leases at Redis time `now`, oldest attempt first."""
+    found = []
+    for row in lease_rows(r, sid):
+        lost = tuple(h for h in str(row.get("lost", "")).split(",") if h)
+        expiry = row.get("expiry")
+        found.append(
+            RunningRollout(
+                key=row["key"],
+                holder=str(row.get("holder", "")),
+                stage=str(row.get("stage", "")),
+                attempt=int(row.get("n", 1)),
+                heartbeat_age_s=max(0.0, now - float(row.get("beat", now))),
+                running_s=max(0.0, now - float(row.get("since", now))),
+                lost=lost,
+                expired=expiry is None or float(expiry) <= now,
+            )
+        )
+    return sorted(found, key=lambda x: -x.running_s)
 
 
 @dataclass
@@ -42,6 +98,13 @@ class LiveSnapshot:
     """The landing counters: landed, duplicates, failed:<class> (rows)."""
     stop: str | None = None
     """Why the run stops: the first error (failed), or cancel / drain."""
+    rollouts: list[RunningRollout] = field(default_factory=list)
+    """The rollout leases of the shard, oldest attempt first."""
+
+    def silent_holders(self) -> list[str]:
+        """Holders whose leases expired with nobody taking them over, and those taken over from."""
+        return sorted({x.holder for x in self.rollouts if x.expired}
+                      | {h for x in self.rollouts for h in x.lost})  # fmt: skip
 
     @property
     def resolved(self) -> int:
@@ -51,7 +114,8 @@ class LiveSnapshot:
 
     @property
     def active(self) -> bool:
-        return self.in_flight > 0 or self.waiting > 0 or self.finishing
+        fresh = any(not x.expired for x in self.rollouts)
+        return self.in_flight > 0 or self.waiting > 0 or self.finishing or fresh
 
     def signature(self) -> tuple[Any, ...]:
         return (
@@ -97,6 +161,7 @@ def snapshot(r: redis.Redis, sid: str) -> LiveSnapshot:
         snap.stop = f"failed: {failed.decode()}"
     elif isinstance(cancel, bytes):
         snap.stop = cancel.decode()
+    snap.rollouts = running_rollouts(r, sid, now)
     return snap
 
 

@@ -111,7 +111,7 @@ def wait_for_shard(
                 last_activity = now
             else:
                 progress.stop()
-                raise stalled(opened, settings, queued)
+                raise stalled(opened, settings, queued, snap.silent_holders())
 
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -162,8 +162,14 @@ def unstarted_text(counters: dict[str, int]) -> str:
     return "".join(f" · {part}" for part in parts)
 
 
-def stalled(opened: OpenedRun, settings: CollectionSettings, queued: int | None) -> RunFailedError:
-    """Mark a stalled run failed (with its counts from storage) and say how to resume it."""
+def stalled(
+    opened: OpenedRun,
+    settings: CollectionSettings,
+    queued: int | None,
+    silent: list[str] | None = None,
+) -> RunFailedError:
+    """Mark a stalled run failed (with its counts from storage) and say how to resume it;
+    `silent`: the worker processes whose rollout leases expired."""
     rd, shard = opened.rd, opened.manifest.shard
     counts = count_shard(rd, shard)
     failed = sum(counts.failed.values())
@@ -174,7 +180,9 @@ def stalled(opened: OpenedRun, settings: CollectionSettings, queued: int | None)
         "was running, waiting or queued"
         + ("" if queued is not None else " (the broker's queue length was unknown)")
         + ". Workers died holding its tasks or the broker lost its messages (e.g. Redis "
-        "restarted). Resume it to run what is missing: "
+        "restarted)"
+        + (f"; holders that went silent: {', '.join(silent)}" if silent else "")
+        + ". Resume it to run what is missing: "
         f"rollouts resume {rd.url} --shard {shard}"
     )
     manifest = read_manifest(rd, shard)

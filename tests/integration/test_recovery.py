@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import redis
 
@@ -25,7 +26,15 @@ from infra import keys
 from infra.store import RunDir
 from schemas import fields as F
 from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
-from tests.ops_helpers import cli_background, key, requests_per_key, rows_by_key, wait_for
+from tests.ops_helpers import (
+    cli,
+    cli_background,
+    key,
+    manifest,
+    requests_per_key,
+    rows_by_key,
+    wait_for,
+)
 from workers.leases import RolloutLeases, lease_rows
 
 pytestmark = pytest.mark.integration
@@ -65,6 +74,11 @@ def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
     assert lease_rows(r, "sid1") == [] and r.zcard(keys.ROLLOUT_LEASES) == 0
     assert r.hget(keys.shard_attempts("sid1"), "3:0") == again.lease.attempt.encode()
     r.close()
+
+
+def mine_holder(r: redis.Redis, sid: str) -> str:
+    [row] = [row for row in lease_rows(r, sid) if row["key"] == "1:0"]
+    return str(row["holder"])
 
 
 def results_once(out: Path, planned: int) -> None:
@@ -187,9 +201,11 @@ def test_rollouts_longer_than_the_visibility_timeout_run_once_each(
 
 
 @pytest.mark.timeout(180)
-def test_a_rollout_that_kills_every_worker_running_it_ends_worker_lost(
+def test_a_rollout_that_kills_every_worker_running_it_ends_worker_lost_without_its_producer(
     redis_url: str, workers: Workers, tmp_path: Path
 ) -> None:
+    """The producer is killed once it enqueued: `status` shows who holds what, and `status
+    --watch`, re-attached, ends with the run's exit code."""
     log = tmp_path / "requests.jsonl"
     servers = start_servers(knobs=AgentKnobs(request_log=str(log)))
     rows = demo_rows(4)
@@ -200,7 +216,13 @@ def test_a_rollout_that_kills_every_worker_running_it_ends_worker_lost(
         workers.wait_ready()
         config = servers.write_config(str(tmp_path / "servers.yaml"))
         run, out = start_run(tmp_path, redis_url, rows, config, "+max_attempts=2")
+        wait_for(lambda: "enqueued 4" in (tmp_path / "run.log").read_text(), 60, "the enqueue")
+        run.send_signal(signal.SIGKILL)
+        run.wait(10)
+        watch = cli_background("status", str(out), "--watch", "--interval", "0.5",
+                               log=tmp_path / "watch.log")  # fmt: skip
         sid = keys.shard_id(RunDir(str(out)).url, "0")
+        lost_holders: list[str] = []
         for death in (1, 2):
 
             def calling(d: int = death) -> int | None:
@@ -215,15 +237,24 @@ def test_a_rollout_that_kills_every_worker_running_it_ends_worker_lost(
             wait_for(lambda: calling() is not None, 60, f"delivery {death}")
             pid = calling()
             assert pid is not None
+            if death == 2:
+                # Taken over once: status lists it by its holder, with the one that went silent.
+                report = orjson.loads(cli("status", str(out), "--json").stdout)
+                [mine] = [x for x in report["rollouts_in_flight"] if x["key"] == "1:0"]
+                assert mine["attempt"] == 2 and mine["lost"] == lost_holders
+                assert report["redispatched"] and report["oldest_in_flight"]["key"] == "1:0"
+                assert report["holders"][mine["holder"]]["stages"]["calling"] >= 1
             [victim] = [p for p in workers.procs if p.pid == pid]
+            lost_holders.append(mine_holder(r, sid))
             victim.send_signal(signal.SIGKILL)
             victim.wait(10)
             workers.start(count=1, concurrency=2, env=ENV)
-        code = run.wait(120)
+        code = watch.wait(120)
     finally:
         r.close()
         servers.stop()
-    assert code == 0, (tmp_path / "run.log").read_text()
+    assert code == 0, (tmp_path / "watch.log").read_text()
+    assert manifest(out)["state"] == "completed"
     [lost] = rows_by_key(out / "rollouts-0_failures.jsonl")[(1, 0)]
     assert lost[F.FAILURE_CLASS] == "worker_lost" and "died 2 times" in lost[F.FAILURE_MESSAGE]
     assert requests_per_key(log)[(1, 0)] == 2  # the third delivery did not call the agent
