@@ -85,22 +85,24 @@ class RunningServers:
             agent.close()
 
 
-async def _serve(servers: RunningServers, apps: dict[str, web.Application]) -> None:
+async def _serve(servers: RunningServers, apps: dict[str, web.Application], host: str) -> None:
     for name, app in apps.items():
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         port = _free_port()
-        await web.TCPSite(runner, "127.0.0.1", port, backlog=4096).start()
+        await web.TCPSite(runner, host, port, backlog=4096).start()
         servers.runners.append(runner)
-        servers.urls[name] = f"http://127.0.0.1:{port}"
+        servers.urls[name] = f"http://{host}:{port}"
 
 
 def start_servers(
     topology: dict[str, str] | None = None,
     knobs: AgentKnobs | None = None,
     failing_environments: tuple[str, ...] = (),
+    host: str = "127.0.0.1",
 ) -> RunningServers:
-    """Start one agent per key of `topology` (agent -> environment) and each environment once."""
+    """Start one agent per key of `topology` (agent -> environment) and each environment once,
+    listening on `host`."""
     topology = topology or DEMO_TOPOLOGY
     servers = RunningServers(agent_env=dict(topology))
     for agent in topology:
@@ -116,7 +118,7 @@ def start_servers(
     def run() -> None:
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(_serve(servers, apps))
+            loop.run_until_complete(_serve(servers, apps, host))
         except BaseException as exc:
             errors.append(exc)
             ready.set()

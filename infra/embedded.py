@@ -47,8 +47,12 @@ def server_binary() -> str:
 class EmbeddedRedis:
     """A private Redis server for one run or one test session."""
 
-    def __init__(self, port: int | None = None, *, protected: bool = True) -> None:
+    def __init__(
+        self, port: int | None = None, *, protected: bool = True, host: str = "127.0.0.1"
+    ) -> None:
         self.port = port or free_port()
+        self.host = host
+        """The address it listens on (the netns tests: an address the namespaces reach)."""
         # Unprotected: a test session's stand-in for a cluster Redis without a password.
         self.password = secrets.token_urlsafe(24) if protected else None
         self._dir = Path(tempfile.mkdtemp(prefix="rollouts-redis-"))
@@ -57,7 +61,7 @@ class EmbeddedRedis:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -81,7 +85,7 @@ class EmbeddedRedis:
             server_binary(),
             self._config_file(),
             "--port", str(self.port),
-            "--bind", "127.0.0.1",
+            "--bind", self.host,
             "--save", "",
             "--appendonly", "no",
             "--dir", str(self._dir),
@@ -91,7 +95,9 @@ class EmbeddedRedis:
         ]  # fmt: skip
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
-        probe = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.5)
+        probe = redis.Redis(
+            host=self.host, port=self.port, password=self.password, socket_connect_timeout=0.5
+        )
         try:
             while True:
                 if self._proc.poll() is not None:

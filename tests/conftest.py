@@ -103,7 +103,9 @@ class Workers:
         extra: list[str] | None = None,
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
     ) -> None:
+        """`prefix` runs each worker under another command (`ip netns exec NS`)."""
         base_env = dict(os.environ)
         base_env.update(ROLLOUTS_BROKER_URL=self.redis_url, ROLLOUTS_REDIS_URL=self.redis_url)
         base_env.update(env or {})
@@ -119,7 +121,7 @@ class Workers:
             out = open(log, "wb")  # noqa: SIM115 - handed to the child process
             self.procs.append(
                 subprocess.Popen(
-                    cmd + (extra or []),
+                    (prefix or []) + cmd + (extra or []),
                     env=base_env,
                     stdout=out,
                     stderr=subprocess.STDOUT,

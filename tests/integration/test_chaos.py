@@ -1,5 +1,8 @@
 """Chaos: faults, SIGKILLed workers and a Redis that restarts empty mid-run; then one resume.
 
+The resume is for the Redis loss only: the killed workers' rollouts are taken over by the live
+workers (rollout leases) before Redis restarts, without a resume.
+
 Afterwards every planned rollout has exactly one landed result or a settled failure verdict
 (terminal, or as many failed attempts as the limit), never both, and the agent's own request log
 shows that every planned rollout was attempted.
@@ -12,19 +15,24 @@ rollout stays retryable until resumes use up its attempts; the failure-class tes
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
+from infra import keys
 from infra.embedded import EmbeddedRedis
+from infra.store import RunDir
 from schemas import fields as F
 from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
 from tests.ops_helpers import cli, cli_background, key, manifest, requests_per_key, wait_for
+from workers.leases import lease_rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -84,6 +92,17 @@ def test_chaos_run_then_resume_settles_every_rollout(
             events.append(f"killed worker {victim} at {lines(results_file)} results")
             workers.start(count=1, concurrency=32, env=env)
         wait_for(lambda: lines(results_file) >= 1100, 120, "1100 results")
+        # No rollout is left with a dead holder: each was taken over by a live worker.
+        killed = {f"{socket.gethostname()}:{workers.procs[v].pid}" for v in (0, 1)}
+        r = redis.Redis.from_url(url)
+        sid = keys.shard_id(RunDir(str(out)).url, "0")
+
+        def taken_over() -> bool:
+            return not any(row["holder"] in killed for row in lease_rows(r, sid))
+
+        wait_for(taken_over, 60, "the killed workers' rollouts to be taken over")
+        r.close()
+        events.append(f"killed workers' rollouts taken over at {lines(results_file)} results")
         private_redis.restart_empty()
         events.append(f"restarted Redis empty at {lines(results_file)} results")
 
