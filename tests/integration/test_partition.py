@@ -49,7 +49,7 @@ def hosts() -> Iterator[TestHosts]:
 def test_a_host_cut_off_mid_run_is_taken_over_and_its_late_outcomes_change_nothing(
     hosts: TestHosts, tmp_path: Path
 ) -> None:
-    server = EmbeddedRedis(protected=False, host=SERVICE_ADDRESS)
+    server = EmbeddedRedis(host=SERVICE_ADDRESS)  # a password: it listens beyond loopback
     server.start()
     servers = start_servers(knobs=AgentKnobs(latency_ms=400), host=SERVICE_ADDRESS)
     workers = Workers(server.url, tmp_path)
