@@ -1,4 +1,4 @@
-"""Resume planning, NeMo Gym path spelling, status tallies: plain functions over local files."""
+"""Resume planning, NeMo Gym path spelling, status tallies and who holds what: plain functions."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from rich.console import Console
 
 from infra.store import RunDir
 from producer.cli.nemo_gym import nemo_gym_output
-from producer.ops.status import FileTally
+from producer.ops.status import FileTally, add_holders, exit_code, holders_lines
+from producer.shard.live import LiveSnapshot, RunningRollout
 from producer.shard.resume import (
     ShardOutcomes,
     max_attempts_limit,
@@ -160,3 +161,42 @@ def test_nemo_gym_spelling_resumes_only_a_shard_that_exists(tmp_path: Path) -> N
     assert rest == {"num_repeats": 2}  # the path keys are not run settings
     with pytest.raises(UsageError, match="different shards"):
         nemo_gym_spelling(dict(settings), None, None, "b")
+
+
+def test_who_holds_what_by_holder_redispatched_and_oldest() -> None:
+    def lease(key: str, holder: str, stage: str, **kw: Any) -> RunningRollout:
+        fields: dict[str, Any] = dict(attempt=1, heartbeat_age_s=0.4, running_s=5.0, lost=(),
+                                      expired=False)  # fmt: skip
+        fields.update(kw)
+        return RunningRollout(key=key, holder=holder, stage=stage, **fields)
+
+    rollouts = [
+        lease("1:0", "a:1", "calling", running_s=40.0, attempt=2, lost=("b:2",)),
+        lease("2:0", "a:1", "landing"),
+        lease("3:0", "b:2", "calling", heartbeat_age_s=9.0, expired=True),
+        lease("4:0", "c:3", "redispatched", lost=("b:2",)),
+    ]
+    report: dict[str, Any] = {}
+    add_holders(report, rollouts)
+    assert report["holders"] == {
+        "a:1": {"rollouts": 2, "stages": {"calling": 1, "landing": 1}, "heartbeat_age_s": 0.4,
+                "silent": False},
+        "b:2": {"rollouts": 1, "stages": {"calling": 1}, "heartbeat_age_s": 9.0, "silent": True},
+    }  # fmt: skip
+    assert [x["key"] for x in report["redispatched"]] == ["1:0", "4:0"]
+    assert report["oldest_in_flight"]["key"] == "1:0"
+    assert len(report["rollouts_in_flight"]) == 4
+    lines = holders_lines(report).strip().splitlines()
+    assert lines == [
+        "a:1: 2 (calling 1, landing 1) · heartbeat 0.4s ago",
+        "b:2: 1 (calling 1) · SILENT 9.0s ago",
+        "re-dispatched 2: 1:0, 4:0 · lost b:2",
+        "oldest in flight 1:0 · calling 40s on a:1",
+    ]
+    assert all(len(line) <= 80 for line in lines)
+    snap = LiveSnapshot(rollouts=rollouts)
+    assert snap.silent_holders() == ["b:2"] and snap.active
+    assert not LiveSnapshot(rollouts=[rollouts[2]]).active  # only an expired lease: not active
+    assert exit_code({"state": "completed", "error": None}) == 0
+    assert exit_code({"state": "completed", "error": "aggregation failed: x"}) == 1
+    assert exit_code({"state": "cancelled", "error": "cancelled"}) == 1
