@@ -91,13 +91,10 @@ def test_max_resident_tasks_caps_the_cluster_and_recovers_after_a_worker_dies(
         )
         code = run.wait(240)
         log = (tmp_path / "run.log").read_text()
-        # The killed worker's reserved tasks come back only after the visibility timeout: the run
-        # stalls, says so, and a resume runs exactly what is missing.
-        assert code == 1, log
-        assert "the run stalled" in log and "rollouts resume" in log
-        assert manifest(out)["state"] == "failed"
-        proc = cli("resume", str(out), "--broker", redis_url)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        # The killed worker's rollouts (running or waiting for a slot) are taken over by the
+        # live workers once their rollout leases expire: the run finishes by itself.
+        assert code == 0, log
+        assert "the run stalled" not in log
     finally:
         sampler.stop()
         stats = httpx.get(servers.urls["math_agent"] + "/stats").json()
