@@ -136,8 +136,14 @@ class RolloutLeases:
             if lease.member in self._held:
                 self._held[lease.member] = (lease.attempt, stage)
 
+    def current(self, lease: Lease) -> bool:
+        """Whether the lease's attempt is still its rollout's current one (or Redis lost it)."""
+        now = self.r.hget(keys.shard_attempts(lease.sid), lease.key)
+        return now is None or _text(now) == lease.attempt
+
     def settle(self, lease: Lease, token: str) -> bool:
-        """The attempt ended: drop its lease. False if it was taken over (its outcome is void)."""
+        """The attempt ended and counted: drop its lease, the rollout is settled in generation
+        `token`. False if it was taken over (the current attempt settles it)."""
         with self._lock:
             self._held.pop(lease.member, None)
         args = [lease.key, lease.attempt, token, lease.member]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
-from celery import Task
+from celery import Task, states
 from celery.exceptions import Ignore
 from celery.signals import worker_ready
 
@@ -28,7 +30,33 @@ from workers.replies import collect_and_reply
 from workers.rollout import Delivery, process_context, run_rollout
 
 
-@app.task(name=COLLECT_TASK, acks_late=True, bind=True)
+class _Settling(threading.local):
+    """The lease a collect task settles once its chord part was counted (per pool thread)."""
+
+    settle: Callable[[bool], object] | None = None
+
+
+_settling = _Settling()
+
+
+def _settle_later(settle: Callable[[bool], object]) -> None:
+    _settling.settle = settle
+
+
+class CollectTask(Task):  # type: ignore[misc]  # celery's Task is untyped here
+    """The collect task's class: it settles its rollout's lease after Celery counted it."""
+
+    def after_return(
+        self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
+        # Called in the task's thread once its result was stored and its chord part counted
+        # (SUCCESS), or storing it failed.
+        settle, _settling.settle = _settling.settle, None
+        if settle is not None:
+            settle(status == states.SUCCESS)
+
+
+@app.task(name=COLLECT_TASK, acks_late=True, bind=True, base=CollectTask)
 def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any]:
     """Run one rollout and land its result exactly once.
 
@@ -38,10 +66,12 @@ def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any
     """
     url = state_redis_url()
     req = CollectRequest.model_validate(payload)
-    message = None
+    delivery = Delivery()
     if self.request.group is not None:  # a task of a chord: one lease per rollout of it
         message = CollectTaskMessage.from_request(self.request, payload).to_json()
-    outcome = run_rollout(req, process_context(url), Delivery(message=message))
+        delivery = Delivery(message=message, settle_later=_settle_later)
+    _settling.settle = None
+    outcome = run_rollout(req, process_context(url), delivery)
     if outcome.ended in VOID_ENDS:
         raise Ignore()
     return outcome.chord_summary()

@@ -549,3 +549,21 @@ def test_the_last_attempt_after_takeovers_lands_worker_lost(h: Harness) -> None:
     [lost] = h.shard.failures
     assert lost[F.FAILURE_CLASS] == "worker_lost" and "died 2 times" in lost[F.FAILURE_MESSAGE]
     assert h.leases.settled == {"3:1": "token-1"}
+
+
+def test_the_chord_task_settles_the_lease_only_once_it_counted(h: Harness) -> None:
+    later: list[Callable[[bool], object]] = []
+    out = h.run(Delivery(message=MESSAGE, settle_later=later.append))
+    assert out.ended is Ended.LANDED and h.shard.results == [RESULT]
+    # Landed, not settled yet: a worker killed now leaves the lease to be taken over.
+    assert "3:1" in h.leases.held and h.leases.settled == {}
+    [settle] = later
+    settle(True)
+    assert h.leases.settled == {"3:1": "token-1"} and not h.leases.held
+
+
+def test_a_chord_part_that_could_not_be_counted_lets_the_lease_go(h: Harness) -> None:
+    later: list[Callable[[bool], object]] = []
+    h.run(Delivery(message=MESSAGE, settle_later=later.append))
+    later[0](False)
+    assert h.leases.settled == {} and not h.leases.held  # it expires and is taken over

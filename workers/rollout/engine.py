@@ -67,6 +67,12 @@ class Delivery:
     message: dict[str, Any] | None = None
     """The task message of this delivery (`workers/redispatch.py`): kept with the rollout's
     lease, for a takeover to publish again. None: the delivery takes no lease."""
+    settle_later: Callable[[Callable[[bool], object]], None] | None = None
+    """Takes the settling of the lease of an attempt that ended as its rollout's current one,
+    to call once the delivery counted, with True (the chord task: after Celery counted its chord
+    part, so a worker killed in between leaves the lease to expire and be taken over, not a
+    rollout the chord never counts), or False if it could not count (the lease is let go, to
+    expire and be taken over). None: the lease is settled when the attempt ends."""
 
 
 CHORD = Delivery()
@@ -139,16 +145,25 @@ class _Run:
         return None
 
     def settle(self, lease: Lease, outcome: RolloutOutcome) -> RolloutOutcome:
-        """Drop the lease; an attempt that was taken over meanwhile ends `TAKEN_OVER`."""
-        assert self.ctx.leases is not None
+        """Settle the lease (now, or as `settle_later` says); an attempt that was taken over
+        meanwhile ends `TAKEN_OVER`."""
+        leases, token = self.ctx.leases, self.req.run.token
+        assert leases is not None
         try:
-            counts = self.ctx.leases.settle(lease, self.req.run.token)
+            current = leases.current(lease)
         except redis.RedisError as exc:
-            self.ctx.leases.forget(lease)
+            leases.forget(lease)
             log.warning("rollout %s: its lease could not be settled: %s", self.rollout, exc)
             return outcome
-        if counts:
+        if current:
+            if self.delivery.settle_later is not None:
+                self.delivery.settle_later(
+                    lambda counted: leases.settle(lease, token) if counted else leases.forget(lease)
+                )
+            else:
+                leases.settle(lease, token)
             return outcome
+        leases.forget(lease)
         log.warning("rollout %s: this attempt was taken over; it ended %s and counts nothing",
                     self.rollout, outcome.ended.value)  # fmt: skip
         return self.end(Ended.TAKEN_OVER, detail=f"taken over; this attempt {outcome.ended.value}")

@@ -280,6 +280,9 @@ class FakeLeases:
     def stage(self, lease: Lease, stage: Stage) -> None:
         self.stages.append((lease.key, stage))
 
+    def current(self, lease: Lease) -> bool:
+        return self.shard.attempts.get(lease.key, lease.attempt) == lease.attempt
+
     def settle(self, lease: Lease, token: str) -> bool:
         current = self.shard.attempts.get(lease.key)
         if current is not None and current != lease.attempt:
