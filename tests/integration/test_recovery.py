@@ -259,3 +259,29 @@ def test_a_rollout_that_kills_every_worker_running_it_ends_worker_lost_without_i
     assert lost[F.FAILURE_CLASS] == "worker_lost" and "died 2 times" in lost[F.FAILURE_MESSAGE]
     assert requests_per_key(log)[(1, 0)] == 2  # the third delivery did not call the agent
     assert set(rows_by_key(out / "rollouts-0.jsonl")) == {(0, 0), (2, 0), (3, 0)}
+
+
+@pytest.mark.timeout(120)
+def test_with_every_worker_dead_the_stall_verdict_names_the_silent_holders(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    servers = start_servers(knobs=AgentKnobs(latency_ms=60_000, request_log=str(log)))
+    try:
+        workers.start(count=1, concurrency=4, env=ENV)
+        workers.wait_ready()
+        config = servers.write_config(str(tmp_path / "servers.yaml"))
+        run, _ = start_run(tmp_path, redis_url, demo_rows(4), config, "+stall_timeout_s=5")
+        # Every message is taken (the queue is empty) and every rollout calls the agent.
+        wait_for(lambda: len(requests_per_key(log)) == 4, 60, "4 calls")
+        victim = workers.procs[0]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        code = run.wait(90)
+    finally:
+        servers.stop()
+    text = (tmp_path / "run.log").read_text()
+    assert code == 1, text
+    # Nobody was left to take its rollouts over: the producer says who went silent.
+    assert "the run stalled" in text and "holders that went silent: " in text
+    assert f":{victim.pid}" in text.split("holders that went silent: ")[1].split(".")[0]
