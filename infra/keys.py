@@ -121,7 +121,8 @@ expiry (Redis time). Every worker process scans it for expired leases to take ov
 
 ROLLOUT_LEASE_KEY = shard_rollout_leases("%s")
 ROLLOUT_MESSAGE_KEY = shard_lease_messages("%s")
-"""`shard_rollout_leases` and `shard_lease_messages` as patterns (`%s`: the sid), for the
+ROLLOUT_ATTEMPTS_KEY = shard_attempts("%s")
+"""`shard_rollout_leases`, `shard_lease_messages` and `shard_attempts` as patterns (`%s`: the sid), for the
 takeover script, which learns the sids from `ROLLOUT_LEASES` members."""
 
 shard_durations = _shard_key("durations")
@@ -136,6 +137,19 @@ shard_status_tick = _shard_key("status_tick")
 
 Keeps `rollouts-S_status.json` to one write every few seconds across all worker processes.
 """
+
+
+KOMBU_UNACKED = "unacked"
+KOMBU_UNACKED_INDEX = "unacked_index"
+"""kombu's Redis transport (not ours): the hash of delivered, unacknowledged messages by delivery
+tag, and their index scored by delivery time (the consumer's clock). Read by the sweep for
+messages a silent worker took and never started (`workers/redispatch.py`)."""
+
+
+def restored_message(tag: str) -> str:
+    """String with an expiry: set (NX) by the process that published a silent worker's unstarted
+    message again, so that it is published once."""
+    return f"{PREFIX}:restored:{tag}"
 
 
 def _agent_key(agent_url: str, part: str) -> str:

@@ -266,16 +266,18 @@ return {'taken', attempt, was}
 
 RENEW_ROLLOUTS_LUA = """
 -- A worker process's one round trip per interval: renew the leases it holds, then take over up
--- to `claim` expired leases of the cluster. ARGV: ttl, claim, this process's holder, the lease
--- and message hash patterns (`%s`: the sid), then (member, attempt, stage) per held lease, the
--- member being `<sid>|<task>:<rollout>`. A lease is renewed only while its attempt is the
--- current one. An expired lease is marked redispatched, its expiry pushed by ttl (if the taker
--- dies before publishing, another takes it over later) and its message returned.
+-- to `claim` expired leases of the cluster. ARGV: ttl, claim, this process's holder, the lease,
+-- message and attempts hash patterns (`%s`: the sid), then (member, attempt, stage) per held
+-- lease, the member being `<sid>|<task>:<rollout>`. A lease is renewed only while its attempt is
+-- the current one. An expired lease is marked redispatched, its attempt replaced by the
+-- takeover's (the silent holder is fenced from now on, before any new attempt starts), its
+-- expiry pushed by ttl (if the taker dies before publishing, another takes it over later) and
+-- its message returned.
 -- Returns {members no longer this process's, {member, message} per taken-over lease}.
 -- The shards' keys are built here from the members (single-node Redis, as everywhere).
 local all_key = KEYS[1]
 local ttl, claim, holder = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-local lease_pattern, message_pattern = ARGV[4], ARGV[5]
+local lease_pattern, message_pattern, attempts_pattern = ARGV[4], ARGV[5], ARGV[6]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local function split(member)
@@ -283,7 +285,7 @@ local function split(member)
   return string.sub(member, 1, bar - 1), string.sub(member, bar + 1)
 end
 local gone = {}
-for i = 6, #ARGV, 3 do
+for i = 7, #ARGV, 3 do
   local member, attempt, stage = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local sid, key = split(member)
   local lease_key = string.format(lease_pattern, sid)
@@ -310,7 +312,9 @@ for _, member in ipairs(redis.call('ZRANGEBYSCORE', all_key, '-inf', now, 'LIMIT
       lease.lost = lease.lost .. lease.holder
     end
     lease.stage, lease.holder, lease.beat = 'redispatched', holder, now
+    lease.attempt = 'takeover/' .. holder .. '/' .. t[1] .. '.' .. t[2]
     redis.call('HSET', lease_key, key, cjson.encode(lease))
+    redis.call('HSET', string.format(attempts_pattern, sid), key, lease.attempt)
     redis.call('ZADD', all_key, now + ttl, member)
     taken[#taken + 1] = {member, message}
   else

@@ -11,7 +11,8 @@ a new attempt; the attempt limit (`keys.shard_starts`) still ends a rollout that
 worker running it as `worker_lost`.
 
 Fencing per attempt: the lander refuses records whose attempt is not the rollout's current one
-(`keys.shard_attempts`), and an attempt that settles after a takeover counts no chord part.
+(`keys.shard_attempts`; a takeover replaces it at once, before any new attempt starts), and an
+attempt that ends after a takeover counts no chord part.
 A copy of a delivery whose rollout runs elsewhere under a fresh lease (celery/celery#5935: the
 Redis transport redelivers a message unacknowledged past its visibility timeout) is acknowledged
 without calling the agent and is no death.
@@ -88,11 +89,14 @@ class RolloutLeases:
         publish: Callable[[dict[str, Any]], None] | None = None,
         ttl_s: float | None = None,
         start: bool = True,
+        sweep: Callable[[], int] | None = None,
     ) -> None:
         self.r = client(redis_url)
         self.ttl_s = from_env().lease_ttl_s if ttl_s is None else ttl_s
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self._publish = publish
+        self._sweep = sweep
+        """Runs after each renewal: `workers/redispatch.py`'s sweep of unstarted messages."""
         self._take = self.r.register_script(TAKE_LEASE_LUA)
         self._renew = self.r.register_script(RENEW_ROLLOUTS_LUA)
         self._settle = self.r.register_script(SETTLE_LUA)
@@ -163,6 +167,7 @@ class RolloutLeases:
                 self.holder,
                 keys.ROLLOUT_LEASE_KEY,
                 keys.ROLLOUT_MESSAGE_KEY,
+                keys.ROLLOUT_ATTEMPTS_KEY,
             ]
             for member, (attempt, stage) in self._held.items():
                 args += [member, attempt, stage]
@@ -196,6 +201,8 @@ class RolloutLeases:
             time.sleep(self.ttl_s / 3)
             try:
                 self.renew_once()
+                if self._sweep is not None:
+                    self.republished += self._sweep()
             except Exception:  # the thread must outlive anything one round trip does
                 log.exception("rollout lease renewal failed")
 

@@ -5,18 +5,37 @@ its chord (group id, index, callback) and what Flower shows of it. The producer'
 publishes one per rollout (`publish_collect`); a collect task stores its own with its rollout's
 lease (`from_request`), so that any live worker process that takes the lease over can publish
 the very same message again (`publisher`), and the chord counts the rollout once it settles.
+
+A message a worker took from the queue and froze or died before starting holds no lease yet.
+`UnackedSweep` finds such messages in kombu's unacknowledged index (a Redis broker's) once they
+are older than the lease TTL, and publishes those whose rollout holds no lease and has not
+settled again, once each: a copy that races a live delivery only finds its lease and is
+acknowledged.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import redis
 from celery import Celery
 from kombu.entity import Queue
 
+from infra import keys
+from infra.redis_client import client
+from schemas import fields as F
 from schemas.messages import COLLECT_TASK, QUEUE
+
+log = logging.getLogger(__name__)
+
+SWEEP_BATCH = 200
+"""Old unacknowledged messages one sweep looks at."""
 
 
 @dataclass(frozen=True)
@@ -91,3 +110,82 @@ def publisher(app: Celery) -> Callable[[dict[str, Any]], None]:
             publish_collect(app, producer, queue, m)
 
     return publish
+
+
+def from_delivered(message: dict[str, Any]) -> CollectTaskMessage | None:
+    """The collect task of a chord in a message as kombu's Redis transport keeps it; else None."""
+    headers = message.get("headers") or {}
+    if headers.get("task") != COLLECT_TASK or not headers.get("group"):
+        return None
+    if message.get("properties", {}).get("body_encoding") != "base64":
+        return None
+    args, _kwargs, embed = json.loads(base64.b64decode(message["body"]))
+    return CollectTaskMessage(
+        task_id=headers["id"],
+        payload=args[0],
+        argsrepr=headers.get("argsrepr") or "",
+        group_id=headers["group"],
+        group_index=headers.get("group_index"),
+        chord=embed.get("chord"),
+    )
+
+
+class UnackedSweep:
+    """Publishes again the chord tasks a silent worker took from a Redis broker and never started."""
+
+    def __init__(
+        self,
+        broker: redis.Redis,
+        state: redis.Redis,
+        publish: Callable[[dict[str, Any]], None],
+        ttl_s: float,
+    ) -> None:
+        self.broker = broker
+        self.state = state
+        self.publish = publish
+        self.ttl_s = ttl_s
+
+    def sweep(self) -> int:
+        """One look at messages unacknowledged for longer than the lease TTL; returns how many
+        were published again."""
+        cutoff = time.time() - self.ttl_s
+        tags: list[bytes] = self.broker.zrangebyscore(  # type: ignore[assignment]
+            keys.KOMBU_UNACKED_INDEX, 0, cutoff, start=0, num=SWEEP_BATCH
+        )
+        if not tags:
+            return 0
+        raws: list[bytes | None] = self.broker.hmget(keys.KOMBU_UNACKED, tags)  # type: ignore[assignment]
+        published = 0
+        for tag, raw in zip(tags, raws, strict=True):
+            m = from_delivered(json.loads(raw)[0]) if raw is not None else None
+            if m is not None and self._unstarted(m) and self._first(tag.decode()):
+                self.publish(m.to_json())
+                log.warning("task %s was taken by a worker that never started it; "
+                            "published it again", m.task_id)  # fmt: skip
+                published += 1
+        return published
+
+    def _unstarted(self, m: CollectTaskMessage) -> bool:
+        """No attempt of the rollout holds a lease, and it has not settled in its generation."""
+        run, row = m.payload["run"], m.payload["row"]
+        sid = keys.shard_id(run["output_dir"], run["shard"])
+        key = f"{row[F.TASK_INDEX]}:{row[F.ROLLOUT_INDEX]}"
+        pipe = self.state.pipeline(transaction=False)
+        pipe.hexists(keys.shard_rollout_leases(sid), key)
+        pipe.hget(keys.shard_settled(sid), key)
+        leased, settled = pipe.execute()
+        return not leased and (settled or b"").decode() != run["token"]
+
+    def _first(self, tag: str) -> bool:
+        ex = max(1, int(10 * self.ttl_s))
+        return bool(self.state.set(keys.restored_message(tag), 1, nx=True, ex=ex))
+
+
+def unacked_sweep(
+    app: Celery, state_redis_url: str, publish: Callable[[dict[str, Any]], None], ttl_s: float
+) -> UnackedSweep | None:
+    """The sweep for `app`'s broker when it is a Redis (another broker redelivers by itself)."""
+    url = app.conf.broker_url
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        return None
+    return UnackedSweep(client(url), client(state_redis_url), publish, ttl_s)

@@ -19,12 +19,15 @@ from typing import Any
 import orjson
 import pytest
 import redis
+from celery import Celery
+from kombu.connection import Connection
 
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from infra import keys
 from infra.store import RunDir
 from schemas import fields as F
+from schemas.messages import QUEUE
 from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
 from tests.ops_helpers import (
     cli,
@@ -36,6 +39,7 @@ from tests.ops_helpers import (
     wait_for,
 )
 from workers.leases import RolloutLeases, lease_rows
+from workers.redispatch import CollectTaskMessage, UnackedSweep, publish_collect
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +68,7 @@ def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
     assert other.renew_once() == 1 and published == [message]
     [row] = lease_rows(r, "sid1")
     assert row["stage"] == "redispatched" and row["lost"] == first.holder
+    assert not first.current(lease)  # fenced from the takeover on, before any new attempt
     # The re-published delivery takes it as attempt 2; the silent holder is refused.
     again = other.take("sid1", "3:0", "gen-1", message)
     assert again.verdict == "taken" and again.lost == first.holder and again.lease is not None
@@ -74,6 +79,36 @@ def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
     assert lease_rows(r, "sid1") == [] and r.zcard(keys.ROLLOUT_LEASES) == 0
     assert r.hget(keys.shard_attempts("sid1"), "3:0") == again.lease.attempt.encode()
     r.close()
+
+
+def test_the_sweep_publishes_a_message_a_silent_worker_took_and_never_started(
+    redis_url: str,
+) -> None:
+    app = Celery("sweep-test", broker=redis_url, set_as_current=False)
+    run = {"run_id": "r", "output_dir": "file:///nowhere", "shard": "0", "token": "gen-1"}
+    payload = {"run": run, "row": {F.TASK_INDEX: 5, F.ROLLOUT_INDEX: 0}}
+    sent = CollectTaskMessage("r.gen.5-0", payload, "rollout=5-0", "chord-r", 5, {"task": "x"})
+    with Connection(redis_url, transport="infra.broker:Transport") as conn:
+        queue = app.amqp.queues[QUEUE]
+        with conn.Producer() as producer:
+            producer.maybe_declare(queue(conn.default_channel))
+            publish_collect(app, producer, queue, sent)
+        taken = queue(conn.default_channel).get(no_ack=False)  # a worker took it, then froze
+        assert taken is not None
+        r = redis.Redis.from_url(redis_url)
+        published: list[dict[str, Any]] = []
+        sweep = UnackedSweep(r, r, published.append, ttl_s=0.0)
+        leases = RolloutLeases(redis_url, ttl_s=30.0, start=False)
+        sid = keys.shard_id("file:///nowhere", "0")
+        ticket = leases.take(sid, "5:0", "gen-1", sent.to_json())  # it started after all
+        assert sweep.sweep() == 0
+        assert ticket.lease is not None and leases.settle(ticket.lease, "other-gen")
+        time.sleep(0.01)
+        # No lease, not settled in its generation: published again, once.
+        assert sweep.sweep() == 1 and published == [sent.to_json()]
+        assert sweep.sweep() == 0
+        r.close()
+    app.close()
 
 
 def mine_holder(r: redis.Redis, sid: str) -> str:
@@ -285,3 +320,30 @@ def test_with_every_worker_dead_the_stall_verdict_names_the_silent_holders(
     # Nobody was left to take its rollouts over: the producer says who went silent.
     assert "the run stalled" in text and "holders that went silent: " in text
     assert f":{victim.pid}" in text.split("holders that went silent: ")[1].split(".")[0]
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_worker_woken_mid_run_is_fenced_attempt_by_attempt(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    servers = start_servers(knobs=AgentKnobs(latency_ms=400))
+    try:
+        workers.start(count=2, concurrency=8, env=ENV)
+        workers.wait_ready()
+        config = servers.write_config(str(tmp_path / "servers.yaml"))
+        run, out = start_run(tmp_path, redis_url, demo_rows(400), config)
+        wait_for(lambda: landed_lines(out) >= 30, 60, "30 results")
+        frozen = workers.procs[0]
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: "published it again" in workers.logs[1].read_text(), 30, "takeover")
+        finally:
+            frozen.send_signal(signal.SIGCONT)  # woken while the run goes on
+        code = run.wait(150)
+    finally:
+        servers.stop()
+    assert code == 0, (tmp_path / "run.log").read_text()
+    results_once(out, 400)
+    text = workers.logs[0].read_text(errors="replace")
+    # Refused for its attempt, not because the shard had finished.
+    assert "was taken over by" in text and "nothing written" in text

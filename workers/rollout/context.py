@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from infra.environment import from_env
 from infra.http import EventLoopThread, PostClient, process_io
 from infra.process import PerProcess
 from schemas.messages import CallPolicy, CollectRequest, RunRef
@@ -21,7 +22,7 @@ from workers.admission import Ticket, gate
 from workers.agent_call import CallOutcome, call_run
 from workers.landing import LAND_WAIT_S, LandReport, lander
 from workers.leases import Lease, LeaseTicket, RolloutLeases, Stage
-from workers.redispatch import publisher
+from workers.redispatch import publisher, unacked_sweep
 
 STOP_POLL_S = 0.5
 
@@ -142,7 +143,9 @@ def _real_context(redis_url: str) -> RolloutContext:
 def _real_leases(redis_url: str) -> RolloutLeases:
     from workers.app import app  # the worker's app publishes the rollouts it takes over
 
-    return RolloutLeases(redis_url, publish=publisher(app))
+    publish = publisher(app)
+    found = unacked_sweep(app, redis_url, publish, from_env().lease_ttl_s)
+    return RolloutLeases(redis_url, publish=publish, sweep=found.sweep if found else None)
 
 
 _leases: PerProcess[str, RolloutLeases] = PerProcess(_real_leases)

@@ -296,8 +296,10 @@ class FakeLeases:
         self.held.pop(lease.key, None)
 
     def expire(self, key: str) -> None:
-        """The holder went silent and its lease expired; a takeover re-publishes the message."""
+        """The holder went silent and its lease expired; a takeover fences it and re-publishes
+        the message."""
         self.held.pop(key, None)
+        self.shard.attempts[key] = f"takeover/{key}"
         self.republished.append(self.messages[key])
 
     def take_over(self, key: str) -> Lease:
