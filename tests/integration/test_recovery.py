@@ -9,10 +9,13 @@ s) so that each run takes seconds.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import signal
+import subprocess
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,24 +150,33 @@ def landed_lines(out: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
-@pytest.mark.timeout(180)
-def test_a_sigkilled_worker_s_rollouts_are_taken_over_and_the_run_finishes_by_itself(
-    redis_url: str, workers: Workers, tmp_path: Path
-) -> None:
+@contextlib.contextmanager
+def mid_run(
+    tmp_path: Path, redis_url: str, workers: Workers, planned: int
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """Two workers of 8 threads running `planned` rollouts of 400 ms, 30 of them landed."""
     servers = start_servers(knobs=AgentKnobs(latency_ms=400))
     try:
         workers.start(count=2, concurrency=8, env=ENV)
         workers.wait_ready()
         config = servers.write_config(str(tmp_path / "servers.yaml"))
-        run, out = start_run(tmp_path, redis_url, demo_rows(120), config)
+        run, out = start_run(tmp_path, redis_url, demo_rows(planned), config)
         wait_for(lambda: landed_lines(out) >= 30, 60, "30 results")
+        yield run, out
+    finally:
+        servers.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_sigkilled_worker_s_rollouts_are_taken_over_and_the_run_finishes_by_itself(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    with mid_run(tmp_path, redis_url, workers, 120) as (run, out):
         workers.procs[0].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         workers.procs[0].wait(10)
         code = run.wait(150)
         after_kill = time.monotonic() - killed
-    finally:
-        servers.stop()
     assert code == 0, (tmp_path / "run.log").read_text()
     results_once(out, 120)
     # The acceptance bound: lease TTL + the longest rollout + 30 s after the kill.
@@ -176,13 +188,7 @@ def test_a_sigkilled_worker_s_rollouts_are_taken_over_and_the_run_finishes_by_it
 def test_a_frozen_worker_is_taken_over_and_changes_no_file_when_it_wakes(
     redis_url: str, workers: Workers, tmp_path: Path
 ) -> None:
-    servers = start_servers(knobs=AgentKnobs(latency_ms=400))
-    try:
-        workers.start(count=2, concurrency=8, env=ENV)
-        workers.wait_ready()
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        run, out = start_run(tmp_path, redis_url, demo_rows(120), config)
-        wait_for(lambda: landed_lines(out) >= 30, 60, "30 results")
+    with mid_run(tmp_path, redis_url, workers, 120) as (run, out):
         frozen = workers.procs[0]
         frozen.send_signal(signal.SIGSTOP)
         try:
@@ -200,8 +206,6 @@ def test_a_frozen_worker_is_taken_over_and_changes_no_file_when_it_wakes(
         wait_for(tried, 30, "the woken worker to try to land")
         time.sleep(2 * LEASE_TTL_S)  # and its renewal thread to run again
         assert frozen.poll() is None
-    finally:
-        servers.stop()
     assert snapshot(out) == before, "the woken worker changed the run directory"
     results_once(out, 120)
     text = log.read_text(errors="replace")
@@ -326,13 +330,7 @@ def test_with_every_worker_dead_the_stall_verdict_names_the_silent_holders(
 def test_a_frozen_worker_woken_mid_run_is_fenced_attempt_by_attempt(
     redis_url: str, workers: Workers, tmp_path: Path
 ) -> None:
-    servers = start_servers(knobs=AgentKnobs(latency_ms=400))
-    try:
-        workers.start(count=2, concurrency=8, env=ENV)
-        workers.wait_ready()
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        run, out = start_run(tmp_path, redis_url, demo_rows(400), config)
-        wait_for(lambda: landed_lines(out) >= 30, 60, "30 results")
+    with mid_run(tmp_path, redis_url, workers, 400) as (run, out):
         frozen = workers.procs[0]
         frozen.send_signal(signal.SIGSTOP)
         try:
@@ -340,8 +338,6 @@ def test_a_frozen_worker_woken_mid_run_is_fenced_attempt_by_attempt(
         finally:
             frozen.send_signal(signal.SIGCONT)  # woken while the run goes on
         code = run.wait(150)
-    finally:
-        servers.stop()
     assert code == 0, (tmp_path / "run.log").read_text()
     results_once(out, 400)
     text = workers.logs[0].read_text(errors="replace")
