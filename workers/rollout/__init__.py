@@ -2,6 +2,7 @@
 
 from workers.rollout.context import (
     AdmissionGate,
+    LeaseKeeper,
     LoopCaller,
     RecordLander,
     RolloutContext,
@@ -13,6 +14,7 @@ __all__ = [
     "CHORD",
     "AdmissionGate",
     "Delivery",
+    "LeaseKeeper",
     "LoopCaller",
     "RecordLander",
     "RolloutContext",
