@@ -36,8 +36,12 @@ from infra import keys
 from infra.environment import from_env
 from infra.redis_client import client
 from infra.scripts import RENEW_ROLLOUTS_LUA, SETTLE_LUA, TAKE_LEASE_LUA
+from workers.admission import with_redis_retry
 
 log = logging.getLogger(__name__)
+
+SETTLE_RETRY_S = 30.0
+"""How long settling a lease rides out a Redis restart."""
 
 CLAIM_BATCH = 64
 """Expired leases one renewal takes over at most; the next renewal takes the rest."""
@@ -151,7 +155,15 @@ class RolloutLeases:
         with self._lock:
             self._held.pop(lease.member, None)
         args = [lease.key, lease.attempt, token, lease.member]
-        return bool(self._settle(keys=self._keys(lease.sid), args=args, client=self.r))
+        # Retried through a Redis restart: a lease left behind would be taken over and its
+        # rollout, counted already, counted again.
+        return bool(
+            with_redis_retry(
+                "lease settle",
+                lambda: self._settle(keys=self._keys(lease.sid), args=args, client=self.r),
+                budget_s=SETTLE_RETRY_S,
+            )
+        )
 
     def forget(self, lease: Lease) -> None:
         """Stop renewing the lease without settling it (Redis could not be reached to settle)."""

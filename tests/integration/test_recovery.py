@@ -154,7 +154,13 @@ def landed_lines(out: Path) -> int:
 def mid_run(
     tmp_path: Path, redis_url: str, workers: Workers, planned: int
 ) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    """Two workers of 8 threads running `planned` rollouts of 400 ms, 30 of them landed."""
+    """Two workers of 8 threads running `planned` rollouts of 400 ms, 30 of them landed.
+
+    It yields mid-call (200 ms after a batch landed), not while the workers fetch their next
+    messages: kombu's Redis transport pops a message and records it as unacknowledged in two
+    steps, and a worker killed or frozen between them holds a message no lease, sweep or
+    visibility timeout knows of (README: Recovery); the stall verdict and a resume cover that.
+    """
     servers = start_servers(knobs=AgentKnobs(latency_ms=400))
     try:
         workers.start(count=2, concurrency=8, env=ENV)
@@ -162,6 +168,7 @@ def mid_run(
         config = servers.write_config(str(tmp_path / "servers.yaml"))
         run, out = start_run(tmp_path, redis_url, demo_rows(planned), config)
         wait_for(lambda: landed_lines(out) >= 30, 60, "30 results")
+        time.sleep(0.2)
         yield run, out
     finally:
         servers.stop()

@@ -160,8 +160,11 @@ class _Run:
                 self.delivery.settle_later(
                     lambda counted: leases.settle(lease, token) if counted else leases.forget(lease)
                 )
-            else:
+                return outcome
+            try:
                 leases.settle(lease, token)
+            except redis.RedisError as exc:
+                log.warning("rollout %s: its lease could not be settled: %s", self.rollout, exc)
             return outcome
         leases.forget(lease)
         log.warning("rollout %s: this attempt was taken over; it ended %s and counts nothing",
