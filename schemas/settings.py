@@ -97,6 +97,13 @@ class CollectionSettings(BaseModel):
     """run_excessive_failures: limit on failed rollouts per group."""
     max_failed_fraction: float | None = Field(default=None, ge=0, le=1)
     """run_excessive_failures: limit on the failed fraction per group."""
+    observability_enabled: bool = False
+    """Merge each rollout's model-call capture into its result (NeMo Gym's switch)."""
+    model_call_capture_dir: str | None = None
+    """Where the capture proxy writes `<key>.capture.jsonl`: an absolute path or an fsspec URL
+    (`s3://...`) that the proxies and the workers both reach."""
+    delete_model_call_capture: bool = False
+    """Delete a rollout's capture files once merged into its result (NeMo Gym keeps them)."""
 
     @field_validator("num_repeats", mode="before")
     @classmethod
@@ -147,6 +154,18 @@ class CollectionSettings(BaseModel):
         n, i = self.num_shards, self.shard_index
         if n is not None and i is not None and i >= n:
             raise ValueError(f"shard_index={i} must be below num_shards={n} (0 to {n - 1})")
+        return self
+
+    @model_validator(mode="after")
+    def _capture_dir(self) -> CollectionSettings:
+        # NeMo Gym's ModelCallCaptureConfig messages; the dir is ignored with observability off.
+        if not self.observability_enabled:
+            return self
+        url = self.model_call_capture_dir
+        if url is None:
+            raise ValueError("model_call_capture_dir is required when observability_enabled=true")
+        if "://" not in url and not url.startswith("/"):
+            raise ValueError("model_call_capture_dir must be an absolute path")
         return self
 
     @model_validator(mode="after")

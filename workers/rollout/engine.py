@@ -33,6 +33,7 @@ from schemas.outcomes import (
 from workers.admission import Ticket
 from workers.agent_call import CallOutcome, with_attempt
 from workers.backpressure import RateLimitWaits, budget_failure, next_wait_s
+from workers.capture import clear_for, merge_into
 from workers.landing import LandReport
 from workers.rollout.context import STOP_POLL_S, RolloutContext
 from workers.rollout.rows import drained_row, not_started_message, sort_outcome, worker_lost_row
@@ -103,6 +104,8 @@ class _Run:
         ended_call = ctx.monotonic()
         # The slot covers the /run call: the next rollout may start while this one lands.
         ctx.gate.free_slot(ticket, token, ok=outcome.result is not None)
+        if outcome.result is not None:  # the model-call capture, as NeMo Gym merges it
+            outcome.result = merge_into(self.req, outcome.result, (ended_call - started) * 1000)
         result, failures, ended = sort_outcome(outcome)
         timed = ended is Ended.LANDED and self.req.admission.dispatch_deadline is not None
         try:
@@ -137,6 +140,7 @@ class _Run:
         requests = 0
         started: float | None = None
         ticket: Ticket | None = None
+        clear_for(req)  # before dispatch: no attempt reads an earlier delivery's calls
         while True:
             try:
                 # After a rate-limit wait the rollout is admitted again without a new start.
