@@ -375,6 +375,30 @@ def flower(
     os.execvpe(cmd[0], cmd, env)
 
 
+@main.command("capture-proxy")
+@click.option("--upstream", required=True, help="The model server's base URL (OpenAI-compatible).")
+@click.option(
+    "--capture-dir", required=True, help="model_call_capture_dir: a folder or fsspec URL."
+)
+@click.option("--port", type=int, default=9400, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--model-name",
+    default="policy_model",
+    show_default=True,
+    help="The model_ref name recorded on each call (NeMo Gym's model server name).",
+)
+@reports()
+def capture_proxy(upstream: str, capture_dir: str, port: int, host: str, model_name: str) -> None:
+    """Capture model calls as NeMo Gym does: agents call `http://HOST:PORT/ng-rollout/<rollout
+    id>/v1/...`; each call is forwarded to UPSTREAM and recorded in `<id>.capture.jsonl`."""
+    from infra.capture_proxy import serve
+
+    if not upstream.startswith(("http://", "https://")):
+        raise UsageError(f"--upstream must be an http(s) URL, got {upstream!r}")
+    serve(upstream, capture_dir, host, port, model_name)
+
+
 @main.command("health-check")
 @click.argument("run_dir")
 @click.option("--rollouts-file", default=None, help="Check this rollouts file alone.")
