@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,7 @@ async def servers(capture_dir: str) -> AsyncIterator[tuple[str, str, CaptureProx
         await model_runner.cleanup()
 
 
-def run(test: Callable[[], Awaitable[None]]) -> None:
+def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(test())
 
 
@@ -141,8 +141,8 @@ def _no_ids(data: bytes) -> bytes:
 
 
 def _tag(request: dict[str, Any]) -> str:
-    messages = request.get("input") or request.get("messages")
-    text: str = messages[0]["content"]
+    messages: list[dict[str, str]] = request.get("input") or request.get("messages") or []
+    text = messages[0]["content"]
     return text.rsplit("(", 1)[1].rstrip(")")
 
 
