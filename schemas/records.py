@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.usage import TokenUsage
+
 RunState = Literal["running", "completed", "failed", "cancelled"]
 
 
@@ -133,6 +135,8 @@ class ShardStatus(BaseModel):
     """Deliveries of an already landed rollout that wrote nothing."""
     rate_limit_waits: dict[str, RateLimitWaits] = Field(default_factory=dict)
     """Per agent name, the 429/503 replies waited out since the run or its latest resume began."""
+    tokens: TokenUsage | None = None
+    """Tokens (and cost, with prices) of the landed rollouts, per run, agent and environment."""
     updated_at: str = Field(default_factory=utc_now)
     """When these counts were taken."""
 

@@ -6,6 +6,8 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from schemas.usage import ModelPrice
+
 DEFAULT_ROLLOUT_TIMEOUT_S = 3600.0
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_MAX_ROW_BYTES = 32 << 20
@@ -104,6 +106,10 @@ class CollectionSettings(BaseModel):
     (`s3://...`) that the proxies and the workers both reach."""
     delete_model_call_capture: bool = False
     """Delete a rollout's capture files once merged into its result (NeMo Gym keeps them)."""
+    model_prices: dict[str, ModelPrice] = Field(default_factory=dict)
+    """USD per million tokens per model name (`{input, output, cached_input}`): the run's cost."""
+    max_cost_usd: float | None = Field(default=None, ge=0)
+    """Stop dispatching (drain) once the landed rollouts' cost passes this."""
 
     @field_validator("num_repeats", mode="before")
     @classmethod
@@ -166,6 +172,12 @@ class CollectionSettings(BaseModel):
             raise ValueError("model_call_capture_dir is required when observability_enabled=true")
         if "://" not in url and not url.startswith("/"):
             raise ValueError("model_call_capture_dir must be an absolute path")
+        return self
+
+    @model_validator(mode="after")
+    def _cost_needs_prices(self) -> CollectionSettings:
+        if self.max_cost_usd is not None and not self.model_prices:
+            raise ValueError("max_cost_usd needs model_prices (USD per million tokens per model)")
         return self
 
     @model_validator(mode="after")

@@ -185,6 +185,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     status.cancelled = generation.get("cancelled", 0)
     status.stopped = generation.get("stopped", 0)
     status.rate_limit_waits = rate_limit_waits(shard_counts(r, sid))
+    status.tokens = counts.tokens.usage(settings.model_prices)
     rejection = None
     if settings.require_complete and counts.landed < counts.planned:
         rejection = completion_rejection(

@@ -31,6 +31,7 @@ from infra.store import RunDir, ShardFiles
 from producer.ops.pressure import add_backpressure, backpressure_line
 from producer.shard.live import LiveSnapshot, snapshot
 from schemas.records import Manifest
+from schemas.usage import ModelPrice
 from workers.shard.ledger import ShardLedger
 
 FINAL_STATES = ("completed", "failed", "cancelled")
@@ -170,6 +171,7 @@ class StatusReader:
             "live": snap is not None,
             "by_agent": {k: v.as_json() for k, v in sorted(t.by_agent.items())},
             "by_environment": {k: v.as_json() for k, v in sorted(t.by_env.items())},
+            "tokens": t.ledger.tokens.usage(_prices(manifest)).model_dump(mode="json"),
         }
         if final:
             self._add_final(report, manifest)
@@ -229,6 +231,11 @@ class StatusReader:
         if snap.started_at is not None and snap.now > snap.started_at:
             return snap.resolved / (snap.now - snap.started_at)
         return None
+
+
+def _prices(manifest: Manifest) -> dict[str, ModelPrice]:
+    raw = manifest.settings.get("model_prices") or {}
+    return {name: ModelPrice.model_validate(p) for name, p in raw.items()}
 
 
 def seconds_between(start: str, end: str) -> float | None:

@@ -18,6 +18,7 @@ from infra.store import RunDir
 from schemas.errors import StorageError, UsageError
 from schemas.health import LIMIT_NAMES, MERGED_SHARDS_SUFFIX, QUALITY_SUMMARY, Limits, Source
 from schemas.records import RateLimitWaits
+from schemas.usage import TokenUsage
 from workers.health.io import file_digest, iter_range
 
 SHARD_FILE = re.compile(r"^rollouts-(.+)\.jsonl$")
@@ -46,6 +47,14 @@ def _rate_limit_waits(status: Any) -> dict[str, RateLimitWaits] | None:
         return None
 
 
+def _tokens(status: Any) -> TokenUsage | None:
+    raw = status.get("tokens") if isinstance(status, dict) else None
+    try:
+        return TokenUsage.model_validate(raw) if isinstance(raw, dict) else None
+    except ValidationError:
+        return None
+
+
 def source_for(rd: RunDir, name: str, label: str) -> Source:
     """A rollouts file with the sidecars found beside it (by NeMo Gym's path rules)."""
     stem = stem_of(name)
@@ -60,6 +69,7 @@ def source_for(rd: RunDir, name: str, label: str) -> Source:
         materialized=materialized if rd.exists(materialized) else None,
         drained=drained if isinstance(drained, int) else None,
         rate_limit_waits=_rate_limit_waits(status),
+        tokens=_tokens(status),
     )
 
 

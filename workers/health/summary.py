@@ -150,6 +150,7 @@ def _null_accounting() -> dict[str, Any]:
         "missing": None,
         "drained": None,
         "rate_limit_waits": None,
+        "tokens": None,
         "duplicates": None,
         "not_owed": None,
         "unreadable": None,
