@@ -48,8 +48,8 @@ def peer_venv() -> Path:
 
 
 def summary(folder: Path) -> dict[str, Any]:
-    data: dict[str, Any] = orjson.loads((folder / "quality_summary.json").read_bytes())
-    return data["run"]
+    run: dict[str, Any] = orjson.loads((folder / "quality_summary.json").read_bytes())["run"]
+    return run
 
 
 @pytest.mark.timeout(2400)
