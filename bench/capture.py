@@ -27,15 +27,9 @@ import orjson
 import psutil
 
 from bench.harness import ROOT, cpu_seconds, table
+from examples.servers import free_port
 
 CALLS_PER_ROLLOUT = 4
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:
@@ -100,7 +94,7 @@ async def _send(base: str, prefixed: bool, n: int, in_flight: int, stream: bool)
 
 def capture(n: int, in_flight: int, rounds: int) -> str:
     tmp = tempfile.mkdtemp(prefix="bench-capture-")
-    model_port, proxy_port = _port(), _port()
+    model_port, proxy_port = free_port(), free_port()
     model = subprocess.Popen(
         [sys.executable, "-m", "examples.model_server", "--port", str(model_port)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -31,7 +31,8 @@ DEMO_TOPOLOGY = {"math_agent": "math_env", "count_agent": "count_env"}
 DEMO_FAMILIES = {"math_agent": "arithmetic", "count_agent": "counting"}
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free on loopback now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -98,7 +99,7 @@ async def _serve(servers: RunningServers, apps: dict[str, web.Application]) -> N
     for name, app in apps.items():
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        port = _free_port()
+        port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port, backlog=4096).start()
         servers.runners.append(runner)
         servers.urls[name] = f"http://127.0.0.1:{port}"

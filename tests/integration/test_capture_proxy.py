@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from examples.model_server import ModelServer
+from examples.servers import free_port
 from infra.capture import CaptureStore
 from infra.capture_proxy import CaptureProxy
 from workers.capture.records import parse_capture
@@ -33,17 +33,10 @@ LINE_KEYS = [
 ]  # fmt: skip
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    port = _port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port, backlog=4096).start()
     return runner, f"http://127.0.0.1:{port}"
 
@@ -221,7 +214,7 @@ def test_an_upstream_error_and_an_unreachable_upstream_are_captured(tmp_path: Pa
                     session, f"{proxy_url}/ng-rollout/2-0/v1/responses", {}
                 )
                 assert status == 503 and orjson.loads(data)["error"]["message"] == "overloaded"
-                proxy.upstream = f"http://127.0.0.1:{_port()}"  # nothing listens there
+                proxy.upstream = f"http://127.0.0.1:{free_port()}"  # nothing listens there
                 status, _, _ = await post(session, f"{proxy_url}/ng-rollout/3-0/v1/responses", {})
                 assert status == 502
         finally:
