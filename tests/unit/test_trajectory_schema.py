@@ -114,7 +114,11 @@ def test_a_schema_violation_is_record_unreadable(name: str) -> None:
 
 
 def test_extra_keys_inside_a_model_ref_are_ignored_as_nemo_gym_does() -> None:
-    edit = _set("model_calls.0.response_metadata.model_ref.region", "eu")
+    def edit(t: dict[str, Any]) -> None:
+        ref = {"type": "responses_api_models", "name": "policy"}
+        t["model_calls"][0]["response_metadata"]["model_ref"] = {**ref, "region": "eu"}
+        t["turns"][0]["model_calls"] = [{"model_call_id": "c1", "model_ref": ref}]
+
     d = check_record(_record(edit), frozenset())
     assert d.findings == []
     assert verdict_of(d.findings, d.unobserved) == "healthy"

@@ -126,6 +126,13 @@ class Call:
         return f"response::{self.response_id}" if self.response_id else None
 
 
+def _server_ref(value: Any) -> dict[str, Any] | None:
+    """A `ModelServerRef` as NeMo Gym reads it: its extra keys are ignored."""
+    if not isinstance(value, dict):
+        return None
+    return {"type": value.get("type"), "name": value.get("name")}
+
+
 def _call(position: int, raw: dict[str, Any]) -> Call:
     meta = raw.get("response_metadata") or {}
     tokens = raw.get("token_stats") or {}
@@ -134,7 +141,7 @@ def _call(position: int, raw: dict[str, Any]) -> Call:
         call_index=position,
         model_call_id=raw.get("model_call_id") or None,
         response_id=meta.get("response_id") or None,
-        model_ref=meta.get("model_ref") if isinstance(meta.get("model_ref"), dict) else None,
+        model_ref=_server_ref(meta.get("model_ref")),
         status_code=meta.get("status_code"),
         response_status=meta.get("response_status"),
         finish_reason=meta.get("finish_reason"),
@@ -243,7 +250,7 @@ class Trajectory:
 
     def _matches(self, ref: dict[str, Any]) -> list[Call]:
         if ref.get("model_call_id"):
-            want_ref, want_resp = ref.get("model_ref"), ref.get("response_id")
+            want_ref, want_resp = _server_ref(ref.get("model_ref")), ref.get("response_id")
             return [
                 c
                 for c in self.calls
