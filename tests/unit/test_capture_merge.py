@@ -275,3 +275,15 @@ def test_an_invalid_producer_trajectory_is_a_gap_not_a_crash(store: CaptureStore
     write(store, "3-1", line())
     merged, _ = merge(store, ROW, {**result(), "ng_trajectory": {"extra": 1}})
     assert "producer_trajectory_invalid" in [g["code"] for g in merged["ng_trajectory"]["gaps"]]
+
+
+def test_a_capture_dir_that_cannot_be_opened_is_a_gap_not_a_failed_rollout(
+    store: CaptureStore,
+) -> None:
+    req = request(store).model_copy(
+        update={"capture": CaptureRef(dir="nosuchprotocol://bucket/calls")}
+    )
+    clear_for(req)  # logged, not raised
+    merged = merge_into(req, result())
+    assert codes(merged["ng_model_call_capture"]) == ["model_call_capture_unreadable"]
+    assert judged(merged)[:2] == ("unobserved", [])

@@ -32,6 +32,20 @@ def _store(url: str) -> CaptureStore:
     return found
 
 
+class _Unreachable(CaptureStore):
+    """A capture dir that could not be opened: every read fails (the merge records the gap)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.url = "<unreachable>"
+
+    def read(self, key: str) -> tuple[bytes | None, bool]:
+        raise self.error
+
+    def clear(self, key: str) -> None:
+        raise self.error
+
+
 def capture_keys(req: CollectRequest) -> list[str]:
     """Every key this delivery's calls may write: its attempt and each replay after it."""
     first = int(req.row.get(F.ATTEMPT_INDEX) or 0)
@@ -47,12 +61,11 @@ def clear_for(req: CollectRequest) -> None:
     """Remove stale captures under this delivery's keys: an attempt never reads earlier calls."""
     if req.capture is None:
         return
-    store = _store(req.capture.dir)
     for key in capture_keys(req):
         try:
-            store.clear(key)
+            _store(req.capture.dir).clear(key)
         except Exception as exc:  # a capture dir that fails must not fail the rollout
-            log.warning("could not clear the capture of %s in %s: %s", key, store.url, exc)
+            log.warning("could not clear the capture of %s in %s: %s", key, req.capture.dir, exc)
 
 
 def merge(
@@ -86,7 +99,11 @@ def merge(
         return merged, read
     merged["ng_trajectory"] = trajectory
     records.strip_payloads(block)
-    perf = project.perf(trajectory, run_latency_ms)
+    try:
+        perf = project.perf(trajectory, run_latency_ms)
+    except Exception as exc:  # NeMo Gym logs it and leaves ng_perf out
+        log.warning("could not build ng_perf of %s: %s", key, exc)
+        perf = None
     if perf is not None:
         merged["ng_perf"] = perf
     return merged, read
@@ -98,7 +115,11 @@ def merge_into(
     """The agent's result with its rollout's capture merged in (unchanged with capture off)."""
     if req.capture is None or result.get(F.DISPATCH_DRAINED):
         return result
-    store = _store(req.capture.dir)
+    try:
+        store = _store(req.capture.dir)
+    except Exception as exc:  # the dir cannot be reached: NeMo Gym's unreadable capture
+        log.warning("capture dir %s cannot be opened: %s", req.capture.dir, exc)
+        store = _Unreachable(exc)
     merged, read = merge(store, req.row, result, run_latency_ms)
     key = F.rollout_id(result)
     if read and req.capture.delete_after_merge and key is not None:
