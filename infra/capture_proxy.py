@@ -211,21 +211,30 @@ class Exchange:
     status: int | None = None
     streamed: bool = False
     chunks: list[bytes] = field(default_factory=list)
+    completed_at: float | None = None
+    latency_ms: float | None = None
 
     def seen(self, chunk: bytes) -> None:
         if self.ttft_ms is None and chunk and chunk != KEEP_ALIVE:
             self.ttft_ms = round((time.perf_counter() - self.t0) * 1000, 2)
         self.chunks.append(chunk)
 
+    def finish(self) -> None:
+        """The call is over: its end time and latency (the line may be built later, off the loop)."""
+        if self.completed_at is None:
+            self.completed_at = time.time()
+            self.latency_ms = round((time.perf_counter() - self.t0) * 1000, 2)
+
     def line(self, exc: BaseException | None = None) -> bytes:
         """The capture line, NeMo Gym's fields in its order (§1.6, §1.7)."""
+        self.finish()
         out: dict[str, Any] = {
             "model_call_id": uuid.uuid4().hex,
             "dialect": self.dialect,
             "model_ref": self.model_ref,
             "started_at": self.started_at,
-            "completed_at": time.time(),
-            "latency_ms": round((time.perf_counter() - self.t0) * 1000, 2),
+            "completed_at": self.completed_at,
+            "latency_ms": self.latency_ms,
             "latency_ttft_ms": self.ttft_ms,
             "status_code": self.status,
         }
@@ -367,10 +376,14 @@ class CaptureProxy:
                 raise
             return web.Response(status=502, text=f"upstream call failed: {type(exc).__name__}")
 
+    def _write(self, exchange: Exchange, exc: BaseException | None) -> None:
+        self.store.append(exchange.key, exchange.line(exc))
+
     async def _record(self, exchange: Exchange, exc: BaseException | None = None) -> None:
+        exchange.finish()
         try:
-            line = exchange.line(exc)
-            await asyncio.to_thread(self.store.append, exchange.key, line)
+            # Parsing the bodies and the fsync both run in a thread: the loop keeps streaming.
+            await asyncio.to_thread(self._write, exchange, exc)
             self.captured += 1
         except Exception as err:  # the call goes on; the capture says it is incomplete
             self.write_failures += 1
