@@ -13,6 +13,7 @@ import pytest
 from examples.servers import RunningServers, start_servers
 from infra.capture import CaptureStore
 from infra.store import RunDir
+from producer.shard.resume import ResumeOptions, execute_resume
 from producer.shard.runner import RunOptions, execute_run
 from schemas.trajectory import TrajectoryRecord
 from tests.conftest import Workers, demo_rows, read_object_jsonl, write_rows
@@ -97,3 +98,44 @@ def test_every_rollout_lands_with_its_trajectory_and_is_observed(
     manifest = orjson.loads(rd.read_bytes("rollouts-0_manifest.json"))
     assert manifest["settings"]["observability_enabled"] is True
     assert manifest["settings"]["model_call_capture_dir"] == capture_dir
+
+
+def test_a_resumed_rollout_reads_its_own_attempts_capture(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    run_dir, capture_dir = str(tmp_path / "run"), str(tmp_path / "calls")
+    servers = start_servers(capture_dir=capture_dir)
+    try:
+        workers.start(count=1, concurrency=8)
+        workers.wait_ready()
+        rows = demo_rows(4)
+        rows[2]["fault"] = {"kind": "http500", "times": 1}  # not replayed: a failure row
+        config = servers.write_config(str(tmp_path / "servers.yaml"))
+        settings = {
+            "observability_enabled": True,
+            "model_call_capture_dir": capture_dir,
+            "route_failures_to_sidecar": True,
+        }
+        code = execute_run(
+            RunOptions(
+                config_path=config,
+                input_path=write_rows(tmp_path / "rows.jsonl", rows),
+                output_dir=run_dir,
+                settings=settings,
+                broker_url=redis_url,
+            )
+        )
+        assert code == 0
+        assert len(read_object_jsonl(run_dir, "rollouts-0.jsonl")) == 3
+        assert execute_resume(ResumeOptions(output_dir=run_dir, broker_url=redis_url)) == 0
+    finally:
+        servers.stop()
+    resumed = [
+        r for r in read_object_jsonl(run_dir, "rollouts-0.jsonl") if r["_ng_task_index"] == 2
+    ]
+    assert [r["_ng_attempt_index"] for r in resumed] == [1]
+    assert resumed[0]["ng_model_call_capture"]["rollout_id"] == "2-0-a1"
+    assert resumed[0]["ng_trajectory"]["rollout_id"] == "2-0-a1"
+    store = CaptureStore(capture_dir)
+    assert store.read("2-0") == (None, False)  # the failed attempt called no model
+    assert len((store.read("2-0-a1")[0] or b"").splitlines()) == 1
