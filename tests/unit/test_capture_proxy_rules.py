@@ -8,14 +8,8 @@ import asyncio
 import orjson
 import pytest
 
-from infra.capture_proxy import (
-    Exchange,
-    _reassemble,
-    _sse_events,
-    _terminal,
-    exception_category,
-    status_category,
-)
+from infra.capture_proxy import Exchange, exception_category, status_category
+from infra.sse import reassemble, sse_events, terminal
 
 REF = {"type": "responses_api_models", "name": "policy_model"}
 
@@ -53,9 +47,9 @@ def test_chat_deltas_are_reassembled() -> None:
         (None, {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3}}),
         (None, "[DONE]"),
     )  # fmt: skip
-    events = _sse_events(text)
-    assert _terminal("chat", events) == "complete"
-    final = _reassemble("chat", events)
+    events = sse_events(text)
+    assert terminal("chat", events) == "complete"
+    final = reassemble("chat", events)
     assert final is not None
     message = final["choices"][0]["message"]
     assert (message["content"], message["reasoning_content"]) == ("4", "hm")
@@ -75,9 +69,9 @@ def test_messages_blocks_are_reassembled() -> None:
         ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 7}}),
         ("message_stop", {"type": "message_stop"}),
     )  # fmt: skip
-    events = _sse_events(text)
-    assert _terminal("messages", events) == "complete"
-    final = _reassemble("messages", events)
+    events = sse_events(text)
+    assert terminal("messages", events) == "complete"
+    final = reassemble("messages", events)
     assert final is not None
     assert final["content"][0]["text"] == "hi" and final["content"][1]["input"] == {"x": 2}
     assert final["usage"] == {"input_tokens": 5, "output_tokens": 7}
