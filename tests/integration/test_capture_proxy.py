@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import orjson
 import pytest
 from aiohttp import web
@@ -24,6 +28,7 @@ from examples.model_server import ModelServer
 from examples.servers import free_port
 from infra.capture import CaptureStore
 from infra.capture_proxy import CaptureProxy
+from tests.ops_helpers import cli, cli_background
 from workers.capture.records import parse_capture
 
 ROLLOUTS = 200
@@ -232,3 +237,40 @@ def test_an_upstream_error_and_an_unreachable_upstream_are_captured(tmp_path: Pa
         "connection",
         None,
     )
+
+
+def test_the_command_serves_as_a_user_runs_it(tmp_path: Path) -> None:
+    """`rollouts capture-proxy` in its own process, in front of a model server in another."""
+    bad = cli("capture-proxy", "--upstream", "model-host:8000", "--capture-dir", str(tmp_path))
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        "error: --upstream must be an http(s) URL, got 'model-host:8000'"
+    ]
+    model_port, proxy_port = free_port(), free_port()
+    model = subprocess.Popen(
+        [sys.executable, "-m", "examples.model_server", "--port", str(model_port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    proxy = cli_background(
+        "capture-proxy", "--upstream", f"http://127.0.0.1:{model_port}",
+        "--capture-dir", str(tmp_path / "calls"), "--port", str(proxy_port),
+        log=tmp_path / "proxy.log",
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{proxy_port}/ng-rollout/4-2-a1/v1/responses"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                reply = httpx.post(url, json=body("cli", False), timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, (tmp_path / "proxy.log").read_text()
+                time.sleep(0.2)
+        assert reply.status_code == 200 and reply.json()["object"] == "response"
+    finally:
+        for proc in (proxy, model):
+            proc.terminate()
+            proc.wait(10)
+    lines = (tmp_path / "calls" / "4-2-a1.capture.jsonl").read_bytes().splitlines()
+    assert len(lines) == 1 and orjson.loads(lines[0])["status_code"] == 200
+    assert "capture proxy on http://127.0.0.1:" in (tmp_path / "proxy.log").read_text()
