@@ -248,6 +248,8 @@ def request(store: CaptureStore, delete: bool = False, **row: Any) -> CollectReq
 def test_clear_removes_every_key_of_the_delivery_and_no_other(store: CaptureStore) -> None:
     req = request(store, _ng_attempt_index=1)
     assert capture_keys(req) == ["3-1-a1", "3-1-a2"]
+    no_replays = req.model_copy(update={"policy": CallPolicy(max_attempts=3, retry_requests=False)})
+    assert capture_keys(no_replays) == ["3-1-a1"]
     for key in ("3-1", "3-1-a1", "3-1-a2"):
         write(store, key, line())
     store.mark_incomplete("3-1-a1")

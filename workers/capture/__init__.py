@@ -49,8 +49,9 @@ class _Unreachable(CaptureStore):
 def capture_keys(req: CollectRequest) -> list[str]:
     """Every key this delivery's calls may write: its attempt and each replay after it."""
     first = int(req.row.get(F.ATTEMPT_INDEX) or 0)
+    last = max(first + 1, req.policy.max_attempts) if req.policy.retry_requests else first + 1
     keys = []
-    for attempt in range(first, max(first + 1, req.policy.max_attempts)):
+    for attempt in range(first, last):
         key = F.rollout_id({**req.row, F.ATTEMPT_INDEX: attempt})
         if key is not None:
             keys.append(key)
