@@ -300,10 +300,27 @@ def rate_text(report: dict[str, Any], sep: str = "") -> str:
     return sep + " · ".join(parts) if parts else ""
 
 
+def tokens_line(report: dict[str, Any]) -> str:
+    """The landed rollouts' tokens (and cost, with prices), when any reported some."""
+    run = (report.get("tokens") or {}).get("run") or {}
+    if not run.get("rollouts"):
+        return ""
+    line = (
+        f"\ntokens: prompt {run['prompt']:,} · completion {run['completion']:,} · "
+        f"reasoning {run['reasoning']:,} · cached {run['cached']:,}"
+    )
+    if run.get("cost_usd") is not None:
+        line += f"\ncost ${run['cost_usd']:.4f}" + (
+            f" ({run['unpriced_calls']} calls of unpriced models)" if run["unpriced_calls"] else ""
+        )
+    return line
+
+
 def summary_line(report: dict[str, Any]) -> str:
     """The outcome and activity lines (each fits 80 columns), then the error if any."""
     line = f"{outcome_line(report)}\n{activity_line(report)}"
     line += backpressure_line(report)
+    line += tokens_line(report)
     if report.get("error"):
         line += f"\nerror: {report['error']}"
     return line

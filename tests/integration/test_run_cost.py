@@ -13,7 +13,7 @@ import pytest
 
 from examples.servers import RunningServers, start_servers
 from infra.store import RunDir
-from producer.ops.status import StatusReader
+from producer.ops.status import StatusReader, tokens_line
 from producer.shard.runner import RunOptions, execute_run
 from schemas.errors import RunFailedError
 from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
@@ -83,7 +83,13 @@ def test_token_totals_equal_the_sums_over_the_landed_records(
     assert expected["run"]["prompt"] > 0 and expected["run"]["cost_usd"] > 0
     status = orjson.loads(rd.read_bytes("rollouts-0_status.json"))["tokens"]
     summary = orjson.loads(rd.read_bytes("quality_summary.json"))["run"]["accounting"]["tokens"]
-    report = StatusReader(rd, "0").report()["tokens"]
+    full = StatusReader(rd, "0").report()
+    report = full["tokens"]
+    run = expected["run"]
+    assert tokens_line(full) == (
+        f"\ntokens: prompt {run['prompt']:,} · completion {run['completion']:,} · reasoning 0 · "
+        f"cached 0\ncost ${run['cost_usd']:.4f}"
+    )
     for tokens in (status, summary, report):
         assert picked(tokens["run"]) == expected["run"]
         assert tokens["run"]["rollouts"] == 24 and tokens["run"]["unpriced_calls"] == 0
