@@ -96,6 +96,11 @@ class _Run:
 
     def run(self) -> RolloutOutcome:
         ctx, token = self.ctx, self.req.run.token
+        if self.delivery.record and ctx.runs is not None:
+            refused = ctx.runs.refusal(self.req.run, self.req.agent_url)
+            if refused is not None:
+                log.error("rollout %s refused: %s", self.rollout, refused)
+                return self.end(Ended.FENCED, detail=refused)
         called = self.call()
         if isinstance(called, RolloutOutcome):
             return called
