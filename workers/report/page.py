@@ -392,13 +392,14 @@ def failures(d: RunDigest) -> str:
 
 
 def health(d: RunDigest) -> str:
+    h = d.health or {}
     if d.health is None:
-        return "<p>No quality summary in this folder (the health check was not run here).</p>"
-    h = d.health
-    out = [
-        f"<p>{verdict_badge(h.get('healthy'))} state {escape(str(h.get('state')))} · verdicts "
-        f"{escape(', '.join(f'{k} {v}' for k, v in (h.get('verdicts') or {}).items()))}</p>"
-    ]
+        out = ["<p>No quality summary in this folder (the health check was not run here).</p>"]
+    else:
+        out = [
+            f"<p>{verdict_badge(h.get('healthy'))} state {escape(str(h.get('state')))} · verdicts "
+            f"{escape(', '.join(f'{k} {v}' for k, v in (h.get('verdicts') or {}).items()))}</p>"
+        ]
     reasons = h.get("reasons") or []
     if reasons:
         out.append("<ul>" + "".join(f"<li>{escape(str(r))}</li>" for r in reasons) + "</ul>")
