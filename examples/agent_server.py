@@ -78,6 +78,10 @@ class AgentKnobs:
     rate_limit_above: int | None = None
     # The 429's Retry-After in seconds (negative: no header).
     retry_after_s: float = 1.0
+    # Another draw of the stand-in model's samples (0: the demo's), and the fraction of its right
+    # answers turned wrong: two agents of known different accuracy (`rollouts compare`).
+    sample_seed: int = 0
+    wrong_rate: float = 0.0
 
 
 def padding_items(kb: int) -> list[dict[str, Any]]:
@@ -296,7 +300,7 @@ class AgentServer:
         return self._pad
 
     def result(self, row: dict[str, Any]) -> dict[str, Any]:
-        answer, out_tokens = stand_in_answer(row)
+        answer, out_tokens = stand_in_answer(row, self.knobs.sample_seed, self.knobs.wrong_rate)
         in_tokens = 12 + len(str(row.get("responses_create_params", ""))) // 8
         correct = answer.strip() == str(row.get("expected_answer", "")).strip()
         rid = f"{row.get('_ng_task_index')}-{row.get('_ng_rollout_index')}"
