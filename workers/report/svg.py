@@ -109,6 +109,15 @@ class _Frame:
             )
             x += 24 + 7 * len(name)
 
+    def marker(self, px: float, label: str, y: float) -> None:
+        """A dashed vertical line, labelled on its right (on its left near the right edge)."""
+        near_edge = px > WIDTH - RIGHT - 8 * len(label)
+        tx, anchor = (px - 3, "end") if near_edge else (px + 3, "start")
+        self.parts.append(
+            f'<line class="marker" x1="{px:.1f}" x2="{px:.1f}" y1="{TOP}" y2="{HEIGHT - BOTTOM}"/>'
+            f'<text class="marker-label" x="{tx:.1f}" y="{y}" text-anchor="{anchor}">{escape(label)}</text>'
+        )
+
     def done(self) -> str:
         return "".join([*self.parts, "</svg>"])
 
@@ -141,11 +150,7 @@ def line_chart(
     frame = _Frame((min(xs), max(xs)), (y_lo, y_hi), title)
     frame.axes(x_label, y_label, x_ticks)
     for x, label in markers:
-        px = frame.px(x)
-        frame.parts.append(
-            f'<line class="marker" x1="{px:.1f}" x2="{px:.1f}" y1="{TOP}" y2="{HEIGHT - BOTTOM}"/>'
-            f'<text class="marker-label" x="{px + 3:.1f}" y="{TOP + 24}">{escape(label)}</text>'
-        )
+        frame.marker(frame.px(x), label, TOP + 24)
     for i, s in enumerate(drawn):
         color = PALETTE[i % len(PALETTE)]
         d = " ".join(
@@ -192,9 +197,5 @@ def bar_chart(
             f"<title>{escape(label)}: {fmt(value)}</title></rect>"
         )
     for i, label in highlight:
-        px = frame.px(i + 0.5)
-        frame.parts.append(
-            f'<line class="marker" x1="{px:.1f}" x2="{px:.1f}" y1="{TOP}" y2="{HEIGHT - BOTTOM}"/>'
-            f'<text class="marker-label" x="{px + 3:.1f}" y="{TOP + 10}">{escape(label)}</text>'
-        )
+        frame.marker(frame.px(i + 0.5), label, TOP + 10)
     return frame.done()
