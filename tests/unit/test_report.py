@@ -128,3 +128,16 @@ def test_report_command_writes_the_page_or_one_line_error(tmp_path: Path) -> Non
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "run directory not found" in bad.stderr and not (tmp_path / "nothing").exists()
+
+
+def test_a_merged_folder_is_reported_from_the_shards_it_lists(tmp_path: Path) -> None:
+    from producer.ops.merge import merge_shards
+    from workers.health.sources import discover
+
+    truth = synthetic_run(str(tmp_path / "shards"), 400, shards=2)
+    merge_shards(f"{tmp_path}/shards/rollouts-*.jsonl", str(tmp_path / "merged" / "all.jsonl"))
+    rd = RunDir(str(tmp_path / "merged"))
+    _, d = build_report(rd, discover(rd, None))
+    assert d.sources == ["../shards/rollouts-0.jsonl", "../shards/rollouts-1.jsonl"]
+    assert d.landed == truth.landed and d.failure_rows == truth.failure_rows
+    assert d.planned == truth.planned and sum(d.failed_by.values()) == truth.failed
