@@ -268,8 +268,6 @@ class RunDigest:
     key_metrics: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
     """(environment server, agent label, key metrics) from the aggregate metrics files."""
 
-    # ---- the health reports, read first
-
     def read_health(self, rd: RunDir) -> None:
         if rd.exists(QUALITY_SUMMARY):
             self.health = earlier_run(rd)
@@ -294,8 +292,6 @@ class RunDigest:
                 )
                 detail = finding.get("detail") if isinstance(finding, dict) else None
                 listed.append(Offender(check, str(row.get("rollout_id")), where, detail))
-
-    # ---- manifests, status, aggregate metrics: small documents per source
 
     def read_documents(self, rd: RunDir, stem: str) -> bool:
         """Read the source's manifest and aggregate metrics; whether it had a manifest."""
@@ -328,8 +324,6 @@ class RunDigest:
                     )
                 )
         return True
-
-    # ---- the rollouts
 
     def read_source(self, source: Source, has_manifest: bool) -> None:
         rd = RunDir(source.dir)
