@@ -143,9 +143,14 @@ def test_a_run_with_failures_and_a_resume_opens_in_chromium(
         25,
     )
     out = tmp_path / "run"
+    rows = demo_rows(60)
+    # Task 1's rollouts answer with no output: rollout_response_empty findings to link.
+    rows[1]["result_extra"] = {
+        "response": {"id": "r", "object": "response", "status": "completed", "output": []}
+    }
     code = execute_run(
         RunOptions(
-            config_path=config_file, input_path=write_rows(tmp_path / "rows.jsonl", demo_rows(60)),
+            config_path=config_file, input_path=write_rows(tmp_path / "rows.jsonl", rows),
             output_dir=str(out), broker_url=redis_url,
             settings={"num_repeats": 3, "route_failures_to_sidecar": True, "max_failed_fraction": 0.05},
         )
@@ -161,6 +166,16 @@ def test_a_run_with_failures_and_a_resume_opens_in_chromium(
     assert drawn["failures"] > 0
     html = report.read_text()
     assert "resume 1" in html and "agent_run_error" in html
+    # The health finding links its offending rollouts, whose transcript opens in the page.
+    page = browser.new_page()
+    page.goto(report.resolve().as_uri())
+    row = page.locator("section#health tr", has_text="rollout_response_empty")
+    assert row.locator("td").nth(1).inner_text() == "3"
+    row.locator("a.rollout").first.click()
+    assert page.locator("#t-title").inner_text().startswith("rollout 1-")
+    assert "How many times" in page.locator("#t-input").inner_text()
+    assert page.locator("#t-response").inner_text() == "(none)"
+    page.close()
 
 
 def test_report_of_an_s3_run_directory(s3_bucket: str, tmp_path: Path) -> None:

@@ -141,3 +141,20 @@ def test_a_merged_folder_is_reported_from_the_shards_it_lists(tmp_path: Path) ->
     assert d.sources == ["../shards/rollouts-0.jsonl", "../shards/rollouts-1.jsonl"]
     assert d.landed == truth.landed and d.failure_rows == truth.failure_rows
     assert d.planned == truth.planned and sum(d.failed_by.values()) == truth.failed
+
+
+def test_graded_rewards_are_binned_and_untimed_records_are_said() -> None:
+    from workers.report import RunDigest, render
+
+    d = RunDigest("memory://run")
+    for i in range(500):
+        row = {"_ng_task_index": i // 4, "_ng_rollout_index": i % 4, "reward": i / 500,
+               "agent_ref": {"name": "a"}, "_ng_environment_server": "e"}  # fmt: skip
+        d.add_result(row, "rollouts-0.jsonl")
+    assert d.many_rewards and d.untimed == 500 and d.latency.total == 0
+    html = render(d).decode()
+    assert "Bins " in html and "500 results carry no timing" in html
+    rewards = html[html.index('<section id="rewards">') : html.index('<section id="latency">')]
+    assert 20 <= rewards.count('<rect class="bar" data-n="1"') <= 40
+    latency = html[html.index('<section id="latency">') : html.index('<section id="throughput">')]
+    assert 'class="chart empty"' in latency

@@ -246,6 +246,9 @@ class RunDigest:
     groups: dict[tuple[str, str], Group] = field(default_factory=dict)
     tasks: TaskTable = field(default_factory=TaskTable)
     rewards: Counter[float] = field(default_factory=Counter)
+    """Rollouts per distinct reward, while there are at most DISTINCT_REWARDS of them."""
+    many_rewards: bool = False
+    """More distinct rewards than that: the page draws `reward_bins` instead."""
     reward_bins: Bins = field(default_factory=lambda: Bins(width=1 / 64, max_bins=40))
     no_reward: int = 0
     latency: LogHistogram = field(default_factory=LogHistogram)
@@ -398,7 +401,7 @@ class RunDigest:
             if reward in self.rewards or len(self.rewards) < DISTINCT_REWARDS:
                 self.rewards[reward] += 1
             else:
-                self.rewards[math.nan] += 1
+                self.many_rewards = True
             self.reward_bins.add(reward)
         tin, tout, cost = usage_of(row)
         group.tokens_in += tin

@@ -248,8 +248,7 @@ def metrics(d: RunDigest) -> str:
 
 
 def rewards(d: RunDigest) -> str:
-    exact = d.rewards and not any(math.isnan(r) for r in d.rewards)
-    if exact:
+    if d.rewards and not d.many_rewards:
         bars = [(f"{r:g}", float(n)) for r, n in sorted(d.rewards.items())]
         note = "Every distinct reward, counted exactly."
     else:
