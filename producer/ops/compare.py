@@ -27,7 +27,7 @@ from infra.store import RunDir
 from schemas.errors import UsageError
 from workers.health.sources import discover
 from workers.report import RunDigest, digest_run, save
-from workers.report.page import STYLE, table
+from workers.report.page import document, table
 from workers.report.stats import pass_at_k
 
 RESAMPLES = 2000
@@ -216,17 +216,14 @@ def html(c: Comparison) -> bytes:
     ]  # fmt: skip
     head = ["environment", "shared tasks", "mean A", "mean B", "B - A [95% CI]", "verdict",
             "pass@1 B - A", "pass@k B - A", "solved only in B", "solved only in A"]  # fmt: skip
-    body = (
-        f"<header><h1>Compare runs</h1><div class=url>A: {escape(c.run_a)}<br>B: {escape(c.run_b)}</div></header>"
+    return document(
+        "Compare runs",
+        f"A: {escape(c.run_a)}<br>B: {escape(c.run_b)}",
         f"<main><section id=verdict><h2>Verdict</h2><p><b>{escape(c.verdict_line)}</b></p></section>"
         f"<section id=environments><h2>Per environment</h2>{table(head, rows, {1, 2, 3})}"
         f"<p class=note>Paired bootstrap over shared tasks, {RESAMPLES} resamples, seed {SEED}; "
-        f"{c.only_a} tasks only in A and {c.only_b} only in B are left out.</p></section></main>"
+        f"{c.only_a} tasks only in A and {c.only_b} only in B are left out.</p></section></main>",
     )
-    return (
-        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,">'
-        f"<title>Compare runs</title><style>{STYLE}</style></head><body>{body}</body></html>"
-    ).encode()
 
 
 def compare(run_a: str, run_b: str, output: str | None, console: Console) -> int:

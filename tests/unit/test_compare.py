@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+from html import escape
+from pathlib import Path
 
 import numpy as np
 
+from bench.report import synthetic_run
 from producer.ops.compare import Tally, bootstrap, compare_tallies
 
 
@@ -42,3 +47,27 @@ def test_a_known_shift_is_found_and_none_is_not_invented() -> None:
     assert same is not None and same.verdict == "no detectable difference"
     _, identical, *_ = compare_tallies(a, a)
     assert identical is not None and identical.diff == identical.low == identical.high == 0.0
+
+
+def test_compare_command_prints_the_verdict_and_writes_html(tmp_path: Path) -> None:
+    synthetic_run(str(tmp_path / "a"), 800, shards=2, seed=1)
+    synthetic_run(str(tmp_path / "b"), 800, shards=2, seed=5)
+    out = tmp_path / "cmp.html"
+    proc = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "compare", str(tmp_path / "a"), str(tmp_path / "b"),
+         "--output", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith(("count_env", "math_env"))] == [
+        "count_env", "math_env",
+    ]  # fmt: skip
+    verdict = next(line for line in lines if line.startswith("verdict: "))
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and escape(verdict) in page
+    missing = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "compare", str(tmp_path / "a"), str(tmp_path / "x")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "run directory not found" in missing.stderr

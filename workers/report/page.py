@@ -480,13 +480,21 @@ def render(d: RunDigest, title: str = "Run report") -> bytes:
         '<h4>Input</h4><pre id="t-input"></pre><h4>Response</h4><pre id="t-response"></pre>'
         '<h4>Failure row</h4><pre id="t-failure"></pre><button id="t-close">Close</button></dialog>'
     )
-    page = (
+    return document(
+        title,
+        escape(d.url),
+        f"<nav>{nav}</nav><main>{sections}</main>{dialog}"
+        f'<script type="application/json" id="transcripts">{_data(d.transcripts)}</script>'
+        f"<script>{SCRIPT}</script>",
+    )
+
+
+def document(title: str, subtitle_html: str, body_html: str) -> bytes:
+    """A whole page: head (styles inline, an empty icon), a header, then `body_html`."""
+    return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f'<link rel="icon" href="data:,"><title>{escape(title)}</title><style>{STYLE}</style></head>'
-        f'<body><header><h1>{escape(title)}</h1><div class="url">{escape(d.url)}</div></header>'
-        f"<nav>{nav}</nav><main>{sections}</main>{dialog}"
-        f'<script type="application/json" id="transcripts">{_data(d.transcripts)}</script>'
-        f"<script>{SCRIPT}</script></body></html>"
-    )
-    return page.encode()
+        f'<body><header><h1>{escape(title)}</h1><div class="url">{subtitle_html}</div></header>'
+        f"{body_html}</body></html>"
+    ).encode()
