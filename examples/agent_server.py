@@ -1,7 +1,9 @@
 """An example agent server: `POST /run` answers with the stand-in model and verifies the answer.
 
 Knobs for tests and benchmarks (command-line flags, or `POST /admin/knobs` with the same names):
-latency, a random fault rate over chosen fault kinds, and a request log. A row can also ask for
+latency, a random fault rate over chosen fault kinds, a request log, and the stand-in model's
+`sample_seed` and `wrong_rate` (another draw of its samples; a known fraction of its right
+answers turned wrong). A row can also ask for
 its own fault (`"fault": {"kind": "http500", "times": 1}`: its first request fails) or its own
 latency (`"agent_latency_ms": 2000`). Fault kinds: http500, http502, http503, reset, malformed, list,
 hang (no reply), stall (a reply that stops after its first bytes), huge (a valid JSON object of

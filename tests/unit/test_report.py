@@ -59,10 +59,12 @@ def test_reservoir_and_top_k_are_bounded_and_reproducible() -> None:
 
 def test_the_report_counts_what_the_files_hold(tmp_path: Path) -> None:
     truth = synthetic_run(str(tmp_path / "run"), 800, shards=2)
+    with open(tmp_path / "run" / "rollouts-0.jsonl", "ab") as f:
+        f.write(b'{"torn": \n\n')  # an unreadable line, and a blank one
     rd = RunDir(str(tmp_path / "run"))
     page, d = build_report(rd, shard_sources(rd))
 
-    assert d.planned == truth.planned == 800
+    assert d.planned == truth.planned == 800 and d.unreadable == 1
     assert d.landed == truth.landed and sum(d.failed_by.values()) == truth.failed > 0
     assert d.failure_rows == truth.failure_rows
     for env, passes in truth.passes.items():

@@ -340,10 +340,14 @@ class RunDigest:
             else:
                 self.planned = None
         self.drained += source.drained or 0
-        for _, row in rd.iter_objects(source.name):
-            if row is None:
-                self.unreadable += 1
-            elif ledger.add_result(row) is not None:
+        # A shard whose rollouts all failed, or that is still starting, may have no results yet.
+        results = (
+            rd.iter_objects(source.name, 0, self._unreadable)
+            if rd.exists(source.name)
+            else iter(())
+        )
+        for _, row in results:
+            if row is not None and ledger.add_result(row) is not None:
                 self.add_result(row, label)
         if source.failures is not None:
             for row in iter_rows(rd, source.failures):
@@ -358,6 +362,9 @@ class RunDigest:
             if key not in ledger.landed_keys:
                 slot = self.tasks.slot(failure.env or NO_NAME, failure.agent or NO_NAME, key[0])
                 self.tasks.failed[slot] += 1
+
+    def _unreadable(self, offset: int) -> None:
+        self.unreadable += 1
 
     def _timing(self, row: dict[str, Any]) -> tuple[float, float] | None:
         started, run_ms = _number(row.get(F.STARTED_AT)), _number(row.get(F.RUN_MS))
