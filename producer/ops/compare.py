@@ -27,7 +27,8 @@ from infra.store import RunDir
 from schemas.errors import UsageError
 from workers.health.sources import discover
 from workers.report import RunDigest, digest_run, save
-from workers.report.page import document, table
+from workers.report.page import document
+from workers.report.sections import table
 from workers.report.stats import pass_at_k
 
 RESAMPLES = 2000

@@ -91,7 +91,7 @@ def check_in_browser(
     url = page_path.resolve().as_uri()
     page.goto(url)
     page.wait_for_load_state("load")
-    for sid, name in SECTIONS:
+    for sid, name, _ in SECTIONS:
         assert page.locator(f"section#{sid} > h2").inner_text() == name
     page.screenshot(path=str(shot), full_page=True)
     image = Image.open(shot).convert("RGB")

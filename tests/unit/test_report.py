@@ -72,7 +72,7 @@ def test_the_report_counts_what_the_files_hold(tmp_path: Path) -> None:
     assert sorted(g.kind for g in d.generations) == ["resume", "resume", "run", "run"]
     assert d.latency.total == truth.landed and len(d.slowest.largest()) == 12
     html = page.decode()
-    for sid, _ in SECTIONS:
+    for sid, _, _ in SECTIONS:
         assert f'<section id="{sid}">' in html
     # Self-contained: nothing is fetched (no src, no link to another document, no import).
     assert not re.search(r"\ssrc=|@import|url\(|https?://(?!www\.w3\.org/2000/svg)", html)
