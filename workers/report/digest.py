@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from infra import jsonl
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
 from schemas.health import QUALITY_SUMMARY, ROLLOUT_VERDICTS, Source
-from workers.health.sources import earlier_run, stem_of
+from workers.health.sources import earlier_run, read_json, stem_of
 from workers.report.stats import Bins, LogHistogram, Reservoir, TopK
 from workers.shard.ledger import Failure, ShardLedger, is_drained, iter_rows
 
@@ -298,8 +297,8 @@ class RunDigest:
 
     def read_documents(self, rd: RunDir, stem: str) -> bool:
         """Read the source's manifest and aggregate metrics; whether it had a manifest."""
-        manifest = _read_json(rd, f"{stem}_manifest.json")
-        entries = _read_json(rd, f"{stem}_aggregate_metrics.json")
+        manifest = read_json(rd, f"{stem}_manifest.json")
+        entries = read_json(rd, f"{stem}_aggregate_metrics.json")
         for entry in entries if isinstance(entries, list) else []:
             if isinstance(entry, dict) and isinstance(entry.get("key_metrics"), dict):
                 env = str(entry.get(F.ENVIRONMENT_SERVER, NO_NAME))
@@ -454,13 +453,6 @@ class RunDigest:
         origin = min(starts) if starts else None
         for bins in (self.landed_over_time, self.failed_over_time):
             bins.origin = origin
-
-
-def _read_json(rd: RunDir, name: str) -> Any:
-    try:
-        return jsonl.loads(rd.read_bytes(name)) if rd.exists(name) else None
-    except (jsonl.JSONDecodeError, OSError):
-        return None
 
 
 def digest_run(report_dir: RunDir, sources: list[Source]) -> RunDigest:
