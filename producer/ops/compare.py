@@ -30,6 +30,7 @@ from workers.report import RunDigest, digest_run, save
 from workers.report.page import document
 from workers.report.sections import table
 from workers.report.stats import pass_at_k
+from workers.report.svg import interval_chart
 
 RESAMPLES = 2000
 SEED = 0
@@ -217,11 +218,14 @@ def html(c: Comparison) -> bytes:
     ]  # fmt: skip
     head = ["environment", "shared tasks", "mean A", "mean B", "B - A [95% CI]", "verdict",
             "pass@1 B - A", "pass@k B - A", "solved only in B", "solved only in A"]  # fmt: skip
+    intervals = [(s.env, s.reward.diff, s.reward.low, s.reward.high) for s in c.envs]
+    intervals.append(("all shared tasks", c.overall.diff, c.overall.low, c.overall.high))
+    chart = interval_chart(intervals, title="B - A", x_label="mean reward, B - A (95% interval)")
     return document(
         "Compare runs",
         f"A: {escape(c.run_a)}<br>B: {escape(c.run_b)}",
         f"<main><section id=verdict><h2>Verdict</h2><p><b>{escape(c.verdict_line)}</b></p></section>"
-        f"<section id=environments><h2>Per environment</h2>{table(head, rows, {1, 2, 3})}"
+        f"<section id=environments><h2>Per environment</h2>{chart}{table(head, rows, {1, 2, 3})}"
         f"<p class=note>Paired bootstrap over shared tasks, {RESAMPLES} resamples, seed {SEED}; "
         f"{c.only_a} tasks only in A and {c.only_b} only in B are left out.</p></section></main>",
     )

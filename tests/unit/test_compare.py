@@ -66,6 +66,8 @@ def test_compare_command_prints_the_verdict_and_writes_html(tmp_path: Path) -> N
     verdict = next(line for line in lines if line.startswith("verdict: "))
     page = out.read_text()
     assert page.startswith("<!DOCTYPE html>") and escape(verdict) in page
+    # An interval per environment, and one over all shared tasks.
+    assert page.count('<path class="series" data-n="2"') == 3
     missing = subprocess.run(
         [sys.executable, "-m", "producer.cli", "compare", str(tmp_path / "a"), str(tmp_path / "x")],
         capture_output=True, text=True, timeout=120,

@@ -199,3 +199,53 @@ def bar_chart(
     for i, label in highlight:
         frame.marker(frame.px(i + 0.5), label, TOP + 10)
     return frame.done()
+
+
+def interval_chart(
+    rows: Sequence[tuple[str, float, float, float]], *, title: str, x_label: str
+) -> str:
+    """One row per (label, estimate, low, high): the interval as a bar, the estimate as a dot,
+    and a dashed line at 0 (an interval that crosses it shows no detectable difference)."""
+    if not rows:
+        return empty_chart(f"{title}: no data")
+    left, row_h = 150, 28
+    height = TOP + BOTTOM + row_h * len(rows)
+    lo = min(0.0, *(r[2] for r in rows))
+    hi = max(0.0, *(r[3] for r in rows))
+    pad = (hi - lo) * 0.08 or 0.05
+    lo, hi = lo - pad, hi + pad
+
+    def px(v: float) -> float:
+        return left + (v - lo) / (hi - lo) * (WIDTH - left - RIGHT)
+
+    parts = [
+        f'<svg class="chart" viewBox="0 0 {WIDTH} {height}" width="{WIDTH}" height="{height}" '
+        f'role="img" aria-label="{escape(title)}" xmlns="http://www.w3.org/2000/svg">'
+    ]
+    bottom = height - BOTTOM
+    for t in nice_ticks(lo, hi, 6):
+        if lo <= t <= hi:
+            parts.append(
+                f'<text class="tick" x="{px(t):.1f}" y="{bottom + 16}" text-anchor="middle">{fmt(t)}</text>'
+            )
+    parts.append(
+        f'<line class="marker" x1="{px(0):.1f}" x2="{px(0):.1f}" y1="{TOP}" y2="{bottom}"/>'
+    )
+    parts.append(
+        f'<line class="axis" x1="{left}" x2="{WIDTH - RIGHT}" y1="{bottom}" y2="{bottom}"/>'
+    )
+    for i, (label, est, low, high) in enumerate(rows):
+        y = TOP + row_h * i + row_h / 2
+        color = PALETTE[1] if high < 0 else PALETTE[2] if low > 0 else PALETTE[7]
+        parts.append(
+            f'<text class="label" x="{left - 8}" y="{y + 4:.1f}" text-anchor="end">{escape(label)}</text>'
+        )
+        parts.append(
+            f'<path class="series" data-n="2" d="M{px(low):.1f},{y:.1f} L{px(high):.1f},{y:.1f}" '
+            f'stroke="{color}" stroke-width="6" fill="none"><title>{escape(label)}: {fmt(low)} to {fmt(high)}</title></path>'
+        )
+        parts.append(f'<circle cx="{px(est):.1f}" cy="{y:.1f}" r="5" fill="#111827"/>')
+    parts.append(
+        f'<text class="label" x="{(left + WIDTH - RIGHT) / 2:.0f}" y="{height - 6}" text-anchor="middle">{escape(x_label)}</text></svg>'
+    )
+    return "".join(parts)
