@@ -425,10 +425,7 @@ class RunDigest:
             self.latency.add(run_ms)
             self.landed_over_time.add(end, agent)
             if self.slowest.beats(run_ms):
-                where = locator(label, row)
-                self.transcripts.setdefault(where, transcript(row, label))
-                self.slowest.add(run_ms, {"locator": where, "rollout": F.rollout_id(row),
-                                          "agent": agent, "env": env})  # fmt: skip
+                self.slowest.add(run_ms, {"locator": locator(label, row), **transcript(row, label)})
         slot_ = self.sample.wants()
         if slot_ is not None:
             self.sample.put(slot_, {"locator": locator(label, row), **transcript(row, label)})
@@ -448,7 +445,7 @@ class RunDigest:
         self._keep_if_wanted(row, label)
 
     def align_time(self) -> None:
-        """Start both timelines at the first generation (else the first rollout), in one width."""
+        """Start both timelines at the first generation (else at their first record)."""
         starts = [g.started_at for g in self.generations if g.started_at is not None]
         origin = min(starts) if starts else None
         for bins in (self.landed_over_time, self.failed_over_time):

@@ -225,10 +225,11 @@ def latency(d: RunDigest) -> str:
         per_agent[agent].merge(g.latency)
     rows = [["all", f"{d.latency.total:,}", *_quantiles(d.latency)]]
     rows += [[agent, f"{h.total:,}", *_quantiles(h)] for agent, h in sorted(per_agent.items())]
-    slow = [
-        [rollout_link(item["locator"], item["rollout"]), item["agent"], item["env"], _ms(ms)]
-        for ms, item in d.slowest.largest()
-    ]
+    slow = []
+    for ms, item in d.slowest.largest():
+        d.transcripts.setdefault(item["locator"], item)
+        slow.append([rollout_link(item["locator"], item["rollout"]), item["agent"] or NO_NAME,
+                     item["env"] or NO_NAME, _ms(ms)])  # fmt: skip
     slow_rows = [[(i, cells[0]), cells[1], cells[2], cells[3]] for i, cells in enumerate(slow)]
     return "".join([
         chart,
