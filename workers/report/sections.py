@@ -9,7 +9,7 @@ from html import escape
 from typing import Any
 
 from workers.report.digest import NO_NAME, PASS_REWARD, RunDigest
-from workers.report.stats import LogHistogram, pass_at_k
+from workers.report.stats import Bins, LogHistogram, pass_at_k
 from workers.report.svg import Series, bar_chart, line_chart
 
 TASK_TABLE_LIMIT = 2000
@@ -265,18 +265,23 @@ def _time_scale(d: RunDigest) -> tuple[float, str]:
     )
 
 
+def timeline_chart(d: RunDigest, bins: Bins, title: str, y_label: str, rate: bool) -> str:
+    """One line per series of `bins` over time since the run began (counts per bin, or per
+    second with `rate`), with the dispatch generations as dashed lines."""
+    scale, unit = _time_scale(d)
+    origin = bins.origin or 0.0
+    per = bins.width if rate else 1.0
+    series = [
+        Series(name, [((x - origin) / scale, n / per) for x, n in points])
+        for name, points in bins.series().items()
+    ]
+    markers = _timeline_markers(d, bins.origin, scale)
+    return line_chart(series, title=title, x_label=unit, y_label=y_label, markers=markers)
+
+
 def throughput(d: RunDigest) -> str:
     bins = d.landed_over_time
-    scale, unit = _time_scale(d)
-    origin = bins.origin
-    series = [
-        Series(agent, [((x - (origin or 0)) / scale, n / bins.width) for x, n in points])
-        for agent, points in bins.series().items()
-    ]
-    chart = line_chart(
-        series, title="throughput", x_label=unit, y_label="landed per second",
-        markers=_timeline_markers(d, origin, scale),
-    )  # fmt: skip
+    chart = timeline_chart(d, bins, "throughput", "landed per second", rate=True)
     return (
         chart
         + f'<p class="note">Results landed per second in bins {bins.width:g} s wide; dashed lines are dispatch generations (the run, each resume).</p>'
@@ -285,16 +290,8 @@ def throughput(d: RunDigest) -> str:
 
 def failures(d: RunDigest) -> str:
     bins = d.failed_over_time
-    scale, unit = _time_scale(d)
-    origin = bins.origin
-    series = [
-        Series(cls, [((x - (origin or 0)) / scale, float(n)) for x, n in points])
-        for cls, points in bins.series().items()
-    ]
-    chart = line_chart(
-        series, title="failures over time", x_label=unit, y_label=f"failure rows per {bins.width:g} s",
-        markers=_timeline_markers(d, origin, scale),
-    )  # fmt: skip
+    y_label = f"failure rows per {bins.width:g} s"
+    chart = timeline_chart(d, bins, "failures over time", y_label, rate=False)
     failed: Counter[tuple[str, str]] = Counter()
     for f, n in d.failed_by.items():
         failed[(f.agent or NO_NAME, f.cls)] += n
