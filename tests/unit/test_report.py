@@ -38,6 +38,10 @@ def test_bins_double_their_width_and_keep_every_count() -> None:
     series = bins.series()
     assert sum(n for points in series.values() for _, n in points) == 10_000
     assert len(series["a"]) <= 50 and bins.width == 256.0
+    late = Bins(width=0.25)
+    late.anchor(100.0)
+    late.add(103.1, "x")
+    assert late.series()["x"][0] == (100.0, 0) and late.series()["x"][-1] == (103.0, 1)
 
 
 def test_reservoir_and_top_k_are_bounded_and_reproducible() -> None:

@@ -36,6 +36,8 @@ OFFENDERS_PER_CHECK = 5
 DISTINCT_REWARDS = 24
 """Up to this many distinct rewards are counted exactly (binary or graded rewards)."""
 NO_NAME = "-"
+TIME_BIN_S = 0.25
+"""The timelines' first bin width; it doubles while the run spans more than 120 bins."""
 
 FAILURE_FIELDS = (
     F.FAILURE_CLASS,
@@ -251,8 +253,8 @@ class RunDigest:
     reward_bins: Bins = field(default_factory=lambda: Bins(width=1 / 64, max_bins=40))
     no_reward: int = 0
     latency: LogHistogram = field(default_factory=LogHistogram)
-    landed_over_time: Bins = field(default_factory=Bins)
-    failed_over_time: Bins = field(default_factory=Bins)
+    landed_over_time: Bins = field(default_factory=lambda: Bins(width=TIME_BIN_S))
+    failed_over_time: Bins = field(default_factory=lambda: Bins(width=TIME_BIN_S))
     first_start: float | None = None
     last_end: float | None = None
     untimed: int = 0
@@ -447,9 +449,9 @@ class RunDigest:
     def align_time(self) -> None:
         """Start both timelines at the first generation (else at their first record)."""
         starts = [g.started_at for g in self.generations if g.started_at is not None]
-        origin = min(starts) if starts else None
-        for bins in (self.landed_over_time, self.failed_over_time):
-            bins.origin = origin
+        if starts:
+            for bins in (self.landed_over_time, self.failed_over_time):
+                bins.anchor(min(starts))
 
 
 def digest_run(report_dir: RunDir, sources: list[Source]) -> RunDigest:

@@ -84,6 +84,11 @@ class Bins:
     low: int | None = None
     high: int | None = None
 
+    def anchor(self, origin: float) -> None:
+        """Start at `origin`: its bin is drawn even before a value lands in it."""
+        self.origin = origin
+        self.low = self.high = 0
+
     def add(self, value: float, series: str = "", n: int = 1) -> None:
         if self.origin is None:
             self.origin = value
