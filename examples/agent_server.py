@@ -1,7 +1,9 @@
 """An example agent server: `POST /run` answers with the stand-in model and verifies the answer.
 
 Knobs for tests and benchmarks (command-line flags, or `POST /admin/knobs` with the same names):
-latency, a random fault rate over chosen fault kinds, and a request log. A row can also ask for
+latency, a random fault rate over chosen fault kinds, a request log, and the stand-in model's
+`sample_seed` and `wrong_rate` (another draw of its samples; a known fraction of its right
+answers turned wrong). A row can also ask for
 its own fault (`"fault": {"kind": "http500", "times": 1}`: its first request fails) or its own
 latency (`"agent_latency_ms": 2000`). Fault kinds: http500, http502, http503, reset, malformed, list,
 hang (no reply), stall (a reply that stops after its first bytes), huge (a valid JSON object of
@@ -78,6 +80,10 @@ class AgentKnobs:
     rate_limit_above: int | None = None
     # The 429's Retry-After in seconds (negative: no header).
     retry_after_s: float = 1.0
+    # Another draw of the stand-in model's samples (0: the demo's), and the fraction of its right
+    # answers turned wrong: two agents of known different accuracy (`rollouts compare`).
+    sample_seed: int = 0
+    wrong_rate: float = 0.0
 
 
 def padding_items(kb: int) -> list[dict[str, Any]]:
@@ -296,7 +302,7 @@ class AgentServer:
         return self._pad
 
     def result(self, row: dict[str, Any]) -> dict[str, Any]:
-        answer, out_tokens = stand_in_answer(row)
+        answer, out_tokens = stand_in_answer(row, self.knobs.sample_seed, self.knobs.wrong_rate)
         in_tokens = 12 + len(str(row.get("responses_create_params", ""))) // 8
         correct = answer.strip() == str(row.get("expected_answer", "")).strip()
         rid = f"{row.get('_ng_task_index')}-{row.get('_ng_rollout_index')}"

@@ -425,6 +425,31 @@ def health_check(
     )
 
 
+@main.command("report")
+@click.argument("run_dir")
+@click.option(
+    "--output", "-o", default=None, help="The HTML file to write (default: RUN_DIR/report.html)."
+)
+@reports(RolloutsError)
+def report(run_dir: str, output: str | None) -> None:
+    """Write RUN_DIR's report: one HTML file that needs no network to open."""
+    from producer.ops.report import report as write
+
+    sys.exit(write(run_dir, output, _console))
+
+
+@main.command("compare")
+@click.argument("run_a")
+@click.argument("run_b")
+@click.option("--output", "-o", default=None, help="Also write the comparison as an HTML file.")
+@reports(RolloutsError)
+def compare(run_a: str, run_b: str, output: str | None) -> None:
+    """Is RUN_B better than RUN_A? Paired bootstrap over their shared tasks, per environment."""
+    from producer.ops.compare import compare as run_compare
+
+    sys.exit(run_compare(run_a, run_b, output, _console))
+
+
 @main.command("aggregate")
 @click.option(
     "--input-glob", "-i", required=True, help="Shards to merge (comma-separated glob patterns)."

@@ -312,7 +312,7 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
     if result is None:
         return 0
     print_metrics(console, rd, opts.shard)
-    print_health(console, result.health)
+    print_health(console, result.health, result.report)
     print_counts(console, result)
     raise_for_outcome(result)
     raise_if_unhealthy(result.health, opts.fail_on_unhealthy, "--fail-on-unhealthy")

@@ -104,7 +104,7 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     if result is None:
         return 0
     print_metrics(console, planned.rd, planned.manifest.shard)
-    print_health(console, result.health)
+    print_health(console, result.health, result.report)
     print_counts(console, result)
     raise_for_outcome(result)
     raise_if_unhealthy(result.health, opts.fail_on_unhealthy, "--fail-on-unhealthy")

@@ -84,3 +84,11 @@ def test_ratelimit_table_counts_the_429s() -> None:
     assert ours[0] == "rollouts (ours)" and ours[1] == "80"
     requests, limited = int(ours[2]), int(ours[3])
     assert requests == 80 + limited
+
+
+@pytest.mark.timeout(320)
+def test_report_table_measures_the_report() -> None:
+    [row] = bench("report", "--n", "2000")
+    rollouts, _, _, seconds, _, rss, size = cells(row)
+    assert rollouts == "2,000" and seconds.endswith(" s") and rss.endswith(" MB")
+    assert size.endswith(" MB")

@@ -117,8 +117,12 @@ def h(loop: EventLoopThread) -> Harness:
 def test_landed(h: Harness) -> None:
     out = h.run()
     assert out.ended is Ended.LANDED and out.rollout == "3-1"
-    assert h.shard.results == [RESULT] and h.shard.failures == []
-    assert out.record == RESULT
+    # The landed row is the reply, stamped with when its /run started and how long it took.
+    [landed] = h.shard.results
+    started, run_ms = landed.pop(F.STARTED_AT), landed.pop(F.RUN_MS)
+    assert landed == RESULT and h.shard.failures == []
+    assert isinstance(started, float) and 0 <= run_ms <= 60_000
+    assert out.record is not None and out.record[F.RUN_MS] == run_ms
     assert out.requests == 1 and out.run_ms is not None
     assert h.gate.freed == ["3:1"] and h.slots_returned()
     assert h.gate.released[0].duration_s is None  # no budget: no duration kept

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,13 @@ from workers.agent_call import CallOutcome, with_attempt
 from workers.backpressure import RateLimitWaits, budget_failure, next_wait_s
 from workers.landing import LandReport
 from workers.rollout.context import STOP_POLL_S, RolloutContext
-from workers.rollout.rows import drained_row, not_started_message, sort_outcome, worker_lost_row
+from workers.rollout.rows import (
+    drained_row,
+    not_started_message,
+    sort_outcome,
+    stamp_timing,
+    worker_lost_row,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +119,8 @@ class _Run:
         timed = ended is Ended.LANDED and self.req.admission.dispatch_deadline is not None
         try:
             if self.delivery.record:
+                at, ms = time.time() - (ctx.monotonic() - started), (ended_call - started) * 1000
+                stamp_timing([*failures, *([] if result is None else [result])], at, ms)
                 ended = self.land(result, failures, ended)
         finally:
             ctx.gate.release(ticket, token, duration_s=ended_call - started if timed else None)
