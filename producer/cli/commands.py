@@ -305,7 +305,7 @@ def status(
 
     rd = RunDir(run_dir)
     manifest = load_manifest(rd, shard)
-    reader = StatusReader(rd, shard, find_redis_url(manifest, redis_url, broker))
+    reader = StatusReader(rd, shard, find_redis_url(rd, manifest, redis_url, broker))
     if reader.redis_url is None and manifest.state == "running":
         reader.live_error = unknown_redis(manifest)
     if watch:
@@ -331,7 +331,7 @@ def cancel(
 
     rd = RunDir(run_dir)
     manifest = load_manifest(rd, shard)
-    _console.print(cancel_shard(rd, shard, find_redis_url(manifest, redis_url, broker), drain))
+    _console.print(cancel_shard(rd, shard, find_redis_url(rd, manifest, redis_url, broker), drain))
 
 
 @main.command(context_settings=PASS_THROUGH)

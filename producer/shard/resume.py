@@ -306,7 +306,10 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
         console.print(
             f"starting an embedded Redis and {opts.workers} local worker processes{local}"
         )
-        with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:
+        shard = (rd.url, opts.shard)
+        with LocalCluster(
+            opts.workers, opts.concurrency, events=opts.events, shard=shard
+        ) as cluster:
             result = go(cluster.url, cluster.url, local=True)
     console.print(f"run directory: {rd.url}")
     if result is None:

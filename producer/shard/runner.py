@@ -96,7 +96,10 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
         )
     else:
         console.print(f"starting an embedded Redis and {opts.workers} local worker processes")
-        with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:
+        shard = (planned.rd.url, planned.manifest.shard)
+        with LocalCluster(
+            opts.workers, opts.concurrency, events=opts.events, shard=shard
+        ) as cluster:
             result = dispatch_and_wait(
                 planned, opts, cluster.url, cluster.url, console, config, local=True
             )
