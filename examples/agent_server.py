@@ -1,7 +1,9 @@
 """An example agent server: `POST /run` answers with the stand-in model and verifies the answer.
 
 Knobs for tests and benchmarks (command-line flags, or `POST /admin/knobs` with the same names):
-latency, a random fault rate over chosen fault kinds, and a request log. A row can also ask for
+latency, a random fault rate over chosen fault kinds, a request log, and the stand-in model's
+`sample_seed` and `wrong_rate` (another draw of its samples; a known fraction of its right
+answers turned wrong). A row can also ask for
 its own fault (`"fault": {"kind": "http500", "times": 1}`: its first request fails) or its own
 latency (`"agent_latency_ms": 2000`). Fault kinds: http500, http502, http503, reset, malformed, list,
 hang (no reply), stall (a reply that stops after its first bytes), huge (a valid JSON object of
@@ -91,6 +93,10 @@ class AgentKnobs:
     model_url: str | None = None
     # Ask the model for a streamed (SSE) response.
     model_stream: bool = False
+    # Another draw of the stand-in model's samples (0: the demo's), and the fraction of its right
+    # answers turned wrong: two agents of known different accuracy (`rollouts compare`).
+    sample_seed: int = 0
+    wrong_rate: float = 0.0
 
 
 def padding_items(kb: int) -> list[dict[str, Any]]:
@@ -368,7 +374,7 @@ class AgentServer:
     def result(self, row: dict[str, Any], model: dict[str, Any] | None = None) -> dict[str, Any]:
         if model is not None:
             return self._scored(row, model, _output_text(model))
-        answer, out_tokens = stand_in_answer(row)
+        answer, out_tokens = stand_in_answer(row, self.knobs.sample_seed, self.knobs.wrong_rate)
         in_tokens = 12 + len(str(row.get("responses_create_params", ""))) // 8
         rid = f"{row.get('_ng_task_index')}-{row.get('_ng_rollout_index')}"
         response = {

@@ -83,6 +83,22 @@ class Manifest(BaseModel):
     def token(self) -> str:
         return self.generations[-1].token
 
+    def agent_urls(self) -> dict[str, str]:
+        """Agent name -> URL (secrets redacted, as the config is)."""
+        return agent_urls(self.config)
+
+
+def agent_urls(config: dict[str, Any]) -> dict[str, str]:
+    """Agent name -> URL, from a servers config as a manifest holds it."""
+    agents = config.get("agents")
+    if not isinstance(agents, dict):
+        return {}
+    return {
+        name: str(agent["url"])
+        for name, agent in agents.items()
+        if isinstance(agent, dict) and isinstance(agent.get("url"), str)
+    }
+
 
 RATE_LIMIT_WAITS = "rate_limit_waits:"
 """Prefix of the shard counts' field `rate_limit_waits:<agent>`: 429/503 replies waited out."""

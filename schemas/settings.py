@@ -93,6 +93,8 @@ class CollectionSettings(BaseModel):
     once); a resume makes them permanent again. Everything they hold is rebuilt from storage."""
     disable_health_check: bool = False
     """Write a `disabled` quality summary instead of checking."""
+    write_report: bool = True
+    """The finish step writes the run report, `report.html`, beside the quality summary."""
     health_check_ignored_checks: list[str] = Field(default_factory=list)
     """Check ids to skip."""
     max_failed_rollouts: int | None = Field(default=None, ge=0)

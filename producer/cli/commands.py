@@ -305,7 +305,7 @@ def status(
 
     rd = RunDir(run_dir)
     manifest = load_manifest(rd, shard)
-    reader = StatusReader(rd, shard, find_redis_url(manifest, redis_url, broker))
+    reader = StatusReader(rd, shard, find_redis_url(rd, manifest, redis_url, broker))
     if reader.redis_url is None and manifest.state == "running":
         reader.live_error = unknown_redis(manifest)
     if watch:
@@ -331,7 +331,7 @@ def cancel(
 
     rd = RunDir(run_dir)
     manifest = load_manifest(rd, shard)
-    _console.print(cancel_shard(rd, shard, find_redis_url(manifest, redis_url, broker), drain))
+    _console.print(cancel_shard(rd, shard, find_redis_url(rd, manifest, redis_url, broker), drain))
 
 
 @main.command(context_settings=PASS_THROUGH)
@@ -447,6 +447,31 @@ def health_check(
             fail_on_unhealthy=fail_on_unhealthy,
         )
     )
+
+
+@main.command("report")
+@click.argument("run_dir")
+@click.option(
+    "--output", "-o", default=None, help="The HTML file to write (default: RUN_DIR/report.html)."
+)
+@reports(RolloutsError)
+def report(run_dir: str, output: str | None) -> None:
+    """Write RUN_DIR's report: one HTML file that needs no network to open."""
+    from producer.ops.report import report as write
+
+    sys.exit(write(run_dir, output, _console))
+
+
+@main.command("compare")
+@click.argument("run_a")
+@click.argument("run_b")
+@click.option("--output", "-o", default=None, help="Also write the comparison as an HTML file.")
+@reports(RolloutsError)
+def compare(run_a: str, run_b: str, output: str | None) -> None:
+    """Is RUN_B better than RUN_A? Paired bootstrap over their shared tasks, per environment."""
+    from producer.ops.compare import compare as run_compare
+
+    sys.exit(run_compare(run_a, run_b, output, _console))
 
 
 @main.command("aggregate")

@@ -97,3 +97,11 @@ def test_capture_table_has_both_paths_for_each_load() -> None:
     ]
     assert all(r[9] == "-" for r in rows if r[0] == "direct")
     assert all(float(r[9]) > 0 for r in rows if r[0] == "proxy")  # the proxy's CPU was read
+
+
+@pytest.mark.timeout(320)
+def test_report_table_measures_the_report() -> None:
+    [row] = bench("report", "--n", "2000")
+    rollouts, _, _, seconds, _, rss, size = cells(row)
+    assert rollouts == "2,000" and seconds.endswith(" s") and rss.endswith(" MB")
+    assert size.endswith(" MB")

@@ -53,6 +53,13 @@ class Harness:
         self.slept: list[float] = []
         self.clients: list[httpx.AsyncClient] = []
         self.land_wait_s = 5.0
+        self.refused_because: str | None = None
+        self.checked: list[tuple[RunRef, str]] = []
+
+    def refusal(self, run: RunRef, agent_url: str) -> str | None:
+        """The manifest check (`RunCheck`): records what it was asked."""
+        self.checked.append((run, agent_url))
+        return self.refused_because
 
     def reply(self, status: int, body: Any) -> Handler:
         async def answer(request: httpx.Request) -> httpx.Response:
@@ -76,6 +83,7 @@ class Harness:
             agent=LoopCaller(self.loop, self.client, poll_s=0.01),
             sleep=self.slept.append,
             land_wait_s=self.land_wait_s,
+            runs=self,
         )
 
     def run(
@@ -109,8 +117,13 @@ def h(loop: EventLoopThread) -> Harness:
 def test_landed(h: Harness) -> None:
     out = h.run()
     assert out.ended is Ended.LANDED and out.rollout == "3-1"
-    assert h.shard.results == [RESULT] and h.shard.failures == []
-    assert out.record == RESULT
+    # The landed row is the reply, stamped with when its /run started and how long it took.
+    [landed] = h.shard.results
+    started, run_ms = landed[F.STARTED_AT], landed[F.RUN_MS]
+    untimed = {k: v for k, v in landed.items() if k not in (F.STARTED_AT, F.RUN_MS)}
+    assert untimed == RESULT and h.shard.failures == []
+    assert isinstance(started, float) and 0 <= run_ms <= 60_000
+    assert out.record is not None and out.record[F.RUN_MS] == run_ms
     assert out.requests == 1 and out.run_ms is not None
     assert h.gate.freed == ["3:1"] and h.slots_returned()
     assert h.gate.released[0].duration_s is None  # no budget: no duration kept
@@ -129,6 +142,21 @@ def test_identity_comes_from_the_planned_row_not_the_echo(h: Harness) -> None:
     h.handler = h.reply(200, {F.TASK_INDEX: 99, "reward": 0.0})
     out = h.run()
     assert out.ended is Ended.LANDED and h.shard.results[0][F.TASK_INDEX] == 3
+
+
+def test_a_task_its_manifest_does_not_vouch_for_is_fenced_before_admission(h: Harness) -> None:
+    h.refused_because = "the task names shard 0 of /tmp/nowhere, which has no readable manifest"
+    out = h.run()
+    assert out.ended is Ended.FENCED and out.detail == h.refused_because and out.record is None
+    [(run, agent_url)] = h.checked
+    assert run.token == "token-1" and agent_url == "http://agent"
+    assert h.requests == [] and h.gate.admitted == [] and h.lander.calls == 0
+
+
+def test_an_unrecorded_call_is_not_checked_against_a_manifest(h: Harness) -> None:
+    h.refused_because = "never asked"
+    out = h.run(Delivery(record=False, fails_run=False))
+    assert out.ended is Ended.LANDED and h.checked == [] and h.lander.calls == 0
 
 
 def test_duplicate_at_admission_calls_nobody(h: Harness) -> None:

@@ -20,6 +20,7 @@ from schemas.messages import CallPolicy, CollectRequest, RunRef
 from workers.admission import Ticket, gate
 from workers.agent_call import CallOutcome, call_run
 from workers.landing import LAND_WAIT_S, LandReport, lander
+from workers.shard.trust import ManifestCheck
 
 STOP_POLL_S = 0.5
 
@@ -54,6 +55,12 @@ class RecordLander(Protocol):
     ) -> concurrent.futures.Future[LandReport]:
         """Queue the records; the future settles with the report, or the error that failed them."""
         ...
+
+
+class RunCheck(Protocol):
+    """Why a task's run fields must not be trusted, or None (`ManifestCheck`)."""
+
+    def refusal(self, run: RunRef, agent_url: str) -> str | None: ...
 
 
 class LoopCaller:
@@ -104,12 +111,18 @@ class RolloutContext:
     """How the engine waits between landing retries and out rate limits."""
     land_wait_s: float = LAND_WAIT_S
     """How long one landing attempt may take before the rollout ends in error."""
+    runs: RunCheck | None = None
+    """Vouches for a recorded task's run fields before anyone is called (the shard's manifest,
+    `workers/shard/trust.py`); None trusts every task (unit tests of the other steps)."""
 
 
 def _real_context(redis_url: str) -> RolloutContext:
     io = process_io()
     return RolloutContext(
-        gate=gate(redis_url), lander=lander(redis_url), agent=LoopCaller(io.loop, lambda: io.http)
+        gate=gate(redis_url),
+        lander=lander(redis_url),
+        agent=LoopCaller(io.loop, lambda: io.http),
+        runs=ManifestCheck(),
     )
 
 

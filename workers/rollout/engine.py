@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,13 @@ from workers.backpressure import RateLimitWaits, budget_failure, next_wait_s
 from workers.capture import clear_for, merge_into
 from workers.landing import LandReport
 from workers.rollout.context import STOP_POLL_S, RolloutContext
-from workers.rollout.rows import drained_row, not_started_message, sort_outcome, worker_lost_row
+from workers.rollout.rows import (
+    drained_row,
+    not_started_message,
+    sort_outcome,
+    stamp_timing,
+    worker_lost_row,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +104,11 @@ class _Run:
 
     def run(self) -> RolloutOutcome:
         ctx, token = self.ctx, self.req.run.token
+        if self.delivery.record and ctx.runs is not None:
+            refused = ctx.runs.refusal(self.req.run, self.req.agent_url)
+            if refused is not None:
+                log.error("rollout %s refused: %s", self.rollout, refused)
+                return self.end(Ended.FENCED, detail=refused)
         called = self.call()
         if isinstance(called, RolloutOutcome):
             return called
@@ -110,6 +122,8 @@ class _Run:
         timed = ended is Ended.LANDED and self.req.admission.dispatch_deadline is not None
         try:
             if self.delivery.record:
+                at, ms = time.time() - (ctx.monotonic() - started), (ended_call - started) * 1000
+                stamp_timing([*failures, *([] if result is None else [result])], at, ms)
                 ended = self.land(result, failures, ended)
         finally:
             ctx.gate.release(ticket, token, duration_s=ended_call - started if timed else None)
