@@ -35,9 +35,22 @@ def worker_command(
     return [*cmd, *extra]
 
 
+MALLOC_ARENA_MAX = "2"
+"""glibc's arenas per worker process (unless the environment sets `MALLOC_ARENA_MAX`).
+
+glibc gives a threaded process up to 8 arenas per core; a worker's hundreds of threads spread
+their short-lived replies over all of them, and freed memory stays mapped in each: one worker of
+64 threads grew from 139 MB after 10k rollouts to 244 MB after 60k, with Python's own
+allocations flat (tracemalloc: 24.06 MB, then 24.09 MB). With two arenas it stays flat (README:
+"Worker memory"). Read by glibc when the process starts, so it is set for the worker's command.
+"""
+
+
 def worker_env(broker_url: str | None, redis_url: str | None) -> dict[str, str]:
-    """This process's environment with the cluster a worker joins (given parts only)."""
+    """This process's environment with the cluster a worker joins (given parts only), and
+    glibc's arena cap (`MALLOC_ARENA_MAX`)."""
     env = dict(os.environ)
+    env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENA_MAX)
     if broker_url:
         env["ROLLOUTS_BROKER_URL"] = broker_url
     if redis_url:
