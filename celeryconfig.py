@@ -49,7 +49,8 @@ broker_transport_options = {
     "unacked_restore_throttle": 1 if VISIBILITY_TIMEOUT_S < 600 else 10,
 }
 result_backend_transport_options = {"visibility_timeout": VISIBILITY_TIMEOUT_S}
-redis_max_connections = 4096
+# Per pool; a worker's result backend pool blocks when they are all busy (workers/app.py).
+redis_max_connections = _env.redis_max_connections
 broker_connection_retry_on_startup = True
 # A connection blip must not abandon rollouts that are running: they land their records
 # (idempotently) and the broker redelivers what could not be acknowledged.

@@ -4,7 +4,10 @@ Scenarios: latency (N=5,000, agent latency 1 s, 512 in flight), overhead (N=10,0
 agent, CPU per rollout over every process), scale (N=1k/10k/100k: throughput, enqueue rate and
 the producer's peak RSS), workers (1 vs 2 worker processes with the workers' CPU the
 bottleneck), ratelimit (N=2,000, agent latency 200 ms, 429 above 8 concurrent calls, 512 in flight;
-`bench/ratelimit.py`). Figures are ratios within one invocation; this machine is shared and noisy, so
+`bench/ratelimit.py`), capture (N=4,000 model calls direct vs through `rollouts capture-proxy`,
+streamed and not, 1 and 64 in flight: added latency and proxy CPU per call; `bench/capture.py`),
+report (100k and 1M synthetic rollouts in 4 shards: `rollouts report`'s time, peak RSS and file
+size; `bench/report.py`). Figures are ratios within one invocation; this machine is shared and noisy, so
 absolute numbers vary between runs.
 """
 
@@ -275,7 +278,8 @@ def agent_url(config_path: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "scenario", choices=["latency", "overhead", "scale", "workers", "ratelimit"]
+        "scenario",
+        choices=["latency", "overhead", "scale", "workers", "ratelimit", "capture", "report"],
     )
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument("--workers", type=int, default=2)
@@ -329,6 +333,14 @@ def main() -> None:
             agent_url,
         )
         print(report)
+    elif a.scenario == "capture":
+        from bench.capture import capture
+
+        print(capture(a.n or 4000, 64 if a.in_flight == 512 else a.in_flight, a.rounds))
+    elif a.scenario == "report":
+        from bench.report import report_bench
+
+        print(report_bench([a.n] if a.n else [100_000, 1_000_000]))
     elif a.scenario == "workers":
         print(workers_scenario(a.n or 5000, a.concurrency, a.pad_kb, a.rounds))
 

@@ -34,11 +34,14 @@ ROOT = Path(__file__).resolve().parent.parent
 TEXT = "The answer is 42. " * 20
 
 
-def _trajectory(i: int) -> dict[str, object]:
+def _trajectory(i: int, task: int, rollout: int) -> dict[str, object]:
+    ids = {"task_id": str(task), "rollout_id": f"{task}-{rollout}"}
+    turn = {"invocation_id": "main", **ids, "turn_no": 1, "timestamp": 1.0, "step_count": 0}
     return {
         "schema_version": "1.0",
+        **ids,
         "invocations": [],
-        "turns": [{"turn_no": 0, "answer": "42", "model_calls": [{"model_call_id": f"c{i}"}]}],
+        "turns": [{**turn, "answer": "42", "model_calls": [{"model_call_id": f"c{i}"}]}],
         "model_calls": [
             {
                 "model_call_id": f"c{i}",
@@ -95,7 +98,7 @@ def write_folder(folder: Path, rollouts: int) -> int:
                     },
                 }
                 if i % 2:
-                    row["ng_trajectory"] = _trajectory(i)
+                    row["ng_trajectory"] = _trajectory(i, task, rollout)
                 line = orjson.dumps(row) + b"\n"
                 total += len(line)
                 results.write(line)

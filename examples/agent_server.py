@@ -1,7 +1,9 @@
 """An example agent server: `POST /run` answers with the stand-in model and verifies the answer.
 
 Knobs for tests and benchmarks (command-line flags, or `POST /admin/knobs` with the same names):
-latency, a random fault rate over chosen fault kinds, and a request log. A row can also ask for
+latency, a random fault rate over chosen fault kinds, a request log, and the stand-in model's
+`sample_seed` and `wrong_rate` (another draw of its samples; a known fraction of its right
+answers turned wrong). A row can also ask for
 its own fault (`"fault": {"kind": "http500", "times": 1}`: its first request fails) or its own
 latency (`"agent_latency_ms": 2000`). Fault kinds: http500, http502, http503, reset, malformed, list,
 hang (no reply), stall (a reply that stops after its first bytes), huge (a valid JSON object of
@@ -12,6 +14,12 @@ A row's `"result_extra": {...}` is merged into its result (e.g. an agent-chosen 
 `_ng_failure_class`, or `_ng_no_persist`). `deep_reply_every` N makes the reply of every task
 whose index is a multiple of N nested `deep_reply_depth` levels deep (valid JSON that a parser
 with a higher depth limit than its encoder reads but cannot write again).
+
+A model (`--model-url URL`, e.g. a capture proxy in front of `examples/model_server.py`): each
+rollout calls `URL/ng-rollout/<rollout id>/v1/responses` once (the capture key: the rollout id,
+`-a<n>` for attempts after the first, as NeMo Gym's agents do) with `x-session-id` set to its
+invocation id, streamed with `--model-stream`; the result carries the model's response and an
+`ng_agent_observations` bundle naming that invocation. Without it, the stand-in answers in-process.
 
 A rate limit (`--rate-limit-above K --retry-after S`): a call that would be the agent's
 (K+1)-th concurrent one is answered at once with HTTP 429 and `Retry-After: S` (K = 0: every
@@ -27,14 +35,17 @@ import argparse
 import asyncio
 import contextlib
 import time
+import uuid
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 
 from examples.tasks import _unit, stand_in_answer
+from schemas import fields as F
 
 FAULT_KINDS = (
     "http500",
@@ -78,6 +89,14 @@ class AgentKnobs:
     rate_limit_above: int | None = None
     # The 429's Retry-After in seconds (negative: no header).
     retry_after_s: float = 1.0
+    # Base URL of a Responses API model (None: the stand-in answers in-process).
+    model_url: str | None = None
+    # Ask the model for a streamed (SSE) response.
+    model_stream: bool = False
+    # Another draw of the stand-in model's samples (0: the demo's), and the fraction of its right
+    # answers turned wrong: two agents of known different accuracy (`rollouts compare`).
+    sample_seed: int = 0
+    wrong_rate: float = 0.0
 
 
 def padding_items(kb: int) -> list[dict[str, Any]]:
@@ -113,6 +132,7 @@ class AgentServer:
         self._log_path: str | None = None
         self._pad: list[dict[str, Any]] | None = None
         self._bomb: tuple[int, bytes] | None = None
+        self._session: aiohttp.ClientSession | None = None
 
     def _write_log(self, event: dict[str, Any]) -> None:
         path = self.knobs.request_log
@@ -181,8 +201,12 @@ class AgentServer:
                 st.faults += 1
                 outcome = f"fault:{fault}"
                 return await self._fault_response(request, fault)
+            if self.knobs.model_url:
+                body = orjson.dumps(await self.model_result(row, self.knobs.model_url))
+            else:
+                body = self.reply_body(row)
             st.completed += 1
-            return web.Response(body=self.reply_body(row), content_type="application/json")
+            return web.Response(body=body, content_type="application/json")
         except asyncio.CancelledError:
             st.cancelled += 1
             outcome = "cancelled"
@@ -295,10 +319,63 @@ class AgentServer:
             self._pad = padding_items(kb)
         return self._pad
 
-    def result(self, row: dict[str, Any]) -> dict[str, Any]:
-        answer, out_tokens = stand_in_answer(row)
+    async def model_result(self, row: dict[str, Any], model_url: str) -> dict[str, Any]:
+        """The result of one call to the model, under the rollout's capture key."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        key = F.rollout_id(row)
+        invocation = f"inv-{uuid.uuid4().hex[:12]}"
+        params = dict(row.get("responses_create_params") or {})
+        hints = {
+            "expected_answer": str(row.get("expected_answer", "")),
+            "difficulty": str(row.get("difficulty", 0.3)),
+            "rollout_index": str(row.get("_ng_rollout_index", 0)),
+        }
+        body = {
+            **params,
+            "model": "stand-in-1",
+            "metadata": hints,
+            "stream": self.knobs.model_stream,
+        }
+        prefix = f"/ng-rollout/{key}" if key is not None else ""
+        headers = {"content-type": "application/json", "x-session-id": invocation}
+        url = f"{model_url.rstrip('/')}{prefix}/v1/responses"
+        async with self._session.post(url, data=orjson.dumps(body), headers=headers) as reply:
+            reply.raise_for_status()
+            raw = await reply.read()
+        response = _streamed_response(raw) if self.knobs.model_stream else orjson.loads(raw)
+        items = params.get("input")
+        asked = (
+            [{"type": "message", "role": "user", "content": items}]
+            if isinstance(items, str)
+            else [
+                {**i, "type": "message"} if isinstance(i, dict) and "type" not in i else i
+                for i in items or []
+            ]
+        )
+        observations = {
+            "source": "example_agent",
+            "records": [
+                {
+                    "kind": "agent_invocation",
+                    "invocation_id": invocation,
+                    "status": "completed",
+                    "conversation": [*asked, *response.get("output", [])],
+                }
+            ],
+        }
+        return {**self.result(row, response), "ng_agent_observations": observations}
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def result(self, row: dict[str, Any], model: dict[str, Any] | None = None) -> dict[str, Any]:
+        if model is not None:
+            return self._scored(row, model, _output_text(model))
+        answer, out_tokens = stand_in_answer(row, self.knobs.sample_seed, self.knobs.wrong_rate)
         in_tokens = 12 + len(str(row.get("responses_create_params", ""))) // 8
-        correct = answer.strip() == str(row.get("expected_answer", "")).strip()
         rid = f"{row.get('_ng_task_index')}-{row.get('_ng_rollout_index')}"
         response = {
             "id": f"resp_{rid}",
@@ -322,6 +399,10 @@ class AgentServer:
                 "total_tokens": in_tokens + out_tokens,
             },
         }
+        return self._scored(row, response, answer)
+
+    def _scored(self, row: dict[str, Any], response: dict[str, Any], answer: str) -> dict[str, Any]:
+        correct = answer.strip() == str(row.get("expected_answer", "")).strip()
         extra = row.get("result_extra")
         return {
             **row,
@@ -354,6 +435,11 @@ class AgentServer:
         app.router.add_get("/stats", self.get_stats)
         app.router.add_post("/admin/knobs", self.set_knobs)
         app.router.add_post("/admin/reset", self.reset)
+
+        async def closing(_: web.Application) -> None:
+            await self.aclose()
+
+        app.on_cleanup.append(closing)
         return app
 
     def close(self) -> None:
@@ -361,6 +447,28 @@ class AgentServer:
             with contextlib.suppress(OSError):
                 self._log.close()
             self._log = None
+
+
+def _output_text(response: dict[str, Any]) -> str:
+    return "".join(
+        part.get("text", "")
+        for item in response.get("output") or []
+        if isinstance(item, dict) and item.get("type") == "message"
+        for part in item.get("content") or []
+        if isinstance(part, dict)
+    )
+
+
+def _streamed_response(raw: bytes) -> dict[str, Any]:
+    """The final response of a Responses API event stream (its `response.completed` event)."""
+    for block in reversed(raw.split(b"\n\n")):
+        for line in block.splitlines():
+            if line.startswith(b"data:"):
+                event = orjson.loads(line[5:])
+                if isinstance(event, dict) and isinstance(event.get("response"), dict):
+                    response: dict[str, Any] = event["response"]
+                    return response
+    raise ValueError("the model's stream has no final response")
 
 
 def main() -> None:
@@ -390,6 +498,8 @@ def main() -> None:
     parser.add_argument(
         "--retry-after", type=float, default=1.0, help="The 429's Retry-After in seconds."
     )
+    parser.add_argument("--model-url", default=None, help="A Responses API model (or proxy).")
+    parser.add_argument("--model-stream", action="store_true", help="Stream the model's replies.")
     a = parser.parse_args()
     knobs = AgentKnobs(
         latency_ms=a.latency_ms,
@@ -403,6 +513,8 @@ def main() -> None:
         deep_reply_depth=a.deep_reply_depth,
         rate_limit_above=a.rate_limit_above,
         retry_after_s=a.retry_after,
+        model_url=a.model_url,
+        model_stream=a.model_stream,
     )
     web.run_app(
         AgentServer(a.name, knobs).app(), host=a.host, port=a.port, handler_cancellation=True

@@ -1,4 +1,9 @@
-"""`rollouts demo`: the example servers, a generated dataset, an embedded cluster, one run."""
+"""`rollouts demo`: the example servers, a generated dataset, an embedded cluster, one run.
+
+The agents call the example model server through a capture proxy, into `<run dir>/model-calls`
+(NeMo Gym's default place), and the run merges each rollout's capture into its result, so the
+health check judges observed model calls.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ def run_demo(
     output_dir = output_dir or os.path.join(
         "demo-runs", datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     )
-    servers = start_servers()
+    capture_dir = os.path.abspath(os.path.join(output_dir, "model-calls"))
+    servers = start_servers(capture_dir=capture_dir)
     try:
         with tempfile.TemporaryDirectory(prefix="rollouts-demo-") as tmp:
             config = servers.write_config(os.path.join(tmp, "servers.yaml"))
@@ -52,7 +58,12 @@ def run_demo(
                     output_dir=output_dir,
                     # A failure limit lets the health check judge the run (without one it says
                     # "unknown": nothing to compare failures against).
-                    settings={"num_repeats": repeats, "max_failed_fraction": 0.05},
+                    settings={
+                        "num_repeats": repeats,
+                        "max_failed_fraction": 0.05,
+                        "observability_enabled": True,
+                        "model_call_capture_dir": capture_dir,
+                    },
                     workers=workers,
                     concurrency=64,
                 ),

@@ -3,7 +3,10 @@
     python -m examples.servers --write-config servers.yaml [--latency-ms 200 --fault-rate 0.1]
 
 starts the demo topology (math_agent behind math_env, count_agent behind count_env) on free
-ports, writes the matching servers config, and serves until interrupted.
+ports, writes the matching servers config, and serves until interrupted. With `--capture-dir
+URL` the agents call the example model server through a capture proxy (`infra/capture_proxy.py`)
+that captures each call into URL; run with `+observability_enabled=true
++model_call_capture_dir=URL` to merge the captures into the results.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from aiohttp import web
 
 from examples.agent_server import FAULT_KINDS, AgentKnobs, AgentServer
 from examples.env_server import EnvironmentServer
+from examples.model_server import ModelServer
+from infra.capture_proxy import CaptureProxy
 
 DEMO_TOPOLOGY = {"math_agent": "math_env", "count_agent": "count_env"}
 DEMO_FAMILIES = {"math_agent": "arithmetic", "count_agent": "counting"}
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free on loopback now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -44,6 +50,10 @@ class RunningServers:
     loop: asyncio.AbstractEventLoop | None = None
     thread: threading.Thread | None = None
     runners: list[web.AppRunner] = field(default_factory=list)
+    model: ModelServer | None = None
+    """The example model server, when the agents call one."""
+    proxy: CaptureProxy | None = None
+    """The capture proxy in front of it."""
 
     def config(self) -> dict[str, Any]:
         """The normalised servers config for these servers."""
@@ -89,7 +99,7 @@ async def _serve(servers: RunningServers, apps: dict[str, web.Application], host
     for name, app in apps.items():
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        port = _free_port()
+        port = free_port()
         await web.TCPSite(runner, host, port, backlog=4096).start()
         servers.runners.append(runner)
         servers.urls[name] = f"http://{host}:{port}"
@@ -100,16 +110,23 @@ def start_servers(
     knobs: AgentKnobs | None = None,
     failing_environments: tuple[str, ...] = (),
     host: str = "127.0.0.1",
+    capture_dir: str | None = None,
 ) -> RunningServers:
     """Start one agent per key of `topology` (agent -> environment) and each environment once,
-    listening on `host`."""
+    listening on `host`; with `capture_dir`, also the example model server and a capture proxy
+    the agents call."""
     topology = topology or DEMO_TOPOLOGY
     servers = RunningServers(agent_env=dict(topology))
     for agent in topology:
         servers.agents[agent] = AgentServer(agent, AgentKnobs(**vars(knobs)) if knobs else None)
     for env in dict.fromkeys(topology.values()):
         servers.environments[env] = EnvironmentServer(env, fail=env in failing_environments)
-    apps = {n: a.app() for n, a in servers.agents.items()}
+    apps: dict[str, web.Application] = {}
+    if capture_dir is not None:
+        servers.model = ModelServer()
+        servers.proxy = CaptureProxy("http://unset", capture_dir)
+        apps = {"model_server": servers.model.app(), "capture_proxy": servers.proxy.app()}
+    apps.update({n: a.app() for n, a in servers.agents.items()})
     apps.update({n: e.app() for n, e in servers.environments.items()})
     loop = asyncio.new_event_loop()
     ready = threading.Event()
@@ -132,6 +149,10 @@ def start_servers(
     ready.wait(30)
     if errors:
         raise errors[0]
+    if servers.proxy is not None:
+        servers.proxy.upstream = servers.urls["model_server"]
+        for server in servers.agents.values():
+            server.knobs.model_url = servers.urls["capture_proxy"]
     return servers
 
 
@@ -159,6 +180,10 @@ def main() -> None:
         help="Agents answer 429 to a call above this many concurrent ones (0: every call).",
     )
     parser.add_argument("--retry-after", type=float, default=1.0, help="The 429's Retry-After.")
+    parser.add_argument(
+        "--capture-dir", default=None, help="Agents call a model through a capture proxy into this."
+    )
+    parser.add_argument("--model-stream", action="store_true", help="Stream the model's replies.")
     a = parser.parse_args()
     topology = {name: DEMO_TOPOLOGY[name] for name in a.agents.split(",") if name}
     knobs = AgentKnobs(
@@ -171,8 +196,9 @@ def main() -> None:
         pad_kb=a.pad_kb,
         rate_limit_above=a.rate_limit_above,
         retry_after_s=a.retry_after,
+        model_stream=a.model_stream,
     )
-    servers = start_servers(topology, knobs)
+    servers = start_servers(topology, knobs, capture_dir=a.capture_dir)
     servers.write_config(a.write_config)
     print(f"serving; config written to {a.write_config}", flush=True)
     stop = threading.Event()

@@ -83,14 +83,22 @@ def question_of(row: dict[str, Any]) -> str:
     return ""
 
 
-def stand_in_answer(row: dict[str, Any]) -> tuple[str, int]:
-    """The model's answer to the row and how many tokens it 'generated'."""
+def stand_in_answer(
+    row: dict[str, Any], sample_seed: int = 0, wrong_rate: float = 0.0
+) -> tuple[str, int]:
+    """The model's answer to the row and how many tokens it 'generated'.
+
+    `sample_seed` other than 0 draws other samples of the same model (same accuracy, other
+    rollouts right); `wrong_rate` turns that fraction of its right answers wrong (an accuracy
+    lower by a known factor: `1 - wrong_rate`).
+    """
     question = question_of(row)
     expected = str(row.get("expected_answer", ""))
     difficulty = float(row.get("difficulty", 0.3))
     rollout = row.get("_ng_rollout_index", 0)
-    u = _unit(question, rollout)
-    if u >= difficulty and expected:
+    u = _unit(question, rollout) if sample_seed == 0 else _unit(question, rollout, sample_seed)
+    spoiled = wrong_rate > 0 and _unit(question, rollout, sample_seed, "wrong") < wrong_rate
+    if u >= difficulty and expected and not spoiled:
         answer = expected
     else:
         try:

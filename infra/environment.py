@@ -44,6 +44,11 @@ class Environment:
     """`ROLLOUTS_TASK_EVENTS=1`: workers send task events (for Flower) from the start."""
     health_range_bytes: int = HEALTH_RANGE_BYTES
     """`ROLLOUTS_HEALTH_RANGE_BYTES`: bytes per job of a distributed health recheck."""
+    redis_max_connections: int = 64
+    """`ROLLOUTS_REDIS_MAX_CONNECTIONS`: a process's connections per Redis pool (its threads share
+    them; one that finds them all busy waits)."""
+    redis_idle_s: float = 60.0
+    """`ROLLOUTS_REDIS_IDLE_S`: a pool unused this long closes its free connections."""
 
 
 def read_environment(environ: Mapping[str, str]) -> Environment:
@@ -58,6 +63,8 @@ def read_environment(environ: Mapping[str, str]) -> Environment:
         worker_concurrency=int(environ.get("ROLLOUTS_WORKER_CONCURRENCY", "256")),
         task_events=environ.get("ROLLOUTS_TASK_EVENTS", "0") == "1",
         health_range_bytes=int(environ.get("ROLLOUTS_HEALTH_RANGE_BYTES", HEALTH_RANGE_BYTES)),
+        redis_max_connections=int(environ.get("ROLLOUTS_REDIS_MAX_CONNECTIONS", "64")),
+        redis_idle_s=float(environ.get("ROLLOUTS_REDIS_IDLE_S", "60")),
     )
 
 

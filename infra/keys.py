@@ -152,8 +152,12 @@ def restored_message(tag: str) -> str:
     return f"{PREFIX}:restored:{tag}"
 
 
+@functools.lru_cache(maxsize=4096)
 def _agent_key(agent_url: str, part: str) -> str:
-    """One key of an agent server: keyed by its URL, as the server is what the keys protect."""
+    """One key of an agent server: keyed by its URL, as the server is what the keys protect.
+
+    Cached, as `shard_id` is: every rollout names its agent's keys several times.
+    """
     digest = hashlib.sha1(agent_url.rstrip("/").encode()).hexdigest()[:20]
     return f"{PREFIX}:agent:{digest}:{part}"
 

@@ -26,7 +26,8 @@ class PerProcess(Generic[K, T]):
         self._made: dict[K, T] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: K) -> T:
+    def get(self, key: K, make: Callable[[], T] | None = None) -> T:
+        """`make()` instead of `factory(key)` when given (a key that stands for more than it is)."""
         if self._pid == os.getpid():
             found = self._made.get(key)
             if found is not None:
@@ -37,7 +38,7 @@ class PerProcess(Generic[K, T]):
                 self._pid = os.getpid()
             found = self._made.get(key)
             if found is None:
-                found = self._made[key] = self._factory(key)
+                found = self._made[key] = make() if make is not None else self._factory(key)
             return found
 
     def existing(self) -> list[T]:

@@ -25,6 +25,10 @@ FAILURE_TERMINAL = "_ng_failure_terminal"
 FAILURE_KIND = "failure_kind"
 NO_PERSIST = "_ng_no_persist"
 DISPATCH_DRAINED = "_ng_dispatch_drained"
+STARTED_AT = "_ng_started_at"
+"""When the delivery that wrote a landed record started its `/run` call (Unix seconds)."""
+RUN_MS = "_ng_run_ms"
+"""How long that delivery's `/run` calls took, rate-limit waits included (milliseconds)."""
 
 # Identity fields copied from the planned row onto whatever the agent returned.
 IDENTITY_FIELDS = (

@@ -82,3 +82,5 @@ class FinishResult(BaseModel):
     """The health check's brief (state, verdict, reasons, verdict counts, path) or its error."""
     coverage: Coverage | None = None
     """The metrics' coverage of the planned rollouts; None when aggregation did not run."""
+    report: str | None = None
+    """Where the run report (`report.html`) was written; None when it is off or failed."""

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.records import RateLimitWaits
+from schemas.usage import TokenUsage
 
 QUALITY_SUMMARY = "quality_summary.json"
 ROLLOUT_VERDICTS = "rollout_verdicts.jsonl"
@@ -89,6 +90,8 @@ class Source(BaseModel):
     """Rollouts drained (never started), from its status record; None when unknown."""
     rate_limit_waits: dict[str, RateLimitWaits] | None = None
     """Per agent, the 429/503 replies waited out, from its status record; None when unknown."""
+    tokens: TokenUsage | None = None
+    """Tokens (and cost) of its landed rollouts, from its status record; None when unknown."""
 
 
 FileKind = Literal["results", "failures", "materialized"]

@@ -82,6 +82,17 @@ class Admission(BaseModel):
     """Stop starting this long before the deadline; None: the p75 of observed durations."""
 
 
+class CaptureRef(BaseModel):
+    """Where a rollout's model calls are captured, when observability is on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dir: str
+    """The `model_call_capture_dir` URL."""
+    delete_after_merge: bool = False
+    """Delete the rollout's capture files once merged."""
+
+
 class CollectRequest(BaseModel):
     """One rollout: the planned row and where its agent listens."""
 
@@ -97,6 +108,8 @@ class CollectRequest(BaseModel):
     """The planned row, sent as the `/run` body."""
     admission: Admission = Admission()
     """Caps and budget that decide when the rollout may start."""
+    capture: CaptureRef | None = None
+    """The run's capture dir; None when observability is off."""
 
 
 class FinishRequest(BaseModel):

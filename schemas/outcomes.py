@@ -15,7 +15,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, model_validator
 
 from schemas import fields as F
 
@@ -83,7 +83,9 @@ class RolloutOutcome(BaseModel):
     without identity."""
     ended: Ended
     """How it ended."""
-    record: dict[str, Any] | None = None
+    # Not validated again: the engine builds it from a reply it already parsed and checked, and
+    # a deep copy of every landed row would cost each rollout more than the rest of this model.
+    record: SkipValidation[dict[str, Any] | None] = None
     """The `/run` result (RESULT_ENDS), the final failure row (FAILURE_ENDS) or the drained row
     (NOT_STARTED); None otherwise."""
     detail: str | None = None

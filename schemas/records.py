@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.usage import TokenUsage
+
 RunState = Literal["running", "completed", "failed", "cancelled"]
 
 
@@ -81,6 +83,22 @@ class Manifest(BaseModel):
     def token(self) -> str:
         return self.generations[-1].token
 
+    def agent_urls(self) -> dict[str, str]:
+        """Agent name -> URL (secrets redacted, as the config is)."""
+        return agent_urls(self.config)
+
+
+def agent_urls(config: dict[str, Any]) -> dict[str, str]:
+    """Agent name -> URL, from a servers config as a manifest holds it."""
+    agents = config.get("agents")
+    if not isinstance(agents, dict):
+        return {}
+    return {
+        name: str(agent["url"])
+        for name, agent in agents.items()
+        if isinstance(agent, dict) and isinstance(agent.get("url"), str)
+    }
+
 
 RATE_LIMIT_WAITS = "rate_limit_waits:"
 """Prefix of the shard counts' field `rate_limit_waits:<agent>`: 429/503 replies waited out."""
@@ -133,6 +151,8 @@ class ShardStatus(BaseModel):
     """Deliveries of an already landed rollout that wrote nothing."""
     rate_limit_waits: dict[str, RateLimitWaits] = Field(default_factory=dict)
     """Per agent name, the 429/503 replies waited out since the run or its latest resume began."""
+    tokens: TokenUsage | None = None
+    """Tokens (and cost, with prices) of the landed rollouts, per run, agent and environment."""
     updated_at: str = Field(default_factory=utc_now)
     """When these counts were taken."""
 

@@ -6,6 +6,8 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from schemas.usage import ModelPrice
+
 DEFAULT_ROLLOUT_TIMEOUT_S = 3600.0
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_MAX_ROW_BYTES = 32 << 20
@@ -91,12 +93,25 @@ class CollectionSettings(BaseModel):
     once); a resume makes them permanent again. Everything they hold is rebuilt from storage."""
     disable_health_check: bool = False
     """Write a `disabled` quality summary instead of checking."""
+    write_report: bool = True
+    """The finish step writes the run report, `report.html`, beside the quality summary."""
     health_check_ignored_checks: list[str] = Field(default_factory=list)
     """Check ids to skip."""
     max_failed_rollouts: int | None = Field(default=None, ge=0)
     """run_excessive_failures: limit on failed rollouts per group."""
     max_failed_fraction: float | None = Field(default=None, ge=0, le=1)
     """run_excessive_failures: limit on the failed fraction per group."""
+    observability_enabled: bool = False
+    """Merge each rollout's model-call capture into its result (NeMo Gym's switch)."""
+    model_call_capture_dir: str | None = None
+    """Where the capture proxy writes `<key>.capture.jsonl`: an absolute path or an fsspec URL
+    (`s3://...`) that the proxies and the workers both reach."""
+    delete_model_call_capture: bool = False
+    """Delete a rollout's capture files once merged into its result (NeMo Gym keeps them)."""
+    model_prices: dict[str, ModelPrice] = Field(default_factory=dict)
+    """USD per million tokens per model name (`{input, output, cached_input}`): the run's cost."""
+    max_cost_usd: float | None = Field(default=None, ge=0)
+    """Stop dispatching (drain) once the landed rollouts' cost passes this."""
 
     @field_validator("num_repeats", mode="before")
     @classmethod
@@ -147,6 +162,24 @@ class CollectionSettings(BaseModel):
         n, i = self.num_shards, self.shard_index
         if n is not None and i is not None and i >= n:
             raise ValueError(f"shard_index={i} must be below num_shards={n} (0 to {n - 1})")
+        return self
+
+    @model_validator(mode="after")
+    def _capture_dir(self) -> CollectionSettings:
+        # NeMo Gym's ModelCallCaptureConfig messages; the dir is ignored with observability off.
+        if not self.observability_enabled:
+            return self
+        url = self.model_call_capture_dir
+        if url is None:
+            raise ValueError("model_call_capture_dir is required when observability_enabled=true")
+        if "://" not in url and not url.startswith("/"):
+            raise ValueError("model_call_capture_dir must be an absolute path")
+        return self
+
+    @model_validator(mode="after")
+    def _cost_needs_prices(self) -> CollectionSettings:
+        if self.max_cost_usd is not None and not self.model_prices:
+            raise ValueError("max_cost_usd needs model_prices (USD per million tokens per model)")
         return self
 
     @model_validator(mode="after")

@@ -78,7 +78,17 @@ def call(
 
 
 def turn(n: int, answer: Any = "ok", refs: tuple[str, ...] = ()) -> dict[str, Any]:
-    return {"turn_no": n, "answer": answer, "model_calls": [{"model_call_id": r} for r in refs]}
+    """Turn `n` (0-based; its `turn_no` is n + 1), identity stamped by `record`."""
+    return {
+        "invocation_id": "main",
+        "task_id": "t",
+        "rollout_id": "r",
+        "turn_no": n + 1,
+        "timestamp": float(n),
+        "step_count": 0,
+        "answer": answer,
+        "model_calls": [{"model_call_id": r} for r in refs],
+    }
 
 
 def trajectory(
@@ -88,6 +98,8 @@ def trajectory(
 ) -> dict[str, Any]:
     return {
         "schema_version": "1.0",
+        "task_id": "t",
+        "rollout_id": "r",
         "invocations": [],
         "turns": turns,
         "model_calls": calls,
@@ -120,10 +132,20 @@ def record(
     if task is not None:
         row["_ng_task_index"] = task
     if traj is not None:
-        row["ng_trajectory"] = traj
+        row["ng_trajectory"] = _stamped(traj, task, rollout)
     if steps is not None:
         row["step_usage"] = steps
     return row
+
+
+def _stamped(traj: dict[str, Any], task: int | None, rollout: int) -> dict[str, Any]:
+    """The trajectory with the record's identity on it and its turns (as the merge writes it)."""
+    if not isinstance(traj.get("turns"), list) or traj.get("rollout_id") != "r":
+        return traj
+    name = "unnumbered" if task is None else str(task)
+    ids = {"task_id": name, "rollout_id": f"{name}-{rollout}"}
+    turns = [{**t, **ids} if isinstance(t, dict) else t for t in traj["turns"]]
+    return {**traj, **ids, "turns": turns}
 
 
 def healthy_trajectory() -> dict[str, Any]:

@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 from celery import Celery
+from celery.backends.base import Backend
+from celery.backends.redis import RedisBackend
 
 from infra.environment import from_env
+from infra.redis_client import shared_pool
+
+
+class _App(Celery):  # type: ignore[misc]
+    """The Celery app, whose result backends share one bounded pool per process.
+
+    Celery makes a result backend per thread and each opens its own pool: a 512-thread worker
+    held a connection per thread beside its own pool's, for as long as it ran. Every backend
+    here takes the pool `infra/redis_client.py` uses instead (bounded, released when idle).
+    """
+
+    def _get_backend(self) -> Backend:
+        backend: Backend = super()._get_backend()
+        if isinstance(backend, RedisBackend):
+            backend._ConnectionPool = shared_pool
+        return backend
+
 
 # `include` imports the task module when a worker starts, without a circular import here.
-app = Celery("rollouts", include=["workers.tasks"])
+app = _App("rollouts", include=["workers.tasks"])
 app.config_from_object("celeryconfig")
 
 

@@ -28,6 +28,7 @@ from workers.health.check import check_sources_here, write_disabled
 from workers.health.sources import source_for
 from workers.health.summary import blind_checks
 from workers.landing import compact_shard, shard_counts
+from workers.report import write_report
 from workers.shard.ledger import ShardLedger, count_shard
 from workers.shard.scored import ScoredRows
 from workers.shard.state import expire_shard_keys
@@ -112,6 +113,17 @@ def check_shard_health(rd: RunDir, shard: str, settings: CollectionSettings) -> 
     return health_brief(run, path)
 
 
+def write_shard_report(rd: RunDir, shard: str) -> str | None:
+    """Write the shard's `report.html` beside its quality summary; returns where, or None when
+    it failed: a report failure is logged and never fails the shard."""
+    results = ShardFiles(shard).results
+    try:
+        return write_report(rd, [source_for(rd, results, results)])[0]
+    except Exception:  # a report must not stop the run
+        log.exception("report of %s shard %s failed; the run is not affected", rd.url, shard)
+        return None
+
+
 def completion_rejection(landed: int, planned: int, where: str) -> str:
     """The strict-completion error (`require_complete`), in NeMo Gym's words."""
     return (
@@ -185,6 +197,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     status.cancelled = generation.get("cancelled", 0)
     status.stopped = generation.get("stopped", 0)
     status.rate_limit_waits = rate_limit_waits(shard_counts(r, sid))
+    status.tokens = counts.tokens.usage(settings.model_prices)
     rejection = None
     if settings.require_complete and counts.landed < counts.planned:
         rejection = completion_rejection(
@@ -208,6 +221,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
         manifest.state = "failed"
         manifest.error = f"{manifest.error}; {rejection}" if manifest.error else rejection
     write_manifest(rd, manifest)
+    report = write_shard_report(rd, run.shard) if settings.write_report else None
     expire_shard_keys(r, sid, settings.redis_key_ttl_s)
     return FinishResult(
         state=manifest.state,
@@ -223,4 +237,5 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
         aggregation_error=aggregation_error,
         health=health,
         coverage=coverage,
+        report=report,
     )

@@ -17,6 +17,7 @@ awaitables resolve in completion order (`producer/api/completions.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -25,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from infra import keys
-from infra.environment import resolve_cluster
+from infra.environment import Cluster, resolve_cluster
+from infra.reachability import check_cluster
 from infra.redis_client import client
 from producer.api.completions import Completions, Convert, Pair, Settled
 from producer.api.record import open_recorded_shard
@@ -88,11 +90,28 @@ def _settings(
     return resolve_settings(base, {k: v for k, v in options.items() if v != defaults[k].default})
 
 
+API_NAMES = {"--broker": "broker_url=", "--redis": "redis_url="}
+"""The API's names for what the CLI calls flags, in its error messages."""
+
+
 def _urls(broker_url: str | None, redis_url: str | None) -> tuple[str, str]:
+    """The cluster's broker and Redis, checked once per process (as `rollouts run` checks them,
+    before anything is dispatched or written): a UsageError names the argument and address."""
     cluster = resolve_cluster(broker_url, redis_url)
     if cluster is None:
         raise UsageError("run_examples needs a broker: pass broker_url= or set ROLLOUTS_BROKER_URL")
+    cluster = dataclasses.replace(
+        cluster,
+        broker_from=API_NAMES.get(cluster.broker_from, cluster.broker_from),
+        redis_from=API_NAMES.get(cluster.redis_from, cluster.redis_from),
+    )
+    if cluster not in _checked:
+        check_cluster(cluster)
+        _checked.add(cluster)
     return cluster.broker_url, cluster.redis_url
+
+
+_checked: set[Cluster] = set()
 
 
 def _converter(

@@ -305,7 +305,7 @@ def status(
 
     rd = RunDir(run_dir)
     manifest = load_manifest(rd, shard)
-    reader = StatusReader(rd, shard, find_redis_url(manifest, redis_url, broker))
+    reader = StatusReader(rd, shard, find_redis_url(rd, manifest, redis_url, broker))
     if reader.redis_url is None and manifest.state == "running":
         reader.live_error = unknown_redis(manifest)
     if watch:
@@ -334,7 +334,7 @@ def cancel(
 
     rd = RunDir(run_dir)
     manifest = load_manifest(rd, shard)
-    _console.print(cancel_shard(rd, shard, find_redis_url(manifest, redis_url, broker), drain))
+    _console.print(cancel_shard(rd, shard, find_redis_url(rd, manifest, redis_url, broker), drain))
 
 
 @main.command(context_settings=PASS_THROUGH)
@@ -376,6 +376,30 @@ def flower(
     check_flower_exposure(address, list(flower_args), env)
     cmd = flower_command(port, address, list(flower_args))
     os.execvpe(cmd[0], cmd, env)
+
+
+@main.command("capture-proxy")
+@click.option("--upstream", required=True, help="The model server's base URL (OpenAI-compatible).")
+@click.option(
+    "--capture-dir", required=True, help="model_call_capture_dir: a folder or fsspec URL."
+)
+@click.option("--port", type=int, default=9400, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--model-name",
+    default="policy_model",
+    show_default=True,
+    help="The model_ref name recorded on each call (NeMo Gym's model server name).",
+)
+@reports()
+def capture_proxy(upstream: str, capture_dir: str, port: int, host: str, model_name: str) -> None:
+    """Capture model calls as NeMo Gym does: agents call `http://HOST:PORT/ng-rollout/<rollout
+    id>/v1/...`; each call is forwarded to UPSTREAM and recorded in `<id>.capture.jsonl`."""
+    from infra.capture_proxy import serve
+
+    if not upstream.startswith(("http://", "https://")):
+        raise UsageError(f"--upstream must be an http(s) URL, got {upstream!r}")
+    serve(upstream, capture_dir, host, port, model_name)
 
 
 @main.command("health-check")
@@ -426,6 +450,31 @@ def health_check(
             fail_on_unhealthy=fail_on_unhealthy,
         )
     )
+
+
+@main.command("report")
+@click.argument("run_dir")
+@click.option(
+    "--output", "-o", default=None, help="The HTML file to write (default: RUN_DIR/report.html)."
+)
+@reports(RolloutsError)
+def report(run_dir: str, output: str | None) -> None:
+    """Write RUN_DIR's report: one HTML file that needs no network to open."""
+    from producer.ops.report import report as write
+
+    sys.exit(write(run_dir, output, _console))
+
+
+@main.command("compare")
+@click.argument("run_a")
+@click.argument("run_b")
+@click.option("--output", "-o", default=None, help="Also write the comparison as an HTML file.")
+@reports(RolloutsError)
+def compare(run_a: str, run_b: str, output: str | None) -> None:
+    """Is RUN_B better than RUN_A? Paired bootstrap over their shared tasks, per environment."""
+    from producer.ops.compare import compare as run_compare
+
+    sys.exit(run_compare(run_a, run_b, output, _console))
 
 
 @main.command("aggregate")

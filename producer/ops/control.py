@@ -12,6 +12,7 @@ from infra.environment import operated_redis_url
 from infra.redis_client import client
 from infra.runs import read_manifest
 from infra.store import RunDir
+from producer.shard.local_cluster import attached_url
 from schemas.config import REDACTED
 from schemas.errors import StorageError, UsageError
 from schemas.records import Manifest
@@ -24,10 +25,16 @@ def load_manifest(rd: RunDir, shard: str) -> Manifest:
         raise UsageError(str(exc)) from None
 
 
-def find_redis_url(manifest: Manifest, redis_url: str | None, broker_url: str | None) -> str | None:
-    """`--redis`, `--broker`, the environment, else the Redis the current generation recorded."""
-    recorded = manifest.generations[-1].redis_url if manifest.generations else None
-    return operated_redis_url(redis_url, broker_url, recorded)
+def find_redis_url(
+    rd: RunDir, manifest: Manifest, redis_url: str | None, broker_url: str | None
+) -> str | None:
+    """`--redis`, `--broker`, the environment, else the Redis the current generation recorded;
+    for a local run, its cluster's while it runs (left for this user: `attach_path`)."""
+    last = manifest.generations[-1] if manifest.generations else None
+    found = operated_redis_url(redis_url, broker_url, last.redis_url if last else None)
+    if found is None and last is not None and last.local:
+        found = attached_url(rd.url, manifest.shard)
+    return found
 
 
 def unknown_redis(manifest: Manifest) -> str:

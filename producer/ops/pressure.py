@@ -14,21 +14,9 @@ import redis
 
 from infra import keys
 from producer.shard.live import LiveSnapshot
-from schemas.records import rate_limit_waits
+from schemas.records import agent_urls, rate_limit_waits
 
 LIMITED_WINDOW_S = 60.0
-
-
-def agent_urls(config: dict[str, Any]) -> dict[str, str]:
-    """Agent name -> URL, from the servers config the manifest holds."""
-    agents = config.get("agents")
-    if not isinstance(agents, dict):
-        return {}
-    return {
-        name: str(agent["url"])
-        for name, agent in agents.items()
-        if isinstance(agent, dict) and isinstance(agent.get("url"), str)
-    }
 
 
 def agent_pressure(r: redis.Redis, urls: dict[str, str], now: float) -> dict[str, dict[str, Any]]:

@@ -36,6 +36,7 @@ from infra.store import RunDir, ShardFiles
 from producer.ops.pressure import add_backpressure, backpressure_line
 from producer.shard.live import LiveSnapshot, RunningRollout, snapshot
 from schemas.records import Manifest
+from schemas.usage import ModelPrice
 from workers.shard.ledger import ShardLedger
 
 FINAL_STATES = ("completed", "failed", "cancelled")
@@ -175,6 +176,7 @@ class StatusReader:
             "live": snap is not None,
             "by_agent": {k: v.as_json() for k, v in sorted(t.by_agent.items())},
             "by_environment": {k: v.as_json() for k, v in sorted(t.by_env.items())},
+            "tokens": t.ledger.tokens.usage(_prices(manifest)).model_dump(mode="json"),
         }
         if final:
             self._add_final(report, manifest)
@@ -287,6 +289,11 @@ def exit_code(report: dict[str, Any]) -> int:
     return 0 if report["state"] == "completed" and not report.get("error") else 1
 
 
+def _prices(manifest: Manifest) -> dict[str, ModelPrice]:
+    raw = manifest.settings.get("model_prices") or {}
+    return {name: ModelPrice.model_validate(p) for name, p in raw.items()}
+
+
 def seconds_between(start: str, end: str) -> float | None:
     """Seconds from one ISO timestamp of the records to another; None if either is unreadable."""
     try:
@@ -349,11 +356,28 @@ def rate_text(report: dict[str, Any], sep: str = "") -> str:
     return sep + " · ".join(parts) if parts else ""
 
 
+def tokens_line(report: dict[str, Any]) -> str:
+    """The landed rollouts' tokens (and cost, with prices), when any reported some."""
+    run = (report.get("tokens") or {}).get("run") or {}
+    if not run.get("rollouts"):
+        return ""
+    line = (
+        f"\ntokens: prompt {run['prompt']:,} · completion {run['completion']:,} · "
+        f"reasoning {run['reasoning']:,} · cached {run['cached']:,}"
+    )
+    if run.get("cost_usd") is not None:
+        line += f"\ncost ${run['cost_usd']:.4f}" + (
+            f" ({run['unpriced_calls']} calls of unpriced models)" if run["unpriced_calls"] else ""
+        )
+    return line
+
+
 def summary_line(report: dict[str, Any]) -> str:
     """The outcome and activity lines (each fits 80 columns), then the error if any."""
     line = f"{outcome_line(report)}\n{activity_line(report)}"
     line += holders_lines(report)
     line += backpressure_line(report)
+    line += tokens_line(report)
     if report.get("error"):
         line += f"\nerror: {report['error']}"
     return line

@@ -31,6 +31,7 @@ from schemas.messages import (
     QUEUE,
     Admission,
     CallPolicy,
+    CaptureRef,
     FinishRequest,
     RunRef,
 )
@@ -54,6 +55,17 @@ def call_policy(settings: CollectionSettings) -> CallPolicy:
         rate_limit_budget_s=settings.rate_limit_budget_s,
         rate_limit_max_wait_s=settings.rate_limit_max_wait_s,
     )
+
+
+def capture_ref(settings: CollectionSettings) -> dict[str, Any] | None:
+    """What each rollout task is told of the capture dir; None with observability off."""
+    if not settings.observability_enabled or settings.model_call_capture_dir is None:
+        return None
+    ref = CaptureRef(
+        dir=settings.model_call_capture_dir,
+        delete_after_merge=settings.delete_model_call_capture,
+    )
+    return ref.model_dump(mode="json")
 
 
 def admissions(
@@ -87,6 +99,8 @@ class CollectMessages:
     """Each agent's URL."""
     gates: dict[str, dict[str, Any]]
     """Each agent's admission payload (`admissions`)."""
+    capture: dict[str, Any] | None = None
+    """The run's capture dir payload, when observability is on."""
 
     @classmethod
     def of(
@@ -103,6 +117,7 @@ class CollectMessages:
             policy=call_policy(settings).model_dump(mode="json"),
             urls={name: agent.url for name, agent in config.agents.items()},
             gates=admissions(config, settings, deadline),
+            capture=capture_ref(settings),
         )
 
     def message(
@@ -120,6 +135,8 @@ class CollectMessages:
             payload["reply"] = reply
         if self.gates[agent]:
             payload["admission"] = self.gates[agent]
+        if self.capture is not None:
+            payload["capture"] = self.capture
         run = self.run
         return payload, f"run={run.run_id} shard={run.shard} rollout={rid}"
 

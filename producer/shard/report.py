@@ -57,16 +57,19 @@ def print_counts(console: Console, result: FinishResult) -> None:
     )
 
 
-def print_health(console: Console, health: dict[str, Any] | None) -> None:
-    """The health verdict of a finished run (the finish step's brief of its quality summary)."""
-    if health is None:
-        return
-    if health.get("error"):
+def print_health(
+    console: Console, health: dict[str, Any] | None, report: str | None = None
+) -> None:
+    """The health verdict of a finished run (the finish step's brief of its quality summary),
+    then where its report is."""
+    if health is not None and health.get("error"):
         console.print(
             f"health check failed (the run is not affected): {escape(str(health['error']))}"
         )
-        return
-    console.print(escape(console_line(health, str(health.get("path")))), highlight=False)
+    elif health is not None:
+        console.print(escape(console_line(health, str(health.get("path")))), highlight=False)
+    if report is not None:
+        console.print(f"report: {escape(report)}", highlight=False)
 
 
 def raise_if_unhealthy(health: dict[str, Any] | None, fail_on_unhealthy: bool, flag: str) -> None:

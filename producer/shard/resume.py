@@ -306,13 +306,16 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
         console.print(
             f"starting an embedded Redis and {opts.workers} local worker processes{local}"
         )
-        with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:
+        shard = (rd.url, opts.shard)
+        with LocalCluster(
+            opts.workers, opts.concurrency, events=opts.events, shard=shard
+        ) as cluster:
             result = go(cluster.url, cluster.url, local=True)
     console.print(f"run directory: {rd.url}")
     if result is None:
         return 0
     print_metrics(console, rd, opts.shard)
-    print_health(console, result.health)
+    print_health(console, result.health, result.report)
     print_counts(console, result)
     raise_for_outcome(result)
     raise_if_unhealthy(result.health, opts.fail_on_unhealthy, "--fail-on-unhealthy")

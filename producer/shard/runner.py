@@ -96,7 +96,10 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
         )
     else:
         console.print(f"starting an embedded Redis and {opts.workers} local worker processes")
-        with LocalCluster(opts.workers, opts.concurrency, events=opts.events) as cluster:
+        shard = (planned.rd.url, planned.manifest.shard)
+        with LocalCluster(
+            opts.workers, opts.concurrency, events=opts.events, shard=shard
+        ) as cluster:
             result = dispatch_and_wait(
                 planned, opts, cluster.url, cluster.url, console, config, local=True
             )
@@ -104,7 +107,7 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     if result is None:
         return 0
     print_metrics(console, planned.rd, planned.manifest.shard)
-    print_health(console, result.health)
+    print_health(console, result.health, result.report)
     print_counts(console, result)
     raise_for_outcome(result)
     raise_if_unhealthy(result.health, opts.fail_on_unhealthy, "--fail-on-unhealthy")

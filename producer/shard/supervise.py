@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from infra import keys
 from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
+from producer.shard.cost import CostWatch, cost_reason
 from producer.shard.live import LiveSnapshot, broker_queue_length, snapshot
 from producer.shard.opening import OpenedRun
 from schemas.errors import RunFailedError
@@ -85,6 +86,7 @@ def wait_for_shard(
     last_signature: tuple[Any, ...] | None = None
     last_activity = time.monotonic()
     last_warning = 0.0
+    cost = CostWatch.of(opened.rd, opened.manifest.shard, settings)
 
     def warn(exc: Exception) -> None:
         nonlocal last_warning
@@ -100,6 +102,10 @@ def wait_for_shard(
             warn(exc)
             return
         now = time.monotonic()
+        if cost is not None and cost.check(now):
+            r.set(keys.shard_cancel(sid), "drain")
+            reason = cost_reason(cost.cost, cost.limit)
+            console.print(f"[yellow]dispatch {reason}; running rollouts finish, no other starts[/]")
         _show(progress, bar, snap)
         signature = snap.signature()
         if signature != last_signature or snap.active:
@@ -130,7 +136,10 @@ def wait_for_shard(
         with contextlib.suppress(redis.RedisError):
             _show(progress, bar, snapshot(r, sid))
     if isinstance(value, dict):
-        return FinishResult.model_validate(value)
+        result = FinishResult.model_validate(value)
+        if cost is not None and cost.passed and result.cancelled:
+            raise cost_stopped(opened, cost)
+        return result
     raise RunFailedError(
         f"the finish step of {opened.rd.url} shard {opened.manifest.shard} failed: {value!r}; "
         f"resume it with: rollouts resume {opened.rd.url} --shard {opened.manifest.shard}"
@@ -192,6 +201,17 @@ def stalled(
         manifest.error = message
         write_manifest(rd, manifest)
     return RunFailedError(message)
+
+
+def cost_stopped(opened: OpenedRun, cost: CostWatch) -> RunFailedError:
+    """The drained run's manifest says why; exit 1 with how to run the rest."""
+    manifest = read_manifest(opened.rd, opened.manifest.shard)
+    manifest.error = f"dispatch {cost_reason(cost.cost, cost.limit)}"
+    write_manifest(opened.rd, manifest)
+    return RunFailedError(
+        f"the run's {manifest.error}; `rollouts resume {opened.rd.url} --shard "
+        f"{opened.manifest.shard} +max_cost_usd=N` runs the rest"
+    )
 
 
 def raise_for_outcome(result: FinishResult) -> None:

@@ -84,3 +84,24 @@ def test_ratelimit_table_counts_the_429s() -> None:
     assert ours[0] == "rollouts (ours)" and ours[1] == "80"
     requests, limited = int(ours[2]), int(ours[3])
     assert requests == 80 + limited
+
+
+@pytest.mark.timeout(320)
+def test_capture_table_has_both_paths_for_each_load() -> None:
+    rows = [cells(r) for r in bench("capture", "--n", "80", "--in-flight", "8")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (path, stream, flight)
+        for stream in ("no", "yes")
+        for flight in ("1", "8")
+        for path in ("direct", "proxy")
+    ]
+    assert all(r[9] == "-" for r in rows if r[0] == "direct")
+    assert all(float(r[9]) > 0 for r in rows if r[0] == "proxy")  # the proxy's CPU was read
+
+
+@pytest.mark.timeout(320)
+def test_report_table_measures_the_report() -> None:
+    [row] = bench("report", "--n", "2000")
+    rollouts, _, _, seconds, _, rss, size = cells(row)
+    assert rollouts == "2,000" and seconds.endswith(" s") and rss.endswith(" MB")
+    assert size.endswith(" MB")

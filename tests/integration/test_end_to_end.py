@@ -93,6 +93,9 @@ def test_500_rollouts_land_exactly_once_and_aggregate(
     assert manifest["planned"] == 500
     status = orjson.loads(rd.read_bytes("rollouts-0_status.json"))
     assert status["landed"] == 500
+    # The finish step wrote the run report beside the quality summary, on either store.
+    report = rd.read_bytes("report.html")
+    assert report.startswith(b"<!DOCTYPE html>") and b"500</b><span>landed" in report
 
 
 def test_malformed_line_exits_2_naming_file_and_line(

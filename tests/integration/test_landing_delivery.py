@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 import pytest
@@ -276,3 +278,71 @@ def test_eight_worker_processes_append_to_one_shard(
     assert_exactly_once(run_dir_url, 400)
     took_part = [log for log in workers.logs if "rollouts.collect" in log.read_text()]
     assert len(took_part) == 8
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """An HTTP server that only records who called it (a forged task's chosen target)."""
+
+    hits: ClassVar[list[str]] = []
+
+    def do_POST(self) -> None:
+        self.hits.append(self.path)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_forged_task_is_refused_before_anything_is_called_or_written(
+    redis_url: str,
+    workers: Workers,
+    servers: RunningServers,
+    config_file: str,
+    tmp_path: Path,
+    run_dir_url: str,
+) -> None:
+    workers.start(count=1, concurrency=4)
+    workers.wait_ready()
+    opened = open_shard_run(
+        tmp_path, config_file, run_dir_url, 2, redis_url, route_failures_to_sidecar=True
+    )
+    rows = list(iter_materialized(opened.rd, "0"))
+    target = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=target.serve_forever, daemon=True).start()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    app = client_app(redis_url, redis_url)
+
+    def collect(payload: dict[str, Any]) -> str:
+        outcome: str = app.send_task(COLLECT_TASK, args=(payload,)).get(timeout=60)["outcome"]
+        return outcome
+
+    def forged(row: dict[str, Any], agent_url: str | None = None, **run: str) -> dict[str, Any]:
+        payload = collect_payload(opened.run.model_copy(update=run), row, config_file)
+        return payload if agent_url is None else dict(payload, agent_url=agent_url)
+
+    before = sum(agent_stats(servers, a)["requests"] for a in servers.agents)
+    try:
+        assert collect(forged(rows[0], output_dir=str(elsewhere))) == "fenced"
+        assert collect(forged(rows[0], run_id="someone-elses-run")) == "fenced"
+        assert collect(forged(rows[0], token="forged-token")) == "fenced"
+        port = target.server_address[1]
+        assert collect(forged(rows[0], agent_url=f"http://127.0.0.1:{port}")) == "fenced"
+        assert _Recorder.hits == []
+        assert list(elsewhere.iterdir()) == []
+        assert not opened.rd.exists(FILES.results)
+        assert sum(agent_stats(servers, a)["requests"] for a in servers.agents) == before
+        # The shard's own tasks still run.
+        assert collect(collect_payload(opened.run, rows[0], config_file)) == "landed"
+    finally:
+        target.shutdown()
+        target.server_close()
+        app.close()
+    out = workers.output()
+    assert "has no readable manifest" in out
+    assert "is not the run of shard 0" in out
+    assert "none of the dispatch generations" in out
+    assert f"agent URL http://127.0.0.1:{port} is not an agent of shard 0" in out

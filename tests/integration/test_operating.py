@@ -27,6 +27,7 @@ import redis
 
 from examples.agent_server import AgentKnobs
 from examples.servers import RunningServers, start_servers
+from examples.tasks import make_row
 from infra.embedded import EmbeddedRedis, free_port
 from producer.shard.celery_client import client_app
 from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
@@ -426,3 +427,51 @@ def test_one_input_split_across_shards_merges_and_colliding_shards_are_refused(
     proc = cli("aggregate", "-i", pattern, "-o", str(out / "all.jsonl"), "--separate-datasets")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "8 duplicate rollouts" in proc.stdout
+
+
+def test_status_and_cancel_reach_a_running_local_run_from_another_terminal(
+    tmp_path: Path,
+) -> None:
+    slow = start_servers({"math_agent": "math_env"}, AgentKnobs(latency_ms=1500))
+    runtime = tmp_path / "runtime"
+    env = {"XDG_RUNTIME_DIR": str(runtime)}
+    run_dir = tmp_path / "run"
+    rows = write_rows(
+        tmp_path / "rows.jsonl", [make_row("arithmetic", i, "math_agent") for i in range(60)]
+    )
+    full = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")} | env
+    config = slow.write_config(str(tmp_path / "servers.yaml"))
+    with open(tmp_path / "run.log", "wb") as log:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "producer.cli", "run", "--config", config, "--input", rows,
+             "--output-dir", str(run_dir), "--workers", "1", "--concurrency", "4"],
+            stdout=log, stderr=subprocess.STDOUT, env=full,
+        )  # fmt: skip
+    try:
+        attached = runtime / "rollouts" / "local"
+
+        def live() -> dict[str, Any] | None:
+            proc = cli("status", str(run_dir), "--json", env=env)
+            report: dict[str, Any] = orjson.loads(proc.stdout) if proc.returncode == 0 else {}
+            return report if report.get("in_flight") else None
+
+        deadline = time.monotonic() + 90
+        while (report := live()) is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert report is not None, (tmp_path / "run.log").read_text()
+        [url_file] = attached.iterdir()
+        assert url_file.stat().st_mode & 0o777 == 0o600
+        assert 0 < report["in_flight"] <= 4
+        password = url_file.read_text().split("@")[0].rsplit(":", 1)[1]
+        printed = cli("status", str(run_dir), env=env).stdout
+        assert "in flight" in printed and password not in printed
+        proc = cli("cancel", str(run_dir), env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        run.wait(120)
+        assert manifest_of(run_dir)["state"] == "cancelled"
+        assert list(attached.iterdir()) == []  # the cluster stopped: nothing left to attach to
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        slow.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from producer import (
     run_outcomes,
 )
 from schemas import fields as F
-from schemas.errors import PlanningError
+from schemas.errors import PlanningError, UsageError
 from schemas.messages import QUEUE
 from schemas.settings import CollectionSettings
 from tests.conftest import ROOT, Workers, agent_stats, read_object_jsonl
@@ -448,3 +449,31 @@ def test_a_reply_too_deep_to_store_is_a_result_not_stored_failure_recorded_or_no
     assert sorted(key(row) for row in landed) == [(1, 0), (3, 0)]
     sidecar = (out / "rollouts-deep_failures.jsonl").read_bytes().splitlines()
     assert sorted(key(orjson.loads(x)) for x in sidecar) == [(0, 0), (2, 0)]
+
+
+def test_an_unreachable_cluster_is_one_usage_error_before_anything_is_dispatched(
+    redis_url: str, tmp_path: Path
+) -> None:
+    servers = math_agent(tmp_path)
+    try:
+        rows = planned(servers, 2)
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dead = f"redis://:hunter2@127.0.0.1:{port}/0"
+        out = tmp_path / "run"
+        with pytest.raises(UsageError) as info:
+            run_examples(rows, servers.config(), broker_url=dead, record_output_dir=str(out))
+        message = str(info.value)
+        assert message.startswith(f"broker_url= redis://:***@127.0.0.1:{port}/0: cannot use this")
+        assert "hunter2" not in message and "\n" not in message
+        with pytest.raises(UsageError, match=r"^redis_url= redis://127\.0\.0\.1:\d+/0: cannot"):
+            run_examples(
+                rows, servers.config(), broker_url=redis_url,
+                redis_url=f"redis://127.0.0.1:{port}/0",
+            )  # fmt: skip
+        assert not out.exists()
+        assert redis.Redis.from_url(redis_url).llen(QUEUE) == 0
+        assert agent_stats(servers, "math_agent")["requests"] == 0
+    finally:
+        servers.stop()

@@ -16,6 +16,7 @@ from infra.reachability import check_cluster
 from producer.cli.nemo_gym import nemo_gym_output
 from producer.ops.merge import merge_shards
 from producer.shard.cluster import recorded_cluster
+from producer.shard.local_cluster import worker_env
 from schemas.errors import UsageError
 from schemas.records import Generation, InputSource, Manifest
 from schemas.settings import CollectionSettings
@@ -118,3 +119,13 @@ def test_an_unknown_verdict_for_want_of_a_limit_says_how_to_set_one() -> None:
         "set a limit with +max_failed_fraction=F or +max_failed_rollouts=N"
     )
     assert console_line(run, "q.json", set_limit="--limit X").endswith("set a limit with --limit X")
+
+
+def test_worker_env_caps_glibc_arenas_unless_the_environment_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    env = worker_env("redis://b:1/0", None)
+    assert env["MALLOC_ARENA_MAX"] == "2" and env["ROLLOUTS_BROKER_URL"] == "redis://b:1/0"
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert worker_env(None, None)["MALLOC_ARENA_MAX"] == "8"

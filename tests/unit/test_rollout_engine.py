@@ -54,6 +54,13 @@ class Harness:
         self.slept: list[float] = []
         self.clients: list[httpx.AsyncClient] = []
         self.land_wait_s = 5.0
+        self.refused_because: str | None = None
+        self.checked: list[tuple[RunRef, str]] = []
+
+    def refusal(self, run: RunRef, agent_url: str) -> str | None:
+        """The manifest check (`RunCheck`): records what it was asked."""
+        self.checked.append((run, agent_url))
+        return self.refused_because
 
     def reply(self, status: int, body: Any) -> Handler:
         async def answer(request: httpx.Request) -> httpx.Response:
@@ -78,6 +85,7 @@ class Harness:
             sleep=self.slept.append,
             land_wait_s=self.land_wait_s,
             leases=self.leases,
+            runs=self,
         )
 
     def run(
@@ -103,6 +111,11 @@ class Harness:
         return len(self.gate.released) == len(self.gate.admitted) and not self.shard.starts
 
 
+def untimed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows without the timing every landed record carries (`_ng_started_at`, `_ng_run_ms`)."""
+    return [{k: v for k, v in r.items() if k not in (F.STARTED_AT, F.RUN_MS)} for r in rows]
+
+
 @pytest.fixture
 def h(loop: EventLoopThread) -> Harness:
     return Harness(loop)
@@ -111,8 +124,12 @@ def h(loop: EventLoopThread) -> Harness:
 def test_landed(h: Harness) -> None:
     out = h.run()
     assert out.ended is Ended.LANDED and out.rollout == "3-1"
-    assert h.shard.results == [RESULT] and h.shard.failures == []
-    assert out.record == RESULT
+    # The landed row is the reply, stamped with when its /run started and how long it took.
+    [landed] = h.shard.results
+    started, run_ms = landed[F.STARTED_AT], landed[F.RUN_MS]
+    assert untimed([landed]) == [RESULT] and h.shard.failures == []
+    assert isinstance(started, float) and 0 <= run_ms <= 60_000
+    assert out.record is not None and out.record[F.RUN_MS] == run_ms
     assert out.requests == 1 and out.run_ms is not None
     assert h.gate.freed == ["3:1"] and h.slots_returned()
     assert h.gate.released[0].duration_s is None  # no budget: no duration kept
@@ -131,6 +148,21 @@ def test_identity_comes_from_the_planned_row_not_the_echo(h: Harness) -> None:
     h.handler = h.reply(200, {F.TASK_INDEX: 99, "reward": 0.0})
     out = h.run()
     assert out.ended is Ended.LANDED and h.shard.results[0][F.TASK_INDEX] == 3
+
+
+def test_a_task_its_manifest_does_not_vouch_for_is_fenced_before_admission(h: Harness) -> None:
+    h.refused_because = "the task names shard 0 of /tmp/nowhere, which has no readable manifest"
+    out = h.run()
+    assert out.ended is Ended.FENCED and out.detail == h.refused_because and out.record is None
+    [(run, agent_url)] = h.checked
+    assert run.token == "token-1" and agent_url == "http://agent"
+    assert h.requests == [] and h.gate.admitted == [] and h.lander.calls == 0
+
+
+def test_an_unrecorded_call_is_not_checked_against_a_manifest(h: Harness) -> None:
+    h.refused_because = "never asked"
+    out = h.run(Delivery(record=False, fails_run=False))
+    assert out.ended is Ended.LANDED and h.checked == [] and h.lander.calls == 0
 
 
 def test_duplicate_at_admission_calls_nobody(h: Harness) -> None:
@@ -489,7 +521,7 @@ LEASED = Delivery(message=MESSAGE)
 
 def test_a_leased_attempt_notes_its_stages_and_settles_its_lease(h: Harness) -> None:
     out = h.run(LEASED)
-    assert out.ended is Ended.LANDED and h.shard.results == [RESULT]
+    assert out.ended is Ended.LANDED and untimed(h.shard.results) == [RESULT]
     assert h.leases.stages == [("3:1", "calling"), ("3:1", "landing")]
     assert h.leases.settled == {"3:1": "token-1"} and not h.leases.held
     assert h.slots_returned()
@@ -554,7 +586,7 @@ def test_the_last_attempt_after_takeovers_lands_worker_lost(h: Harness) -> None:
 def test_the_chord_task_settles_the_lease_only_once_it_counted(h: Harness) -> None:
     later: list[Callable[[bool], object]] = []
     out = h.run(Delivery(message=MESSAGE, settle_later=later.append))
-    assert out.ended is Ended.LANDED and h.shard.results == [RESULT]
+    assert out.ended is Ended.LANDED and untimed(h.shard.results) == [RESULT]
     # Landed, not settled yet: a worker killed now leaves the lease to be taken over.
     assert "3:1" in h.leases.held and h.leases.settled == {}
     [settle] = later

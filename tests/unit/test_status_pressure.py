@@ -7,8 +7,9 @@ from typing import Any
 import redis
 
 from infra import keys
-from producer.ops.pressure import add_backpressure, agent_urls, backpressure_line
+from producer.ops.pressure import add_backpressure, backpressure_line
 from producer.shard.live import LiveSnapshot
+from schemas.records import agent_urls
 
 URL = "http://127.0.0.1:7/"
 CONFIG: dict[str, Any] = {"agents": {"a": {"url": URL}, "b": {"url": "http://b"}, "bad": 3}}

@@ -14,6 +14,7 @@ from typing import Any
 
 from schemas.health import RUN_CHECK, Limits
 from schemas.records import RateLimitWaits
+from schemas.usage import TokenCounts, TokenUsage
 
 Group = tuple[str | None, str | None]
 
@@ -28,6 +29,7 @@ class SourceCounts:
     has_inventory: bool
     drained: int | None = None
     rate_limit_waits: dict[str, RateLimitWaits] | None = None
+    tokens: TokenUsage | None = None
     owed: int = 0
     landed: int = 0
     scored: int = 0
@@ -103,6 +105,25 @@ class Accounting:
             a: {"count": w.count, "seconds": round(w.seconds, 3)} for a, w in sorted(total.items())
         }
 
+    def tokens(self) -> dict[str, Any] | None:
+        """The inputs' token totals (run, per agent, per environment) summed; None if none knows."""
+        known = [s.tokens for s in self.sources if s.tokens is not None]
+        if not known:
+            return None
+        total = TokenUsage()
+        for usage in known:
+            _add_counts(total.run, usage.run)
+            for table, more in (
+                (total.agents, usage.agents),
+                (total.environments, usage.environments),
+            ):
+                for name, counts in more.items():
+                    _add_counts(
+                        table.setdefault(name, TokenCounts()),
+                        counts,
+                    )
+        return total.model_dump(mode="json")
+
     @property
     def inventory_complete(self) -> bool:
         return all(s.has_inventory for s in self.sources)
@@ -125,6 +146,7 @@ class Accounting:
             "missing": missing,
             "drained": drained,
             "rate_limit_waits": self.rate_limit_waits(),
+            "tokens": self.tokens(),
             "duplicates": self.duplicates if self.records_read else None,
             "not_owed": (sum(s.not_owed for s in self.sources) + self.failures_not_owed)
             if self.records_read
@@ -181,3 +203,10 @@ def excessive_failures(
             }
         )
     return "evaluated", None, findings
+
+
+def _add_counts(total: TokenCounts, more: TokenCounts) -> None:
+    for name in ("rollouts", "prompt", "completion", "reasoning", "cached", "unpriced_calls"):
+        setattr(total, name, getattr(total, name) + getattr(more, name))
+    if more.cost_usd is not None:
+        total.cost_usd = round((total.cost_usd or 0.0) + more.cost_usd, 6)

@@ -72,7 +72,7 @@ def _combine(plan: HealthPlan, results: dict[int, ScanResult], scratch: RunDir) 
     names += _key_late(plan, results, scratch)
     accounting = Accounting(
         [
-            SourceCounts(s.materialized is not None, s.drained, s.rate_limit_waits)
+            SourceCounts(s.materialized is not None, s.drained, s.rate_limit_waits, s.tokens)
             for s in plan.sources
         ]
     )

@@ -15,10 +15,10 @@ from typing import IO, Any
 
 import orjson
 
-from schemas.health import ROLLOUT_CHECKS, TASK_CHECKS
+from schemas.health import RESPONSE_CHECKS, ROLLOUT_CHECKS, TASK_CHECKS
 from workers.health.accounting import Accounting
 from workers.health.digest import Digest
-from workers.health.registry import ROLLOUT_INDEX, checks_in
+from workers.health.registry import ROLLOUT_INDEX, checks_in, mask_of
 from workers.health.scan import FAILURE, OWED, RECORD
 from workers.health.spool import untagged
 
@@ -101,10 +101,16 @@ def _unobserved_names(mask: int) -> list[str]:
     return found
 
 
+VERDICT_MASK = mask_of(c for c in ROLLOUT_CHECKS if c not in RESPONSE_CHECKS)
+"""The checks whose lack of evidence makes a record unobserved: NeMo Gym's. Ours (the response
+checks) add findings, but one whose evidence a record lacks (no `step_usage`, say) is counted
+unobserved in the coverage without taking the record's verdict away from NeMo Gym's."""
+
+
 def verdict_of(findings: list[Any], unobserved_mask: int) -> str:
     if findings:
         return "unhealthy"
-    return "unobserved" if unobserved_mask else "healthy"
+    return "unobserved" if unobserved_mask & VERDICT_MASK else "healthy"
 
 
 class Reducer:

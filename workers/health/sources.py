@@ -18,6 +18,7 @@ from infra.store import RunDir
 from schemas.errors import StorageError, UsageError
 from schemas.health import LIMIT_NAMES, MERGED_SHARDS_SUFFIX, QUALITY_SUMMARY, Limits, Source
 from schemas.records import RateLimitWaits
+from schemas.usage import TokenUsage
 from workers.health.io import file_digest, iter_range
 
 SHARD_FILE = re.compile(r"^rollouts-(.+)\.jsonl$")
@@ -28,7 +29,8 @@ def stem_of(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else name
 
 
-def _read_json(rd: RunDir, name: str) -> Any:
+def read_json(rd: RunDir, name: str) -> Any:
+    """The JSON document `name` in `rd`; None when it is absent or unreadable."""
     try:
         return jsonl.loads(rd.read_bytes(name))
     except (FileNotFoundError, jsonl.JSONDecodeError, OSError):
@@ -46,11 +48,19 @@ def _rate_limit_waits(status: Any) -> dict[str, RateLimitWaits] | None:
         return None
 
 
+def _tokens(status: Any) -> TokenUsage | None:
+    raw = status.get("tokens") if isinstance(status, dict) else None
+    try:
+        return TokenUsage.model_validate(raw) if isinstance(raw, dict) else None
+    except ValidationError:
+        return None
+
+
 def source_for(rd: RunDir, name: str, label: str) -> Source:
     """A rollouts file with the sidecars found beside it (by NeMo Gym's path rules)."""
     stem = stem_of(name)
     failures, materialized = f"{stem}_failures.jsonl", f"{stem}_materialized_inputs.jsonl"
-    status = _read_json(rd, f"{stem}_status.json")
+    status = read_json(rd, f"{stem}_status.json")
     drained = status.get("drained") if isinstance(status, dict) else None
     return Source(
         label=label,
@@ -60,6 +70,7 @@ def source_for(rd: RunDir, name: str, label: str) -> Source:
         materialized=materialized if rd.exists(materialized) else None,
         drained=drained if isinstance(drained, int) else None,
         rate_limit_waits=_rate_limit_waits(status),
+        tokens=_tokens(status),
     )
 
 
@@ -105,7 +116,7 @@ def shard_sources(rd: RunDir) -> list[Source]:
 
 def verify_merged(rd: RunDir, record_name: str) -> list[Source]:
     """The shards of a merged-shards record, each verified byte for byte; raises on any mismatch."""
-    record = _read_json(rd, record_name)
+    record = read_json(rd, record_name)
     if not isinstance(record, dict) or not isinstance(record.get("shards"), list):
         raise StorageError(f"{rd.path(record_name)}: not a readable merged-shards record")
     merged = record.get("merged") or {}
@@ -158,7 +169,7 @@ def persisted_limits(report: RunDir, sources: list[Source]) -> Limits:
     """The run's own limits: its manifests' settings, else the folder's earlier summary, else none."""
     for source in sources:
         folder = RunDir(source.dir)
-        manifest = _read_json(folder, f"{stem_of(source.name)}_manifest.json")
+        manifest = read_json(folder, f"{stem_of(source.name)}_manifest.json")
         settings = manifest.get("settings") if isinstance(manifest, dict) else None
         if isinstance(settings, dict):
             return Limits(**{n: settings.get(n) for n in LIMIT_NAMES})

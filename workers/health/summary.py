@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from schemas.health import ALL_CHECKS, RUN_CHECK, Limits, SummaryState
+from schemas.health import ALL_CHECKS, RESPONSE_CHECKS, RUN_CHECK, Limits, SummaryState
 from workers.health.accounting import NO_LIMIT_SET, Accounting
 from workers.health.reduce import VERDICTS, Totals
 
@@ -150,6 +150,7 @@ def _null_accounting() -> dict[str, Any]:
         "missing": None,
         "drained": None,
         "rate_limit_waits": None,
+        "tokens": None,
         "duplicates": None,
         "not_owed": None,
         "unreadable": None,
@@ -187,7 +188,8 @@ def blind_checks(run: dict[str, Any]) -> list[str]:
 
 def unobserved_note(run: dict[str, Any]) -> str:
     """Why records are unobserved, in a few words: the checks that found none of their evidence."""
-    blind = blind_checks(run)
+    # Only NeMo Gym's checks make a record unobserved (ours never do: `reduce.VERDICT_MASK`).
+    blind = [c for c in blind_checks(run) if c not in RESPONSE_CHECKS]
     if not blind:
         return " (some records lack the evidence a check reads: unchecked, not unhealthy)"
     return (

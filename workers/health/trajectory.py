@@ -1,8 +1,8 @@
 """Reading a record's `ng_trajectory`: observation flags, normalised model calls, call bindings.
 
-The trajectory is validated structurally (lists of objects where lists are expected, gap codes
-that are strings, model-call references that name a call), so that a malformed one is reported
-as `record_unreadable` rather than half-read. Bindings join the references on turns (and, for
+The trajectory is validated as NeMo Gym's `TrajectoryRecord` (`schemas/trajectory.py`: unknown
+keys, bounds, literals, required timestamps, unique ids), so that what NeMo Gym's health check
+cannot read is `record_unreadable` here too, never half-read. Bindings join the references on turns (and, for
 "owned" calls, on invocations) to the captured calls: a reference that matches no call is
 missing, one that matches several is duplicated, and a binding is complete when it has at least
 one reference and neither.
@@ -13,7 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-LIST_FIELDS = ("turns", "model_calls", "invocations", "tool_calls", "gaps")
+from pydantic import ValidationError
+
+from schemas.trajectory import TrajectoryRecord
+
 INCOMPLETE_CALL_GAPS = frozenset(
     {
         "model_calls_unavailable",
@@ -123,16 +126,22 @@ class Call:
         return f"response::{self.response_id}" if self.response_id else None
 
 
+def _server_ref(value: Any) -> dict[str, Any] | None:
+    """A `ModelServerRef` as NeMo Gym reads it: its extra keys are ignored."""
+    if not isinstance(value, dict):
+        return None
+    return {"type": value.get("type"), "name": value.get("name")}
+
+
 def _call(position: int, raw: dict[str, Any]) -> Call:
     meta = raw.get("response_metadata") or {}
     tokens = raw.get("token_stats") or {}
-    index = raw.get("call_index")
     return Call(
         position=position,
-        call_index=index if isinstance(index, int) and not isinstance(index, bool) else position,
+        call_index=position,
         model_call_id=raw.get("model_call_id") or None,
         response_id=meta.get("response_id") or None,
-        model_ref=meta.get("model_ref") if isinstance(meta.get("model_ref"), dict) else None,
+        model_ref=_server_ref(meta.get("model_ref")),
         status_code=meta.get("status_code"),
         response_status=meta.get("response_status"),
         finish_reason=meta.get("finish_reason"),
@@ -140,7 +149,7 @@ def _call(position: int, raw: dict[str, Any]) -> Call:
         tokens_in=tokens.get("prompt_tokens"),
         tokens_out=tokens.get("completion_tokens"),
         response=raw.get("response"),
-        started_at=raw.get("started_at", meta.get("started_at")),
+        started_at=raw.get("started_at"),
     )
 
 
@@ -169,26 +178,6 @@ def _ref_signature(ref: dict[str, Any]) -> tuple[str, str, str, str]:
     )
 
 
-def _check_list(value: Any, what: str) -> list[dict[str, Any]]:
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-        raise TrajectoryInvalid(f"{what} is not a list of objects")
-    return value
-
-
-def _check_refs(items: list[dict[str, Any]], what: str) -> None:
-    for item in items:
-        for ref in _check_list(item.get("model_calls"), f"{what}.model_calls"):
-            model_ref = ref.get("model_ref")
-            if model_ref is not None and not isinstance(model_ref, dict):
-                raise TrajectoryInvalid(f"{what}.model_calls[].model_ref is not an object")
-            if not ref.get("model_call_id") and not (model_ref and ref.get("response_id")):
-                raise TrajectoryInvalid(
-                    "a model call reference names neither a call nor a response"
-                )
-
-
 @dataclass(frozen=True, slots=True)
 class Binding:
     """References of one view joined to the captured calls."""
@@ -209,21 +198,15 @@ class Trajectory:
     def __init__(self, raw: Any) -> None:
         if not isinstance(raw, dict):
             raise TrajectoryInvalid("ng_trajectory is not an object")
-        self.turns = _check_list(raw.get("turns"), "turns")
-        self.invocations = _check_list(raw.get("invocations"), "invocations")
-        _check_list(raw.get("tool_calls"), "tool_calls")
-        gaps = _check_list(raw.get("gaps"), "gaps")
-        if not all(isinstance(g.get("code"), str) for g in gaps):
-            raise TrajectoryInvalid("a gap has no string code")
-        self.gaps = gaps
-        self.gap_codes = frozenset(g["code"] for g in gaps)
-        raw_calls = _check_list(raw.get("model_calls"), "model_calls")
-        for call in raw_calls:
-            for key in ("response_metadata", "token_stats"):
-                if call.get(key) is not None and not isinstance(call.get(key), dict):
-                    raise TrajectoryInvalid(f"model_calls[].{key} is not an object")
-        _check_refs(self.turns, "turns")
-        _check_refs(self.invocations, "invocations")
+        try:
+            TrajectoryRecord.model_validate(raw)
+        except ValidationError as exc:
+            raise TrajectoryInvalid(str(exc)) from exc
+        self.turns: list[dict[str, Any]] = raw.get("turns") or []
+        self.invocations: list[dict[str, Any]] = raw.get("invocations") or []
+        self.gaps: list[dict[str, Any]] = raw.get("gaps") or []
+        self.gap_codes = frozenset(g["code"] for g in self.gaps)
+        raw_calls: list[dict[str, Any]] = raw.get("model_calls") or []
         self.calls = [_call(i, c) for i, c in enumerate(raw_calls)]
         self.rollout_id = raw.get("rollout_id")
         turn_refs = self._refs(self.turns)
@@ -267,7 +250,7 @@ class Trajectory:
 
     def _matches(self, ref: dict[str, Any]) -> list[Call]:
         if ref.get("model_call_id"):
-            want_ref, want_resp = ref.get("model_ref"), ref.get("response_id")
+            want_ref, want_resp = _server_ref(ref.get("model_ref")), ref.get("response_id")
             return [
                 c
                 for c in self.calls

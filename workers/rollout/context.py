@@ -23,6 +23,7 @@ from workers.agent_call import CallOutcome, call_run
 from workers.landing import LAND_WAIT_S, LandReport, lander
 from workers.leases import Lease, LeaseTicket, RolloutLeases, Stage
 from workers.redispatch import publisher, unacked_sweep
+from workers.shard.trust import ManifestCheck
 
 STOP_POLL_S = 0.5
 
@@ -78,6 +79,12 @@ class LeaseKeeper(Protocol):
     def forget(self, lease: Lease) -> None: ...
 
 
+class RunCheck(Protocol):
+    """Why a task's run fields must not be trusted, or None (`ManifestCheck`)."""
+
+    def refusal(self, run: RunRef, agent_url: str) -> str | None: ...
+
+
 class LoopCaller:
     """`call_run` on an event loop thread; the calling thread polls the stop flags meanwhile.
 
@@ -128,6 +135,9 @@ class RolloutContext:
     """How long one landing attempt may take before the rollout ends in error."""
     leases: LeaseKeeper | None = None
     """The rollout leases; None: deliveries take none."""
+    runs: RunCheck | None = None
+    """Vouches for a recorded task's run fields before anyone is called (the shard's manifest,
+    `workers/shard/trust.py`); None trusts every task (unit tests of the other steps)."""
 
 
 def _real_context(redis_url: str) -> RolloutContext:
@@ -137,6 +147,7 @@ def _real_context(redis_url: str) -> RolloutContext:
         lander=lander(redis_url),
         agent=LoopCaller(io.loop, lambda: io.http),
         leases=_leases.get(redis_url),
+        runs=ManifestCheck(),
     )
 
 

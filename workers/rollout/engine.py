@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,10 +39,17 @@ from schemas.outcomes import (
 from workers.admission import Ticket
 from workers.agent_call import CallOutcome, with_attempt
 from workers.backpressure import RateLimitWaits, budget_failure, next_wait_s
+from workers.capture import clear_for, merge_into
 from workers.landing import LandReport
 from workers.leases import Lease, Stage
 from workers.rollout.context import STOP_POLL_S, RolloutContext
-from workers.rollout.rows import drained_row, not_started_message, sort_outcome, worker_lost_row
+from workers.rollout.rows import (
+    drained_row,
+    not_started_message,
+    sort_outcome,
+    stamp_timing,
+    worker_lost_row,
+)
 from workers.shard.state import key_str
 
 log = logging.getLogger(__name__)
@@ -177,6 +185,11 @@ class _Run:
 
     def attempt(self) -> RolloutOutcome:
         ctx, token = self.ctx, self.req.run.token
+        if self.delivery.record and ctx.runs is not None:
+            refused = ctx.runs.refusal(self.req.run, self.req.agent_url)
+            if refused is not None:
+                log.error("rollout %s refused: %s", self.rollout, refused)
+                return self.end(Ended.FENCED, detail=refused)
         called = self.call()
         if isinstance(called, RolloutOutcome):
             return called
@@ -184,10 +197,14 @@ class _Run:
         ended_call = ctx.monotonic()
         # The slot covers the /run call: the next rollout may start while this one lands.
         ctx.gate.free_slot(ticket, token, ok=outcome.result is not None)
+        if outcome.result is not None:  # the model-call capture, as NeMo Gym merges it
+            outcome.result = merge_into(self.req, outcome.result, (ended_call - started) * 1000)
         result, failures, ended = sort_outcome(outcome)
         timed = ended is Ended.LANDED and self.req.admission.dispatch_deadline is not None
         try:
             if self.delivery.record:
+                at, ms = time.time() - (ctx.monotonic() - started), (ended_call - started) * 1000
+                stamp_timing([*failures, *([] if result is None else [result])], at, ms)
                 ended = self.land(result, failures, ended)
         finally:
             ctx.gate.release(ticket, token, duration_s=ended_call - started if timed else None)
@@ -218,6 +235,7 @@ class _Run:
         requests = 0
         started: float | None = None
         ticket: Ticket | None = None
+        clear_for(req)  # before dispatch: no attempt reads an earlier delivery's calls
         while True:
             try:
                 # After a rate-limit wait the rollout is admitted again without a new start.

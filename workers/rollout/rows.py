@@ -28,6 +28,14 @@ def sort_outcome(outcome: CallOutcome) -> tuple[dict[str, Any] | None, list[dict
     return None, failures, Ended.FAILED
 
 
+def stamp_timing(records: list[dict[str, Any]], started_at: float, run_ms: float) -> None:
+    """Stamp the records a delivery lands with when its `/run` call started and how long it
+    took: what `rollouts report` draws latency and throughput over time from."""
+    for record in records:
+        record[F.STARTED_AT] = round(started_at, 3)
+        record[F.RUN_MS] = round(run_ms, 3)
+
+
 def drained_row(row: dict[str, Any], message: str) -> dict[str, Any]:
     """What a rollout that never started resolves to (SPEC §5); it lands nowhere."""
     return {

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
 from schemas.records import ShardStatus
+from workers.shard.tokens import TokenTally
 
 Key = tuple[int, int]
 Group = tuple[str | None, str | None]
@@ -102,6 +103,8 @@ class ShardLedger:
     """Drained rows found in the sidecar (none is ever written there)."""
     offsets: dict[str, int] = field(default_factory=dict)
     """Where the next read of each file starts: just past its last complete line read."""
+    tokens: TokenTally = field(default_factory=TokenTally)
+    """Tokens of the landed rollouts (their first result row), per group and model."""
 
     @classmethod
     def read(cls, rd: RunDir, shard: str, planned: bool = False) -> ShardLedger:
@@ -178,6 +181,7 @@ class ShardLedger:
             return None
         self.landed_keys.add(key)
         self.landed_by[group_of(row)] += 1
+        self.tokens.add(group_of(row), row)
         previous = self.latest.get(key)
         if previous is not None:
             self._uncount(previous)
