@@ -44,7 +44,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from examples.tasks import _unit, stand_in_answer
+from examples.tasks import _unit, stand_in_answer, stand_in_response
 from schemas import fields as F
 
 FAULT_KINDS = (
@@ -377,28 +377,7 @@ class AgentServer:
         answer, out_tokens = stand_in_answer(row, self.knobs.sample_seed, self.knobs.wrong_rate)
         in_tokens = 12 + len(str(row.get("responses_create_params", ""))) // 8
         rid = f"{row.get('_ng_task_index')}-{row.get('_ng_rollout_index')}"
-        response = {
-            "id": f"resp_{rid}",
-            "object": "response",
-            "created_at": int(time.time()),
-            "model": "stand-in-1",
-            "status": "completed",
-            "output": [
-                *self._padding(),
-                {
-                    "type": "message",
-                    "id": f"msg_{rid}",
-                    "role": "assistant",
-                    "status": "completed",
-                    "content": [{"type": "output_text", "text": answer, "annotations": []}],
-                },
-            ],
-            "usage": {
-                "input_tokens": in_tokens,
-                "output_tokens": out_tokens,
-                "total_tokens": in_tokens + out_tokens,
-            },
-        }
+        response = stand_in_response(rid, answer, (in_tokens, out_tokens), before=self._padding())
         return self._scored(row, response, answer)
 
     def _scored(self, row: dict[str, Any], response: dict[str, Any], answer: str) -> dict[str, Any]:

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 import uuid
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from examples.tasks import stand_in_answer
+from examples.tasks import stand_in_answer, stand_in_response
 
 
 def _row(body: dict[str, Any]) -> dict[str, Any]:
@@ -47,29 +46,8 @@ def response_object(body: dict[str, Any]) -> dict[str, Any]:
     answer, out_tokens = stand_in_answer(_row(body))
     in_tokens, out_tokens = _usage(body, out_tokens)
     rid = uuid.uuid4().hex[:16]
-    return {
-        "id": f"resp_{rid}",
-        "object": "response",
-        "created_at": int(time.time()),
-        "model": str(body.get("model") or "stand-in-1"),
-        "status": "completed",
-        "output": [
-            {
-                "type": "message",
-                "id": f"msg_{rid}",
-                "role": "assistant",
-                "status": "completed",
-                "content": [{"type": "output_text", "text": answer, "annotations": []}],
-            }
-        ],
-        "usage": {
-            "input_tokens": in_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": out_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": in_tokens + out_tokens,
-        },
-    }
+    model = str(body.get("model") or "stand-in-1")
+    return stand_in_response(rid, answer, (in_tokens, out_tokens), model, details=True)
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from typing import Any
 
 WORDS = [
@@ -106,3 +107,38 @@ def stand_in_answer(
         except ValueError:
             answer = "I am not sure."
     return answer, 5 + int(20 * _unit(question, rollout, "len"))
+
+
+def stand_in_response(
+    rid: str,
+    answer: str,
+    tokens: tuple[int, int],
+    model: str = "stand-in-1",
+    before: list[dict[str, Any]] | None = None,
+    details: bool = False,
+) -> dict[str, Any]:
+    """A completed Responses API object whose one message says `answer`, after the output items
+    `before`; `tokens` is (input, output); `details` adds the usage details a model server
+    reports (cached and reasoning tokens, both 0)."""
+    in_tokens, out_tokens = tokens
+    usage: dict[str, Any] = {"input_tokens": in_tokens, "output_tokens": out_tokens}
+    if details:
+        usage["input_tokens_details"] = {"cached_tokens": 0}
+        usage["output_tokens_details"] = {"reasoning_tokens": 0}
+    usage["total_tokens"] = in_tokens + out_tokens
+    message = {
+        "type": "message",
+        "id": f"msg_{rid}",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": answer, "annotations": []}],
+    }
+    return {
+        "id": f"resp_{rid}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": model,
+        "status": "completed",
+        "output": [*(before or []), message],
+        "usage": usage,
+    }
