@@ -59,9 +59,10 @@ worker_cancel_long_running_tasks_on_connection_loss = False
 # Runs last days; chord state and the callback's result must outlive them.
 result_expires = 7 * 24 * 3600
 
-# Rollouts wait on HTTP, not on the CPU: a pool of threads handing calls to one event loop per
-# process keeps hundreds in flight per worker process.
-worker_pool = "threads"
+# Rollouts wait on HTTP, not on the CPU: each in-flight rollout is a coroutine on the process's
+# event loop (workers/pool.py), so `-c` in the thousands costs coroutines, not threads.
+# `celery worker -P threads` still works (a thread per rollout).
+worker_pool = "workers.pool:RolloutPool"
 worker_concurrency = _env.worker_concurrency
 
 task_default_queue = "rollouts"

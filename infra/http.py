@@ -154,19 +154,26 @@ class ProcessIO:
         self.pid = os.getpid()
         self.loop = EventLoopThread()
         self._http: AiohttpClient | None = None
-        self._lock = threading.Lock()
         atexit.register(self.close)
 
     @property
     def http(self) -> AiohttpClient:
-        """The `/run` client, made on first use (a process that only aggregates never opens one)."""
+        """The `/run` client, made on first use (a process that only aggregates never opens one),
+        always on the loop's thread: from there directly, from elsewhere through the loop."""
         found = self._http
-        if found is None:
-            with self._lock:
-                if self._http is None:
-                    self._http = self.loop.run(_make_client())
-                found = self._http
-        return found
+        if found is not None:
+            return found
+        if threading.current_thread() is self.loop.thread:
+            return self._made()
+        return self.loop.run(self._make())
+
+    def _made(self) -> AiohttpClient:
+        if self._http is None:
+            self._http = AiohttpClient()
+        return self._http
+
+    async def _make(self) -> AiohttpClient:
+        return self._made()
 
     def close(self) -> None:
         """Close the client's connections (at exit, so nothing is reported unclosed)."""
@@ -174,10 +181,6 @@ class ProcessIO:
         if found is not None and os.getpid() == self.pid and self.loop.thread.is_alive():
             with contextlib.suppress(Exception):
                 self.loop.submit(found.aclose()).result(timeout=5)
-
-
-async def _make_client() -> AiohttpClient:
-    return AiohttpClient()
 
 
 _io: PerProcess[None, ProcessIO] = PerProcess(lambda _: ProcessIO())

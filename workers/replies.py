@@ -30,7 +30,7 @@ from schemas.outcomes import Ended
 from schemas.replies import ReplyingCollectRequest, RolloutReply
 from workers.admission import with_redis_retry
 from workers.encoding import not_stored_row
-from workers.rollout import Delivery, RolloutContext, run_rollout
+from workers.rollout import Delivery, RolloutContext, run_rollout_async
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def push_reply(redis_url: str, req: ReplyingCollectRequest, reply: RolloutReply)
     with_redis_retry("reply", send)
 
 
-def collect_and_reply(
+async def collect_and_reply(
     req: ReplyingCollectRequest, redis_url: str, ctx: RolloutContext
 ) -> dict[str, Any]:
     """Run one rollout, land it when recorded, push its outcome; returns a small summary."""
@@ -99,9 +99,10 @@ def collect_and_reply(
         admission=admission_view(req),
         on_admitted=admitted,
     )
-    outcome = run_rollout(req, ctx, delivery)
+    outcome = await run_rollout_async(req, ctx, delivery)
+    reply = RolloutReply(index=index, outcome=outcome)
     try:
-        push_reply(redis_url, req, RolloutReply(index=index, outcome=outcome))
+        await ctx.blocking(lambda: push_reply(redis_url, req, reply))
     except redis.RedisError as exc:
         # The caller's awaitable for this row then never resolves; its close is bounded.
         log.error("could not reply for rollout %s of invocation %s: %s", index, invocation, exc)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -20,27 +19,18 @@ from schemas.health import (
     ScanResult,
 )
 from schemas.messages import COLLECT_TASK, FINISH_TASK, CollectRequest, FinishRequest
-from schemas.outcomes import VOID_ENDS
+from schemas.outcomes import VOID_ENDS, RolloutOutcome
 from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
 from workers.app import app, state_redis_url
 from workers.finish import finish_shard, health_brief
 from workers.health import combine, scan
+from workers.pool import on_loop, take_ran
 from workers.redispatch import CollectTaskMessage
 from workers.replies import collect_and_reply
-from workers.rollout import Delivery, process_context, run_rollout
+from workers.rollout import Delivery, process_context, run_rollout, run_rollout_async
 
-
-class _Settling(threading.local):
-    """The lease a collect task settles once its chord part was counted (per pool thread)."""
-
-    settle: Callable[[bool], object] | None = None
-
-
-_settling = _Settling()
-
-
-def _settle_later(settle: Callable[[bool], object]) -> None:
-    _settling.settle = settle
+_settling: dict[str, Callable[[bool], object]] = {}
+"""The lease each collect task settles once its chord part was counted, by task id."""
 
 
 class CollectTask(Task):  # type: ignore[misc]  # celery's Task is untyped here
@@ -49,11 +39,32 @@ class CollectTask(Task):  # type: ignore[misc]  # celery's Task is untyped here
     def after_return(
         self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
     ) -> None:
-        # Called in the task's thread once its result was stored and its chord part counted
-        # (SUCCESS), or storing it failed.
-        settle, _settling.settle = _settling.settle, None
+        # Called in the tracer's thread once the task's result was stored and its chord part
+        # counted (SUCCESS), or storing it failed.
+        settle = _settling.pop(task_id, None)
         if settle is not None:
             settle(status == states.SUCCESS)
+
+
+def _collect(request: Any, payload: dict[str, Any]) -> tuple[CollectRequest, Delivery]:
+    """The rollout of a collect task's delivery: a chord's takes its rollout's lease."""
+    req = CollectRequest.model_validate(payload)
+    if request.group is None:  # a task sent outside a chord counts no chord part: no lease
+        return req, Delivery()
+    task_id = request.id
+    message = CollectTaskMessage.from_request(request, payload).to_json()
+    _settling.pop(task_id, None)
+
+    def settle_later(settle: Callable[[bool], object]) -> None:
+        _settling[task_id] = settle
+
+    return req, Delivery(message=message, settle_later=settle_later)
+
+
+@on_loop(COLLECT_TASK)
+async def _collect_on_loop(request: Any, payload: dict[str, Any]) -> RolloutOutcome:
+    req, delivery = _collect(request, payload)
+    return await run_rollout_async(req, process_context(state_redis_url()), delivery)
 
 
 @app.task(name=COLLECT_TASK, acks_late=True, bind=True, base=CollectTask)
@@ -62,16 +73,14 @@ def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any
 
     A chord's delivery takes the rollout's lease; one that is not the rollout's (a copy, or an
     attempt taken over) is acknowledged without a result: `Ignore` counts no chord part, so the
-    chord counts each rollout once. A task sent outside a chord takes no lease.
+    chord counts each rollout once. A task sent outside a chord takes no lease. In the rollout
+    pool the rollout ran on the event loop already (`_collect_on_loop`); in a thread pool it
+    runs here.
     """
-    url = state_redis_url()
-    req = CollectRequest.model_validate(payload)
-    delivery = Delivery()
-    if self.request.group is not None:  # a task of a chord: one lease per rollout of it
-        message = CollectTaskMessage.from_request(self.request, payload).to_json()
-        delivery = Delivery(message=message, settle_later=_settle_later)
-    _settling.settle = None
-    outcome = run_rollout(req, process_context(url), delivery)
+    outcome: RolloutOutcome | None = take_ran(self.request.id)
+    if outcome is None:
+        req, delivery = _collect(self.request, payload)
+        outcome = run_rollout(req, process_context(state_redis_url()), delivery)
     if outcome.ended in VOID_ENDS:
         raise Ignore()
     return outcome.chord_summary()
@@ -98,14 +107,22 @@ def health_combine_task(results: list[dict[str, Any]], plan: dict[str, Any]) -> 
     return health_brief(run, RunDir(checked.report_dir).path(QUALITY_SUMMARY))
 
 
-# No result stored: the outcome goes back on the invocation's reply list, not through Celery.
-@app.task(name=COLLECT_REPLY_TASK, acks_late=True, ignore_result=True)
-def collect_reply_task(payload: dict[str, Any]) -> dict[str, Any]:
-    """Run one rollout for the Python API and push its outcome to the caller."""
+@on_loop(COLLECT_REPLY_TASK)
+async def _reply_on_loop(request: Any, payload: dict[str, Any]) -> dict[str, Any]:
     url = state_redis_url()
-    return collect_and_reply(
-        ReplyingCollectRequest.model_validate(payload), url, process_context(url)
-    )
+    req = ReplyingCollectRequest.model_validate(payload)
+    return await collect_and_reply(req, url, process_context(url))
+
+
+# No result stored: the outcome goes back on the invocation's reply list, not through Celery.
+@app.task(name=COLLECT_REPLY_TASK, acks_late=True, ignore_result=True, bind=True)
+def collect_reply_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any]:
+    """Run one rollout for the Python API and push its outcome to the caller."""
+    summary: dict[str, Any] | None = take_ran(self.request.id)
+    if summary is not None:
+        return summary
+    ctx = process_context(state_redis_url())
+    return ctx.loop.run(_reply_on_loop(self.request, payload))
 
 
 @worker_ready.connect

@@ -22,11 +22,12 @@ def worker_command(
     node: str | None = None,
     extra: tuple[str, ...] | list[str] = (),
 ) -> list[str]:
-    """`celery -A workers.app worker` with our defaults: a thread pool of `concurrency`, the
-    rollouts queue, node name `node` (when given), task events with `events`, then `extra`."""
+    """`celery -A workers.app worker` with our defaults: the rollout pool (`celeryconfig.worker_pool`)
+    of `concurrency` rollouts in flight, the rollouts queue, node name `node` (when given), task
+    events with `events`, then `extra`."""
     cmd = [
         sys.executable, "-m", "celery", "--quiet", "-A", "workers.app", "worker",
-        "-P", "threads", "-c", str(concurrency), "-Q", "rollouts", "-l", loglevel,
+        "-c", str(concurrency), "-Q", "rollouts", "-l", loglevel,
     ]  # fmt: skip
     if node is not None:
         cmd += ["-n", node]

@@ -22,7 +22,15 @@ from schemas.errors import StorageError
 from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
 from schemas.outcomes import Ended, RolloutOutcome
 from workers.encoding import RESULT_NOT_STORED
-from workers.rollout import CHORD, Delivery, LoopCaller, RolloutContext, run_rollout
+from workers.rollout import (
+    CHORD,
+    AgentCaller,
+    Blocking,
+    Delivery,
+    RolloutContext,
+    StopWatch,
+    run_rollout,
+)
 from workers.rollout.fakes import FakeGate, FakeLander, FakeLeases, FakeShard
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
@@ -62,6 +70,9 @@ class Harness:
         self.checked.append((run, agent_url))
         return self.refused_because
 
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
     def reply(self, status: int, body: Any) -> Handler:
         async def answer(request: httpx.Request) -> httpx.Response:
             return httpx.Response(status, content=orjson.dumps(body))
@@ -81,8 +92,9 @@ class Harness:
         return RolloutContext(
             gate=self.gate,
             lander=self.lander,
-            agent=LoopCaller(self.loop, self.client, poll_s=0.01),
-            sleep=self.slept.append,
+            agent=AgentCaller(self.client, StopWatch(self.gate.stop_reason, Blocking(), 0.01)),
+            loop=self.loop,
+            sleep=self.sleep,
             land_wait_s=self.land_wait_s,
             leases=self.leases,
             runs=self,

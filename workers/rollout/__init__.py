@@ -2,22 +2,27 @@
 
 from workers.rollout.context import (
     AdmissionGate,
+    AgentCaller,
+    Blocking,
     LeaseKeeper,
-    LoopCaller,
     RecordLander,
     RolloutContext,
+    StopWatch,
     process_context,
 )
-from workers.rollout.engine import CHORD, Delivery, run_rollout
+from workers.rollout.engine import CHORD, Delivery, run_rollout, run_rollout_async
 
 __all__ = [
     "CHORD",
     "AdmissionGate",
+    "AgentCaller",
+    "Blocking",
     "Delivery",
     "LeaseKeeper",
-    "LoopCaller",
     "RecordLander",
     "RolloutContext",
+    "StopWatch",
     "process_context",
     "run_rollout",
+    "run_rollout_async",
 ]

@@ -4,15 +4,21 @@ The engine (`workers/rollout/engine.py`) reaches Redis, storage and the agent on
 an admission gate, a lander, an agent caller and the rollout leases. A worker process builds the real ones
 once (`process_context`); unit tests build a context of in-memory fakes (`workers/rollout/fakes.py`)
 and an agent caller whose client is an `httpx.AsyncClient` over `httpx.MockTransport`.
+
+A rollout runs as a coroutine on the process's event loop: the `/run` call on it, the gate's and
+the leases' Redis round trips and the lander's encoding on a few shared threads (`Blocking`), the
+run's stop flags polled once per shard for all its rollouts (`StopWatch`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from infra.environment import from_env
 from infra.http import EventLoopThread, PostClient, process_io
@@ -26,6 +32,8 @@ from workers.redispatch import publisher, unacked_sweep
 from workers.shard.trust import ManifestCheck
 
 STOP_POLL_S = 0.5
+
+T = TypeVar("T")
 
 
 class AdmissionGate(Protocol):
@@ -85,36 +93,103 @@ class RunCheck(Protocol):
     def refusal(self, run: RunRef, agent_url: str) -> str | None: ...
 
 
-class LoopCaller:
-    """`call_run` on an event loop thread; the calling thread polls the stop flags meanwhile.
+class Blocking:
+    """Runs the engine's blocking steps (Redis round trips, storage, encoding) off the event loop.
 
-    A stop (the run failed or was cancelled; a drain lets calls finish) cancels the call's
-    coroutine, which closes its connection: the agent sees the client go away.
+    A rollout is a coroutine on its process's event loop; what it does that blocks goes to a
+    few threads shared by every rollout of the process, so thousands in flight cost coroutines,
+    not threads. Without an executor (unit tests over in-memory fakes) a step runs inline.
+    """
+
+    def __init__(self, executor: concurrent.futures.Executor | None = None) -> None:
+        self._executor = executor
+
+    async def __call__(self, step: Callable[[], T]) -> T:
+        if self._executor is None:
+            return step()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, step)
+
+
+class StopWatch:
+    """The run's stop flags for every rollout of a process that waits on `/run`: one poll per
+    shard every `poll_s`, however many of its rollouts are in flight.
+
+    `wait(sid)` is a future that resolves with the reason when the run is failed or cancelled
+    (a drain lets calls finish); a poller runs for a shard while anyone waits on it.
     """
 
     def __init__(
-        self, loop: EventLoopThread, client: Callable[[], PostClient], poll_s: float = STOP_POLL_S
-    ) -> None:
-        self._loop = loop
-        self._client = client
-        self._poll_s = poll_s
-
-    def call(
         self,
-        agent_url: str,
-        row: dict[str, Any],
-        policy: CallPolicy,
-        stopped: Callable[[], str | None],
-    ) -> tuple[CallOutcome | None, str | None]:
-        future = self._loop.submit(call_run(self._client(), agent_url, row, policy))
+        reason: Callable[[str], str | None],
+        blocking: Blocking,
+        poll_s: float = STOP_POLL_S,
+    ) -> None:
+        self._reason = reason
+        self._blocking = blocking
+        self._poll_s = poll_s
+        self._waiters: dict[str, set[asyncio.Future[str]]] = {}
+        self._pollers: dict[str, asyncio.Task[None]] = {}
+
+    def wait(self, sid: str) -> asyncio.Future[str]:
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[str] = loop.create_future()
+        self._waiters.setdefault(sid, set()).add(waiter)
+        waiter.add_done_callback(lambda done: self._left(sid, done))
+        if sid not in self._pollers:
+            self._pollers[sid] = loop.create_task(self._poll(sid))
+        return waiter
+
+    def _left(self, sid: str, waiter: asyncio.Future[str]) -> None:
+        """A waiter is done; the shard's poller stops with its last one."""
+        waiters = self._waiters.get(sid)
+        if waiters is None:
+            return
+        waiters.discard(waiter)
+        if not waiters:
+            del self._waiters[sid]
+            poller = self._pollers.pop(sid, None)
+            if poller is not None:
+                poller.cancel()
+
+    async def _poll(self, sid: str) -> None:
         while True:
-            try:
-                return future.result(timeout=self._poll_s), None
-            except concurrent.futures.TimeoutError:
-                reason = stopped()
-                if reason is not None and reason != "drain":
-                    future.cancel()
-                    return None, reason
+            await asyncio.sleep(self._poll_s)
+            reason = await self._blocking(lambda: self._reason(sid))
+            if reason is not None and reason != "drain":
+                for waiter in list(self._waiters.get(sid, ())):
+                    if not waiter.done():
+                        waiter.set_result(reason)
+
+
+class AgentCaller:
+    """`call_run` on the event loop, cancelled when the run is failed or cancelled meanwhile.
+
+    The cancel closes the call's connection: the agent sees the client go away.
+    """
+
+    def __init__(self, client: Callable[[], PostClient], stops: StopWatch) -> None:
+        self._client = client
+        self._stops = stops
+
+    async def call(
+        self, agent_url: str, row: dict[str, Any], policy: CallPolicy, sid: str
+    ) -> tuple[CallOutcome | None, str | None]:
+        call = asyncio.ensure_future(call_run(self._client(), agent_url, row, policy))
+        stopped = self._stops.wait(sid)
+        try:
+            await asyncio.wait((call, stopped), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        finally:
+            if not stopped.done():
+                stopped.cancel()
+        if call.done():
+            return call.result(), None
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        return None, stopped.result()
 
 
 @dataclass(frozen=True)
@@ -125,11 +200,15 @@ class RolloutContext:
     """Admission, slots, stop flags."""
     lander: RecordLander
     """The group-commit writer of the shards."""
-    agent: LoopCaller
+    agent: AgentCaller
     """The `/run` caller (unit tests give it an `httpx.AsyncClient` over `httpx.MockTransport`)."""
+    loop: EventLoopThread
+    """The event loop the rollouts of a pool thread run on (`run_rollout`)."""
+    blocking: Blocking = field(default_factory=Blocking)
+    """Where the engine's blocking steps run."""
     monotonic: Callable[[], float] = field(default=time.monotonic)
     """The clock durations are measured with."""
-    sleep: Callable[[float], None] = field(default=time.sleep)
+    sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep)
     """How the engine waits between landing retries and out rate limits."""
     land_wait_s: float = LAND_WAIT_S
     """How long one landing attempt may take before the rollout ends in error."""
@@ -140,12 +219,23 @@ class RolloutContext:
     `workers/shard/trust.py`); None trusts every task (unit tests of the other steps)."""
 
 
+BLOCKING_THREADS = 16
+"""Threads per process for the engine's blocking steps: each is a Redis round trip or a
+storage read of ~1 ms, a few per rollout; a Redis outage parks them in its retries."""
+
+
 def _real_context(redis_url: str) -> RolloutContext:
     io = process_io()
+    admission = gate(redis_url)
+    blocking = Blocking(
+        concurrent.futures.ThreadPoolExecutor(BLOCKING_THREADS, thread_name_prefix="rollouts-step")
+    )
     return RolloutContext(
-        gate=gate(redis_url),
+        gate=admission,
         lander=lander(redis_url),
-        agent=LoopCaller(io.loop, lambda: io.http),
+        agent=AgentCaller(lambda: io.http, StopWatch(admission.stop_reason, blocking)),
+        loop=io.loop,
+        blocking=blocking,
         leases=_leases.get(redis_url),
         runs=ManifestCheck(),
     )

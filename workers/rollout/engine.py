@@ -8,7 +8,14 @@ A delivery that carries its task message (the chord's) first takes its rollout's
 ends there (`REDELIVERED`); the lease's attempt token fences what lands; and an attempt whose
 lease was taken over while it was silent ends `TAKEN_OVER`, counting nothing.
 
-Both rollout tasks are thin adapters over `run_rollout`: the chord task of `rollouts run` and
+A rollout is a coroutine (`run_rollout_async`) on its worker process's event loop: the `/run`
+call runs there, and each blocking step (a Redis round trip of the gate or the leases, the
+manifest check, encoding and queueing records for the lander) goes to the context's few shared
+threads (`RolloutContext.blocking`), grouped so that a rollout makes a handful of such hops.
+The rollout pool (`workers/pool.py`) runs each delivered message as such a coroutine; a pool
+thread (the threads or solo pool) runs one through `run_rollout` and waits for it.
+
+Both rollout tasks are thin adapters over the engine: the chord task of `rollouts run` and
 `resume` (`workers/tasks.py`) and the Python API's reply task (`workers/replies.py`).
 Nothing here raises for a rollout's own trouble (a task that raised would fail the whole chord
 and the shard would never finish): every path returns a `RolloutOutcome`.
@@ -16,11 +23,13 @@ and the shard would never finish): every path returns a `RolloutOutcome`.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import redis
@@ -87,14 +96,21 @@ CHORD = Delivery()
 """A rollout of `rollouts run` or `resume`."""
 
 
-def run_rollout(
+async def run_rollout_async(
     req: CollectRequest, ctx: RolloutContext, delivery: Delivery = CHORD
 ) -> RolloutOutcome:
     """Run one delivery of one rollout and return how it ended; never raises for its trouble."""
     try:
-        return _Run(req, ctx, delivery).run()
+        return await _Run(req, ctx, delivery).run()
     except Exception as exc:
         return unexpected(F.rollout_id(req.row), exc)
+
+
+def run_rollout(
+    req: CollectRequest, ctx: RolloutContext, delivery: Delivery = CHORD
+) -> RolloutOutcome:
+    """`run_rollout_async` on the context's event loop, from a thread that waits for it."""
+    return ctx.loop.run(run_rollout_async(req, ctx, delivery))
 
 
 def unexpected(rollout: str | None, exc: Exception) -> RolloutOutcome:
@@ -121,16 +137,37 @@ class _Run:
     def end(self, ended: Ended, **fields: Any) -> RolloutOutcome:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
 
-    def run(self) -> RolloutOutcome:
+    async def run(self) -> RolloutOutcome:
         """Take the lease, run the attempt, settle the lease."""
+        try:
+            # One hop off the loop: the lease, the manifest check and the first admission.
+            opened = await self.ctx.blocking(self.open)
+            outcome = opened if isinstance(opened, RolloutOutcome) else await self.attempt(opened)
+        except Exception as exc:
+            outcome = unexpected(self.rollout, exc)
+        lease = self.lease
+        if lease is None:
+            return outcome
+        return await self.ctx.blocking(lambda: self.settle(lease, outcome))
+
+    def open(self) -> RolloutOutcome | Ticket:
+        """The blocking start of a delivery: its lease, its run fields vouched for, its capture
+        cleared and its first admission; the slot's ticket, or how the delivery ended."""
         taken = self.take_lease()
         if taken is not None:
             return taken
         try:
-            outcome = self.attempt()
+            ctx = self.ctx
+            if self.delivery.record and ctx.runs is not None:
+                refused = ctx.runs.refusal(self.req.run, self.req.agent_url)
+                if refused is not None:
+                    log.error("rollout %s refused: %s", self.rollout, refused)
+                    return self.end(Ended.FENCED, detail=refused)
+            clear_for(self.req)  # before dispatch: no attempt reads an earlier delivery's calls
+            return self.admit(None)
         except Exception as exc:
-            outcome = unexpected(self.rollout, exc)
-        return outcome if self.lease is None else self.settle(self.lease, outcome)
+            # The lease taken above is settled by `run`, whatever happened here.
+            return unexpected(self.rollout, exc)
 
     def take_lease(self) -> RolloutOutcome | None:
         """Take the rollout's lease (setting `self.lease`); or how a copy of a delivery ends."""
@@ -183,31 +220,49 @@ class _Run:
         if self.lease is not None and self.ctx.leases is not None:
             self.ctx.leases.stage(self.lease, stage)
 
-    def attempt(self) -> RolloutOutcome:
+    def admit(self, readmit: Ticket | None) -> RolloutOutcome | Ticket:
+        """Admit the rollout (again, after a rate-limit wait: no new start); blocking.
+
+        The slot's ticket, or the `worker_lost` one of a rollout past its attempt limit (its row
+        lands: `lost`); or how the rollout ended: not admitted (`not_run`), or Redis away.
+        """
+        seen = self.delivery.admission or self.req
+        try:
+            ticket = self.ctx.gate.admit(seen, self.sid, readmit=readmit)
+        except redis.RedisError as exc:
+            log.error("rollout %s not started: Redis unavailable: %s", self.rollout, exc)
+            return self.end(Ended.ERROR, detail=f"{type(exc).__name__}: {exc}")
+        if ticket.verdict == "worker_lost":
+            return ticket
+        if ticket.verdict != "run":
+            return self.not_run(ticket, seen)
+        self.staged("calling")
+        if readmit is None and self.delivery.on_admitted is not None:
+            self.delivery.on_admitted()
+        return ticket
+
+    async def attempt(self, ticket: Ticket) -> RolloutOutcome:
+        """Call `/run` with the admitted slot, then sort and land the outcome."""
         ctx, token = self.ctx, self.req.run.token
-        if self.delivery.record and ctx.runs is not None:
-            refused = ctx.runs.refusal(self.req.run, self.req.agent_url)
-            if refused is not None:
-                log.error("rollout %s refused: %s", self.rollout, refused)
-                return self.end(Ended.FENCED, detail=refused)
-        called = self.call()
+        if ticket.verdict == "worker_lost":
+            return await self.lost(ticket)
+        called = await self.call(ticket)
         if isinstance(called, RolloutOutcome):
             return called
-        ticket, outcome, started = called
+        slot, outcome, started = called
         ended_call = ctx.monotonic()
-        # The slot covers the /run call: the next rollout may start while this one lands.
-        ctx.gate.free_slot(ticket, token, ok=outcome.result is not None)
-        if outcome.result is not None:  # the model-call capture, as NeMo Gym merges it
-            outcome.result = merge_into(self.req, outcome.result, (ended_call - started) * 1000)
-        result, failures, ended = sort_outcome(outcome)
-        timed = ended is Ended.LANDED and self.req.admission.dispatch_deadline is not None
+        duration_s: float | None = None
         try:
+            landing = await ctx.blocking(
+                lambda: self.after_call(slot, outcome, started, ended_call)
+            )
+            result, failures, ended = landing
+            if ended is Ended.LANDED and self.req.admission.dispatch_deadline is not None:
+                duration_s = ended_call - started
             if self.delivery.record:
-                at, ms = time.time() - (ctx.monotonic() - started), (ended_call - started) * 1000
-                stamp_timing([*failures, *([] if result is None else [result])], at, ms)
-                ended = self.land(result, failures, ended)
+                ended = await self.land(result, failures, ended)
         finally:
-            ctx.gate.release(ticket, token, duration_s=ended_call - started if timed else None)
+            await ctx.blocking(lambda: ctx.gate.release(slot, token, duration_s=duration_s))
         kept = ended in RESULT_ENDS or ended in FAILURE_ENDS or ended is Ended.DUPLICATE
         record = outcome.result if outcome.result is not None else failures[-1]
         if self.not_stored is not None:
@@ -221,45 +276,45 @@ class _Run:
             after_ms=(ctx.monotonic() - ended_call) * 1000,
         )
 
-    def call(self) -> tuple[Ticket, CallOutcome, float] | RolloutOutcome:
-        """Admit the rollout and call `/run`, waiting out 429/503s without the slot.
+    def after_call(
+        self, ticket: Ticket, outcome: CallOutcome, started: float, ended_call: float
+    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]], Ended]:
+        """The blocking steps after `/run`: the slot freed, the model calls merged, the outcome
+        sorted into its records, stamped with its timing."""
+        ctx = self.ctx
+        # The slot covers the /run call: the next rollout may start while this one lands.
+        ctx.gate.free_slot(ticket, self.req.run.token, ok=outcome.result is not None)
+        if outcome.result is not None:  # the model-call capture, as NeMo Gym merges it
+            outcome.result = merge_into(self.req, outcome.result, (ended_call - started) * 1000)
+        result, failures, ended = sort_outcome(outcome)
+        if self.delivery.record:
+            at, ms = time.time() - (ctx.monotonic() - started), (ended_call - started) * 1000
+            stamp_timing([*failures, *([] if result is None else [result])], at, ms)
+        return result, failures, ended
+
+    async def call(self, first: Ticket) -> tuple[Ticket, CallOutcome, float] | RolloutOutcome:
+        """Call `/run` with the admitted slot, waiting out 429/503s without it.
 
         Returns the slot's ticket, the call's outcome (its failures and requests over every
         admission) and when the first call started; or how the rollout ended before that.
         """
         req, ctx, token = self.req, self.ctx, self.req.run.token
-        seen = self.delivery.admission or req
         waits = RateLimitWaits(req.policy.rate_limit_budget_s)
         row = req.row
         earlier: list[dict[str, Any]] = []
         requests = 0
         started: float | None = None
-        ticket: Ticket | None = None
-        clear_for(req)  # before dispatch: no attempt reads an earlier delivery's calls
+        ticket = first
         while True:
-            try:
-                # After a rate-limit wait the rollout is admitted again without a new start.
-                ticket = ctx.gate.admit(seen, self.sid, readmit=ticket)
-            except redis.RedisError as exc:
-                log.error("rollout %s not started: Redis unavailable: %s", self.rollout, exc)
-                return self.end(Ended.ERROR, detail=f"{type(exc).__name__}: {exc}")
-            if ticket.verdict != "run":
-                return self.not_run(ticket, seen)
-            self.staged("calling")
-            if waits.count == 0 and self.delivery.on_admitted is not None:
-                self.delivery.on_admitted()
-
             called = ctx.monotonic()
             started = called if started is None else started
             try:
-                outcome, stop = ctx.agent.call(
-                    req.agent_url, row, req.policy, lambda: ctx.gate.stop_reason(self.sid)
-                )
+                outcome, stop = await ctx.agent.call(req.agent_url, row, req.policy, self.sid)
             except BaseException:
-                ctx.gate.release(ticket, token)
+                await asyncio.shield(ctx.blocking(partial(ctx.gate.release, ticket, token)))
                 raise
             if outcome is None:
-                ctx.gate.release(ticket, token, field="cancelled")
+                await ctx.blocking(partial(ctx.gate.release, ticket, token, field="cancelled"))
                 return self.end(Ended.CANCELLED, detail=stop)
             requests += outcome.requests_sent
             earlier += outcome.failures
@@ -267,36 +322,45 @@ class _Run:
             if limited is None:
                 break
             wait_s = next_wait_s(req.policy, limited.retry_after_s, waits.count)
+            call_s, status = ctx.monotonic() - called, limited.status
             if not waits.fits(wait_s):
-                ctx.gate.back_off(ticket, limited.status, None, ctx.monotonic() - called)
+                await ctx.blocking(partial(ctx.gate.back_off, ticket, status, None, call_s))
                 outcome = CallOutcome(final_failure=budget_failure(waits, limited))
                 break
             # The slot goes back for the wait: a rate-limited rollout holds no concurrency.
-            ctx.gate.back_off(ticket, limited.status, wait_s, ctx.monotonic() - called)
-            waits.add(limited.status, wait_s)
-            stop = self.wait(wait_s)
+            await ctx.blocking(partial(ctx.gate.back_off, ticket, status, wait_s, call_s))
+            waits.add(status, wait_s)
+            stop = await self.wait(wait_s)
             if stop is not None:
-                ctx.gate.release(ticket, token, field="cancelled")
+                await ctx.blocking(partial(ctx.gate.release, ticket, token, field="cancelled"))
                 return self.end(Ended.CANCELLED, detail=stop)
             row = with_attempt(req.row, limited.attempt)
+            # Admitted again without a new start.
+            admitted = await ctx.blocking(partial(self.admit, ticket))
+            if isinstance(admitted, RolloutOutcome):
+                return admitted
+            if admitted.verdict == "worker_lost":
+                return await self.lost(admitted)
+            ticket = admitted
         outcome.failures = earlier
         outcome.requests_sent = requests
         assert started is not None  # set by the first call
         return ticket, outcome, started
 
-    def wait(self, wait_s: float) -> str | None:
+    async def wait(self, wait_s: float) -> str | None:
         """Sleep out a rate-limit wait; returns the stop reason if the run was failed or cancelled."""
         left = wait_s
         while left > 0:
             step = min(left, STOP_POLL_S)
-            self.ctx.sleep(step)
+            await self.ctx.sleep(step)
             left -= step
-            reason = self.ctx.gate.stop_reason(self.sid)
+            reason = await self.ctx.blocking(lambda: self.ctx.gate.stop_reason(self.sid))
             if reason is not None and reason != "drain":
                 return reason
         return None
 
     def not_run(self, ticket: Ticket, seen: CollectRequest) -> RolloutOutcome:
+        """How a rollout that admission turned away ends."""
         verdict = ticket.verdict
         if verdict == "duplicate":
             return self.end(Ended.DUPLICATE)
@@ -317,21 +381,24 @@ class _Run:
             margin = self.ctx.gate.margin_s(self.sid, seen) if budget_left else None
             row = drained_row(self.req.row, not_started_message(ticket, margin))
             return self.end(Ended(verdict), record=row, detail=ticket.detail)
+        raise AssertionError(f"admission verdict {verdict!r} has no outcome")
+
+    async def lost(self, ticket: Ticket) -> RolloutOutcome:
+        """A rollout past its attempt limit: its `worker_lost` row lands."""
         lost = worker_lost_row(self.req, int(ticket.detail))
         ended = Ended.WORKER_LOST
         if self.delivery.record:
-            ended = self.land(None, [lost], ended)
+            ended = await self.land(None, [lost], ended)
         record = self.not_stored or lost
         return self.end(ended, record=record if ended in FAILURE_ENDS else None,
                         detail=self.land_error)  # fmt: skip
 
-    def land(
+    async def land(
         self, result: dict[str, Any] | None, failures: list[dict[str, Any]], ended: Ended
     ) -> Ended:
         """Land the records; returns how the rollout ended once they are (or could not be) down."""
-        self.staged("landing")
         try:
-            report = self.land_with_retry(result, failures)
+            report = await self.land_with_retry(result, failures)
         except ShardFencedError as exc:
             log.warning("%s", exc)
             self.land_error = str(exc)
@@ -348,10 +415,11 @@ class _Run:
             ended = Ended.FAILED
         routed = self.req.policy.route_failures_to_sidecar
         if ended in FAILURE_ENDS and self.delivery.fails_run and not routed and final is not None:
-            self.ctx.gate.fail_run(self.sid, run_failure_message(self.rollout, final))
+            message = run_failure_message(self.rollout, final)
+            await self.ctx.blocking(lambda: self.ctx.gate.fail_run(self.sid, message))
         return Ended.DUPLICATE if report.duplicate else ended
 
-    def land_with_retry(
+    async def land_with_retry(
         self, result: dict[str, Any] | None, failures: list[dict[str, Any]]
     ) -> LandReport:
         """Land the records, riding out a Redis restart or a busy lock for up to LAND_RETRY_S.
@@ -359,21 +427,28 @@ class _Run:
         Each attempt waits at most `land_wait_s` for the lander: past it, `StorageError` (the
         records may land later; the rollout's outcome is an error, and a resume finds them).
         """
-        deadline = self.ctx.monotonic() + LAND_RETRY_S
+        ctx = self.ctx
+        deadline = ctx.monotonic() + LAND_RETRY_S
         delay = 0.5
         while True:
-            future = self.ctx.lander.submit(self.req.run, result, failures, self.lease)
-            done, _ = concurrent.futures.wait([future], timeout=self.ctx.land_wait_s)
-            if not done:
-                raise StorageError(
-                    f"landing did not finish within {self.ctx.land_wait_s:g}s; "
-                    "its records may land later"
-                )
+            # Queueing encodes the records: off the loop, with the stage noted.
+            queued = await ctx.blocking(lambda: self.queue_landing(result, failures))
             try:
-                return future.result()
+                return await asyncio.wait_for(asyncio.wrap_future(queued), ctx.land_wait_s)
+            except TimeoutError:
+                raise StorageError(
+                    f"landing did not finish within {ctx.land_wait_s:g}s; "
+                    "its records may land later"
+                ) from None
             except (redis.ConnectionError, redis.TimeoutError, TransientError) as exc:
-                if self.ctx.monotonic() + delay > deadline:
+                if ctx.monotonic() + delay > deadline:
                     raise
                 log.warning("landing %s: %s; retrying in %.1fs", self.rollout, exc, delay)
-                self.ctx.sleep(delay)
+                await ctx.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+    def queue_landing(
+        self, result: dict[str, Any] | None, failures: list[dict[str, Any]]
+    ) -> concurrent.futures.Future[LandReport]:
+        self.staged("landing")
+        return self.ctx.lander.submit(self.req.run, result, failures, self.lease)

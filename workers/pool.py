@@ -1,0 +1,197 @@
+"""The rollout pool: a Celery execution pool in which an in-flight rollout is a coroutine.
+
+`celery -A workers.app worker` uses it (`celeryconfig.worker_pool`); `-c` is the number of
+rollouts in flight in the process. A delivered message of a task registered with `on_loop` (the
+two rollout tasks) runs in two parts:
+
+1. on the process's event loop (`infra/http.py`, where `/run` is called): the task's coroutine
+   runs the rollout to its outcome: admission, `/run`, landing, each blocking step on the rollout
+   engine's few shared threads (`workers/rollout/context.py`);
+2. on one of a few *finishing* threads: Celery's own tracer runs the task with that outcome (its
+   body takes it from `take_ran` instead of running the rollout again): the chord part is
+   counted, the result stored if any, `after_return` settles the lease, and the request's
+   callback acknowledges the message (late ack) and sends Flower its events.
+
+So a rollout keeps everything the threads pool gives it (one Celery task per rollout, late
+acknowledgement after landing, redelivery of what a dead worker held, Flower's view, task
+events, `Ignore`) without a thread of its own. Any other task (the finish step, health jobs)
+runs on a thread, as in the threads pool.
+
+Why not an existing pool: Celery's own pools spend a thread (threads), a process (prefork) or a
+monkey-patched greenlet (gevent, eventlet: our `/run` client is asyncio) per task;
+celery-aio-pool is AGPL-licensed, celery-pool-asyncio unmaintained since 2021 and patches
+Celery's internals. This pool uses only `BasePool`'s documented hooks and Celery's tracer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from celery.app.task import Context
+from celery.concurrency.base import BasePool, apply_target
+from kombu.serialization import loads as loads_message
+from kombu.serialization import prepare_accept_content
+
+from infra.http import process_io
+
+log = logging.getLogger(__name__)
+
+Runner = Callable[..., Awaitable[Any]]
+"""A task's coroutine: called with the task's request (`celery.app.task.Context`) and its
+arguments; what it returns is what the task body takes with `take_ran`."""
+
+FINISHING_THREADS = 8
+"""Threads per process running Celery's tracer for a rollout that has its outcome: a chord
+count, an acknowledgement and events, about a millisecond each."""
+
+_runners: dict[str, Runner] = {}
+
+
+R = TypeVar("R", bound=Runner)
+
+
+def on_loop(name: str) -> Callable[[R], R]:
+    """Register `name`'s coroutine: the rollout pool runs a delivery of the task with it first."""
+
+    def register(runner: R) -> R:
+        _runners[name] = runner
+        return runner
+
+    return register
+
+
+class _Raised:
+    """What a task's coroutine raised, for its body to raise in Celery's tracer."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_ran: dict[str, Any] = {}
+"""Each delivery's coroutine's value, by task id, until its body takes it."""
+_NOTHING = object()
+
+
+def take_ran(task_id: str | None) -> Any:
+    """What the coroutine of delivery `task_id` returned (raising what it raised), or None when
+    this delivery did not run on the loop (another pool: the body does the work itself)."""
+    found = _ran.pop(task_id, _NOTHING) if task_id is not None else _NOTHING
+    if found is _NOTHING:
+        return None
+    if isinstance(found, _Raised):
+        raise found.exc
+    return found
+
+
+class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyped
+    """Rollouts as coroutines on the process's event loop; other tasks on threads."""
+
+    body_can_be_buffer = True
+    signal_safe = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.limit, thread_name_prefix="rollouts-task"
+        )
+        self._finishing = concurrent.futures.ThreadPoolExecutor(
+            max_workers=FINISHING_THREADS, thread_name_prefix="rollouts-finish"
+        )
+        self._running: set[concurrent.futures.Future[None]] = set()
+        self._lock = threading.Lock()
+        self._slots: asyncio.Semaphore | None = None
+
+    def on_start(self) -> None:
+        self._loop = process_io().loop
+        self._accept = prepare_accept_content(self.app.conf.accept_content)  # type: ignore[no-untyped-call]
+
+    def on_stop(self) -> None:
+        """Warm shutdown: the rollouts in flight finish (and are acknowledged) first."""
+        with self._lock:
+            running = list(self._running)
+        concurrent.futures.wait(running)
+        self._finishing.shutdown(wait=True)
+        self._threads.shutdown(cancel_futures=True)
+
+    def on_terminate(self) -> None:
+        self._finishing.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def on_apply(
+        self,
+        target: Callable[..., Any],
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        callback: Callable[..., Any] | None = None,
+        accept_callback: Callable[..., Any] | None = None,
+        **_: Any,
+    ) -> concurrent.futures.Future[Any]:
+        args = tuple(args or ())
+        runner = _runners.get(args[0]) if args else None
+        if runner is None:
+            return self._threads.submit(
+                apply_target, target, args, kwargs, callback, accept_callback
+            )
+        future = self._loop.submit(
+            self._run(runner, target, args, kwargs or {}, callback, accept_callback)
+        )
+        with self._lock:
+            self._running.add(future)
+        future.add_done_callback(self._ended)
+        return future
+
+    def _ended(self, future: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._running.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            log.error(
+                "rollout pool: a delivery failed outside its task", exc_info=future.exception()
+            )
+
+    async def _run(
+        self,
+        runner: Runner,
+        target: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        callback: Callable[..., Any] | None,
+        accept_callback: Callable[..., Any] | None,
+    ) -> None:
+        """Run the task's coroutine, then Celery's tracer with its value on a finishing thread."""
+        loop = asyncio.get_running_loop()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.limit)
+        _, task_id, request, body, content_type, content_encoding = args[:6]
+        async with self._slots:
+            if accept_callback is not None:
+                accepted = time.monotonic()
+                await loop.run_in_executor(self._finishing, accept_callback, os.getpid(), accepted)
+            try:
+                task_args, task_kwargs, _embed = loads_message(  # type: ignore[no-untyped-call]
+                    body, content_type, content_encoding, accept=self._accept
+                )
+                _ran[task_id] = await runner(Context(request), *task_args, **task_kwargs)
+            except Exception as exc:
+                _ran[task_id] = _Raised(exc)
+        # The tracer's own steps (chord count, result, after_return, acknowledgement, events).
+        done = loop.run_in_executor(
+            self._finishing, lambda: apply_target(target, args, kwargs, callback, None)
+        )
+        try:
+            await done
+        finally:
+            _ran.pop(task_id, None)
+
+    def _get_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = super()._get_info()
+        with self._lock:
+            in_flight = len(self._running)
+        info.update({"max-concurrency": self.limit, "in-flight": in_flight})
+        return info
