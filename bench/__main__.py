@@ -31,7 +31,7 @@ from bench.collectors import (
     run_nemo_gym,
     run_ours,
 )
-from bench.harness import ROOT, AgentProcess, BenchCluster, table
+from bench.harness import ROOT, AgentProcess, BenchCluster, RssSampler, table
 from examples.tasks import make_row
 
 
@@ -54,8 +54,21 @@ def best(runs: list[Measure], by: str = "rate") -> Measure:
     return max(runs, key=lambda m: m.rate)
 
 
+PRESETS = {
+    # name: (N, in flight, agent latency ms); the rows of the in-flight issue's table.
+    "inflight-1k": (4000, 1024, 5000.0),
+    "inflight-4k": (8000, 4096, 10000.0),
+}
+
+
 def latency(
-    n: int, in_flight: int, latency_ms: float, workers: int, nemo_python: str | None, rounds: int
+    n: int,
+    in_flight: int,
+    latency_ms: float,
+    workers: int,
+    nemo_python: str | None,
+    rounds: int,
+    pad_kb: int = 0,
 ) -> str:
     tmp = tempfile.mkdtemp(prefix="bench-latency-")
     try:
@@ -63,7 +76,8 @@ def latency(
         rows = write_rows(rows_path, n)
         ideal = in_flight / (latency_ms / 1000)
         runs: dict[str, list[Measure]] = {}
-        with AgentProcess(latency_ms=latency_ms) as agent:
+        rss_per_1k: list[float] = []
+        with AgentProcess(latency_ms=latency_ms, pad_kb=pad_kb) as agent:
             url = agent_url(agent.config_path)
             for r in range(rounds):
                 ms = [run_asyncio_aiohttp(url, rows, in_flight, os.path.join(tmp, "aiohttp.jsonl"))]
@@ -74,15 +88,26 @@ def latency(
                         )
                     )
                 with BenchCluster(
-                    "bench.noop_app", workers=workers, concurrency=in_flight // workers
+                    "bench.noop_app",
+                    workers=workers,
+                    concurrency=in_flight // workers,
+                    pool="threads",
                 ) as cluster:
                     ms.append(run_empty_chord(cluster, n, sleep_s=latency_ms / 1000))
                 with BenchCluster(workers=workers, concurrency=in_flight // workers) as cluster:
-                    ms.append(
-                        run_ours(
-                            cluster, agent.config_path, rows_path, os.path.join(tmp, f"run{r}"), n
+                    rss = RssSampler(p.pid for p in cluster.procs)
+                    idle = rss.now_bytes()
+                    with rss:
+                        ms.append(
+                            run_ours(
+                                cluster,
+                                agent.config_path,
+                                rows_path,
+                                os.path.join(tmp, f"run{r}"),
+                                n,
+                            )
                         )
-                    )
+                    rss_per_1k.append((rss.peak_bytes - idle) / 2**20 / (in_flight / 1000))
                 for m in ms:
                     runs.setdefault(m.name, []).append(m)
         results = [best(v) for v in runs.values()]
@@ -99,9 +124,13 @@ def latency(
             for m in results
         ]
         nemo_note = "" if nemo_python else " (NeMo Gym not installed: see README, bench extra)"
+        rss_note = (
+            f"; our workers' RSS beyond idle: {min(rss_per_1k):.1f} MB per 1,000 in flight "
+            f"(least of {rounds}; peak over the run, {pad_kb} KB replies)"
+        )
         return (
             f"latency: N={n}, agent latency {latency_ms:g} ms, {in_flight} in flight, "
-            f"ideal {ideal:.0f}/s, best of {rounds} interleaved rounds{nemo_note}\n\n"
+            f"ideal {ideal:.0f}/s, best of {rounds} interleaved rounds{nemo_note}{rss_note}\n\n"
             + table(
                 [
                     "collector",
@@ -128,7 +157,9 @@ def overhead(n: int, workers: int, concurrency: int, rounds: int) -> str:
         with AgentProcess(latency_ms=0) as agent:
             url = agent_url(agent.config_path)
             for r in range(rounds):
-                with BenchCluster("bench.noop_app", workers=workers, concurrency=concurrency) as c:
+                with BenchCluster(
+                    "bench.noop_app", workers=workers, concurrency=concurrency, pool="threads"
+                ) as c:
                     ms = [run_empty_chord(c, n)]
                 with BenchCluster(workers=workers, concurrency=concurrency) as c:
                     ms.append(
@@ -191,7 +222,9 @@ def scale(sizes: list[int], workers: int, concurrency: int) -> str:
             for n in sizes:
                 rows_path = os.path.join(tmp, f"rows-{n}.jsonl")
                 write_rows(rows_path, n)
-                with BenchCluster("bench.noop_app", workers=workers, concurrency=concurrency) as c:
+                with BenchCluster(
+                    "bench.noop_app", workers=workers, concurrency=concurrency, pool="threads"
+                ) as c:
                     chord_line = producer_in_own_process("chord", c.url, n)
                 with BenchCluster(workers=workers, concurrency=concurrency) as c:
                     ours_line = producer_in_own_process(
@@ -231,7 +264,9 @@ def workers_scenario(n: int, concurrency: int, pad_kb: int, rounds: int) -> str:
         with AgentProcess(latency_ms=0, pad_kb=pad_kb) as agent:
             for r in range(rounds):
                 for w in (1, 2):
-                    with BenchCluster("bench.noop_app", workers=w, concurrency=concurrency) as c:
+                    with BenchCluster(
+                        "bench.noop_app", workers=w, concurrency=concurrency, pool="threads"
+                    ) as c:
                         m = run_empty_chord(c, n)
                     runs.setdefault((m.name, w), []).append(m)
                     out_dir = os.path.join(tmp, f"run{r}-{w}")
@@ -281,6 +316,12 @@ def main() -> None:
         "scenario",
         choices=["latency", "overhead", "scale", "workers", "ratelimit", "capture", "report"],
     )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="latency: N, in flight and agent latency of a named row (64 KB replies)",
+    )
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=64)
@@ -289,7 +330,10 @@ def main() -> None:
         "--latency-ms", type=float, default=None, help="latency: 1000 (default), ratelimit: 200"
     )
     parser.add_argument(
-        "--pad-kb", type=int, default=64, help="workers: KB of trajectory in each response"
+        "--pad-kb",
+        type=int,
+        default=None,
+        help="KB of trajectory in each response (workers: 64, latency: 0, or 64 with --preset)",
     )
     parser.add_argument(
         "--rounds",
@@ -309,8 +353,14 @@ def main() -> None:
     a = parser.parse_args()
     if a.scenario == "latency":
         nemo = nemo_gym_python(a.nemo_python)
-        latency_ms = 1000.0 if a.latency_ms is None else a.latency_ms
-        print(latency(a.n or 5000, a.in_flight, latency_ms, a.workers, nemo, a.rounds))
+        if a.preset is not None:
+            n, in_flight, latency_ms = PRESETS[a.preset]
+            pad_kb = 64 if a.pad_kb is None else a.pad_kb
+        else:
+            n, in_flight = a.n or 5000, a.in_flight
+            latency_ms = 1000.0 if a.latency_ms is None else a.latency_ms
+            pad_kb = a.pad_kb or 0
+        print(latency(n, in_flight, latency_ms, a.workers, nemo, a.rounds, pad_kb))
     elif a.scenario == "overhead":
         print(overhead(a.n or 10000, a.workers, a.concurrency, a.rounds))
     elif a.scenario == "scale":
@@ -342,7 +392,11 @@ def main() -> None:
 
         print(report_bench([a.n] if a.n else [100_000, 1_000_000]))
     elif a.scenario == "workers":
-        print(workers_scenario(a.n or 5000, a.concurrency, a.pad_kb, a.rounds))
+        print(
+            workers_scenario(
+                a.n or 5000, a.concurrency, 64 if a.pad_kb is None else a.pad_kb, a.rounds
+            )
+        )
 
 
 if __name__ == "__main__":

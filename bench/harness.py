@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,6 +18,38 @@ import psutil
 from infra.embedded import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class RssSampler:
+    """The peak summed RSS of some processes, sampled every `every_s` in a thread."""
+
+    def __init__(self, pids: Iterable[int], every_s: float = 0.1) -> None:
+        self.pids = list(pids)
+        self.every_s = every_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def now_bytes(self) -> int:
+        total = 0
+        for pid in self.pids:
+            try:
+                total += psutil.Process(pid).memory_info().rss
+            except psutil.NoSuchProcess:
+                continue
+        return total
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.peak_bytes = max(self.peak_bytes, self.now_bytes())
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
 
 
 def cpu_seconds(pids: Iterable[int], children: bool = False) -> float:
@@ -95,7 +128,8 @@ class BenchCluster:
     app_module: str = "workers.app"
     workers: int = 2
     concurrency: int = 256
-    pool: str = "threads"
+    pool: str | None = None
+    """`-P`; None: the app's own (`celeryconfig.worker_pool`: the rollout pool)."""
     # The product's workers log at WARNING (producer/shard/local_cluster.py); INFO adds two log lines
     # per task to every collector measured.
     loglevel: str = "WARNING"
@@ -112,7 +146,8 @@ class BenchCluster:
         for i in range(self.workers):
             cmd = [
                 sys.executable, "-m", "celery", "-A", self.app_module, "worker",
-                "-P", self.pool, "-c", str(self.concurrency), "-n", f"bench{i}-{os.getpid()}@%h",
+                *(["-P", self.pool] if self.pool else []),
+                "-c", str(self.concurrency), "-n", f"bench{i}-{os.getpid()}@%h",
                 "--without-gossip", "--without-mingle", "--without-heartbeat",
                 "-l", self.loglevel,
             ]  # fmt: skip

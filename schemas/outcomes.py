@@ -69,8 +69,9 @@ def run_failure_message(rollout: object, final: dict[str, Any]) -> str:
     return f"rollout {rollout} failed: {final.get(F.FAILURE_CLASS)}: {final.get(F.FAILURE_MESSAGE)}"
 
 
-Admit = Literal["run", "duplicate", "fenced", "drained", "stopped", "worker_lost"]
-"""An admission ticket's verdict: `run`, or the end of a rollout that must not start."""
+Admit = Literal["run", "wait", "duplicate", "fenced", "drained", "stopped", "worker_lost"]
+"""An admission ticket's verdict: `run`; `wait` (the caps are full: try again); or the end of a
+rollout that must not start."""
 
 
 class RolloutOutcome(BaseModel):

@@ -210,6 +210,19 @@ class _Releaser:
                 self._done.notify_all()
 
 
+class AdmissionWaits:
+    """The pauses between a waiting rollout's tries: jittered, growing from `WAIT_MIN_S` to
+    `WAIT_MAX_S`."""
+
+    def __init__(self) -> None:
+        self._delay = WAIT_MIN_S
+
+    def next_s(self) -> float:
+        wait_s = random.uniform(self._delay / 2, self._delay)
+        self._delay = min(self._delay * 1.5, WAIT_MAX_S)
+        return wait_s
+
+
 class Gate:
     """This process's admission: begin/end calls, lease renewal, cached stop flags and margins."""
 
@@ -271,7 +284,24 @@ class Gate:
         return margin
 
     def admit(self, req: CollectRequest, sid: str, readmit: Ticket | None = None) -> Ticket:
-        """Wait for a slot and take it, or say why the rollout must not start.
+        """Wait for a slot and take it, or say why the rollout must not start (blocking; the
+        rollout engine waits on its event loop instead, between `try_admit`s)."""
+        waits = AdmissionWaits()
+        ticket = self.try_admit(req, sid, readmit)
+        while ticket.verdict == "wait":
+            time.sleep(waits.next_s())
+            ticket = self.try_admit(req, sid, readmit, waiting=ticket)
+        return ticket
+
+    def try_admit(
+        self,
+        req: CollectRequest,
+        sid: str,
+        readmit: Ticket | None = None,
+        waiting: Ticket | None = None,
+    ) -> Ticket:
+        """Take a slot, or say why the rollout must not start; `wait` while the caps are full
+        (the rollout is listed as waiting; try again within `WAIT_MAX_S`, with `waiting`).
 
         `readmit`: the delivery's ticket before its rate-limit wait; it keeps its start (and
         its lease member, which the wait listed as waiting for the agent).
@@ -279,45 +309,40 @@ class Gate:
         row = req.row
         key = f"{row[F.TASK_INDEX]}:{row[F.ROLLOUT_INDEX]}"
         agent = F.agent_name(row) or ""
-        member = readmit.member if readmit is not None else self._member(agent, key)
+        listed = readmit or waiting
+        member = listed.member if listed is not None else self._member(agent, key)
         call_keys = self._begin_keys(sid, req.agent_url)
         agent_key, leases = call_keys[9], call_keys[7]
         adm = req.admission
-        delay = WAIT_MIN_S
-        while True:
-            margin = None
-            if adm.dispatch_deadline is not None:
-                margin = with_redis_retry("drain margin", lambda: self.margin_s(sid, req))
-            args: list[str | int | float] = [
-                req.run.token,
-                key,
-                member,
-                self.ttl_s,
-                adm.max_resident_tasks or 0,
-                adm.agent_max_concurrency or 0,
-                req.policy.max_attempts,
-                adm.dispatch_deadline or 0,
-                -1 if margin is None else margin,
-                STARTS_KEEP_S,
-                0 if readmit is None else 1,
-                DEFAULT_WINDOW_CAP,
-                INITIAL_WINDOW,
-                WINDOW_KEEP_S,
-            ]
-            answer = with_redis_retry(
-                "admission",
-                lambda args=args: self._begin(keys=call_keys, args=args, client=self.r),  # type: ignore[misc]
-            )
-            word, detail = (v.decode() if isinstance(v, bytes) else str(v) for v in answer)
-            if word != "wait":
-                verdict = cast(Admit, word)
-                ticket = Ticket(verdict, detail, sid, key, member, agent_key, req.agent_url)
-                if verdict == "run":
-                    self.renewer.add(member, (leases, agent_key))
-                return ticket
-            # Full: poll with jitter; the waiting entry itself expires unless re-added here.
-            time.sleep(random.uniform(delay / 2, delay))
-            delay = min(delay * 1.5, WAIT_MAX_S)
+        margin = None
+        if adm.dispatch_deadline is not None:
+            margin = with_redis_retry("drain margin", lambda: self.margin_s(sid, req))
+        args: list[str | int | float] = [
+            req.run.token,
+            key,
+            member,
+            self.ttl_s,
+            adm.max_resident_tasks or 0,
+            adm.agent_max_concurrency or 0,
+            req.policy.max_attempts,
+            adm.dispatch_deadline or 0,
+            -1 if margin is None else margin,
+            STARTS_KEEP_S,
+            0 if readmit is None else 1,
+            DEFAULT_WINDOW_CAP,
+            INITIAL_WINDOW,
+            WINDOW_KEEP_S,
+        ]
+        answer = with_redis_retry(
+            "admission", lambda: self._begin(keys=call_keys, args=args, client=self.r)
+        )
+        word, detail = (v.decode() if isinstance(v, bytes) else str(v) for v in answer)
+        # `wait`: the caps are full; the waiting entry expires unless a next try re-adds it.
+        verdict = cast(Admit, word)
+        ticket = Ticket(verdict, detail, sid, key, member, agent_key, req.agent_url)
+        if verdict == "run":
+            self.renewer.add(member, (leases, agent_key))
+        return ticket
 
     def free_slot(self, ticket: Ticket, token: str, ok: bool = False) -> None:
         """Give the slot back as soon as the `/run` call ended, before the records land; `ok`

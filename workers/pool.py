@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import os
 import threading
@@ -74,15 +75,29 @@ class _Raised:
         self.exc = exc
 
 
-_ran: dict[str, Any] = {}
-"""Each delivery's coroutine's value, by task id, until its body takes it."""
+DELIVERY = "rollouts_delivery"
+"""The request field (`self.request.rollouts_delivery`) naming one delivery in this process: two
+copies of one message (a redelivery while the first runs) share their task id."""
+
+_deliveries = itertools.count(1)
+_ran: dict[int, Any] = {}
+"""Each delivery's coroutine's value, by delivery, until its body takes it."""
 _NOTHING = object()
 
 
-def take_ran(task_id: str | None) -> Any:
-    """What the coroutine of delivery `task_id` returned (raising what it raised), or None when
-    this delivery did not run on the loop (another pool: the body does the work itself)."""
-    found = _ran.pop(task_id, _NOTHING) if task_id is not None else _NOTHING
+def delivery_key(request: Any) -> tuple[str, int]:
+    """One delivery of a task in this process: its task id and the pool's number for it, or the
+    thread running it (another pool: the body runs in one thread from start to end)."""
+    number = getattr(request, DELIVERY, None)
+    return request.id, number if number is not None else -threading.get_ident()
+
+
+def take_ran(request: Any) -> Any:
+    """What the coroutine of the delivery `request` (a task's `self.request`) returned (raising
+    what it raised), or None when it did not run on the loop (another pool: the body does the
+    work itself)."""
+    number = getattr(request, DELIVERY, None)
+    found = _ran.pop(number, _NOTHING) if number is not None else _NOTHING
     if found is _NOTHING:
         return None
     if isinstance(found, _Raised):
@@ -168,18 +183,24 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         loop = asyncio.get_running_loop()
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.limit)
-        _, task_id, request, body, content_type, content_encoding = args[:6]
+        number = next(_deliveries)
+        request = {**args[2], DELIVERY: number}
+        args = (args[0], args[1], request, *args[3:])
+        body, content_type, content_encoding = args[3:6]
         async with self._slots:
             if accept_callback is not None:
                 accepted = time.monotonic()
                 await loop.run_in_executor(self._finishing, accept_callback, os.getpid(), accepted)
             try:
-                task_args, task_kwargs, _embed = loads_message(  # type: ignore[no-untyped-call]
+                task_args, task_kwargs, embed = loads_message(  # type: ignore[no-untyped-call]
                     body, content_type, content_encoding, accept=self._accept
                 )
-                _ran[task_id] = await runner(Context(request), *task_args, **task_kwargs)
+                # The task's request as Celery's tracer builds it: the headers, and the chord the
+                # body embeds (protocol 2).
+                context = Context({**request, **(embed or {})})
+                _ran[number] = await runner(context, *task_args, **task_kwargs)
             except Exception as exc:
-                _ran[task_id] = _Raised(exc)
+                _ran[number] = _Raised(exc)
         # The tracer's own steps (chord count, result, after_return, acknowledgement, events).
         done = loop.run_in_executor(
             self._finishing, lambda: apply_target(target, args, kwargs, callback, None)
@@ -187,7 +208,7 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         try:
             await done
         finally:
-            _ran.pop(task_id, None)
+            _ran.pop(number, None)
 
     def _get_info(self) -> dict[str, Any]:
         info: dict[str, Any] = super()._get_info()

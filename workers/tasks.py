@@ -24,13 +24,13 @@ from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
 from workers.app import app, state_redis_url
 from workers.finish import finish_shard, health_brief
 from workers.health import combine, scan
-from workers.pool import on_loop, take_ran
+from workers.pool import delivery_key, on_loop, take_ran
 from workers.redispatch import CollectTaskMessage
 from workers.replies import collect_and_reply
 from workers.rollout import Delivery, process_context, run_rollout, run_rollout_async
 
-_settling: dict[str, Callable[[bool], object]] = {}
-"""The lease each collect task settles once its chord part was counted, by task id."""
+_settling: dict[tuple[str, int], Callable[[bool], object]] = {}
+"""The lease each collect task settles once its chord part was counted, by delivery."""
 
 
 class CollectTask(Task):  # type: ignore[misc]  # celery's Task is untyped here
@@ -41,7 +41,7 @@ class CollectTask(Task):  # type: ignore[misc]  # celery's Task is untyped here
     ) -> None:
         # Called in the tracer's thread once the task's result was stored and its chord part
         # counted (SUCCESS), or storing it failed.
-        settle = _settling.pop(task_id, None)
+        settle = _settling.pop(delivery_key(self.request), None)
         if settle is not None:
             settle(status == states.SUCCESS)
 
@@ -51,12 +51,12 @@ def _collect(request: Any, payload: dict[str, Any]) -> tuple[CollectRequest, Del
     req = CollectRequest.model_validate(payload)
     if request.group is None:  # a task sent outside a chord counts no chord part: no lease
         return req, Delivery()
-    task_id = request.id
+    delivery = delivery_key(request)
     message = CollectTaskMessage.from_request(request, payload).to_json()
-    _settling.pop(task_id, None)
+    _settling.pop(delivery, None)
 
     def settle_later(settle: Callable[[bool], object]) -> None:
-        _settling[task_id] = settle
+        _settling[delivery] = settle
 
     return req, Delivery(message=message, settle_later=settle_later)
 
@@ -77,7 +77,7 @@ def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any
     pool the rollout ran on the event loop already (`_collect_on_loop`); in a thread pool it
     runs here.
     """
-    outcome: RolloutOutcome | None = take_ran(self.request.id)
+    outcome: RolloutOutcome | None = take_ran(self.request)
     if outcome is None:
         req, delivery = _collect(self.request, payload)
         outcome = run_rollout(req, process_context(state_redis_url()), delivery)
@@ -118,7 +118,7 @@ async def _reply_on_loop(request: Any, payload: dict[str, Any]) -> dict[str, Any
 @app.task(name=COLLECT_REPLY_TASK, acks_late=True, ignore_result=True, bind=True)
 def collect_reply_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any]:
     """Run one rollout for the Python API and push its outcome to the caller."""
-    summary: dict[str, Any] | None = take_ran(self.request.id)
+    summary: dict[str, Any] | None = take_ran(self.request)
     if summary is not None:
         return summary
     ctx = process_context(state_redis_url())

@@ -611,3 +611,15 @@ def test_a_chord_part_that_could_not_be_counted_lets_the_lease_go(h: Harness) ->
     h.run(Delivery(message=MESSAGE, settle_later=later.append))
     later[0](False)
     assert h.leases.settled == {} and not h.leases.held  # it expires and is taken over
+
+
+def test_a_rollout_waits_on_the_loop_while_the_caps_are_full_then_lands(h: Harness) -> None:
+    h.gate.full = 3
+    out = h.run()
+    assert out.ended is Ended.LANDED and len(h.shard.results) == 1
+    # Three pauses between tries, each taken on the event loop (the context's sleep), none on
+    # a thread; the slot was taken once and given back.
+    assert len(h.slept) == 3 and all(0 < s <= 0.25 for s in h.slept)
+    assert h.gate.admitted == ["3:1"] and h.slots_returned()
+    # Every try after the first names the waiting entry the first one listed.
+    assert h.gate.waited == [None, "fake|3:1", "fake|3:1"]

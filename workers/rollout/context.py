@@ -39,7 +39,15 @@ T = TypeVar("T")
 class AdmissionGate(Protocol):
     """Whether a rollout may start, the slots it holds, and the run's stop flags (`workers/admission.py`)."""
 
-    def admit(self, req: CollectRequest, sid: str, readmit: Ticket | None = None) -> Ticket: ...
+    def try_admit(
+        self,
+        req: CollectRequest,
+        sid: str,
+        readmit: Ticket | None = None,
+        waiting: Ticket | None = None,
+    ) -> Ticket:
+        """A slot's ticket, `wait` while the caps are full, or why the rollout must not start."""
+        ...
 
     def free_slot(self, ticket: Ticket, token: str, ok: bool = False) -> None: ...
 

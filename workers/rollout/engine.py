@@ -45,7 +45,7 @@ from schemas.outcomes import (
     RolloutOutcome,
     run_failure_message,
 )
-from workers.admission import Ticket
+from workers.admission import AdmissionWaits, Ticket
 from workers.agent_call import CallOutcome, with_attempt
 from workers.backpressure import RateLimitWaits, budget_failure, next_wait_s
 from workers.capture import clear_for, merge_into
@@ -142,6 +142,8 @@ class _Run:
         try:
             # One hop off the loop: the lease, the manifest check and the first admission.
             opened = await self.ctx.blocking(self.open)
+            if isinstance(opened, Ticket) and opened.verdict == "wait":
+                opened = await self.admitted(None, opened)
             outcome = opened if isinstance(opened, RolloutOutcome) else await self.attempt(opened)
         except Exception as exc:
             outcome = unexpected(self.rollout, exc)
@@ -152,7 +154,8 @@ class _Run:
 
     def open(self) -> RolloutOutcome | Ticket:
         """The blocking start of a delivery: its lease, its run fields vouched for, its capture
-        cleared and its first admission; the slot's ticket, or how the delivery ended."""
+        cleared and its first try at admission; the slot's ticket (`wait` while the caps are
+        full), or how the delivery ended."""
         taken = self.take_lease()
         if taken is not None:
             return taken
@@ -164,7 +167,7 @@ class _Run:
                     log.error("rollout %s refused: %s", self.rollout, refused)
                     return self.end(Ended.FENCED, detail=refused)
             clear_for(self.req)  # before dispatch: no attempt reads an earlier delivery's calls
-            return self.admit(None)
+            return self.admit(None, None)
         except Exception as exc:
             # The lease taken above is settled by `run`, whatever happened here.
             return unexpected(self.rollout, exc)
@@ -220,19 +223,34 @@ class _Run:
         if self.lease is not None and self.ctx.leases is not None:
             self.ctx.leases.stage(self.lease, stage)
 
-    def admit(self, readmit: Ticket | None) -> RolloutOutcome | Ticket:
-        """Admit the rollout (again, after a rate-limit wait: no new start); blocking.
+    async def admitted(
+        self, readmit: Ticket | None, waiting: Ticket | None = None
+    ) -> RolloutOutcome | Ticket:
+        """Admit the rollout, waiting on the loop (not on a thread) while the caps are full;
+        `waiting`: the `wait` ticket of a try already made."""
+        waits = AdmissionWaits()
+        while True:
+            if waiting is not None:
+                await self.ctx.sleep(waits.next_s())
+            got = await self.ctx.blocking(partial(self.admit, readmit, waiting))
+            if isinstance(got, RolloutOutcome) or got.verdict != "wait":
+                return got
+            waiting = got
 
-        The slot's ticket, or the `worker_lost` one of a rollout past its attempt limit (its row
-        lands: `lost`); or how the rollout ended: not admitted (`not_run`), or Redis away.
+    def admit(self, readmit: Ticket | None, waiting: Ticket | None) -> RolloutOutcome | Ticket:
+        """Try to admit the rollout (again, after a rate-limit wait: no new start); blocking.
+
+        The slot's ticket, the `wait` one while the caps are full, or the `worker_lost` one of a
+        rollout past its attempt limit (its row lands: `lost`); or how the rollout ended: not
+        admitted (`not_run`), or Redis away.
         """
         seen = self.delivery.admission or self.req
         try:
-            ticket = self.ctx.gate.admit(seen, self.sid, readmit=readmit)
+            ticket = self.ctx.gate.try_admit(seen, self.sid, readmit=readmit, waiting=waiting)
         except redis.RedisError as exc:
             log.error("rollout %s not started: Redis unavailable: %s", self.rollout, exc)
             return self.end(Ended.ERROR, detail=f"{type(exc).__name__}: {exc}")
-        if ticket.verdict == "worker_lost":
+        if ticket.verdict in ("wait", "worker_lost"):
             return ticket
         if ticket.verdict != "run":
             return self.not_run(ticket, seen)
@@ -336,7 +354,7 @@ class _Run:
                 return self.end(Ended.CANCELLED, detail=stop)
             row = with_attempt(req.row, limited.attempt)
             # Admitted again without a new start.
-            admitted = await ctx.blocking(partial(self.admit, ticket))
+            admitted = await self.admitted(ticket)
             if isinstance(admitted, RolloutOutcome):
                 return admitted
             if admitted.verdict == "worker_lost":

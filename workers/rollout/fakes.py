@@ -96,7 +96,24 @@ class FakeGate:
         self.released: list[Release] = []
         self.backed_off: list[BackOff] = []
         self.readmitted: list[str] = []
+        self.full = 0
+        """Tries `try_admit` answers `wait` before it admits."""
+        self.waited: list[str | None] = []
+        """The waiting member each `wait` answer was given (None: a first try)."""
         self._held: set[str] = set()
+
+    def try_admit(
+        self,
+        req: CollectRequest,
+        sid: str,
+        readmit: Ticket | None = None,
+        waiting: Ticket | None = None,
+    ) -> Ticket:
+        if self.full > 0:  # the caps are full for this many tries
+            self.full -= 1
+            self.waited.append(waiting.member if waiting is not None else None)
+            return Ticket("wait", "", sid, _key(req.row), f"fake|{_key(req.row)}", "agent")
+        return self.admit(req, sid, readmit)
 
     def admit(self, req: CollectRequest, sid: str, readmit: Ticket | None = None) -> Ticket:
         s, key = self.shard, _key(req.row)
