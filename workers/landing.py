@@ -48,7 +48,7 @@ from schemas.messages import RunRef
 from schemas.records import ShardStatus, rate_limit_waits
 from workers.encoding import EncodedRecords, encode_records
 from workers.leases import Lease
-from workers.shard.state import CLOSED, OPENER, PLANNED, RUN_ID, SHARD, ShardState
+from workers.shard.state import CLOSED, OPENER, PLANNED, RUN_ID, SHARD, ShardState, keep_alive
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +294,7 @@ class Lander:
             dups = len(with_result) - len(new_keys)
             if dups:
                 pipe.hincrby(keys.shard_counts(st.sid), "duplicates", dups)
+            keep_alive(pipe, st.sid)
             if lock is not None:
                 lock.commit(pipe)
             else:
@@ -328,6 +329,7 @@ class Lander:
             for name, n in counts.items():
                 pipe.hincrby(keys.shard_counts(st.sid), name, n)
             st.commit_size(pipe, st.files.failures, state)
+            keep_alive(pipe, st.sid)
             lock.commit(pipe)
             return
         raise StorageError(

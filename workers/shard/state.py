@@ -20,6 +20,7 @@ from typing import Any, cast
 import redis
 
 from infra import keys
+from infra.environment import from_env
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
@@ -84,7 +85,17 @@ def write_state(
         BUILT: "1",
     }
     pipe.hset(keys.shard_state(sid), mapping=cast("Mapping[Any, Any]", state))
+    keep_alive(pipe, sid)
     return state
+
+
+def keep_alive(pipe: redis.client.Pipeline, sid: str) -> None:
+    """Queue in `pipe`: the state hash, the landed set and the counters expire the live TTL from
+    now (`ROLLOUTS_LIVE_KEY_TTL_S`): a writer of them keeps them alive, a shard nobody writes any
+    more loses them (they are rebuilt from storage)."""
+    ttl = from_env().live_key_ttl_s
+    for key in (keys.shard_state(sid), keys.shard_landed(sid), keys.shard_counts(sid)):
+        pipe.expire(key, ttl)
 
 
 class ShardState:
@@ -175,6 +186,7 @@ class ShardState:
             for cls, n in tail.failure_rows_by_class.items():
                 pipe.hincrby(keys.shard_counts(self.sid), f"failed:{cls}", n)
         pipe.hset(keys.shard_state(self.sid), self.size_field(name), end)
+        keep_alive(pipe, self.sid)
         pipe.execute()
         if end > committed:
             log.warning(
@@ -215,6 +227,7 @@ class ShardState:
         if manifest.state in FINAL_STATES:
             pipe.hset(keys.shard_state(self.sid), CLOSED, "1")
             state[CLOSED] = "1"
+        keep_alive(pipe, self.sid)
         pipe.execute()
         log.info("rebuilt Redis state of %s shard %s from storage", self.rd.url, self.files.shard)
         return state
@@ -229,7 +242,9 @@ def expire_shard_keys(r: redis.Redis, sid: str, ttl_s: float) -> None:
     pipe.execute()
 
 
-def persist_shard_keys(pipe: redis.client.Pipeline, sid: str) -> None:
-    """Queue in `pipe`: the shard's keys expire no more (a generation opens on them again)."""
+def refresh_shard_keys(pipe: redis.client.Pipeline, sid: str) -> None:
+    """Queue in `pipe`: every key of the shard expires the live TTL from now
+    (`ROLLOUTS_LIVE_KEY_TTL_S`): a generation opens on them, or its producer is still waiting."""
+    ttl = from_env().live_key_ttl_s
     for key in keys.all_shard_keys(sid):
-        pipe.persist(key)
+        pipe.expire(key, ttl)
