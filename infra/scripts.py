@@ -11,12 +11,36 @@ layouts are `infra/keys.py`'s. Callers register them with `redis.Redis.register_
 - `TAKE_LEASE_LUA`, `RENEW_ROLLOUTS_LUA`, `SETTLE_LUA`: a rollout's lease (holder, attempt,
   stage), its renewal with the takeover of expired leases, and its settling (`workers/leases.py`).
 - `ACQUIRE_READING_LUA`, `RELEASE_LUA`, `EXTEND_LUA`: the shard lock (`infra/locks.py`).
+- `LANDED_LUA`: which keys of a batch landed, in the landed bitmaps or set
+  (`workers/shard/landed.py`); `BEGIN_LUA` and `ACQUIRE_READING_LUA` start with the same function.
 - `RUNNING_LUA`: what of a `run_examples` call still runs (`producer/api/transport.py`).
 """
 
 from __future__ import annotations
 
-BEGIN_LUA = """
+from infra.keys import LANDED_BITS_ROLLOUTS
+
+_LANDED_FN = f"""
+-- Whether `task:rollout` landed: its bit in the rollout's bitmap (`<landed_key>_bits:<rollout>`,
+-- infra/keys.shard_landed_bits), else its member in the landed set (workers/shard/landed.py).
+local BITS_ROLLOUTS = {LANDED_BITS_ROLLOUTS}
+local function landed(landed_key, key)
+  local colon = string.find(key, ':', 1, true)
+  if colon then
+    local task = tonumber(string.sub(key, 1, colon - 1))
+    local rollout = tonumber(string.sub(key, colon + 1))
+    if task and rollout and rollout < BITS_ROLLOUTS and task < 4294967296 and
+        redis.call('GETBIT', landed_key .. '_bits:' .. rollout, task) == 1 then
+      return true
+    end
+  end
+  return redis.call('SISMEMBER', landed_key, key) == 1
+end
+"""
+
+BEGIN_LUA = (
+    _LANDED_FN
+    + """
 -- Whether one delivery of a rollout may start now, and if so take its slot (a lease).
 -- Returns {verdict, detail} in the words of schemas.outcomes (Admit), or wait: run, wait (a cap
 -- is full: call again; detail names it: max_resident_tasks, max_concurrency or window), duplicate
@@ -84,7 +108,7 @@ if opener and opener ~= token then
   leave()
   return {'fenced', opener}
 end
-if redis.call('SISMEMBER', landed_key, key) == 1 then
+if landed(landed_key, key) then
   leave()
   count('duplicate')
   return {'duplicate', ''}
@@ -130,6 +154,7 @@ redis.call('EXPIRE', leases_key, key_ttl)
 redis.call('ZADD', agent_leases_key, now + ttl, member)
 return {'run', ''}
 """
+)
 
 END_LUA = """
 -- Releases of many rollouts at once: each frees its slot and, once its rollout landed, takes
@@ -365,7 +390,9 @@ redis.call('ZREM', all_key, member)
 return 1
 """
 
-ACQUIRE_READING_LUA = """
+ACQUIRE_READING_LUA = (
+    _LANDED_FN
+    + """
 -- Take the shard lock and, in the same round trip, read what the holder needs first: the
 -- shard's state hash and which of the batch's keys already landed.
 -- Returns {1, state hash as a flat list, landed flags} when taken, else {0}.
@@ -373,13 +400,29 @@ local lock_key, state_key, landed_key = KEYS[1], KEYS[2], KEYS[3]
 local token, ttl_ms = ARGV[1], ARGV[2]
 if redis.call('SET', lock_key, token, 'NX', 'PX', ttl_ms) then
   local present = {}
-  if #ARGV > 2 then
-    present = redis.call('SMISMEMBER', landed_key, unpack(ARGV, 3))
+  for i = 3, #ARGV do
+    local key = ARGV[i]
+    present[#present + 1] = landed(landed_key, key) and 1 or 0
   end
   return {1, redis.call('HGETALL', state_key), present}
 end
 return {0}
 """
+)
+
+LANDED_LUA = (
+    _LANDED_FN
+    + """
+-- Which of the keys in ARGV landed: 1 or 0 each. KEYS[1] is the shard's landed set.
+local landed_key = KEYS[1]
+local present = {}
+for i = 1, #ARGV do
+  local key = ARGV[i]
+  present[i] = landed(landed_key, key) and 1 or 0
+end
+return present
+"""
+)
 
 RELEASE_LUA = """
 -- Release the lock if this holder (token) still has it; a lock that expired and was taken by

@@ -71,8 +71,8 @@ def test_every_key_of_a_stalled_run_expires(
             proc.wait(30)
         workers.procs = []
     left = shard_keys(r, out)
-    written = {k.rsplit(":", 1)[1] for k in left}
-    assert {"landed", "settled", "attempts", "generation", "state", "counts"} <= written, left
+    written = {k.split(":")[3] for k in left}
+    assert {"landed_bits", "settled", "attempts", "generation", "state", "counts"} <= written, left
     assert all(ttl > 0 for ttl in left.values()), left
 
 

@@ -24,6 +24,7 @@ from infra.environment import from_env
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
+from workers.shard import landed
 from workers.shard.ledger import ShardLedger, failure_class
 
 log = logging.getLogger(__name__)
@@ -90,11 +91,12 @@ def write_state(
 
 
 def keep_alive(pipe: redis.client.Pipeline, sid: str) -> None:
-    """Queue in `pipe`: the state hash, the landed set and the counters expire the live TTL from
-    now (`ROLLOUTS_LIVE_KEY_TTL_S`): a writer of them keeps them alive, a shard nobody writes any
-    more loses them (they are rebuilt from storage)."""
+    """Queue in `pipe`: the state hash and the counters expire the live TTL from now
+    (`ROLLOUTS_LIVE_KEY_TTL_S`; `landed.add` does it for the landed keys it writes): a writer of
+    them keeps them alive, a shard nobody writes any more loses them (they are rebuilt from
+    storage)."""
     ttl = from_env().live_key_ttl_s
-    for key in (keys.shard_state(sid), keys.shard_landed(sid), keys.shard_counts(sid)):
+    for key in (keys.shard_state(sid), keys.shard_counts(sid)):
         pipe.expire(key, ttl)
 
 
@@ -179,7 +181,8 @@ class ShardState:
             records = tail.landed + tail.duplicates
             ks = sorted(f"{t}:{r}" for t, r in tail.landed_keys)
             if ks:
-                pipe.sadd(keys.shard_landed(self.sid), *ks)
+                planned = int(self.r.hget(keys.shard_state(self.sid), PLANNED) or 0)
+                landed.add(pipe, self.sid, planned, ks, from_env().live_key_ttl_s)
                 pipe.hincrby(keys.shard_counts(self.sid), "landed", len(ks))
         else:
             records = tail.failure_rows
@@ -207,12 +210,10 @@ class ShardState:
         for cls, n in ledger.failure_rows_by_class.items():
             counts[f"failed:{cls}"] = n
         pipe = self.r.pipeline(transaction=True)
-        pipe.delete(
-            keys.shard_landed(self.sid), keys.shard_counts(self.sid), keys.shard_state(self.sid)
-        )
+        landed.delete(pipe, self.sid)
+        pipe.delete(keys.shard_counts(self.sid), keys.shard_state(self.sid))
         members = sorted(f"{t}:{r}" for t, r in ledger.landed_keys)
-        for i in range(0, len(members), 10000):
-            pipe.sadd(keys.shard_landed(self.sid), *members[i : i + 10000])
+        landed.add(pipe, self.sid, manifest.planned, members, from_env().live_key_ttl_s)
         pipe.hset(keys.shard_counts(self.sid), mapping=cast("Mapping[Any, Any]", counts))
         state = write_state(
             pipe,
