@@ -52,7 +52,11 @@ def write_aggregate_file(
     groups = group_rows(rows, config)
     if not groups:
         return None
-    entries, error = process_io().loop.run(aggregate(groups, config))
+    try:
+        entries, error = process_io().loop.run(aggregate(groups, config))
+    finally:
+        for group in groups.values():
+            group.close()
     rd.write_atomic(name, jsonl.dumps_pretty(entries))
     if error is None:
         return None

@@ -69,3 +69,16 @@ def test_one_bitmap_per_repeat_is_an_eighth_of_a_byte_per_task(r: redis.Redis) -
     assert r.strlen(keys.shard_landed_bits(SID, 0)) == 12_500
     assert not r.exists(keys.shard_landed(SID))
     assert landed.count(r, SID) == 100_000
+
+
+def test_a_keysets_bitmaps_are_written_to_redis_as_they_are(r: redis.Redis) -> None:
+    from workers.shard.keyset import KeySet
+
+    found = KeySet([(0, 0), (9, 0), (700, 2), (5, 70), (10**9, 0)])
+    pipe = r.pipeline(transaction=True)
+    landed.add_keyset(pipe, SID, found, 3600)
+    pipe.execute()
+    asked = ["0:0", "9:0", "8:0", "700:2", "700:0", "5:70", f"{10**9}:0", "1:1"]
+    assert landed.present(r, SID, asked) == [True, True, False, True, False, True, True, False]
+    assert landed.count(r, SID) == 5
+    assert 0 < r.ttl(keys.shard_landed_bits(SID, 2)) <= 3600

@@ -5,13 +5,18 @@ they are one bit each in a bytearray per rollout index (125 KB for one repeat), 
 (`workers/shard/landed.py`). A key that would make a bitmap sparse (a rollout index from
 `BIT_ROLLOUTS` on, or a task index far above the keys held so far) is kept in a plain set.
 It is a `collections.abc.MutableSet`: `in`, `add`, `len`, iteration, and equality with a set.
+Bits are in Redis's order (bit 0 is the high bit of byte 0), so a bitmap is written to Redis as
+it is (`bitmaps`, for the rebuild of `workers/shard/state.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, MutableSet
 
-BIT_ROLLOUTS = 64
+from infra import keys
+
+BIT_ROLLOUTS = keys.LANDED_BITS_ROLLOUTS
+"""As in Redis: a rollout index from this on is kept in the plain set."""
 MIN_BITS = 1 << 20
 """Task indexes below this always get a bit (128 KB a bitmap at most)."""
 BITS_PER_KEY = 64
@@ -47,7 +52,7 @@ class KeySet(MutableSet[Key]):
         ):
             bits = self._bits[rollout]
             byte = task >> 3
-            if byte < len(bits) and bits[byte] >> (task & 7) & 1:
+            if byte < len(bits) and bits[byte] & (0x80 >> (task & 7)):
                 return True
         return key in self._other
 
@@ -62,7 +67,7 @@ class KeySet(MutableSet[Key]):
             byte = task >> 3
             if byte >= len(bits):
                 bits.extend(bytes(max(byte + 1 - len(bits), len(bits))))  # doubles, amortized
-            bits[byte] |= 1 << (task & 7)
+            bits[byte] |= 0x80 >> (task & 7)
         else:
             self._other.add(key)
         self._count += 1
@@ -74,7 +79,7 @@ class KeySet(MutableSet[Key]):
             self._other.discard(key)
         else:
             task, rollout = key
-            self._bits[rollout][task >> 3] &= ~(1 << (task & 7)) & 0xFF
+            self._bits[rollout][task >> 3] &= ~(0x80 >> (task & 7)) & 0xFF
         self._count -= 1
 
     def __len__(self) -> int:
@@ -86,9 +91,22 @@ class KeySet(MutableSet[Key]):
                 if byte:
                     base = byte_no << 3
                     for bit in range(8):
-                        if byte >> bit & 1:
+                        if byte & (0x80 >> bit):
                             yield base + bit, rollout
         yield from self._other
+
+    def bitmaps(self) -> Iterator[tuple[int, bytes]]:
+        """(rollout index, its bitmap) for each rollout index with a bit set, in Redis's order."""
+        for rollout, bits in enumerate(self._bits):
+            end = len(bits)
+            while end and not bits[end - 1]:
+                end -= 1
+            if end:
+                yield rollout, bytes(bits[:end])
+
+    def others(self) -> set[Key]:
+        """The keys held outside the bitmaps."""
+        return self._other
 
     def __repr__(self) -> str:
         return f"KeySet({len(self)} keys)"

@@ -14,12 +14,13 @@ Like every key of the shard, it is rebuilt from the shard's files (`workers/shar
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, MutableSet, Sequence
 from typing import Any
 
 import redis
 
 from infra import keys
+from workers.shard.keyset import Key, KeySet
 
 BITS_PER_TASK_PLANNED = 16
 """A task index below this many times the shard's planned rollouts gets a bit (sparser ones go
@@ -71,6 +72,21 @@ def add(
     for i in range(0, len(members), BITFIELD_BATCH):
         pipe.sadd(keys.shard_landed(sid), *members[i : i + BITFIELD_BATCH])
     if members:
+        pipe.expire(keys.shard_landed(sid), ttl_s)
+
+
+def add_keyset(pipe: redis.client.Pipeline, sid: str, found: MutableSet[Key], ttl_s: int) -> None:
+    """Queue in `pipe`: the keys of `found` landed, a `KeySet`'s bitmaps written as they are
+    (a rebuild: no list of a million keys in memory)."""
+    if not isinstance(found, KeySet):
+        add(pipe, sid, 0, (f"{t}:{r}" for t, r in found), ttl_s)
+        return
+    for rollout, bits in found.bitmaps():  # rollout indexes below LANDED_BITS_ROLLOUTS
+        pipe.set(keys.shard_landed_bits(sid, rollout), bits, ex=ttl_s)
+    rest = [f"{t}:{r}" for t, r in found.others()]
+    for i in range(0, len(rest), BITFIELD_BATCH):
+        pipe.sadd(keys.shard_landed(sid), *rest[i : i + BITFIELD_BATCH])
+    if rest:
         pipe.expire(keys.shard_landed(sid), ttl_s)
 
 

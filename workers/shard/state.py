@@ -212,8 +212,7 @@ class ShardState:
         pipe = self.r.pipeline(transaction=True)
         landed.delete(pipe, self.sid)
         pipe.delete(keys.shard_counts(self.sid), keys.shard_state(self.sid))
-        members = sorted(f"{t}:{r}" for t, r in ledger.landed_keys)
-        landed.add(pipe, self.sid, manifest.planned, members, from_env().live_key_ttl_s)
+        landed.add_keyset(pipe, self.sid, ledger.landed_keys, from_env().live_key_ttl_s)
         pipe.hset(keys.shard_counts(self.sid), mapping=cast("Mapping[Any, Any]", counts))
         state = write_state(
             pipe,
