@@ -191,3 +191,24 @@ def test_the_state_is_rebuilt_from_the_ledger_and_a_torn_tail_is_cut(
     state = st.load(state)
     assert int(state[RESULTS_SIZE]) == shard.size(FILES.results)
     assert landed.present(r, st.sid, ["4:0", "5:0"]) == [True, False]
+
+
+def test_one_pass_over_the_results_counts_as_the_ledger_does(shard: RunDir) -> None:
+    """The finish step folds the results into the ledger while it aggregates them: failures
+    first, results after, and the same accounting as `count_shard` reading them in its order."""
+    from schemas.config import ServersConfig
+    from schemas.settings import CollectionSettings
+    from workers.shard.scored import ScoredRows
+
+    expected = count_shard(shard, "0")
+    ledger = ShardLedger(shard, FILES)
+    ledger.read_planned()
+    ledger.read_failures()
+    config = ServersConfig()
+    rows = list(ScoredRows.of(shard, ledger, config, CollectionSettings(), fold=True))
+    assert len(rows) == 5  # every readable row, the duplicate and the keyless one included
+    assert set(ledger.landed_keys) == set(expected.landed_keys)
+    assert ledger.duplicates == expected.duplicates and ledger.planned == expected.planned
+    assert ledger.failed == expected.failed and ledger.failed_by == expected.failed_by
+    assert ledger.attempts == expected.attempts and ledger.latest == expected.latest
+    assert ledger.landed_by == expected.landed_by
