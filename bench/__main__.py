@@ -295,6 +295,13 @@ def main() -> None:
     parser.add_argument(
         "--broker", default=None, help="soak: a given cluster's Redis (default: an embedded one)"
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="+KEY=VALUE",
+        help="soak: a run setting for `rollouts run` (repeatable), e.g. +disable_aggregation=true",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--in-flight", type=int, default=512)
@@ -357,7 +364,7 @@ def main() -> None:
     elif a.scenario == "soak":
         from bench.soak import main as soak_main
 
-        print(soak_main(a.n or 1_000_000, a.workers, a.concurrency, a.broker))
+        print(soak_main(a.n or 1_000_000, a.workers, a.concurrency, a.broker, tuple(a.set)))
     elif a.scenario == "workers":
         print(workers_scenario(a.n or 5000, a.concurrency, a.pad_kb, a.rounds))
 

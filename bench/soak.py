@@ -157,7 +157,14 @@ def soak_cluster(
         yield cluster.url, [p.pid for p in cluster.procs]
 
 
-def soak(n: int, workers: int, concurrency: int, broker: str | None = None) -> SoakResult:
+def soak(
+    n: int,
+    workers: int,
+    concurrency: int,
+    broker: str | None = None,
+    overrides: tuple[str, ...] = (),
+) -> SoakResult:
+    """`overrides`: `+key=value` run settings handed to `rollouts run` as they are."""
     every = 100_000 if n >= 1_000_000 else max(1, n // 10)
     tmp = tempfile.mkdtemp(prefix="bench-soak-")
     result = SoakResult(n)
@@ -177,7 +184,7 @@ def soak(n: int, workers: int, concurrency: int, broker: str | None = None) -> S
             result.baseline_used_mb = float(r.info("memory")["used_memory"]) / 2**20
             env = producer_env(url)
             cmd = [sys.executable, "-m", "producer.cli", "run", "--config", agent.config_path,
-                   "--input", rows, "--output-dir", out, "--broker", url]  # fmt: skip
+                   "--input", rows, "--output-dir", out, "--broker", url, *overrides]  # fmt: skip
             log = open(os.path.join(tmp, "producer.log"), "wb")  # noqa: SIM115 - the child's
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -317,5 +324,7 @@ def report(res: SoakResult) -> str:
     return "\n".join(lines)
 
 
-def main(n: int, workers: int, concurrency: int, broker: str | None) -> str:
-    return report(soak(n, workers, concurrency, broker))
+def main(
+    n: int, workers: int, concurrency: int, broker: str | None, overrides: tuple[str, ...] = ()
+) -> str:
+    return report(soak(n, workers, concurrency, broker, overrides))
