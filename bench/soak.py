@@ -89,6 +89,10 @@ class SoakResult:
     resume: Measured | None = None
     keys_left: dict[str, int] = field(default_factory=dict)
     """Key (pattern) -> its TTL in seconds (-1: none)."""
+    biggest: list[tuple[str, int, float]] = field(default_factory=list)
+    """At the last checkpoint before every rollout landed: the run's largest keys (kind,
+    elements, MB)."""
+    biggest_at: int = 0
 
 
 def write_rows(path: str, n: int) -> None:
@@ -136,6 +140,26 @@ def run_keys(r: redis.Redis, sid: str) -> dict[str, int]:
         for key in r.scan_iter(pattern, count=1000):
             found[key.decode()] = int(r.ttl(key))  # type: ignore[arg-type]
     return found
+
+
+def biggest_keys(r: redis.Redis, sid: str, top: int = 8) -> list[tuple[str, int, float]]:
+    """The run's largest Redis keys now: (kind, elements, MB by MEMORY USAGE's sample)."""
+    out: list[tuple[str, int, float]] = []
+    for key in run_keys(r, sid):
+        used = r.memory_usage(key, samples=5) or 0
+        kind = str(r.type(key).decode())  # type: ignore[union-attr]
+        size = {"hash": r.hlen, "set": r.scard, "zset": r.zcard, "list": r.llen}.get(kind)
+        count = int(size(key)) if size is not None else 1  # type: ignore[operator]
+        out.append((key_kind(key), count, float(used) / 2**20))
+    return sorted(out, key=lambda x: -x[2])[:top]
+
+
+def key_kind(key: str) -> str:
+    if key.startswith(f"{keys.PREFIX}:shard:"):
+        return "shard:" + ":".join(key.split(":")[3:])
+    if key.startswith("celery-taskset-meta-"):
+        return "celery chord" + (key[-2:] if key[-2] == "." else "")
+    return "celery-task-meta (results)"
 
 
 def producer_env(url: str) -> dict[str, str]:
@@ -215,6 +239,9 @@ def soak(
                     )
                     last_t, last_n = now, landed
                     next_mark += every
+                    if landed < n:  # the last one before the finish cleans up
+                        result.biggest = biggest_keys(r, sid)
+                        result.biggest_at = landed
                 time.sleep(POLL_S)
             end = time.perf_counter()
             result.wall_s = end - t0
@@ -251,12 +278,9 @@ def soak(
 def ttl_summary(found: dict[str, int]) -> list[list[object]]:
     groups: dict[str, list[int]] = {}
     for key, ttl in found.items():
-        if key.startswith(f"{keys.PREFIX}:shard:"):
-            kind = "shard:" + key.split(":")[3]
-        elif key.startswith("celery-taskset-meta-"):
-            kind = "celery chord" + (key[-2:] if key[-2] == "." else "")
-        else:
-            kind = "celery-task-meta (results)"
+        kind = key_kind(key)
+        if kind.startswith("shard:landed_bits"):
+            kind = "shard:landed_bits"
         groups.setdefault(kind, []).append(ttl)
     rows: list[list[object]] = []
     for kind, ttls in sorted(groups.items()):
@@ -303,6 +327,13 @@ def report(res: SoakResult) -> str:
             )
     lines += [
         f"finish step in the run (last landing to the producer's exit): {res.finish_in_run_s:.1f} s",
+        "",
+        f"the run's largest Redis keys at {res.biggest_at:,} landed (the broker queue aside):",
+        "",
+        table(
+            ["key", "elements", "MB", "B per planned rollout"],
+            [[k, f"{c:,}", mb, mb * 2**20 / res.n] for k, c, mb in res.biggest],
+        ),
         "",
         table(
             ["process", "wall s", "peak RSS MB", "exit"],
