@@ -7,7 +7,8 @@ bottleneck), ratelimit (N=2,000, agent latency 200 ms, 429 above 8 concurrent ca
 `bench/ratelimit.py`), capture (N=4,000 model calls direct vs through `rollouts capture-proxy`,
 streamed and not, 1 and 64 in flight: added latency and proxy CPU per call; `bench/capture.py`),
 report (100k and 1M synthetic rollouts in 4 shards: `rollouts report`'s time, peak RSS and file
-size; `bench/report.py`). Figures are ratios within one invocation; this machine is shared and noisy, so
+size; `bench/report.py`), soak (N=1M end to end: memory of every process and of Redis at each
+100k, the keys left behind, the finish step, status and resume; `bench/soak.py`). Figures are ratios within one invocation; this machine is shared and noisy, so
 absolute numbers vary between runs.
 """
 
@@ -314,7 +315,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "scenario",
-        choices=["latency", "overhead", "scale", "workers", "ratelimit", "capture", "report"],
+        choices=[
+            "latency",
+            "overhead",
+            "scale",
+            "workers",
+            "ratelimit",
+            "capture",
+            "report",
+            "soak",
+        ],
     )
     parser.add_argument(
         "--preset",
@@ -323,6 +333,16 @@ def main() -> None:
         help="latency: N, in flight and agent latency of a named row (64 KB replies)",
     )
     parser.add_argument("--n", type=int, default=None)
+    parser.add_argument(
+        "--broker", default=None, help="soak: a given cluster's Redis (default: an embedded one)"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="+KEY=VALUE",
+        help="soak: a run setting for `rollouts run` (repeatable), e.g. +disable_aggregation=true",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--in-flight", type=int, default=512)
@@ -391,6 +411,10 @@ def main() -> None:
         from bench.report import report_bench
 
         print(report_bench([a.n] if a.n else [100_000, 1_000_000]))
+    elif a.scenario == "soak":
+        from bench.soak import main as soak_main
+
+        print(soak_main(a.n or 1_000_000, a.workers, a.concurrency, a.broker, tuple(a.set)))
     elif a.scenario == "workers":
         print(
             workers_scenario(

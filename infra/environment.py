@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 HEALTH_RANGE_BYTES = 64 << 20
+LIVE_KEY_TTL_S = 7 * 24 * 3600
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ class Environment:
     them; one that finds them all busy waits)."""
     redis_idle_s: float = 60.0
     """`ROLLOUTS_REDIS_IDLE_S`: a pool unused this long closes its free connections."""
+    live_key_ttl_s: int = LIVE_KEY_TTL_S
+    """`ROLLOUTS_LIVE_KEY_TTL_S`: a running shard's Redis keys expire this long after they were
+    last written or refreshed (by a worker's write, or its producer while it waits): the keys of
+    a run nobody works on any more go by themselves."""
 
 
 def read_environment(environ: Mapping[str, str]) -> Environment:
@@ -65,6 +70,7 @@ def read_environment(environ: Mapping[str, str]) -> Environment:
         health_range_bytes=int(environ.get("ROLLOUTS_HEALTH_RANGE_BYTES", HEALTH_RANGE_BYTES)),
         redis_max_connections=int(environ.get("ROLLOUTS_REDIS_MAX_CONNECTIONS", "64")),
         redis_idle_s=float(environ.get("ROLLOUTS_REDIS_IDLE_S", "60")),
+        live_key_ttl_s=max(1, int(environ.get("ROLLOUTS_LIVE_KEY_TTL_S", LIVE_KEY_TTL_S))),
     )
 
 

@@ -43,7 +43,21 @@ missing (Redis restarted empty) the next writer rebuilds it from the files under
 """
 
 shard_landed = _shard_key("landed")
-"""Set of `task:rollout` keys present in `rollouts-S.jsonl`: the exactly-once guard."""
+"""Set of `task:rollout` keys present in `rollouts-S.jsonl` that have no bit (below): with the
+bits, the exactly-once guard (`workers/shard/landed.py`)."""
+
+LANDED_BITS_ROLLOUTS = 64
+"""Rollout indexes below this have a landed bitmap each; a later one's keys go in the set."""
+
+
+def shard_landed_bits(sid: str, rollout: int) -> str:
+    """Bitmap of rollout index `rollout`: bit `task` is set once `task:rollout` landed.
+
+    One bit per task instead of a set member (~60 bytes): 1M rollouts are 125 KB. A task index
+    too large for its shard (a sparse caller-stamped one) goes in `shard_landed` instead.
+    """
+    return f"{shard_landed(sid)}_bits:{rollout}"
+
 
 shard_counts = _shard_key("counts")
 """Hash of progress counters: `landed`, `duplicates`, `drained`, `failed:<class>`, and per agent
@@ -195,6 +209,7 @@ def all_shard_keys(sid: str) -> list[str]:
     return [
         shard_state(sid),
         shard_landed(sid),
+        *(shard_landed_bits(sid, rollout) for rollout in range(LANDED_BITS_ROLLOUTS)),
         shard_counts(sid),
         shard_run_failed(sid),
         shard_cancel(sid),

@@ -11,12 +11,36 @@ layouts are `infra/keys.py`'s. Callers register them with `redis.Redis.register_
 - `TAKE_LEASE_LUA`, `RENEW_ROLLOUTS_LUA`, `SETTLE_LUA`: a rollout's lease (holder, attempt,
   stage), its renewal with the takeover of expired leases, and its settling (`workers/leases.py`).
 - `ACQUIRE_READING_LUA`, `RELEASE_LUA`, `EXTEND_LUA`: the shard lock (`infra/locks.py`).
+- `LANDED_LUA`: which keys of a batch landed, in the landed bitmaps or set
+  (`workers/shard/landed.py`); `BEGIN_LUA` and `ACQUIRE_READING_LUA` start with the same function.
 - `RUNNING_LUA`: what of a `run_examples` call still runs (`producer/api/transport.py`).
 """
 
 from __future__ import annotations
 
-BEGIN_LUA = """
+from infra.keys import LANDED_BITS_ROLLOUTS
+
+_LANDED_FN = f"""
+-- Whether `task:rollout` landed: its bit in the rollout's bitmap (`<landed_key>_bits:<rollout>`,
+-- infra/keys.shard_landed_bits), else its member in the landed set (workers/shard/landed.py).
+local BITS_ROLLOUTS = {LANDED_BITS_ROLLOUTS}
+local function landed(landed_key, key)
+  local colon = string.find(key, ':', 1, true)
+  if colon then
+    local task = tonumber(string.sub(key, 1, colon - 1))
+    local rollout = tonumber(string.sub(key, colon + 1))
+    if task and rollout and rollout < BITS_ROLLOUTS and task < 4294967296 and
+        redis.call('GETBIT', landed_key .. '_bits:' .. rollout, task) == 1 then
+      return true
+    end
+  end
+  return redis.call('SISMEMBER', landed_key, key) == 1
+end
+"""
+
+BEGIN_LUA = (
+    _LANDED_FN
+    + """
 -- Whether one delivery of a rollout may start now, and if so take its slot (a lease).
 -- Returns {verdict, detail} in the words of schemas.outcomes (Admit), or wait: run, wait (a cap
 -- is full: call again; detail names it: max_resident_tasks, max_concurrency or window), duplicate
@@ -29,7 +53,8 @@ BEGIN_LUA = """
 -- lets it go on, as it lets running calls finish.
 -- The agent's adaptive window (agent_window_key, a hash: window, ssthresh, cap, last_decrease)
 -- refuses a start while the agent's leases reach floor(window); it is made with the initial
--- window when missing (Redis lost it, or it idled out).
+-- window when missing (Redis lost it, or it idled out). Every shard key it writes expires key_ttl
+-- seconds later (a live run's keys are written again, or refreshed by its producer).
 local state_key, landed_key, run_failed_key, cancel_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local generation_key, counts_key, starts_key = KEYS[5], KEYS[6], KEYS[7]
 local leases_key, waiting_key, agent_leases_key = KEYS[8], KEYS[9], KEYS[10]
@@ -39,12 +64,16 @@ local run_cap, agent_cap, max_attempts = tonumber(ARGV[5]), tonumber(ARGV[6]), t
 local deadline, margin, starts_keep_s = tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10]
 local readmit, default_cap = ARGV[11] == '1', tonumber(ARGV[12])
 local initial_window, window_keep_s = tonumber(ARGV[13]), ARGV[14]
+local key_ttl = ARGV[15] or '604800'  -- ROLLOUTS_LIVE_KEY_TTL_S's default when not passed
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local mine = redis.call('HGET', generation_key, 'token') == token
 local function count(field)
-  if mine then redis.call('HINCRBY', generation_key, field, 1) end
+  if mine then
+    redis.call('HINCRBY', generation_key, field, 1)
+    redis.call('EXPIRE', generation_key, key_ttl)
+  end
 end
 local function leave()
   redis.call('ZREM', waiting_key, member)
@@ -58,6 +87,7 @@ local function not_started(verdict, detail)
   if verdict == 'drained' then
     count('drained')
     redis.call('HINCRBY', counts_key, 'drained', 1)
+    redis.call('EXPIRE', counts_key, key_ttl)
   else
     count('stopped')
   end
@@ -65,6 +95,7 @@ local function not_started(verdict, detail)
 end
 local function wait_for(what, for_agent)
   redis.call('ZADD', waiting_key, now + ttl, member)
+  redis.call('EXPIRE', waiting_key, key_ttl)
   if for_agent then redis.call('ZADD', agent_waiting_key, now + ttl, member) end
   return {'wait', what}
 end
@@ -77,7 +108,7 @@ if opener and opener ~= token then
   leave()
   return {'fenced', opener}
 end
-if redis.call('SISMEMBER', landed_key, key) == 1 then
+if landed(landed_key, key) then
   leave()
   count('duplicate')
   return {'duplicate', ''}
@@ -119,24 +150,27 @@ if not readmit then
   end
 end
 redis.call('ZADD', leases_key, now + ttl, member)
+redis.call('EXPIRE', leases_key, key_ttl)
 redis.call('ZADD', agent_leases_key, now + ttl, member)
 return {'run', ''}
 """
+)
 
 END_LUA = """
 -- Releases of many rollouts at once: each frees its slot and, once its rollout landed, takes
 -- back its unfinished start and counts its outcome in the generation. ARGV[1] is how many
--- durations to keep; then seven KEYS and six ARGV per release. An empty `key` frees the slot
+-- durations to keep, ARGV[2] the shard keys' expiry; then seven KEYS and six ARGV per release. An empty `key` frees the slot
 -- only (the call ended; the accounting follows once it landed); a negative duration is none;
 -- ok = '1' (the call succeeded) grows the agent's window: by one below ssthresh (slow start,
 -- doubling per round trip), else by 1/window (one per round trip), up to its cap. An agent left
 -- idle (no call in flight, nobody waiting for it) forgets its window, as TCP restarts an idle
 -- connection's: the next burst slow-starts again, and a finished run leaves no agent state.
-local keep = tonumber(ARGV[1])
+-- ARGV[2] is the expiry of the shard keys it writes (the generation, the durations).
+local keep, key_ttl = tonumber(ARGV[1]), ARGV[2]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 for i = 0, #KEYS / 7 - 1 do
-  local k, a = i * 7, i * 6 + 1
+  local k, a = i * 7, i * 6 + 2
   local leases_key, agent_leases_key, starts_key = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   local generation_key, durations_key, agent_window_key = KEYS[k + 4], KEYS[k + 5], KEYS[k + 6]
   local agent_waiting_key = KEYS[k + 7]
@@ -148,11 +182,13 @@ for i = 0, #KEYS / 7 - 1 do
     if redis.call('HINCRBY', starts_key, key, -1) <= 0 then redis.call('HDEL', starts_key, key) end
     if redis.call('HGET', generation_key, 'token') == token then
       redis.call('HINCRBY', generation_key, field, 1)
+      redis.call('EXPIRE', generation_key, key_ttl)
     end
   end
   if tonumber(duration) >= 0 then
     redis.call('LPUSH', durations_key, duration)
     redis.call('LTRIM', durations_key, 0, keep - 1)
+    redis.call('EXPIRE', durations_key, key_ttl)
   end
   if ok == '1' then
     local window = tonumber(redis.call('HGET', agent_window_key, 'window'))
@@ -180,12 +216,14 @@ BACK_OFF_LUA = """
 -- (per agent, in the shard's counts) and listed meanwhile as waiting, for the agent and in the
 -- shard (so a run whose rollouts all sleep out a long Retry-After is not taken for stalled); a
 -- negative wait_s: none follows (the rollout gave up). Returns {window, 1 if it shrank else 0}.
+-- The shard keys it writes expire key_ttl seconds later.
 local leases_key, agent_leases_key, agent_window_key = KEYS[1], KEYS[2], KEYS[3]
 local agent_limited_key, agent_waiting_key, counts_key = KEYS[4], KEYS[5], KEYS[6]
 local waiting_key = KEYS[7]
 local member, call_s, wait_s = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local agent, ttl, initial_window = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
 local window_keep_s, limited_keep_s, decrease = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
+local key_ttl = ARGV[10]
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -199,6 +237,8 @@ if wait_s >= 0 then
   redis.call('ZADD', waiting_key, now + wait_s + ttl, member)
   redis.call('HINCRBY', counts_key, 'rate_limit_waits:' .. agent, 1)
   redis.call('HINCRBY', counts_key, 'rate_limit_wait_ms:' .. agent, math.floor(wait_s * 1000))
+  redis.call('EXPIRE', waiting_key, key_ttl)
+  redis.call('EXPIRE', counts_key, key_ttl)
 end
 local window = tonumber(redis.call('HGET', agent_window_key, 'window')) or initial_window
 local last = tonumber(redis.call('HGET', agent_window_key, 'last_decrease')) or 0
@@ -214,14 +254,16 @@ return {tostring(window), shrank}
 
 RENEW_LUA = """
 -- Push the expiry of every lease this process holds to now + ttl. KEYS are the lease sorted
--- sets, ARGV[1] the ttl, then one lease member per key in the same order. ZADD without XX:
--- after Redis lost its data, the leases of calls still running come back.
-local ttl = tonumber(ARGV[1])
+-- sets, ARGV[1] the ttl, ARGV[2] the expiry of the sets themselves, then one lease member per
+-- key in the same order. ZADD without XX: after Redis lost its data, the leases of calls still
+-- running come back.
+local ttl, key_ttl = tonumber(ARGV[1]), ARGV[2]
 local t = redis.call('TIME')
 local expiry = tonumber(t[1]) + tonumber(t[2]) / 1000000 + ttl
 for i, lease_set in ipairs(KEYS) do
-  local member = ARGV[i + 1]
+  local member = ARGV[i + 2]
   redis.call('ZADD', lease_set, expiry, member)
+  redis.call('EXPIRE', lease_set, key_ttl)
 end
 return #KEYS
 """
@@ -232,11 +274,12 @@ TAKE_LEASE_LUA = """
 -- attempt of this generation holds a fresh lease; detail: its holder), or taken (detail: this
 -- attempt's token; lost: the silent holder taken over, else ''). A lease is taken when there is
 -- none, when it expired, when a takeover re-published it (stage redispatched) or when it is an
--- older generation's. The message (if any) is kept for a takeover to publish again.
+-- older generation's. The message (if any) is kept for a takeover to publish again. The shard
+-- hashes it writes expire key_ttl seconds later.
 local lease_key, attempts_key, messages_key, settled_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local all_key = KEYS[5]
 local key, token, holder, ttl, message = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-local member = ARGV[6]
+local member, key_ttl = ARGV[6], ARGV[7]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 if redis.call('HGET', settled_key, key) == token then return {'settled', '', ''} end
@@ -259,7 +302,12 @@ local attempt = holder .. '/' .. n .. '/' .. t[1] .. '.' .. t[2]
 redis.call('HSET', lease_key, key, cjson.encode({holder = holder, attempt = attempt, n = n,
   token = token, stage = 'admitted', beat = now, ttl = ttl, lost = lost, since = now}))
 redis.call('HSET', attempts_key, key, attempt)
-if message ~= '' then redis.call('HSET', messages_key, key, message) end
+redis.call('EXPIRE', lease_key, key_ttl)
+redis.call('EXPIRE', attempts_key, key_ttl)
+if message ~= '' then
+  redis.call('HSET', messages_key, key, message)
+  redis.call('EXPIRE', messages_key, key_ttl)
+end
 redis.call('ZADD', all_key, now + ttl, member)
 return {'taken', attempt, was}
 """
@@ -328,19 +376,23 @@ SETTLE_LUA = """
 -- An attempt of a rollout ended. If it is the rollout's current attempt (or Redis lost the
 -- attempts), its chord part counts: the rollout is settled for this generation and its lease
 -- and message go. Returns 1 if it counts, 0 if the attempt was taken over (its outcome is void).
+-- The settled hash expires key_ttl seconds later.
 local lease_key, attempts_key, messages_key, settled_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local all_key = KEYS[5]
-local key, attempt, token, member = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local key, attempt, token, member, key_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local current = redis.call('HGET', attempts_key, key)
 if current and current ~= attempt then return 0 end
 redis.call('HSET', settled_key, key, token)
+redis.call('EXPIRE', settled_key, key_ttl)
 redis.call('HDEL', lease_key, key)
 redis.call('HDEL', messages_key, key)
 redis.call('ZREM', all_key, member)
 return 1
 """
 
-ACQUIRE_READING_LUA = """
+ACQUIRE_READING_LUA = (
+    _LANDED_FN
+    + """
 -- Take the shard lock and, in the same round trip, read what the holder needs first: the
 -- shard's state hash and which of the batch's keys already landed.
 -- Returns {1, state hash as a flat list, landed flags} when taken, else {0}.
@@ -348,13 +400,29 @@ local lock_key, state_key, landed_key = KEYS[1], KEYS[2], KEYS[3]
 local token, ttl_ms = ARGV[1], ARGV[2]
 if redis.call('SET', lock_key, token, 'NX', 'PX', ttl_ms) then
   local present = {}
-  if #ARGV > 2 then
-    present = redis.call('SMISMEMBER', landed_key, unpack(ARGV, 3))
+  for i = 3, #ARGV do
+    local key = ARGV[i]
+    present[#present + 1] = landed(landed_key, key) and 1 or 0
   end
   return {1, redis.call('HGETALL', state_key), present}
 end
 return {0}
 """
+)
+
+LANDED_LUA = (
+    _LANDED_FN
+    + """
+-- Which of the keys in ARGV landed: 1 or 0 each. KEYS[1] is the shard's landed set.
+local landed_key = KEYS[1]
+local present = {}
+for i = 1, #ARGV do
+  local key = ARGV[i]
+  present[i] = landed(landed_key, key) and 1 or 0
+end
+return present
+"""
+)
 
 RELEASE_LUA = """
 -- Release the lock if this holder (token) still has it; a lock that expired and was taken by

@@ -139,7 +139,7 @@ class _LeaseRenewer:
             if not self._held:
                 return 0
             zsets: list[str] = []
-            members: list[str] = [str(self._ttl_s)]
+            members: list[str] = [str(self._ttl_s), str(from_env().live_key_ttl_s)]
             for member, keys_ in self._held.items():
                 for k in keys_:
                     zsets.append(k)
@@ -192,7 +192,7 @@ class _Releaser:
                 except queue.Empty:
                     break
             call_keys = [k for zkeys, _ in batch for k in zkeys]
-            args: list[str | float] = [DURATIONS_KEPT]
+            args: list[str | float] = [DURATIONS_KEPT, from_env().live_key_ttl_s]
             for _, item_args in batch:
                 args.extend(item_args)
             try:
@@ -332,6 +332,7 @@ class Gate:
             DEFAULT_WINDOW_CAP,
             INITIAL_WINDOW,
             WINDOW_KEEP_S,
+            from_env().live_key_ttl_s,
         ]
         answer = with_redis_retry(
             "admission", lambda: self._begin(keys=call_keys, args=args, client=self.r)
@@ -378,6 +379,7 @@ class Gate:
             WINDOW_KEEP_S,
             LIMITED_KEEP_S,
             WINDOW_DECREASE,
+            from_env().live_key_ttl_s,
         ]
         try:
             with_redis_retry(
@@ -414,7 +416,10 @@ class Gate:
     def fail_run(self, sid: str, message: str) -> None:
         """Flag the run failed with its first error: nothing new starts after it."""
         with_redis_retry(
-            "run failure flag", lambda: self.r.set(keys.shard_run_failed(sid), message, nx=True)
+            "run failure flag",
+            lambda: self.r.set(
+                keys.shard_run_failed(sid), message, nx=True, ex=from_env().live_key_ttl_s
+            ),
         )
 
     def stop_reason(self, sid: str) -> str | None:

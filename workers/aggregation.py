@@ -9,14 +9,19 @@ up to `AGGREGATE_RATE_LIMIT_RETRIES` times, each after at least its `Retry-After
 `AGGREGATE_MAX_WAIT_S`), else a full-jitter backoff (`workers/backpressure.py`).
 
 Each server's rows are kept as their encoded bytes (stripped of the heavy fields), not as
-dicts: the request body is those bytes joined, so memory is the body's size, once.
+dicts, a few MB in memory and the rest in sorted runs on local disk: the request body is
+streamed from their merge (`ServerRows.chunks`), so memory does not grow with the shard.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import os
+import shutil
+import tempfile
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,17 +40,97 @@ AGGREGATE_MAX_WAIT_S = 60.0
 _AGGREGATE_WAITS = CallPolicy(rate_limit_max_wait_s=AGGREGATE_MAX_WAIT_S)
 
 
+SPILL_BYTES = 8 << 20
+"""Encoded rows a server keeps in memory before it writes them to a sorted run on local disk."""
+BODY_CHUNK = 1 << 20
+"""Bytes of request body handed to the HTTP client at a time."""
+
+
 @dataclass
 class ServerRows:
-    """The stripped, encoded rows of one environment server, and the agents seen in them (first first)."""
+    """The stripped, encoded rows of one environment server, and the agents seen in them (first first).
+
+    Rows are buffered up to `SPILL_BYTES`, then written as a sorted run to a local scratch
+    folder; the request body is streamed from a merge of the runs (`chunks`), so a shard of any
+    size is sent in (task, rollout) order with a few MB in memory. `close` removes the runs.
+    """
 
     rows: list[tuple[Any, bytes]] = field(default_factory=list)
     agents: list[str] = field(default_factory=list)
+    count: int = 0
+    _bytes: int = 0
+    _runs: list[str] = field(default_factory=list)
+    _scratch: str | None = None
+
+    def add(self, key: Any, data: bytes) -> None:
+        self.rows.append((key, data))
+        self.count += 1
+        self._bytes += len(data) + 16
+        if self._bytes >= SPILL_BYTES:
+            self._spill()
+
+    def _spill(self) -> None:
+        if not self.rows:
+            return
+        if self._scratch is None:
+            self._scratch = tempfile.mkdtemp(prefix="rollouts-aggregate-")
+        self.rows.sort(key=lambda item: item[0])
+        path = os.path.join(self._scratch, f"{len(self._runs):05d}.run")
+        with open(path, "wb") as f:
+            for key, data in self.rows:
+                f.write(orjson.dumps(key) + b"\t" + data + b"\n")
+        self._runs.append(path)
+        self.rows = []
+        self._bytes = 0
+
+    def _sorted(self) -> Iterator[bytes]:
+        """The rows' bytes in (task, rollout) order."""
+        if not self._runs:
+            self.rows.sort(key=lambda item: item[0])
+            for _, data in self.rows:
+                yield data
+            return
+        self._spill()
+        readers = [_read_run(path) for path in self._runs]
+        for _, data in heapq.merge(*readers, key=lambda item: item[0]):
+            yield data
+
+    def chunks(self) -> Iterator[bytes]:
+        """`{"verify_responses": [...]}` with the rows in (task, rollout) order, a chunk at a time."""
+        out = bytearray(b'{"verify_responses":[')
+        first = True
+        for data in self._sorted():
+            if not first:
+                out += b","
+            first = False
+            out += data
+            if len(out) >= BODY_CHUNK:
+                yield bytes(out)
+                out.clear()
+        out += b"]}"
+        yield bytes(out)
 
     def body(self) -> bytes:
-        """`{"verify_responses": [...]}` with the rows in (task, rollout) order."""
-        self.rows.sort(key=lambda item: item[0])
-        return b'{"verify_responses":[' + b",".join(data for _, data in self.rows) + b"]}"
+        """The whole request body at once (small groups, tests)."""
+        return b"".join(self.chunks())
+
+    def close(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+            self._runs = []
+
+
+def _read_run(path: str) -> Iterator[tuple[Any, bytes]]:
+    with open(path, "rb") as f:
+        for line in f:
+            key, _, data = line.rstrip(b"\n").partition(b"\t")
+            yield _untuple(orjson.loads(key)), data
+
+
+def _untuple(key: Any) -> Any:
+    """A key read back from JSON (lists) in the tuple form it was sorted in."""
+    return tuple(_untuple(k) for k in key) if isinstance(key, list) else key
 
 
 def strip_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -80,7 +165,7 @@ def group_rows(rows: Iterable[dict[str, Any]], config: ServersConfig) -> dict[st
             continue
         group = groups[server]
         key = (tagged(row.get(F.TASK_INDEX, 0)), tagged(row.get(F.ROLLOUT_INDEX, 0)))
-        group.rows.append((key, compact(orjson.dumps(strip_row(row)))))
+        group.add(key, compact(orjson.dumps(strip_row(row))))
         agent = F.agent_name(row)
         if agent is not None and agent not in group.agents:
             group.agents.append(agent)
@@ -140,10 +225,9 @@ async def _post_one(
                 "that produced them"
             )
         url = config.aggregation_url(server).rstrip("/") + "/aggregate_metrics"
-        body = rows.body()
         for retry in range(AGGREGATE_RATE_LIMIT_RETRIES + 1):
             response = await client.post(
-                url, content=body, headers={"content-type": "application/json"}
+                url, content=_stream(rows), headers={"content-type": "application/json"}
             )
             if response.status_code not in RATE_LIMIT_STATUSES:
                 break
@@ -164,6 +248,12 @@ async def _post_one(
     for key, empty in EMPTY_COLLECTIONS:
         entry.setdefault(key, type(empty)())
     return entry, None
+
+
+async def _stream(rows: ServerRows) -> AsyncIterator[bytes]:
+    """The request body, streamed from the server's rows (`ServerRows.chunks`)."""
+    for chunk in rows.chunks():
+        yield chunk
 
 
 async def aggregate(

@@ -52,7 +52,11 @@ def write_aggregate_file(
     groups = group_rows(rows, config)
     if not groups:
         return None
-    entries, error = process_io().loop.run(aggregate(groups, config))
+    try:
+        entries, error = process_io().loop.run(aggregate(groups, config))
+    finally:
+        for group in groups.values():
+            group.close()
     rd.write_atomic(name, jsonl.dumps_pretty(entries))
     if error is None:
         return None
@@ -62,16 +66,33 @@ def write_aggregate_file(
 
 
 def write_aggregate(
-    rd: RunDir, ledger: ShardLedger, config: ServersConfig, settings: CollectionSettings
+    rd: RunDir,
+    ledger: ShardLedger,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    fold: bool = False,
 ) -> tuple[str | None, Coverage]:
     """Aggregate the shard's scored rows and save the file: the first error's text, the coverage.
 
     The scored rows are the results plus the zeros `count_failure_classes_as_zero` and
-    `count_missing_rollouts_as_zero` impute (`workers/shard/scored.py`).
+    `count_missing_rollouts_as_zero` impute (`workers/shard/scored.py`). With `fold`, the
+    ledger has read everything but the results, and each result row is folded into it as the
+    aggregation reads it (one pass over the results for both).
     """
-    rows = ScoredRows.of(rd, ledger, config, settings)
+    rows = ScoredRows.of(rd, ledger, config, settings, fold=fold)
     error = write_aggregate_file(rd, ledger.files.aggregate, rows, config)
     return error, rows.coverage()
+
+
+def count_and_aggregate(
+    rd: RunDir, shard: str, config: ServersConfig, settings: CollectionSettings
+) -> tuple[ShardLedger, str | None, Coverage]:
+    """The shard's accounting (`count_shard`) and its aggregate, reading the results once."""
+    ledger = ShardLedger(rd, ShardFiles(shard))
+    ledger.read_planned()
+    ledger.read_failures()  # before the results: a result landed later uncounts its failure
+    error, coverage = write_aggregate(rd, ledger, config, settings, fold=True)
+    return ledger, error, coverage
 
 
 def settings_limits(settings: CollectionSettings) -> Limits:
@@ -188,9 +209,10 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     aggregation_error = None
     coverage = None
     health: dict[str, Any] | None = None
-    counts = count_shard(rd, run.shard)
-    if not settings.disable_aggregation:
-        aggregation_error, coverage = write_aggregate(rd, counts, config, settings)
+    if settings.disable_aggregation:
+        counts = count_shard(rd, run.shard)
+    else:
+        counts, aggregation_error, coverage = count_and_aggregate(rd, run.shard, config, settings)
     status = counts.status(manifest.run_id, run.shard)
     generation = generation_counts(redis_url, sid, run.token)
     status.drained = generation.get("drained", 0)

@@ -38,17 +38,20 @@ from typing import Any
 import redis
 
 from infra import keys
+from infra.environment import from_env
 from infra.locks import ACQUIRE_TIMEOUT_S, HeldLock, held, held_reading
 from infra.process import PerProcess
 from infra.redis_client import client
 from infra.runs import write_status
+from infra.scripts import LANDED_LUA
 from infra.store import RunDir, WriteConflictError
 from schemas.errors import ShardFencedError, StorageError
 from schemas.messages import RunRef
 from schemas.records import ShardStatus, rate_limit_waits
 from workers.encoding import EncodedRecords, encode_records
 from workers.leases import Lease
-from workers.shard.state import CLOSED, OPENER, PLANNED, RUN_ID, SHARD, ShardState
+from workers.shard import landed
+from workers.shard.state import CLOSED, OPENER, PLANNED, RUN_ID, SHARD, ShardState, keep_alive
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,7 @@ class Lander:
         self._dirs: dict[str, RunDir] = {}
         self._status_written: dict[str, float] = {}
         self._carry: list[_Pending] = []
+        self._landed = self.r.register_script(LANDED_LUA)
         self._thread = threading.Thread(target=self._loop, name="rollouts-lander", daemon=True)
         self._thread.start()
 
@@ -183,13 +187,16 @@ class Lander:
             present = dict(zip(ks, lock.present, strict=True))
             late = [k for k in (p.records.key for p in joined) if k is not None]
             if late:
-                flags = self.r.smismember(keys.shard_landed(st.sid), late)
-                present.update(zip(late, (bool(f) for f in flags), strict=True))
+                present.update(
+                    zip(late, landed.present(self.r, st.sid, late, self._landed), strict=True)
+                )
             state = st.load(lock.state)
             if state is not lock.state and present:
                 # Rebuilt from storage or a dead writer's tail adopted: what landed changed.
-                flags = self.r.smismember(keys.shard_landed(st.sid), list(present))
-                present = dict(zip(present, (bool(f) for f in flags), strict=True))
+                ks_ = list(present)
+                present = dict(
+                    zip(ks_, landed.present(self.r, st.sid, ks_, self._landed), strict=True)
+                )
             accepted = []
             for p, refused in zip(group, self._fences(st, state, group), strict=True):
                 if refused is not None:
@@ -269,8 +276,9 @@ class Lander:
         ks = [k for _, (k, _) in with_result]
         for attempt in range(MAX_CONFLICTS):
             if attempt:  # another writer's bytes were adopted: check our keys against them
-                flags = self.r.smismember(keys.shard_landed(st.sid), ks)
-                present = dict(zip(ks, (bool(f) for f in flags), strict=True))
+                present = dict(
+                    zip(ks, landed.present(self.r, st.sid, ks, self._landed), strict=True)
+                )
             new_keys: list[str] = []
             seen: set[str] = set()
             data = bytearray()
@@ -288,12 +296,14 @@ class Lander:
                 continue
             pipe = self.r.pipeline(transaction=True)
             if new_keys:
-                pipe.sadd(keys.shard_landed(st.sid), *new_keys)
+                planned = int(state.get(PLANNED, "0"))
+                landed.add(pipe, st.sid, planned, new_keys, from_env().live_key_ttl_s)
                 pipe.hincrby(keys.shard_counts(st.sid), "landed", len(new_keys))
                 st.commit_size(pipe, st.files.results, state)
             dups = len(with_result) - len(new_keys)
             if dups:
                 pipe.hincrby(keys.shard_counts(st.sid), "duplicates", dups)
+            keep_alive(pipe, st.sid)
             if lock is not None:
                 lock.commit(pipe)
             else:
@@ -328,6 +338,7 @@ class Lander:
             for name, n in counts.items():
                 pipe.hincrby(keys.shard_counts(st.sid), name, n)
             st.commit_size(pipe, st.files.failures, state)
+            keep_alive(pipe, st.sid)
             lock.commit(pipe)
             return
         raise StorageError(

@@ -97,6 +97,7 @@ class RolloutLeases:
     ) -> None:
         self.r = client(redis_url)
         self.ttl_s = from_env().lease_ttl_s if ttl_s is None else ttl_s
+        self.key_ttl_s = from_env().live_key_ttl_s
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self._publish = publish
         self._sweep = sweep
@@ -125,7 +126,9 @@ class RolloutLeases:
     def take(self, sid: str, key: str, token: str, message: dict[str, Any]) -> LeaseTicket:
         """Take the rollout's lease for a new attempt of generation `token`, unless it runs or ended."""
         member = f"{sid}|{key}"
-        args: list[str | float] = [key, token, self.holder, self.ttl_s, json.dumps(message), member]
+        args: list[str | float] = [
+            key, token, self.holder, self.ttl_s, json.dumps(message), member, self.key_ttl_s
+        ]  # fmt: skip
         answer = self._take(keys=self._keys(sid), args=args, client=self.r)
         verdict, detail, lost = (_text(v) for v in answer)
         if verdict != "taken":
@@ -154,7 +157,7 @@ class RolloutLeases:
         `token`. False if it was taken over (the current attempt settles it)."""
         with self._lock:
             self._held.pop(lease.member, None)
-        args = [lease.key, lease.attempt, token, lease.member]
+        args: list[str | int] = [lease.key, lease.attempt, token, lease.member, self.key_ttl_s]
         # Retried through a Redis restart: a lease left behind would be taken over and its
         # rollout, counted already, counted again.
         return bool(

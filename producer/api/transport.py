@@ -22,6 +22,7 @@ import redis
 from celery import Celery
 
 from infra import jsonl, keys
+from infra.environment import from_env
 from infra.redis_client import client
 from infra.scripts import RUNNING_LUA
 from infra.store import RunDir, ShardFiles
@@ -267,7 +268,7 @@ class Invocation:
             self._publisher.join()
         if not self.all_settled() and (self._started or self.target.record):
             # Queued rollouts stop at admission; running ones are cancelled by their workers.
-            self._r.set(keys.shard_cancel(self._sid), "cancel")
+            self._r.set(keys.shard_cancel(self._sid), "cancel", ex=from_env().live_key_ttl_s)
             self._wait_idle()
         self._stop_listening.set()
         if self._listener is not None:
@@ -307,7 +308,12 @@ class Invocation:
 
     def _finish_shard(self) -> None:
         if self.first_failure is not None:
-            self._r.set(keys.shard_run_failed(self._sid), self.first_failure, nx=True)
+            self._r.set(
+                keys.shard_run_failed(self._sid),
+                self.first_failure,
+                nx=True,
+                ex=from_env().live_key_ttl_s,
+            )
         self.finished = finish_shard(self.target.run, self.target.redis_url).model_dump(mode="json")
 
     def _drop_keys(self) -> None:

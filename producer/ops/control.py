@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import redis
 
 from infra import keys
-from infra.environment import operated_redis_url
+from infra.environment import from_env, operated_redis_url
 from infra.redis_client import client
 from infra.runs import read_manifest
 from infra.store import RunDir
@@ -60,7 +60,9 @@ def cancel_shard(rd: RunDir, shard: str, redis_url: str | None, drain: bool) -> 
         raise UsageError(unknown_redis(manifest))
     sid = keys.shard_id(rd.url, shard)
     try:
-        client(redis_url).set(keys.shard_cancel(sid), "drain" if drain else "cancel")
+        client(redis_url).set(
+            keys.shard_cancel(sid), "drain" if drain else "cancel", ex=from_env().live_key_ttl_s
+        )
     except redis.RedisError as exc:
         raise UsageError(f"cannot reach the run's Redis at {redis_url}: {exc}") from None
     if drain:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict, deque
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -77,7 +78,7 @@ class FileTally:
         return self.ledger.planned
 
     @property
-    def landed(self) -> set[tuple[int, int]]:
+    def landed(self) -> AbstractSet[tuple[int, int]]:
         return self.ledger.landed_keys
 
     @property

@@ -37,7 +37,7 @@ from schemas.messages import (
 )
 from schemas.settings import CollectionSettings
 from workers.redispatch import CollectTaskMessage, publish_collect
-from workers.shard.state import persist_shard_keys
+from workers.shard.state import refresh_shard_keys
 
 PUBLISH_BATCH = 500
 
@@ -192,7 +192,6 @@ def open_generation(
     now = sec + usec / 1e6
     deadline = now + budget_s if budget_s is not None else None
     pipe = r.pipeline(transaction=True)
-    persist_shard_keys(pipe, sid)  # an earlier generation's finish set them to expire
     pipe.delete(keys.shard_generation(sid), keys.shard_durations(sid))
     pipe.hset(
         keys.shard_generation(sid),
@@ -203,6 +202,8 @@ def open_generation(
             "deadline": repr(deadline) if deadline is not None else "",
         },
     )
+    # The finish of an earlier generation set them to expire: they live while this one runs.
+    refresh_shard_keys(pipe, sid)
     pipe.execute()
     return deadline
 

@@ -18,6 +18,7 @@ from typing import Any
 from rich.console import Console
 
 from infra import keys
+from infra.environment import from_env
 from infra.redis_client import client
 from producer.shard.opening import OpenedRun
 from schemas import fields as F
@@ -85,7 +86,7 @@ def stop_run(
     """Stop the shard's rollouts and write the provisional summary; returns the error to raise."""
     r = client(redis_url)
     sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
-    r.set(keys.shard_run_failed(sid), STOPPED_BY_SIGTERM, nx=True)
+    r.set(keys.shard_run_failed(sid), STOPPED_BY_SIGTERM, nx=True, ex=from_env().live_key_ttl_s)
     _settle(redis_url, opened)
     settings = CollectionSettings.model_validate(opened.manifest.settings)
     where = opened.rd.path(QUALITY_SUMMARY)

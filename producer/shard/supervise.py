@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from infra import keys
+from infra.environment import from_env
 from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
 from producer.shard.cost import CostWatch, cost_reason
@@ -34,11 +35,14 @@ from schemas.errors import RunFailedError
 from schemas.finish import FinishResult
 from schemas.settings import CollectionSettings
 from workers.shard.ledger import count_shard
+from workers.shard.state import refresh_shard_keys
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 WARN_EVERY_S = 30.0
+KEYS_REFRESH_S = 60.0
+"""How often a waiting producer pushes its shard keys' expiry on (`refresh_shard_keys`)."""
 
 
 READ_ERRORS = (redis.RedisError, KombuError, OSError)
@@ -86,6 +90,7 @@ def wait_for_shard(
     last_signature: tuple[Any, ...] | None = None
     last_activity = time.monotonic()
     last_warning = 0.0
+    last_refresh = time.monotonic()
     cost = CostWatch.of(opened.rd, opened.manifest.shard, settings)
 
     def warn(exc: Exception) -> None:
@@ -95,15 +100,21 @@ def wait_for_shard(
             last_warning = time.monotonic()
 
     def watch() -> None:
-        nonlocal last_signature, last_activity
+        nonlocal last_signature, last_activity, last_refresh
         try:
             snap = snapshot(r, sid)
+            now = time.monotonic()
+            if now - last_refresh > KEYS_REFRESH_S:
+                # While the producer waits, the run is alive: its keys' expiry moves on.
+                pipe = r.pipeline(transaction=False)
+                refresh_shard_keys(pipe, sid)
+                pipe.execute()
+                last_refresh = now
         except READ_ERRORS as exc:
             warn(exc)
             return
-        now = time.monotonic()
         if cost is not None and cost.check(now):
-            r.set(keys.shard_cancel(sid), "drain")
+            r.set(keys.shard_cancel(sid), "drain", ex=from_env().live_key_ttl_s)
             reason = cost_reason(cost.cost, cost.limit)
             console.print(f"[yellow]dispatch {reason}; running rollouts finish, no other starts[/]")
         _show(progress, bar, snap)

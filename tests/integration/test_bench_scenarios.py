@@ -105,3 +105,23 @@ def test_report_table_measures_the_report() -> None:
     rollouts, _, _, seconds, _, rss, size = cells(row)
     assert rollouts == "2,000" and seconds.endswith(" s") and rss.endswith(" MB")
     assert size.endswith(" MB")
+
+
+@pytest.mark.timeout(320)
+def test_soak_checkpoints_every_tenth_and_measures_what_follows() -> None:
+    lines = bench("soak", "--n", "400")
+    checkpoints = [int(c[0].replace(",", "")) for c in map(cells, lines) if c[0][:1].isdigit()]
+    assert len(checkpoints) == 10 and checkpoints[-1] == 400, lines
+    assert all(x >= 40 * (i + 1) for i, x in enumerate(checkpoints)), checkpoints
+    processes = {
+        c[0]: c for c in map(cells, lines) if c[0].startswith(("producer", "finish", "rollouts"))
+    }
+    assert set(processes) == {
+        "producer (rollouts run)",
+        "finish step, again on its own",
+        "rollouts status",
+        "rollouts resume (nothing missing)",
+    }, lines
+    assert all(c[3] == "0" for c in processes.values()), processes
+    kinds = {c[0]: c for c in map(cells, lines) if c[0].startswith(("shard:", "celery"))}
+    assert "shard:landed_bits" in kinds and all(c[2] == "0" for c in kinds.values()), kinds

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from examples.servers import RunningServers
 from infra import keys
 from infra.store import RunDir
 from tests.conftest import Workers, demo_rows, write_rows
-from tests.ops_helpers import cli
+from tests.ops_helpers import cli, cli_background, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -42,3 +43,60 @@ def test_every_key_of_a_finished_run_or_resume_expires(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     after = shard_keys(r, out)
     assert after and all(ttl > 0 for ttl in after.values()), after
+
+
+def test_every_key_of_a_stalled_run_expires(
+    redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path
+) -> None:
+    """The producer and its only worker are SIGKILLed mid-run: no finish step will ever run, and
+    still no key of the shard (landed set, leases, attempts, settled, counters, ...) is permanent."""
+    workers.start(count=1, concurrency=4)
+    workers.wait_ready()
+    config = servers.write_config(str(tmp_path / "servers.yaml"))
+    rows = demo_rows(40)
+    for row in rows:
+        row["agent_latency_ms"] = 300
+    out = tmp_path / "run"
+    producer = cli_background(
+        "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
+        "--output-dir", str(out), "--broker", redis_url, log=tmp_path / "producer.log",
+    )  # fmt: skip
+    r = redis.Redis.from_url(redis_url)
+    sid = keys.shard_id(RunDir(str(out)).url, "0")
+    try:
+        wait_for(lambda: int(r.hget(keys.shard_counts(sid), "landed") or 0) >= 8, 120, "8 landed")
+    finally:
+        for proc in (producer, *workers.procs):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        workers.procs = []
+    left = shard_keys(r, out)
+    written = {k.split(":")[3] for k in left}
+    assert {"landed_bits", "settled", "attempts", "generation", "state", "counts"} <= written, left
+    assert all(ttl > 0 for ttl in left.values()), left
+
+
+def test_every_key_of_a_cancelled_run_expires(
+    redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path
+) -> None:
+    workers.start(count=1, concurrency=4)
+    workers.wait_ready()
+    config = servers.write_config(str(tmp_path / "servers.yaml"))
+    rows = demo_rows(40)
+    for row in rows:
+        row["agent_latency_ms"] = 300
+    out = tmp_path / "run"
+    producer = cli_background(
+        "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
+        "--output-dir", str(out), "--broker", redis_url, "+redis_key_ttl_s=3600",
+        log=tmp_path / "producer.log",
+    )  # fmt: skip
+    r = redis.Redis.from_url(redis_url)
+    sid = keys.shard_id(RunDir(str(out)).url, "0")
+    wait_for(lambda: int(r.hget(keys.shard_counts(sid), "landed") or 0) >= 4, 120, "4 landed")
+    proc = cli("cancel", str(out), "--broker", redis_url)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    producer.wait(120)
+    left = shard_keys(r, out)
+    assert keys.shard_cancel(sid) in left, left
+    assert all(0 < ttl <= 3600 for ttl in left.values()), left

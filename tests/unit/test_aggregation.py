@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import random
 from typing import Any
 
 import httpx
@@ -144,3 +146,25 @@ def test_a_rate_limited_aggregation_is_retried_after_its_retry_after_a_bounded_n
     assert set(slept) == {3.0} and len(slept) == 2 + aggregation.AGGREGATE_RATE_LIMIT_RETRIES
     assert "429" in entries[1]["aggregation_error"]
     assert isinstance(error, httpx.HTTPStatusError)
+
+
+def test_a_large_group_is_spilled_to_sorted_runs_and_streamed_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = list(range(3000))
+    random.Random(7).shuffle(rng)
+    rows = [{"_ng_task_index": t, "_ng_rollout_index": t % 3, "agent_ref": {"name": "a"}}
+            for t in rng]  # fmt: skip
+    in_memory = group_rows(rows, CONFIG)["e1"]
+    monkeypatch.setattr(aggregation, "SPILL_BYTES", 4096)
+    spilled = group_rows(rows, CONFIG)["e1"]
+    assert spilled._runs and not in_memory._runs
+    monkeypatch.setattr(aggregation, "BODY_CHUNK", 1000)
+    chunks = list(spilled.chunks())
+    assert len(chunks) > 10 and b"".join(chunks) == in_memory.body()
+    sent = orjson.loads(b"".join(chunks))["verify_responses"]
+    assert [r["_ng_task_index"] for r in sent] == list(range(3000))
+    scratch = spilled._scratch
+    assert scratch is not None and os.path.isdir(scratch)
+    spilled.close()
+    assert not os.path.exists(scratch)

@@ -14,6 +14,7 @@ from infra import keys
 from infra.runs import write_manifest
 from infra.store import RunDir, ShardFiles
 from schemas.records import Generation, InputSource, Manifest, utc_now
+from workers.shard import landed
 from workers.shard.ledger import Failure, ShardLedger, count_shard
 from workers.shard.state import BUILT, OPENER, RESULTS_SIZE, ShardState, read_state
 
@@ -170,8 +171,11 @@ def test_the_state_is_rebuilt_from_the_ledger_and_a_torn_tail_is_cut(
     assert state[OPENER] == "tok" and state[BUILT] == "1"
     assert int(state[RESULTS_SIZE]) == shard.size(FILES.results)  # the torn line was cut
     assert not shard.read_bytes(FILES.results).endswith(TORN)
-    landed = {m.decode() for m in r.smembers(keys.shard_landed(st.sid))}  # type: ignore[union-attr]
-    assert landed == {"0:0", "1:0", "6:0"}
+    candidates = [f"{t}:{ro}" for t in range(10) for ro in range(3)]
+    flags = landed.present(r, st.sid, candidates)
+    assert {k for k, f in zip(candidates, flags, strict=True) if f} == {"0:0", "1:0", "6:0"}
+    assert landed.count(r, st.sid) == 3
+    assert r.exists(keys.shard_landed_bits(st.sid, 0)) and not r.exists(keys.shard_landed(st.sid))
     counts = {k.decode(): int(v) for k, v in r.hgetall(keys.shard_counts(st.sid)).items()}  # type: ignore[union-attr]
     assert counts == {
         "landed": 3,
@@ -186,4 +190,25 @@ def test_the_state_is_rebuilt_from_the_ledger_and_a_torn_tail_is_cut(
         f.write(lines(row(4), row(4)))
     state = st.load(state)
     assert int(state[RESULTS_SIZE]) == shard.size(FILES.results)
-    assert r.sismember(keys.shard_landed(st.sid), "4:0")
+    assert landed.present(r, st.sid, ["4:0", "5:0"]) == [True, False]
+
+
+def test_one_pass_over_the_results_counts_as_the_ledger_does(shard: RunDir) -> None:
+    """The finish step folds the results into the ledger while it aggregates them: failures
+    first, results after, and the same accounting as `count_shard` reading them in its order."""
+    from schemas.config import ServersConfig
+    from schemas.settings import CollectionSettings
+    from workers.shard.scored import ScoredRows
+
+    expected = count_shard(shard, "0")
+    ledger = ShardLedger(shard, FILES)
+    ledger.read_planned()
+    ledger.read_failures()
+    config = ServersConfig()
+    rows = list(ScoredRows.of(shard, ledger, config, CollectionSettings(), fold=True))
+    assert len(rows) == 5  # every readable row, the duplicate and the keyless one included
+    assert set(ledger.landed_keys) == set(expected.landed_keys)
+    assert ledger.duplicates == expected.duplicates and ledger.planned == expected.planned
+    assert ledger.failed == expected.failed and ledger.failed_by == expected.failed_by
+    assert ledger.attempts == expected.attempts and ledger.latest == expected.latest
+    assert ledger.landed_by == expected.landed_by

@@ -24,7 +24,7 @@ from schemas.records import rate_limit_waits
 from workers.health.accounting import Accounting, SourceCounts, excessive_failures
 from workers.health.check import write_summary
 from workers.health.registry import normalize_ignored
-from workers.shard import state
+from workers.shard import landed, state
 from workers.shard.ledger import ShardLedger
 
 MEMBER_BATCH = 10_000
@@ -41,9 +41,9 @@ def provisional_accounting(
     sid = keys.shard_id(rd.url, shard)
     pipe = r.pipeline(transaction=True)
     pipe.hget(keys.shard_state(sid), state.BUILT)
-    pipe.scard(keys.shard_landed(sid))
     pipe.hgetall(keys.shard_counts(sid))
-    built, landed, raw_counts = pipe.execute()
+    built, raw_counts = pipe.execute()
+    landed_count = landed.count(r, sid)
     counts = {k.decode(): int(v) for k, v in raw_counts.items()}
     if built != b"1":
         # Redis lost the shard's state; its counters would undercount.
@@ -55,7 +55,7 @@ def provisional_accounting(
     )
     acc = Accounting([source], records_read=False, groups_known=group_owed is not None)
     source.owed = planned
-    source.landed = int(landed)
+    source.landed = landed_count
     if group_owed is not None:
         acc.group_owed.update(group_owed)
     failures = ShardLedger(rd, ShardFiles(shard))
@@ -65,7 +65,7 @@ def provisional_accounting(
     for i in range(0, len(failed_keys), MEMBER_BATCH):
         batch = failed_keys[i : i + MEMBER_BATCH]
         members = [f"{t}:{ro}" for t, ro in batch]
-        for key, present in zip(batch, r.smismember(keys.shard_landed(sid), members), strict=True):
+        for key, present in zip(batch, landed.present(r, sid, members), strict=True):
             if present:
                 continue
             acc.add_failed(*latest[key])

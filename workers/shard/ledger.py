@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableSet
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
 from schemas.records import ShardStatus
+from workers.shard.keyset import KeySet
 from workers.shard.tokens import TokenTally
 
 Key = tuple[int, int]
@@ -84,7 +85,8 @@ class ShardLedger:
     planned: int = 0
     """Planned rollouts (lines of the materialized inputs), when they were read."""
     planned_by: Counter[Group] = field(default_factory=Counter)
-    landed_keys: set[Key] = field(default_factory=set)
+    landed_keys: MutableSet[Key] = field(default_factory=KeySet)
+    """A bit per landed rollout (`workers/shard/keyset.py`), not a set of tuples."""
     landed_by: Counter[Group] = field(default_factory=Counter)
     """Landed rollouts per group of their (first) result row."""
     duplicates: int = 0

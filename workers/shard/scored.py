@@ -73,13 +73,21 @@ class ScoredRows:
     config: ServersConfig
     zero_classes: frozenset[str] = frozenset()
     missing_as_zero: bool = False
+    fold: bool = False
+    """Fold each result row into the ledger as it is read: the finish step's one pass over the
+    results counts and aggregates them at once (`workers/finish.py`)."""
     counted: int = 0
     imputed: int = 0
     _carried: defaultdict[str | None, set[str]] = field(default_factory=lambda: defaultdict(set))
 
     @classmethod
     def of(
-        cls, rd: RunDir, ledger: ShardLedger, config: ServersConfig, settings: CollectionSettings
+        cls,
+        rd: RunDir,
+        ledger: ShardLedger,
+        config: ServersConfig,
+        settings: CollectionSettings,
+        fold: bool = False,
     ) -> ScoredRows:
         return cls(
             rd,
@@ -87,6 +95,7 @@ class ScoredRows:
             config,
             frozenset(settings.count_failure_classes_as_zero),
             settings.count_missing_rollouts_as_zero,
+            fold,
         )
 
     @property
@@ -94,7 +103,10 @@ class ScoredRows:
         return bool(self.zero_classes) or self.missing_as_zero
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        add = self.ledger.add_result if self.fold else None
         for row in iter_rows(self.rd, self.ledger.files.results):
+            if add is not None:
+                add(row)
             if self.imputing:
                 self._carried[server_of(row, self.config)].update(row)
             yield row

@@ -20,9 +20,11 @@ from typing import Any, cast
 import redis
 
 from infra import keys
+from infra.environment import from_env
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
+from workers.shard import landed
 from workers.shard.ledger import ShardLedger, failure_class
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,18 @@ def write_state(
         BUILT: "1",
     }
     pipe.hset(keys.shard_state(sid), mapping=cast("Mapping[Any, Any]", state))
+    keep_alive(pipe, sid)
     return state
+
+
+def keep_alive(pipe: redis.client.Pipeline, sid: str) -> None:
+    """Queue in `pipe`: the state hash and the counters expire the live TTL from now
+    (`ROLLOUTS_LIVE_KEY_TTL_S`; `landed.add` does it for the landed keys it writes): a writer of
+    them keeps them alive, a shard nobody writes any more loses them (they are rebuilt from
+    storage)."""
+    ttl = from_env().live_key_ttl_s
+    for key in (keys.shard_state(sid), keys.shard_counts(sid)):
+        pipe.expire(key, ttl)
 
 
 class ShardState:
@@ -168,13 +181,15 @@ class ShardState:
             records = tail.landed + tail.duplicates
             ks = sorted(f"{t}:{r}" for t, r in tail.landed_keys)
             if ks:
-                pipe.sadd(keys.shard_landed(self.sid), *ks)
+                planned = int(self.r.hget(keys.shard_state(self.sid), PLANNED) or 0)
+                landed.add(pipe, self.sid, planned, ks, from_env().live_key_ttl_s)
                 pipe.hincrby(keys.shard_counts(self.sid), "landed", len(ks))
         else:
             records = tail.failure_rows
             for cls, n in tail.failure_rows_by_class.items():
                 pipe.hincrby(keys.shard_counts(self.sid), f"failed:{cls}", n)
         pipe.hset(keys.shard_state(self.sid), self.size_field(name), end)
+        keep_alive(pipe, self.sid)
         pipe.execute()
         if end > committed:
             log.warning(
@@ -195,12 +210,9 @@ class ShardState:
         for cls, n in ledger.failure_rows_by_class.items():
             counts[f"failed:{cls}"] = n
         pipe = self.r.pipeline(transaction=True)
-        pipe.delete(
-            keys.shard_landed(self.sid), keys.shard_counts(self.sid), keys.shard_state(self.sid)
-        )
-        members = sorted(f"{t}:{r}" for t, r in ledger.landed_keys)
-        for i in range(0, len(members), 10000):
-            pipe.sadd(keys.shard_landed(self.sid), *members[i : i + 10000])
+        landed.delete(pipe, self.sid)
+        pipe.delete(keys.shard_counts(self.sid), keys.shard_state(self.sid))
+        landed.add_keyset(pipe, self.sid, ledger.landed_keys, from_env().live_key_ttl_s)
         pipe.hset(keys.shard_counts(self.sid), mapping=cast("Mapping[Any, Any]", counts))
         state = write_state(
             pipe,
@@ -215,6 +227,7 @@ class ShardState:
         if manifest.state in FINAL_STATES:
             pipe.hset(keys.shard_state(self.sid), CLOSED, "1")
             state[CLOSED] = "1"
+        keep_alive(pipe, self.sid)
         pipe.execute()
         log.info("rebuilt Redis state of %s shard %s from storage", self.rd.url, self.files.shard)
         return state
@@ -229,7 +242,9 @@ def expire_shard_keys(r: redis.Redis, sid: str, ttl_s: float) -> None:
     pipe.execute()
 
 
-def persist_shard_keys(pipe: redis.client.Pipeline, sid: str) -> None:
-    """Queue in `pipe`: the shard's keys expire no more (a generation opens on them again)."""
+def refresh_shard_keys(pipe: redis.client.Pipeline, sid: str) -> None:
+    """Queue in `pipe`: every key of the shard expires the live TTL from now
+    (`ROLLOUTS_LIVE_KEY_TTL_S`): a generation opens on them, or its producer is still waiting."""
+    ttl = from_env().live_key_ttl_s
     for key in keys.all_shard_keys(sid):
-        pipe.persist(key)
+        pipe.expire(key, ttl)
