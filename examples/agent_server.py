@@ -181,6 +181,7 @@ class AgentServer:
             "attempt": row.get("_ng_attempt_index", 0),
             "request_no": attempt_no,
             "start": started,
+            "traceparent": request.headers.get("traceparent"),
         }
         self._write_log({**event, "event": "start"})
         outcome = "ok"
