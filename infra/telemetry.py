@@ -92,11 +92,21 @@ def current_trace_id() -> str | None:
 
 @contextlib.contextmanager
 def delivered(parent: TraceParent) -> Iterator[None]:
-    """Within this block, `parent` is the delivered trace context (this thread or task)."""
+    """Within this block, `parent` is the delivered trace context (this thread or task), and
+    the remote parent of the spans started in it, once the SDK is set up."""
     token = _rollout.set(parent)
+    attached = None
+    if _state.tracer is not None:
+        from opentelemetry import context
+
+        attached = context.attach(parent_context(parent))
     try:
         yield
     finally:
+        if attached is not None:
+            from opentelemetry import context
+
+            context.detach(attached)
         _rollout.reset(token)
 
 
@@ -140,10 +150,14 @@ def meter() -> Any:
     return _state.meter
 
 
-def setup(role: str, attributes: Mapping[str, Any] | None = None) -> bool:
+def setup(
+    role: str, attributes: Mapping[str, Any] | None = None, span_exporter: Any = None
+) -> bool:
     """Set up the SDK for this process as `role` (producer, worker, capture_proxy) if asked.
 
     Idempotent; returns whether tracing is on. `attributes` join the resource (e.g. `run_id`).
+    `span_exporter` replaces the `OTEL_*` exporters: spans go to it as each ends, and no
+    metrics are exported (unit tests, with the SDK's in-memory exporter).
     """
     if _state.tracer is not None:
         return True
@@ -153,7 +167,7 @@ def setup(role: str, attributes: Mapping[str, Any] | None = None) -> bool:
         if _state.tracer is not None:
             return True
         try:
-            _install(role, dict(attributes or {}))
+            _install(role, dict(attributes or {}), span_exporter)
         except ImportError as exc:
             log.warning("telemetry was asked for but the OpenTelemetry SDK is not installed "
                         "(pip install 'rollouts[telemetry]'): %s; it stays off", exc)  # fmt: skip
@@ -162,10 +176,14 @@ def setup(role: str, attributes: Mapping[str, Any] | None = None) -> bool:
     return True
 
 
-def _install(role: str, attributes: dict[str, Any]) -> None:
+def _install(role: str, attributes: dict[str, Any], span_exporter: Any) -> None:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        ConsoleSpanExporter,
+        SimpleSpanProcessor,
+    )
 
     base = os.environ.get("OTEL_SERVICE_NAME") or SERVICE_NAME
     resource = Resource.create(
@@ -180,7 +198,10 @@ def _install(role: str, attributes: dict[str, Any]) -> None:
     )
     traces = (os.environ.get("OTEL_TRACES_EXPORTER") or "otlp").strip().lower()
     provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER
-    if traces == "console":
+    if span_exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+        traces = "none"
+    elif traces == "console":
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     elif traces != "none":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -190,7 +211,7 @@ def _install(role: str, attributes: dict[str, Any]) -> None:
     _state.tracer = provider.get_tracer(INSTRUMENTATION)
     _state.role = role
     metrics = (os.environ.get("OTEL_METRICS_EXPORTER") or "otlp").strip().lower()
-    if metrics != "none":
+    if metrics != "none" and span_exporter is None:
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import (
             ConsoleMetricExporter,
@@ -278,6 +299,8 @@ class _Client:
         if self.span is not None:
             value = traceparent_of(self.span)
             if value is not None:
+                for name in [k for k in headers if k.lower() == TRACEPARENT]:
+                    del headers[name]  # a forwarded caller's, in whatever case
                 headers[TRACEPARENT] = value
         else:
             inject(headers)
@@ -296,6 +319,14 @@ class _Client:
     def set(self, key: str, value: Any) -> None:
         if self.span is not None and value is not None:
             self.span.set_attribute(key, value)
+
+    def failed(self, exc: BaseException) -> None:
+        """The request failed with `exc`, handled by the caller."""
+        if self.span is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            self.span.set_attribute("error.type", type(exc).__name__)
+            self.span.set_status(Status(StatusCode.ERROR, str(exc)[:200] or type(exc).__name__))
 
 
 _NO_CLIENT = _Client(None)
@@ -339,3 +370,24 @@ def client_span(
             span.set_attribute("error.type", type(exc).__name__)
             span.set_status(Status(StatusCode.ERROR, str(exc)[:200] or type(exc).__name__))
             raise
+
+
+@contextlib.contextmanager
+def served(
+    name: str, traceparent: str | None, attributes: Mapping[str, Any] | None = None
+) -> Iterator[_Client]:
+    """An incoming HTTP request's SERVER span, under the `traceparent` it carried; within it
+    that is the delivered trace context. A request without one, or a process without
+    telemetry, records nothing."""
+    t = _state.tracer
+    parent = TraceParent.parse(traceparent) if t is not None else None
+    if parent is None:
+        yield _NO_CLIENT
+        return
+    from opentelemetry.trace import SpanKind
+
+    with (
+        delivered(parent),
+        t.start_as_current_span(name, kind=SpanKind.SERVER, attributes=attributes) as span,
+    ):
+        yield _Client(span)

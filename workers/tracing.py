@@ -175,10 +175,11 @@ def _consumed(name: str, request: Any, attrs: dict[str, Any], queue_wait: bool) 
     if parent is None:
         yield None
         return
-    with telemetry.delivered(parent):
-        if not telemetry.setup("worker"):
+    if not telemetry.setup("worker"):
+        with telemetry.delivered(parent):
             yield None
-            return
+        return
+    with telemetry.delivered(parent):
         from opentelemetry.trace import SpanKind
 
         t, ctx, now = telemetry.tracer(), telemetry.parent_context(parent), telemetry.now_ns()
