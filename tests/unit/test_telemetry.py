@@ -22,12 +22,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from infra import telemetry
+from infra.http import EventLoopThread
 from infra.telemetry import ENQUEUED_AT, TRACEPARENT, TraceParent
 from schemas import fields as F
 from schemas.messages import COLLECT_TASK, QUEUE, CallPolicy
 from schemas.outcomes import Ended, RolloutOutcome
 from tests.conftest import ROOT
 from tests.otlp_receiver import in_memory_sdk
+from tests.unit.test_rollout_engine import Harness, limited, replies
 from workers import tracing
 from workers.agent_call import call_run
 from workers.redispatch import CollectTaskMessage, from_delivered, publish_collect, publisher
@@ -305,3 +307,28 @@ def test_without_the_extra_the_code_runs_and_still_propagates() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ran without the SDK"
     assert "the OpenTelemetry SDK is not installed" in done.stderr
+
+
+def test_a_traced_rollout_s_rate_limit_wait_is_a_span_between_its_attempts(
+    spans: InMemorySpanExporter,
+) -> None:
+    assert PARENT is not None
+    loop = EventLoopThread("test-telemetry")
+    try:
+        h = Harness(loop)
+        h.handler = replies(limited(429, "1"), h.reply(200, {"reward": 1.0}))
+        with telemetry.delivered(PARENT):
+            out = h.run()
+    finally:
+        loop.loop.call_soon_threadsafe(loop.loop.stop)
+        loop.thread.join(5)
+        loop.loop.close()
+    assert out.ended is Ended.LANDED
+    first, waited, second = spans.get_finished_spans()
+    assert [first.name, waited.name, second.name] == ["HTTP POST", "rollouts.rate_limit_wait",
+                                                      "HTTP POST"]  # fmt: skip
+    assert (first.attributes or {})["http.response.status_code"] == 429
+    assert (waited.attributes or {})["rollouts.wait_s"] == 1.0
+    assert first.end_time is not None and waited.start_time is not None
+    assert first.end_time <= waited.start_time
+    assert {f"{s.context.trace_id:032x}" for s in (first, waited, second)} == {PARENT.trace_id}
