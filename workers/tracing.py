@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
+import redis
 from celery.exceptions import Ignore
 
 from infra import telemetry
+from infra.redis_client import client
 from infra.telemetry import ENQUEUED_AT, ROLLOUT_ID, RUN_ID, TRACEPARENT, TraceParent
 from schemas import fields as F
+from schemas.messages import QUEUE
 from schemas.outcomes import FAILURE_ENDS, Ended, RolloutOutcome
 
 _ERROR_ENDS = frozenset({*FAILURE_ENDS, Ended.ERROR})
@@ -108,8 +112,33 @@ class Job:
             self.span.set_attribute("rollouts.state", state)
         _status(self.span, state not in ("failed",), error)
 
+    def within(self) -> contextlib.AbstractContextManager[None]:
+        """Steps run here (the Python API's finish) are in the job's trace."""
+        value = self.callback_headers()
+        parent = TraceParent.parse(value[TRACEPARENT]) if value else None
+        return telemetry.delivered(parent) if parent is not None else _NULL
+
+    def end(self) -> None:
+        """End the job span and export what is buffered (a job not opened as a block)."""
+        if self.span is not None:
+            self.span.end()
+            telemetry.flush()
+
 
 NO_JOB = Job(None)
+
+
+def start_job(run_id: str, shard: str, token: str, planned: int) -> Job:
+    """A job span for the Python API's call (`Job.end` ends it); NO_JOB when off."""
+    if not telemetry.setup("producer", {RUN_ID: run_id}):
+        return NO_JOB
+    return Job(telemetry.tracer().start_span("gym.job", attributes=_job_attributes(
+        run_id, shard, token, planned)))  # fmt: skip
+
+
+def _job_attributes(run_id: str, shard: str, token: str, planned: int) -> dict[str, Any]:
+    return {RUN_ID: run_id, "rollouts.shard": shard, "rollouts.generation": token,
+            "rollouts.planned": planned}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -118,8 +147,7 @@ def job(run_id: str, shard: str, token: str, planned: int) -> Iterator[Job]:
     if not telemetry.setup("producer", {RUN_ID: run_id}):
         yield NO_JOB
         return
-    attrs = {RUN_ID: run_id, "rollouts.shard": shard, "rollouts.generation": token,
-             "rollouts.planned": planned}  # fmt: skip
+    attrs = _job_attributes(run_id, shard, token, planned)
     try:
         with telemetry.tracer().start_as_current_span("gym.job", attributes=attrs) as span:
             yield Job(span)
@@ -131,7 +159,8 @@ def job(run_id: str, shard: str, token: str, planned: int) -> Iterator[Job]:
 
 
 class Delivered:
-    """A rollout delivery's collect span (or none): records how the rollout ended."""
+    """A rollout delivery's collect span (or none): records how the rollout ended (`ended`,
+    or the module's `ended` where the task does not see the outcome)."""
 
     def __init__(self, span: Any) -> None:
         self.span = span
@@ -153,6 +182,12 @@ class Delivered:
 
 
 _NO_DELIVERY = Delivered(None)
+_current: ContextVar[Delivered] = ContextVar("rollouts_delivery", default=_NO_DELIVERY)
+
+
+def ended(outcome: RolloutOutcome) -> None:
+    """Record how the current delivery's rollout ended (the Python API's reply adapter)."""
+    _current.get().ended(outcome)
 
 
 def _delivery_attributes(request: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
@@ -236,9 +271,12 @@ def _delivery(request: Any, payload: Mapping[str, Any]) -> Iterator[Delivered]:
             yield _NO_DELIVERY
         else:
             _in_flight(1)
+            traced = Delivered(span)
+            token = _current.set(traced)
             try:
-                yield Delivered(span)
+                yield traced
             finally:
+                _current.reset(token)
                 _in_flight(-1)
 
 
@@ -362,6 +400,25 @@ class _Instruments:
             "rollouts.rate_limit.waits", unit="{wait}",
             description="Rate-limit waits (a 429/503 from the agent)",
         )  # fmt: skip
+        self.queue_depth = meter.create_observable_gauge(
+            "rollouts.queue.depth", callbacks=[_queue_depth], unit="{message}",
+            description="Tasks waiting in the rollouts queue (a Redis broker's), at each export",
+        )  # fmt: skip
+
+
+def _queue_depth(_options: Any) -> list[Any]:
+    """The rollouts queue's length, read from a Redis broker once per metrics export."""
+    from celery import current_app  # in a worker, its own app
+    from opentelemetry.metrics import Observation
+
+    url = current_app.conf.broker_url
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        return []
+    try:
+        depth = int(client(url).llen(QUEUE))
+    except redis.RedisError:
+        return []
+    return [Observation(depth, {"messaging.destination.name": QUEUE})]
 
 
 _instruments: list[_Instruments] = []
