@@ -5,7 +5,8 @@ receiver; the example agent logs the `traceparent` each `/run` request carried. 
 span, a trace per rollout linked to it, holding that rollout's queue, admission, `/run` and
 landing spans, the same trace id at the agent and in `rollouts-0.jsonl`. A worker SIGKILLed
 mid-run: its rollouts, taken over and published again, keep their trace. The capture proxy
-records a model call in the trace of the rollout that made it.
+records a model call in the trace of the rollout that made it; a recorded `run_examples` call is
+traced as a run is.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from opentelemetry.trace import SpanKind
 
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
+from examples.tasks import make_row
 from infra.capture import CaptureStore
 from infra.capture_proxy import CaptureProxy
 from infra.telemetry import TraceParent
@@ -170,6 +172,7 @@ def test_a_run_is_one_job_span_and_one_linked_trace_per_rollout(
     # Metrics through the same SDK: rollouts landed, the /run latency histogram.
     wait_for(lambda: "rollouts.rollouts.ended" in receiver.received.metrics, 30, "metrics")
     assert "rollouts.run.duration" in receiver.received.metrics
+    wait_for(lambda: "rollouts.queue.depth" in receiver.received.metrics, 30, "the queue depth")
 
 
 @pytest.mark.timeout(180)
@@ -273,3 +276,54 @@ def test_the_capture_proxy_records_a_model_call_in_its_rollout_s_trace(
     assert seen[1] is None
     captured, _ = CaptureStore(str(tmp_path / "capture")).read("3-1")
     assert captured is not None and len(captured.splitlines()) == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_recorded_python_api_call_is_a_job_span_and_a_trace_per_rollout(
+    redis_url: str, workers: Workers, receiver: OtlpReceiver, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """`run_examples` in this process (traced in memory), its rollouts on a worker process."""
+    from producer import preprocess_examples, run_examples
+    from schemas.settings import CollectionSettings
+
+    producer_spans = in_memory_sdk(monkeypatch)
+    log = tmp_path / "requests.jsonl"
+    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(request_log=str(log)))
+    out = tmp_path / "run"
+    try:
+        workers.start(count=1, concurrency=8, env=receiver.env())
+        workers.wait_ready()
+        raw = [make_row("arithmetic", i, "math_agent") for i in range(6)]
+        rows = preprocess_examples(raw, servers.config(), CollectionSettings())
+
+        async def go() -> list[Any]:
+            completions = run_examples(
+                rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
+                settings={"telemetry_enabled": True},
+            )  # fmt: skip
+            try:
+                return [await f for f in completions]
+            finally:
+                await completions.aclose()  # the call's finish step has run
+
+        got = asyncio.run(go())
+    finally:
+        servers.stop()
+    assert len(got) == 6
+    local = producer_spans.get_finished_spans()
+    [job] = [s for s in local if s.name == "gym.job"]
+    roots = {f"{s.context.trace_id:032x}": s for s in local if s.name == "rollouts.enqueue"}
+    assert len(roots) == 6
+    assert all(
+        [ln.context.span_id for ln in s.links] == [job.context.span_id] for s in roots.values()
+    )
+    # The call's finish ran here, in the job's trace.
+    job_trace = job.context.trace_id
+    assert "rollouts.health_check" in [s.name for s in local if s.context.trace_id == job_trace]
+    wait_for(lambda: len(receiver.spans("rollouts.land")) >= 6, 30, "the worker's spans")
+    collects = receiver.spans("rollouts.collect")
+    assert {s.trace_id for s in collects} == set(roots)
+    assert {s.attributes["rollouts.ended"] for s in collects} == {"landed"}
+    assert {p.trace_id for ps in agent_traceparents(log).values() for p in ps} == set(roots)
+    assert {r[F.TRACE_ID] for r in read_jsonl(out / "rollouts-0.jsonl")} == set(roots)
