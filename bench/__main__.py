@@ -1,7 +1,7 @@
 """`python -m bench SCENARIO [--n N]`: run a scenario with its baselines and print a markdown table.
 
 Scenarios: latency (N=5,000, agent latency 1 s, 512 in flight), overhead (N=10,000, instant
-agent, CPU per rollout over every process), scale (N=1k/10k/100k: throughput, enqueue rate and
+agent, CPU per rollout over every process; `--telemetry` adds ours with OpenTelemetry on), scale (N=1k/10k/100k: throughput, enqueue rate and
 the producer's peak RSS), workers (1 vs 2 worker processes with the workers' CPU the
 bottleneck), ratelimit (N=2,000, agent latency 200 ms, 429 above 8 concurrent calls, 512 in flight;
 `bench/ratelimit.py`), capture (N=4,000 model calls direct vs through `rollouts capture-proxy`,
@@ -15,6 +15,7 @@ absolute numbers vary between runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ from typing import Any
 import orjson
 
 from bench.collectors import (
+    TRACED_WORKER_ENV,
     Measure,
     nemo_gym_python,
     run_asyncio_aiohttp,
@@ -33,7 +35,9 @@ from bench.collectors import (
     run_ours,
 )
 from bench.harness import ROOT, AgentProcess, BenchCluster, RssSampler, table
+from bench.otlp_sink import OtlpSink
 from examples.tasks import make_row
+from infra import telemetry
 
 
 def write_rows(path: str, n: int) -> list[dict[str, object]]:
@@ -149,14 +153,21 @@ def latency(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def overhead(n: int, workers: int, concurrency: int, rounds: int) -> str:
+def overhead(n: int, workers: int, concurrency: int, rounds: int, traced: bool = False) -> str:
+    """`traced`: each round also runs ours with telemetry on, exporting to an OTLP sink."""
     tmp = tempfile.mkdtemp(prefix="bench-overhead-")
     try:
         rows_path = os.path.join(tmp, "rows.jsonl")
         rows = write_rows(rows_path, n)
         runs: dict[str, list[Measure]] = {}
-        with AgentProcess(latency_ms=0) as agent:
+        with AgentProcess(latency_ms=0) as agent, contextlib.ExitStack() as stack:
             url = agent_url(agent.config_path)
+            traced_env: dict[str, str] = {}
+            if traced:
+                sink = stack.enter_context(OtlpSink())
+                os.environ.update(sink.env())  # this process (the producer) exports there too
+                telemetry.request()
+                traced_env = {**sink.env(), **TRACED_WORKER_ENV}
             for r in range(rounds):
                 with BenchCluster(
                     "bench.noop_app", workers=workers, concurrency=concurrency, pool="threads"
@@ -166,6 +177,13 @@ def overhead(n: int, workers: int, concurrency: int, rounds: int) -> str:
                     ms.append(
                         run_ours(c, agent.config_path, rows_path, os.path.join(tmp, f"run{r}"), n)
                     )
+                if traced:
+                    cluster = BenchCluster(workers=workers, concurrency=concurrency, env=traced_env)
+                    with cluster as c:
+                        out_dir = os.path.join(tmp, f"traced{r}")
+                        ms.append(
+                            run_ours(c, agent.config_path, rows_path, out_dir, n, traced=True)
+                        )
                 ms.append(run_asyncio_aiohttp(url, rows, 64, os.path.join(tmp, "aiohttp.jsonl")))
                 for m in ms:
                     runs.setdefault(m.name, []).append(m)
@@ -361,6 +379,11 @@ def main() -> None:
         default=3,
         help="latency, overhead, workers: interleaved rounds; each collector's best is shown",
     )
+    parser.add_argument(
+        "--telemetry",
+        action="store_true",
+        help="overhead: also run ours with OpenTelemetry on, exporting to a local OTLP sink",
+    )
     parser.add_argument("--limit", type=int, default=8, help="ratelimit: 429 above this many")
     parser.add_argument("--retry-after", type=float, default=1.0, help="ratelimit: Retry-After")
     parser.add_argument("--sizes", default="1000,10000,100000", help="scale: the values of N")
@@ -382,7 +405,7 @@ def main() -> None:
             pad_kb = a.pad_kb or 0
         print(latency(n, in_flight, latency_ms, a.workers, nemo, a.rounds, pad_kb))
     elif a.scenario == "overhead":
-        print(overhead(a.n or 10000, a.workers, a.concurrency, a.rounds))
+        print(overhead(a.n or 10000, a.workers, a.concurrency, a.rounds, a.telemetry))
     elif a.scenario == "scale":
         print(scale([int(x) for x in a.sizes.split(",")], a.workers, a.concurrency))
     elif a.scenario == "ratelimit":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from producer.shard.dispatch import enqueue
 from producer.shard.opening import iter_materialized, open_run, reset_shard_state
 from producer.shard.supervise import wait_for_finish
 from schemas.settings import CollectionSettings
+from workers import tracing
+from workers.tracing import NO_JOB
 
 
 @dataclass
@@ -57,6 +60,11 @@ def settle_results(app: Any) -> None:
     app.close()
 
 
+TRACED_WORKER_ENV = {"ROLLOUTS_OTEL_ENABLED": "1", "OTEL_BSP_SCHEDULE_DELAY": "1000"}
+"""A traced run's workers: telemetry on, spans exported at least every second (5 s by default;
+a batch of 512 is exported at once either way)."""
+
+
 def cluster_groups(cluster: BenchCluster | None) -> dict[str, list[int]]:
     """The processes whose CPU a measure counts: this producer, the workers and Redis."""
     groups = {"producer": [os.getpid()]}
@@ -73,12 +81,14 @@ def run_ours(
     out_dir: str,
     n: int,
     url: str | None = None,
+    traced: bool = False,
     **settings: Any,
 ) -> Measure:
     """A `rollouts run` against the cluster, timed from planning to the finished callback.
 
     Without a cluster (the producer in its own process, `url` given) only this process's CPU
-    is counted.
+    is counted. `traced`: inside a job span, each rollout its own trace (telemetry set up in
+    this process and the cluster's workers; `bench/otlp_sink.py` takes the exports).
     """
     groups = cluster_groups(cluster)
     pids = [p for g in groups.values() for p in g]
@@ -95,18 +105,26 @@ def run_ours(
     app = client_app(url, url)
     reset_shard_state(client(url), opened)
     t_enqueue = time.perf_counter()
-    finish_id = enqueue(
-        app, opened, iter_materialized(opened.rd, "0"), opened.manifest.planned, config, s
-    )
-    t_enqueued = time.perf_counter()
-    result = wait_for_finish(app, finish_id, poll_s=0.05)
+    with contextlib.ExitStack() as stack:
+        job = NO_JOB
+        if traced:
+            m = opened.manifest
+            job = stack.enter_context(tracing.job(m.run_id, m.shard, opened.run.token, n))
+        finish_id = enqueue(
+            app, opened, iter_materialized(opened.rd, "0"), opened.manifest.planned, config, s,
+            job=job,
+        )  # fmt: skip
+        t_enqueued = time.perf_counter()
+        result = wait_for_finish(app, finish_id, poll_s=0.05)
     t1 = time.perf_counter()
+    if traced:  # the CPU of exporting the workers' last spans too (`TRACED_WORKER_ENV`)
+        time.sleep(2.5)
     cpu1 = cpu_seconds(pids)
     parts = {k: 1000 * (cpu_seconds(v) - parts0[k]) / n for k, v in groups.items()}
     settle_results(app)
     assert result["landed"] == n, result
     return Measure(
-        "rollouts (ours)",
+        "rollouts (ours, telemetry on)" if traced else "rollouts (ours)",
         n,
         t1 - t_enqueue,
         cpu1 - cpu0,

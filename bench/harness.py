@@ -136,6 +136,8 @@ class BenchCluster:
     redis: EmbeddedRedis = field(default_factory=EmbeddedRedis)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="bench-workers-"))
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to the workers' environment (`ROLLOUTS_OTEL_ENABLED` for the telemetry round)."""
 
     @property
     def url(self) -> str:
@@ -143,6 +145,7 @@ class BenchCluster:
 
     def start_workers(self) -> None:
         env = dict(os.environ, ROLLOUTS_BROKER_URL=self.url, ROLLOUTS_REDIS_URL=self.url)
+        env.update(self.env)
         for i in range(self.workers):
             cmd = [
                 sys.executable, "-m", "celery", "-A", self.app_module, "worker",

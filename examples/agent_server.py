@@ -181,6 +181,7 @@ class AgentServer:
             "attempt": row.get("_ng_attempt_index", 0),
             "request_no": attempt_no,
             "start": started,
+            "traceparent": request.headers.get("traceparent"),
         }
         self._write_log({**event, "event": "start"})
         outcome = "ok"
@@ -202,7 +203,9 @@ class AgentServer:
                 outcome = f"fault:{fault}"
                 return await self._fault_response(request, fault)
             if self.knobs.model_url:
-                body = orjson.dumps(await self.model_result(row, self.knobs.model_url))
+                traceparent = request.headers.get("traceparent")
+                result = await self.model_result(row, self.knobs.model_url, traceparent)
+                body = orjson.dumps(result)
             else:
                 body = self.reply_body(row)
             st.completed += 1
@@ -319,8 +322,11 @@ class AgentServer:
             self._pad = padding_items(kb)
         return self._pad
 
-    async def model_result(self, row: dict[str, Any], model_url: str) -> dict[str, Any]:
-        """The result of one call to the model, under the rollout's capture key."""
+    async def model_result(
+        self, row: dict[str, Any], model_url: str, traceparent: str | None = None
+    ) -> dict[str, Any]:
+        """The result of one call to the model, under the rollout's capture key (and in the
+        rollout's trace: the `traceparent` of its `/run` is passed on, as NeMo Gym's relay does)."""
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         key = F.rollout_id(row)
@@ -339,6 +345,8 @@ class AgentServer:
         }
         prefix = f"/ng-rollout/{key}" if key is not None else ""
         headers = {"content-type": "application/json", "x-session-id": invocation}
+        if traceparent:
+            headers["traceparent"] = traceparent
         url = f"{model_url.rstrip('/')}{prefix}/v1/responses"
         async with self._session.post(url, data=orjson.dumps(body), headers=headers) as reply:
             reply.raise_for_status()

@@ -28,6 +28,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from infra import telemetry
 from infra.capture import CaptureStore, valid_key
 from infra.sse import reassemble, sse_events, terminal
 
@@ -207,8 +208,23 @@ class CaptureProxy:
         matched = PREFIX.match(path)
         if matched is not None:
             key, path = matched.group(1), matched.group(2)
-        body = await request.read()
         dialect = OBSERVED.get(path)
+        if dialect is None or telemetry.tracer() is None:
+            return await self._handle(request, path, key, dialect)
+        # A model call of a traced rollout: NeMo Gym's model-server span, then the upstream call.
+        name = "gym.model." + {"chat": "chat_completions"}.get(dialect, dialect)
+        attrs = {"http.request.method": request.method, "url.path": request.path}
+        if key is not None:
+            attrs[telemetry.ROLLOUT_ID] = key
+        with telemetry.served(name, request.headers.get(telemetry.TRACEPARENT), attrs) as span:
+            reply = await self._handle(request, path, key, dialect)
+            span.status(reply.status)
+            return reply
+
+    async def _handle(
+        self, request: web.Request, path: str, key: str | None, dialect: str | None
+    ) -> web.StreamResponse:
+        body = await request.read()
         exchange = None
         if key is not None and dialect is not None and valid_key(key):
             exchange = Exchange(key, dialect, self.model_ref, body, _session(request))
@@ -218,42 +234,49 @@ class CaptureProxy:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         client = await self._client()
         reply: web.StreamResponse | None = None
-        try:
-            async with client.request(request.method, url, data=body, headers=headers) as up:
-                reply = web.StreamResponse(status=up.status, reason=up.reason)
-                for name, value in up.headers.items():
-                    if name.lower() not in HOP_HEADERS:
-                        reply.headers.add(name, value)
-                if exchange is not None:
-                    exchange.status = up.status
-                    exchange.streamed = up.content_type == "text/event-stream"
-                await reply.prepare(request)
-                streamed = exchange is not None and exchange.streamed
-                held: list[bytes] = []
-                tail = b""  # a terminal event's name may be split across two chunks
-                async for chunk in up.content.iter_any():
+        with telemetry.client_span(request.method, url) as call:
+            try:
+                # The upstream call's `traceparent` replaces the caller's, if traced.
+                headers = call.headers(headers)
+                async with client.request(request.method, url, data=body, headers=headers) as up:
+                    call.status(up.status)
+                    reply = web.StreamResponse(status=up.status, reason=up.reason)
+                    for name, value in up.headers.items():
+                        if name.lower() not in HOP_HEADERS:
+                            reply.headers.add(name, value)
                     if exchange is not None:
-                        exchange.seen(chunk)
-                    ends = streamed and _ends(tail + chunk)
-                    tail = chunk[-32:]
-                    if exchange is None or (streamed and not held and not ends):
-                        await reply.write(chunk)  # passed on as it came
-                        continue
-                    if not streamed and held:
-                        await reply.write(held.pop())  # a JSON body goes one chunk behind
-                    held.append(chunk)
+                        exchange.status = up.status
+                        exchange.streamed = up.content_type == "text/event-stream"
+                    await reply.prepare(request)
+                    streamed = exchange is not None and exchange.streamed
+                    held: list[bytes] = []
+                    tail = b""  # a terminal event's name may be split across two chunks
+                    async for chunk in up.content.iter_any():
+                        if exchange is not None:
+                            exchange.seen(chunk)
+                        ends = streamed and _ends(tail + chunk)
+                        tail = chunk[-32:]
+                        if exchange is None or (streamed and not held and not ends):
+                            await reply.write(chunk)  # passed on as it came
+                            continue
+                        if not streamed and held:
+                            await reply.write(held.pop())  # a JSON body goes one chunk behind
+                        held.append(chunk)
+                    if exchange is not None:
+                        await self._record(exchange)
+                    for chunk in held:
+                        await reply.write(chunk)
+                    await reply.write_eof()
+                    return reply
+            except (TimeoutError, aiohttp.ClientError, asyncio.CancelledError) as exc:
+                call.failed(exc)
                 if exchange is not None:
-                    await self._record(exchange)
-                for chunk in held:
-                    await reply.write(chunk)
-                await reply.write_eof()
-                return reply
-        except (TimeoutError, aiohttp.ClientError, asyncio.CancelledError) as exc:
-            if exchange is not None:
-                await asyncio.shield(self._record(exchange, exc))
-            if isinstance(exc, asyncio.CancelledError) or (reply is not None and reply.prepared):
-                raise
-            return web.Response(status=502, text=f"upstream call failed: {type(exc).__name__}")
+                    await asyncio.shield(self._record(exchange, exc))
+                if isinstance(exc, asyncio.CancelledError) or (
+                    reply is not None and reply.prepared
+                ):
+                    raise
+                return web.Response(status=502, text=f"upstream call failed: {type(exc).__name__}")
 
     def _write(self, exchange: Exchange, exc: BaseException | None) -> None:
         self.store.append(exchange.key, exchange.line(exc))
@@ -290,6 +313,7 @@ class CaptureProxy:
 def serve(upstream: str, capture_dir: str, host: str, port: int, model_name: str) -> None:
     """Run the proxy until interrupted."""
     proxy = CaptureProxy(upstream, capture_dir, model_name)
+    telemetry.setup("capture_proxy")  # with ROLLOUTS_OTEL_ENABLED: a span per model call
     print(
         f"capture proxy on http://{host}:{port} -> {upstream}, capturing into {proxy.store.url}",
         flush=True,

@@ -29,6 +29,9 @@ STARTED_AT = "_ng_started_at"
 """When the delivery that wrote a landed record started its `/run` call (Unix seconds)."""
 RUN_MS = "_ng_run_ms"
 """How long that delivery's `/run` calls took, rate-limit waits included (milliseconds)."""
+TRACE_ID = "_ng_trace_id"
+"""The rollout's OpenTelemetry trace id (32 lowercase hex digits), on every record a traced
+run lands: from a bad rollout to its trace (`workers/tracing.py`)."""
 
 # Identity fields copied from the planned row onto whatever the agent returned.
 IDENTITY_FIELDS = (

@@ -41,6 +41,7 @@ from infra.scripts import BACK_OFF_LUA, BEGIN_LUA, END_LUA, RENEW_LUA
 from schemas import fields as F
 from schemas.messages import CollectRequest
 from schemas.outcomes import Admit
+from workers.tracing import step
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +307,15 @@ class Gate:
         `readmit`: the delivery's ticket before its rate-limit wait; it keeps its start (and
         its lease member, which the wait listed as waiting for the agent).
         """
+        with step("rollouts.admission_wait") as traced:
+            ticket = self._admit(req, sid, readmit, waiting)
+            traced.set("rollouts.readmit", readmit is not None)
+            traced.set("rollouts.admission.verdict", ticket.verdict)
+            return ticket
+
+    def _admit(
+        self, req: CollectRequest, sid: str, readmit: Ticket | None, waiting: Ticket | None
+    ) -> Ticket:
         row = req.row
         key = f"{row[F.TASK_INDEX]}:{row[F.ROLLOUT_INDEX]}"
         agent = F.agent_name(row) or ""

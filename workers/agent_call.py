@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,11 +24,14 @@ from typing import Any
 import httpx
 import orjson
 
+from infra import telemetry
 from infra.http import PostClient, StreamedReply
+from infra.telemetry import ROLLOUT_ID, client_span
 from schemas import fields as F
 from schemas.messages import CallPolicy
 from schemas.records import FailureRow
 from workers.backpressure import RATE_LIMIT_STATUSES, RateLimited, parse_retry_after
+from workers.tracing import run_latency
 
 GATEWAY_STATUSES = frozenset({429, 502, 503, 504})
 BODY_LIMIT = 2000
@@ -223,13 +227,47 @@ def with_attempt(row: dict[str, Any], attempt: int) -> dict[str, Any]:
     return row
 
 
-async def _post(client: PostClient, url: str, body: bytes, policy: CallPolicy) -> dict[str, Any]:
+async def _post(
+    client: PostClient, url: str, body: bytes, policy: CallPolicy, row: dict[str, Any]
+) -> dict[str, Any]:
+    """One `/run` attempt: an HTTP client span when this process traces the rollout, whose
+    `traceparent` the request carries (`workers/tracing.py`); the failure class on the span
+    when it fails. Without the SDK the request carries the `traceparent` the rollout was
+    delivered with; an untraced rollout's carries none."""
+    if telemetry.tracer() is None or telemetry.current_parent() is None:
+        headers = _json_headers()
+        telemetry.inject(headers)
+        return await _attempt(client, url, body, policy, headers)
+    rollout = F.rollout_id(row)
+    with client_span("POST", url, {ROLLOUT_ID: rollout} if rollout else None) as span:
+        started = time.monotonic()
+        try:
+            result = await _attempt(client, url, body, policy, span.headers(_json_headers()))
+        except AttemptFailed as failed:
+            f = failed.failure
+            span.set("rollouts.failure_class", f.failure_class)
+            span.set("rollouts.failure_kind", f.failure_kind)
+            span.set("error.type", f.failure_type)
+            if f.http_status is not None:
+                span.status(f.http_status)
+            run_latency(time.monotonic() - started, f.http_status)
+            raise
+        span.status(200)
+        run_latency(time.monotonic() - started, 200)
+        return result
+
+
+def _json_headers() -> dict[str, str]:
+    return {"content-type": "application/json"}
+
+
+async def _attempt(
+    client: PostClient, url: str, body: bytes, policy: CallPolicy, request_headers: dict[str, str]
+) -> dict[str, Any]:
     try:
         async with (
             asyncio.timeout(policy.timeout_s),
-            client.stream(
-                "POST", url, content=body, headers={"content-type": "application/json"}
-            ) as reply,
+            client.stream("POST", url, content=body, headers=request_headers) as reply,
         ):
             status, headers = reply.status_code, reply.headers
             content = await read_body(reply, policy)
@@ -261,7 +299,7 @@ async def call_run(
         sent_row = with_attempt(row, attempt)
         body = orjson.dumps(sent_row)
         try:
-            result = await _post(client, url, body, policy)
+            result = await _post(client, url, body, policy, sent_row)
         except AttemptFailed as failed:
             if not failed.sent:
                 if connect_retries < policy.connect_retries:

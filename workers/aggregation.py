@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import orjson
 
+from infra.telemetry import client_span
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.messages import CallPolicy
@@ -226,9 +227,11 @@ async def _post_one(
             )
         url = config.aggregation_url(server).rstrip("/") + "/aggregate_metrics"
         for retry in range(AGGREGATE_RATE_LIMIT_RETRIES + 1):
-            response = await client.post(
-                url, content=_stream(rows), headers={"content-type": "application/json"}
-            )
+            attrs = {"rollouts.environment_server": server}
+            with client_span("POST", url, attrs) as span:  # the finish step's trace, if traced
+                headers = span.headers({"content-type": "application/json"})
+                response = await client.post(url, content=_stream(rows), headers=headers)
+                span.status(response.status_code)
             if response.status_code not in RATE_LIMIT_STATUSES:
                 break
             if retry < AGGREGATE_RATE_LIMIT_RETRIES:

@@ -32,6 +32,7 @@ from workers.report import write_report
 from workers.shard.ledger import ShardLedger, count_shard
 from workers.shard.scored import ScoredRows
 from workers.shard.state import expire_shard_keys
+from workers.tracing import step
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,17 @@ def check_shard_health(rd: RunDir, shard: str, settings: CollectionSettings) -> 
     """Write the shard's quality summary (or the disabled one); never raises."""
     files = ShardFiles(shard)
     path = rd.path(QUALITY_SUMMARY)
+    with step("rollouts.health_check", **{"rollouts.shard": shard}) as traced:
+        brief = _check_shard_health(rd, shard, settings, files, path)
+        traced.set("rollouts.health.state", brief.get("state"))
+        if "error" in brief:
+            traced.fail(str(brief["error"]))
+        return brief
+
+
+def _check_shard_health(
+    rd: RunDir, shard: str, settings: CollectionSettings, files: ShardFiles, path: str
+) -> dict[str, Any]:
     try:
         if settings.disable_health_check:
             run = write_disabled(

@@ -48,6 +48,7 @@ from infra.store import RunDir, WriteConflictError
 from schemas.errors import ShardFencedError, StorageError
 from schemas.messages import RunRef
 from schemas.records import ShardStatus, rate_limit_waits
+from workers import tracing
 from workers.encoding import EncodedRecords, encode_records
 from workers.leases import Lease
 from workers.shard import landed
@@ -83,6 +84,8 @@ class _Pending:
     records: EncodedRecords
     lease: Lease | None = None
     future: concurrent.futures.Future[LandReport] = field(default_factory=concurrent.futures.Future)
+    span: Any = None
+    """The rollout's landing span, when it is traced (`workers/tracing.py`)."""
 
 
 def _settle(pending: list[_Pending], exc: BaseException) -> None:
@@ -90,6 +93,8 @@ def _settle(pending: list[_Pending], exc: BaseException) -> None:
     for p in pending:
         if not p.future.done():
             p.future.set_exception(exc)
+            if p.span is not None:
+                tracing.land_failed(p.span, exc)
 
 
 class Lander:
@@ -120,13 +125,14 @@ class Lander:
         `lease`'s attempt is no longer its rollout's current one, or when the shard was closed
         (nothing of this task was written); or the error that failed the batch.
         """
+        tracing.stamp(result, failures)
         try:
             records = encode_records(result, failures)
         except StorageError as exc:
             failed: concurrent.futures.Future[LandReport] = concurrent.futures.Future()
             failed.set_exception(exc)
             return failed
-        pending = _Pending(run, records, lease)
+        pending = _Pending(run, records, lease, span=tracing.landing())
         self._queue.put(pending)
         return pending.future
 
@@ -175,7 +181,9 @@ class Lander:
         st = ShardState(self.r, rd, shard)
         ks = [k for k in (p.records.key for p in group) if k is not None]
         lock_key, state_key = keys.shard_lock(st.sid), keys.shard_state(st.sid)
+        waited = time.time_ns()
         with held_reading(self.r, lock_key, state_key, keys.shard_landed(st.sid), ks) as lock:
+            locked = time.time_ns()
             # Records that arrived while the lock was awaited (other processes writing) join
             # this batch: the busier the shard, the larger each write.
             key = (group[0].run.output_dir, shard)
@@ -201,6 +209,8 @@ class Lander:
             for p, refused in zip(group, self._fences(st, state, group), strict=True):
                 if refused is not None:
                     p.future.set_exception(ShardFencedError(f"{rd.url} shard {shard}: {refused}"))
+                    if p.span is not None:
+                        tracing.landed(p.span, waited, locked, time.time_ns(), refused)
                 else:
                     accepted.append(p)
             if not accepted:
@@ -211,7 +221,10 @@ class Lander:
                 st, state, accepted, reports, present, None if has_failures else lock
             )
             self._land_failures(st, state, accepted, reports, lock)
+        written = time.time_ns()
         for p in accepted:
+            if p.span is not None:
+                tracing.landed(p.span, waited, locked, written)
             p.future.set_result(reports[id(p)])
         self._maybe_write_status(st, state)
 

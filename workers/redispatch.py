@@ -5,6 +5,8 @@ its chord (group id, index, callback) and what Flower shows of it. The producer'
 publishes one per rollout (`publish_collect`); a collect task stores its own with its rollout's
 lease (`from_request`), so that any live worker process that takes the lease over can publish
 the very same message again (`publisher`), and the chord counts the rollout once it settles.
+A traced run's message carries its rollout's trace context in its headers; a message published
+again keeps it (with a new publish time), so each attempt joins the rollout's one trace.
 
 A message a worker took from the queue and froze or died before starting holds no lease yet.
 `UnackedSweep` finds such messages in kombu's unacknowledged index (a Redis broker's) once they
@@ -20,7 +22,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import redis
@@ -29,10 +31,14 @@ from kombu.entity import Queue
 
 from infra import keys
 from infra.redis_client import client
+from infra.telemetry import ENQUEUED_AT, TRACEPARENT, TRACESTATE
 from schemas import fields as F
 from schemas.messages import COLLECT_TASK, QUEUE
 
 log = logging.getLogger(__name__)
+
+TRACE_HEADERS = (TRACEPARENT, TRACESTATE, ENQUEUED_AT)
+"""The message headers a rollout's trace context travels in."""
 
 SWEEP_BATCH = 200
 """Old unacknowledged messages one sweep looks at."""
@@ -49,6 +55,10 @@ class CollectTaskMessage:
     group_index: int | None = None
     chord: dict[str, Any] | None = None
     """The chord's callback signature (the finish task)."""
+    headers: dict[str, Any] | None = None
+    """The rollout's trace context (`traceparent`, its publish time), when its run is traced
+    (`workers/tracing.py`): a redelivery and a re-publish keep it, so every attempt of the
+    rollout is in one trace."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,7 +78,15 @@ class CollectTaskMessage:
             group_id=request.group,
             group_index=request.group_index,
             chord=dict(chord) if chord is not None else None,
+            headers=trace_headers(vars(request)),
         )
+
+
+def trace_headers(headers: dict[str, Any]) -> dict[str, Any] | None:
+    """The trace headers among a message's headers (a Celery request's attributes), if any."""
+    if headers.get(TRACEPARENT) is None:
+        return None
+    return {k: headers[k] for k in TRACE_HEADERS if headers.get(k) is not None}
 
 
 def publish_collect(app: Celery, producer: Any, queue: Queue, m: CollectTaskMessage) -> None:
@@ -88,6 +106,8 @@ def publish_collect(app: Celery, producer: Any, queue: Queue, m: CollectTaskMess
         # may read (a drained row) is stored by the task itself.
         ignore_result=True,
     )
+    if m.headers:
+        message.headers.update(m.headers)
     producer.publish(
         message.body,
         exchange="",
@@ -104,6 +124,8 @@ def publisher(app: Celery) -> Callable[[dict[str, Any]], None]:
 
     def publish(data: dict[str, Any]) -> None:
         m = CollectTaskMessage.from_json(data)
+        if m.headers:  # this attempt's queue wait starts now
+            m = replace(m, headers={**m.headers, ENQUEUED_AT: time.time_ns()})
         queue = app.amqp.queues[QUEUE]
         with app.producer_or_acquire() as producer:
             producer.maybe_declare(queue)
@@ -127,6 +149,7 @@ def from_delivered(message: dict[str, Any]) -> CollectTaskMessage | None:
         group_id=headers["group"],
         group_index=headers.get("group_index"),
         chord=embed.get("chord"),
+        headers=trace_headers(headers),
     )
 
 

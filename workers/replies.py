@@ -28,6 +28,7 @@ from infra.redis_client import client
 from schemas import fields as F
 from schemas.outcomes import Ended
 from schemas.replies import ReplyingCollectRequest, RolloutReply
+from workers import tracing
 from workers.admission import with_redis_retry
 from workers.encoding import not_stored_row
 from workers.rollout import Delivery, RolloutContext, run_rollout_async
@@ -100,6 +101,7 @@ async def collect_and_reply(
         on_admitted=admitted,
     )
     outcome = await run_rollout_async(req, ctx, delivery)
+    tracing.ended(outcome)
     reply = RolloutReply(index=index, outcome=outcome)
     try:
         await ctx.blocking(lambda: push_reply(redis_url, req, reply))

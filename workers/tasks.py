@@ -21,6 +21,7 @@ from schemas.health import (
 from schemas.messages import COLLECT_TASK, FINISH_TASK, CollectRequest, FinishRequest
 from schemas.outcomes import VOID_ENDS, RolloutOutcome
 from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
+from workers import tracing
 from workers.app import app, state_redis_url
 from workers.finish import finish_shard, health_brief
 from workers.health import combine, scan
@@ -64,7 +65,10 @@ def _collect(request: Any, payload: dict[str, Any]) -> tuple[CollectRequest, Del
 @on_loop(COLLECT_TASK)
 async def _collect_on_loop(request: Any, payload: dict[str, Any]) -> RolloutOutcome:
     req, delivery = _collect(request, payload)
-    return await run_rollout_async(req, process_context(state_redis_url()), delivery)
+    with tracing.delivery(request, payload) as traced:
+        outcome = await run_rollout_async(req, process_context(state_redis_url()), delivery)
+        traced.ended(outcome)
+    return outcome
 
 
 @app.task(name=COLLECT_TASK, acks_late=True, bind=True, base=CollectTask)
@@ -80,7 +84,9 @@ def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any
     outcome: RolloutOutcome | None = take_ran(self.request)
     if outcome is None:
         req, delivery = _collect(self.request, payload)
-        outcome = run_rollout(req, process_context(state_redis_url()), delivery)
+        with tracing.delivery(self.request, payload) as traced:
+            outcome = run_rollout(req, process_context(state_redis_url()), delivery)
+            traced.ended(outcome)
     if outcome.ended in VOID_ENDS:
         raise Ignore()
     return outcome.chord_summary()
@@ -89,7 +95,8 @@ def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any
 @app.task(name=FINISH_TASK, acks_late=True)
 def finish_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Finish a shard: aggregate metrics, final status, manifest state."""
-    finished = finish_shard(FinishRequest.model_validate(payload).run, state_redis_url())
+    with tracing.finishing(finish_task.request, payload):
+        finished = finish_shard(FinishRequest.model_validate(payload).run, state_redis_url())
     return finished.model_dump(mode="json")
 
 
@@ -111,7 +118,8 @@ def health_combine_task(results: list[dict[str, Any]], plan: dict[str, Any]) -> 
 async def _reply_on_loop(request: Any, payload: dict[str, Any]) -> dict[str, Any]:
     url = state_redis_url()
     req = ReplyingCollectRequest.model_validate(payload)
-    return await collect_and_reply(req, url, process_context(url))
+    with tracing.delivery(request, payload):
+        return await collect_and_reply(req, url, process_context(url))
 
 
 # No result stored: the outcome goes back on the invocation's reply list, not through Celery.

@@ -21,7 +21,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from infra import jsonl, keys
+from infra import jsonl, keys, telemetry
 from infra.environment import from_env
 from infra.redis_client import client
 from infra.scripts import RUNNING_LUA
@@ -34,6 +34,7 @@ from schemas.outcomes import FAILURE_ENDS, RESULT_ENDS, Ended, run_failure_messa
 from schemas.replies import COLLECT_REPLY_TASK, RolloutReply
 from schemas.settings import CollectionSettings
 from workers.finish import finish_shard
+from workers.tracing import NO_JOB, start_job
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class Invocation:
         self._listener: threading.Thread | None = None
         self._running = self._r.register_script(RUNNING_LUA)
         self._blmpop = True
+        self._job = NO_JOB
+        """The call's job span, when traced (`workers/tracing.py`)."""
 
     # Publishing
 
@@ -117,6 +120,10 @@ class Invocation:
             if self._started or self._closed:
                 return
             self._started = True
+        t = self.target
+        if t.settings.telemetry_enabled:
+            telemetry.request()
+        self._job = start_job(t.run.run_id, t.run.shard, t.run.token, self.total)
         self._listener = threading.Thread(
             target=self._listen, name="rollouts-api-listen", daemon=True
         )
@@ -144,13 +151,16 @@ class Invocation:
                     reply = {"invocation": self.invocation, "index": index, "record": t.record}
                     rid = F.rollout_id(row) or str(index)
                     payload, argsrepr = messages.message(row, rid, agent, reply)
+                    task_id = f"{self.invocation}.{index}"
+                    job = self._job
+                    traced = job.enqueued(row, messages.run_payload, task_id) if job.span else None
                     self._published_at[index] = time.monotonic()
                     # One task at a time as the window frees slots, outside any chord: send_task
                     # (with Celery's publish retries) rather than the chord's batched stream.
                     t.app.send_task(
-                        COLLECT_REPLY_TASK, args=(payload,), task_id=f"{self.invocation}.{index}",
+                        COLLECT_REPLY_TASK, args=(payload,), task_id=task_id,
                         producer=producer, add_to_parent=False, ignore_result=True,
-                        argsrepr=argsrepr, kwargsrepr="{}",
+                        argsrepr=argsrepr, kwargsrepr="{}", headers=traced,
                     )  # fmt: skip
         except Exception as exc:  # the broker is gone: every row not sent resolves to the error
             log.exception("run_examples could not enqueue row %d", index)
@@ -299,12 +309,17 @@ class Invocation:
             self._finish_done = True
             try:
                 if self.target.record:
-                    self._finish_shard()
+                    with self._job.within():  # its aggregation and health check: the job's trace
+                        self._finish_shard()
                 self._drop_keys()
             except Exception as exc:  # the last step of a thread: reported, never raised into it
                 log.exception("run_examples: closing %s failed", self.invocation)
                 if self.target.record and self.finished is None:
                     self.finished = {"state": "unknown", "error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                finished = self.finished or {}
+                self._job.finished(finished.get("state"), finished.get("error"))
+                self._job.end()
 
     def _finish_shard(self) -> None:
         if self.first_failure is not None:

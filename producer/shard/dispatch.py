@@ -6,7 +6,8 @@ set in the result backend first, and each task is sent with the chord's callback
 and its index, exactly as Celery's own chord would send it. `CollectMessages` builds every rollout
 task's payload and what Flower shows of it (its argsrepr; its name is the task's own), for the chord and for the Python API's publisher.
 `dispatch_generation` starts the generation's Redis counters, publishes the chord and, when
-asked, waits for it (`producer/shard/supervise.py`).
+asked, waits for it (`producer/shard/supervise.py`), all inside the generation's job span when
+telemetry is on (`workers/tracing.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import redis
 from celery import Celery
 from rich.console import Console
 
-from infra import keys
+from infra import keys, telemetry
 from infra.redis_client import client
 from producer.shard.opening import OpenedRun
 from producer.shard.supervise import wait_for_shard
@@ -38,6 +39,7 @@ from schemas.messages import (
 from schemas.settings import CollectionSettings
 from workers.redispatch import CollectTaskMessage, publish_collect
 from workers.shard.state import refresh_shard_keys
+from workers.tracing import NO_JOB, Job, job
 
 PUBLISH_BATCH = 500
 
@@ -149,10 +151,12 @@ def enqueue(
     config: ServersConfig,
     settings: CollectionSettings,
     deadline: float | None = None,
+    job: Job = NO_JOB,
 ) -> str:
     """Publish one collect task per row as a chord with the finish callback; returns the callback's id.
 
     `deadline` is the dispatch budget's end on the Redis server's clock, when there is a budget.
+    `job`: the generation's job span; each task then roots its rollout's trace, linked to it.
     """
     finish_id = f"finish-{opened.manifest.run_id}-{opened.run.token[:8]}"
     finish_payload = FinishRequest(run=opened.run).model_dump(mode="json")
@@ -160,6 +164,9 @@ def enqueue(
     callback.set(
         task_id=finish_id, argsrepr=f"run={opened.manifest.run_id} shard={opened.manifest.shard}"
     )
+    finish_headers = job.callback_headers()
+    if finish_headers is not None:
+        callback.set(headers=finish_headers)
     if count == 0:
         callback.apply_async()
         return finish_id
@@ -179,7 +186,9 @@ def enqueue(
             for index, row in enumerate(rows):
                 rid = F.rollout_id(row)
                 payload, argsrepr = messages.message(row, rid, F.agent_name(row) or "")
-                m = CollectTaskMessage(f"{prefix}.{rid}", payload, argsrepr, group_id, index, chord)
+                task_id = f"{prefix}.{rid}"
+                traced = job.enqueued(row, messages.run_payload, task_id) if job.span else None
+                m = CollectTaskMessage(task_id, payload, argsrepr, group_id, index, chord, traced)
                 publish_collect(app, producer, queue, m)
     return finish_id
 
@@ -229,10 +238,15 @@ def dispatch_generation(
     deadline = open_generation(
         client(to.redis_url), sid, opened.run.token, count, settings.dispatch_budget_s
     )
-    finish_id = enqueue(to.app, opened, rows, count, to.config, settings, deadline)
-    console.print(
-        f"enqueued {count} rollouts of {opened.manifest.run_id} (shard {opened.manifest.shard})"
-    )
-    if not wait:
-        return None
-    return wait_for_shard(to.app, opened, to.redis_url, settings, console, finish_id, count)
+    if settings.telemetry_enabled:
+        telemetry.request()
+    run_id, shard = opened.manifest.run_id, opened.manifest.shard
+    with job(run_id, shard, opened.run.token, count) as traced:
+        finish_id = enqueue(to.app, opened, rows, count, to.config, settings, deadline, traced)
+        console.print(f"enqueued {count} rollouts of {run_id} (shard {shard})")
+        if not wait:
+            return None
+        finished = wait_for_shard(to.app, opened, to.redis_url, settings, console, finish_id,
+                                  count)  # fmt: skip
+        traced.finished(finished.state, finished.error)
+        return finished

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from infra import keys
+from infra import keys, telemetry
 from infra.embedded import EmbeddedRedis
 
 
@@ -48,10 +48,12 @@ allocations flat (tracemalloc: 24.06 MB, then 24.09 MB). With two arenas it stay
 
 
 def worker_env(broker_url: str | None, redis_url: str | None) -> dict[str, str]:
-    """This process's environment with the cluster a worker joins (given parts only), and
-    glibc's arena cap (`MALLOC_ARENA_MAX`)."""
+    """This process's environment with the cluster a worker joins (given parts only), glibc's
+    arena cap (`MALLOC_ARENA_MAX`) and, when this process traces, `ROLLOUTS_OTEL_ENABLED`."""
     env = dict(os.environ)
     env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENA_MAX)
+    if telemetry.requested():  # the run setting `telemetry_enabled` reaches local workers
+        env.setdefault(telemetry.ENABLED_VAR, "1")
     if broker_url:
         env["ROLLOUTS_BROKER_URL"] = broker_url
     if redis_url:

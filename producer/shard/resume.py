@@ -21,7 +21,7 @@ from typing import Any
 
 from rich.console import Console
 
-from infra import keys
+from infra import keys, telemetry
 from infra.redis_client import client
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
@@ -268,6 +268,8 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
     # Before anything is written: the named or recorded cluster answers, or exit 2.
     named = recorded_cluster(manifest, opts.broker_url, opts.redis_url)
     settings, changed = resume_settings(manifest, opts.overrides, console)
+    if settings.telemetry_enabled:  # before a local cluster starts: its workers trace too
+        telemetry.request()
     max_attempts = max_attempts_limit(opts.max_attempts, settings, console)
     if max_attempts != settings.max_attempts:
         settings = settings.model_copy(update={"max_attempts": max_attempts})

@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
+from infra import telemetry
 from producer.config.loading import load_run_config
 from producer.config.overrides import resolve_settings
 from producer.planning.materialize import PlannedShard, plan_shard
@@ -80,6 +81,8 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     console = console or Console()
     config = load_run_config(opts.config_path, opts.head_server)
     settings = resolve_settings(None, opts.settings)
+    if settings.telemetry_enabled:  # before a local cluster starts: its workers trace too
+        telemetry.request()
     # Before the run directory is touched: a cluster that does not answer is exit 2, nothing written.
     named = named_cluster(opts.broker_url, opts.redis_url)
     planned = plan_shard(

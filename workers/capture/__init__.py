@@ -15,8 +15,9 @@ from typing import Any
 
 from infra.capture import CaptureStore
 from schemas import fields as F
-from schemas.messages import CollectRequest
+from schemas.messages import CaptureRef, CollectRequest
 from workers.capture import project, records
+from workers.tracing import step
 
 __all__ = ["capture_keys", "clear_for", "merge", "merge_into"]
 
@@ -116,14 +117,25 @@ def merge_into(
     """The agent's result with its rollout's capture merged in (unchanged with capture off)."""
     if req.capture is None or result.get(F.DISPATCH_DRAINED):
         return result
+    with step("rollouts.capture_merge") as traced:
+        merged = _merge_into(req, req.capture, result, run_latency_ms)
+        block = merged.get("ng_model_call_capture")
+        if isinstance(block, dict):
+            traced.set("rollouts.capture.calls", len(block.get("calls") or []))
+        return merged
+
+
+def _merge_into(
+    req: CollectRequest, capture: CaptureRef, result: dict[str, Any], run_latency_ms: float | None
+) -> dict[str, Any]:
     try:
-        store = _store(req.capture.dir)
+        store = _store(capture.dir)
     except Exception as exc:  # the dir cannot be reached: NeMo Gym's unreadable capture
-        log.warning("capture dir %s cannot be opened: %s", req.capture.dir, exc)
+        log.warning("capture dir %s cannot be opened: %s", capture.dir, exc)
         store = _Unreachable(exc)
     merged, read = merge(store, req.row, result, run_latency_ms)
     key = F.rollout_id(result)
-    if read and req.capture.delete_after_merge and key is not None:
+    if read and capture.delete_after_merge and key is not None:
         try:
             store.clear(key)
         except Exception as exc:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -115,7 +116,9 @@ class Blocking:
     async def __call__(self, step: Callable[[], T]) -> T:
         if self._executor is None:
             return step()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, step)
+        # The step sees the rollout's context (its trace, `workers/tracing.py`) on the thread.
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, context.run, step)
 
 
 class StopWatch:

@@ -45,6 +45,7 @@ from schemas.outcomes import (
     RolloutOutcome,
     run_failure_message,
 )
+from workers import tracing
 from workers.admission import AdmissionWaits, Ticket
 from workers.agent_call import CallOutcome, with_attempt
 from workers.backpressure import RateLimitWaits, budget_failure, next_wait_s
@@ -348,7 +349,8 @@ class _Run:
             # The slot goes back for the wait: a rate-limited rollout holds no concurrency.
             await ctx.blocking(partial(ctx.gate.back_off, ticket, status, wait_s, call_s))
             waits.add(status, wait_s)
-            stop = await self.wait(wait_s)
+            with tracing.rate_limit_wait(status, wait_s):
+                stop = await self.wait(wait_s)
             if stop is not None:
                 await ctx.blocking(partial(ctx.gate.release, ticket, token, field="cancelled"))
                 return self.end(Ended.CANCELLED, detail=stop)
