@@ -147,10 +147,15 @@ class Workers:
     def output(self) -> str:
         return "\n".join(log.read_text(errors="replace") for log in self.logs)
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = True) -> None:
+        """SIGTERM (Celery's warm shutdown: running tasks finish) and wait; `graceful=False`
+        SIGKILLs them, for a test that is over and whose Redis is flushed next."""
         for p in self.procs:
             if p.poll() is None:
-                p.terminate()
+                if graceful:
+                    p.terminate()
+                else:
+                    p.kill()
         for p in self.procs:
             try:
                 p.wait(30)
@@ -162,10 +167,14 @@ class Workers:
 
 @pytest.fixture
 def workers(redis_url: str, tmp_path: Path) -> Iterator[Workers]:
-    """Start with `workers.start(count=...)`; stopped after the test."""
+    """Start with `workers.start(count=...)`; killed after the test.
+
+    Killed, not shut down warm: a warm shutdown waits for running tasks (a second or two per
+    test even when idle), and after the test whatever they would still do is flushed anyway;
+    a test that needs a clean stop calls `workers.stop()` itself."""
     w = Workers(redis_url, tmp_path)
     yield w
-    w.stop()
+    w.stop(graceful=False)
 
 
 def _free_port() -> int:

@@ -3,6 +3,8 @@
 Real workers, Redis and agent server, as in the real benchmark; no figure is asserted (the
 figures are measured by hand on a quiet machine), only that each collector in the table ran
 every rollout (the collectors assert the landed count themselves) and the table is whole.
+Marked `slow` (out of the default run; `pytest -m slow` runs them): each scenario starts its own
+Redis and worker processes for every collector, two minutes of the suite together.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -41,7 +41,7 @@ def summary(folder: Path) -> dict[str, Any]:
 def test_run_ends_with_health_summary_and_verdict_line(
     redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
 ) -> None:
-    workers.start(count=2, concurrency=16)
+    workers.start(count=1, concurrency=32)
     workers.wait_ready()
     data = write_rows(tmp_path / "rows.jsonl", demo_rows(20))
     out = tmp_path / "run"
@@ -84,7 +84,7 @@ def failing_servers() -> Iterator[RunningServers]:
 def test_failed_environment_keeps_its_entry_and_the_cli_exits_1(
     redis_url: str, workers: Workers, failing_servers: RunningServers, tmp_path: Path
 ) -> None:
-    workers.start(count=2, concurrency=16)
+    workers.start(count=1, concurrency=32)
     workers.wait_ready()
     config = failing_servers.write_config(str(tmp_path / "servers.yaml"))
     data = write_rows(tmp_path / "rows.jsonl", demo_rows(10))
@@ -130,7 +130,7 @@ def test_failed_environment_keeps_its_entry_and_the_cli_exits_1(
 def test_aggregate_then_recheck_refuses_a_changed_shard(
     redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
 ) -> None:
-    workers.start(count=2, concurrency=16)
+    workers.start(count=1, concurrency=32)
     workers.wait_ready()
     for shard, rows in (("a", demo_rows(8)), ("b", demo_rows(6))):
         data = write_rows(tmp_path / f"{shard}.jsonl", rows)

@@ -1,10 +1,17 @@
-"""The planning benchmark runs (tiny sizes; the real figures are measured by hand)."""
+"""The planning benchmark runs (tiny sizes; the real figures are measured by hand).
+
+Marked `slow` with the other benchmark smoke runs: `pytest -m slow` runs it.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 
