@@ -438,6 +438,9 @@ def test_a_lander_that_never_answers_is_an_error_within_the_bound(h: Harness) ->
     assert out.detail == (
         "StorageError: landing did not finish within 0.05s; its records may land later"
     )
+    # The wait gave up, the lander's future was left alone: its thread may still settle it.
+    [pending] = h.lander.unanswered
+    assert not pending.cancelled()
 
 
 def replies(*handlers: Handler) -> Handler:

@@ -454,7 +454,10 @@ class _Run:
             # Queueing encodes the records: off the loop, with the stage noted.
             queued = await ctx.blocking(lambda: self.queue_landing(result, failures))
             try:
-                return await asyncio.wait_for(asyncio.wrap_future(queued), ctx.land_wait_s)
+                # Shielded: a timeout must not cancel the lander's future (its thread settles
+                # it later, and a cancelled one would refuse the report).
+                waited = asyncio.shield(asyncio.wrap_future(queued))
+                return await asyncio.wait_for(waited, ctx.land_wait_s)
             except TimeoutError:
                 raise StorageError(
                     f"landing did not finish within {ctx.land_wait_s:g}s; "

@@ -213,6 +213,8 @@ class FakeLander:
         self.shard = shard
         self.errors: list[BaseException] = []
         self.stuck = False
+        self.unanswered: list[concurrent.futures.Future[LandReport]] = []
+        """The futures a stuck lander handed out (still its to settle)."""
         self.calls = 0
 
     def submit(
@@ -225,6 +227,7 @@ class FakeLander:
         self.calls += 1
         future: concurrent.futures.Future[LandReport] = concurrent.futures.Future()
         if self.stuck:
+            self.unanswered.append(future)
             return future
         try:
             future.set_result(self._land(run, result, failures, lease))
