@@ -26,12 +26,13 @@ writer that died before committing are adopted (complete lines) or cut (a torn l
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
 import os
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,9 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH = 1024
 STATUS_EVERY_S = 2.0
+WRITTEN_KEPT = 100_000
+"""How many failure rows a process remembers writing (their digests), so that a retried landing
+does not write them twice."""
 # Conflicts in a row before a batch gives up (each one means another writer's bytes were adopted).
 MAX_CONFLICTS = 8
 LAND_WAIT_S = 2 * ACQUIRE_TIMEOUT_S + 60.0
@@ -107,6 +111,7 @@ class Lander:
         self._dirs: dict[str, RunDir] = {}
         self._status_written: dict[str, float] = {}
         self._carry: list[_Pending] = []
+        self._written: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self._landed = self.r.register_script(LANDED_LUA)
         self._thread = threading.Thread(target=self._loop, name="rollouts-lander", daemon=True)
         self._thread.start()
@@ -334,19 +339,32 @@ class Lander:
         reports: dict[int, LandReport],
         lock: HeldLock,
     ) -> None:
-        """Write the batch's failure rows and commit them (releasing `lock` with the commit)."""
+        """Write the batch's failure rows and commit them (releasing `lock` with the commit).
+
+        A row this process wrote already for the same attempt (its lease's token) is not
+        written again: a landing retried after its commit failed (Redis restarted) finds its
+        rows adopted from storage. Rows of other deliveries are written even when equal."""
         data = bytearray()
         counts: dict[str, int] = defaultdict(int)
+        digests: list[tuple[str, bytes]] = []
         for p in accepted:
-            data += b"".join(p.records.failure_lines)
-            for name in p.records.counters():
+            for line, name in zip(p.records.failure_lines, p.records.counters(), strict=True):
+                if p.lease is not None:
+                    digest = (p.lease.attempt, hashlib.blake2b(line, digest_size=16).digest())
+                    if digest in self._written:
+                        continue
+                    digests.append(digest)
+                data += line
                 counts[name] += 1
-            reports[id(p)].failures_written = len(p.records.failure_lines)
+                reports[id(p)].failures_written += 1
         if not data:
             return
         for _ in range(MAX_CONFLICTS):
             if not self._append(st, state, st.files.failures, bytes(data)):
                 continue
+            self._written.update(dict.fromkeys(digests))
+            while len(self._written) > WRITTEN_KEPT:
+                self._written.popitem(last=False)
             pipe = self.r.pipeline(transaction=True)
             for name, n in counts.items():
                 pipe.hincrby(keys.shard_counts(st.sid), name, n)

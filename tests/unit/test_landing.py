@@ -28,6 +28,7 @@ from schemas.records import Generation, InputSource, Manifest, RateLimitWaits, u
 from workers.admission import Gate, Ticket
 from workers.encoding import RESULT_NOT_STORED
 from workers.landing import Lander, LandReport, compact_shard, open_shard, shard_status
+from workers.leases import Lease
 
 FILES = ShardFiles("0")
 
@@ -375,3 +376,21 @@ def test_a_redis_commit_that_fails_releases_every_task_and_the_retry_lands_once(
     assert landed_keys(rd) == {(t, 0): 1 for t in range(10)}
     counts = r.hgetall(keys.shard_counts(keys.shard_id(rd.url, "0")))
     assert counts[b"landed"] == b"10"
+
+
+def test_a_retried_landing_writes_its_failure_rows_once(
+    r: redis.Redis, rd: RunDir, lander: Lander
+) -> None:
+    """A landing retried after its commit failed (Redis restarted) finds its rows written; a
+    row equal to one of another attempt is still that attempt's row."""
+    run = open_run(r, rd)
+    sid = keys.shard_id(rd.url, "0")
+    first = Lease(sid, "3:0", "attempt-1")
+    assert lander.submit(run, None, [failure(3)], first).result().failures_written == 1
+    assert lander.submit(run, None, [failure(3)], first).result().failures_written == 0
+    other = Lease(sid, "3:0", "attempt-2")
+    assert lander.submit(run, None, [failure(3)], other).result().failures_written == 1
+    rows = [orjson.loads(line) for _, line in rd.iter_lines(FILES.failures)]
+    assert [row[F.TASK_INDEX] for row in rows] == [3, 3]
+    counts = r.hgetall(keys.shard_counts(sid))
+    assert counts[b"failed:agent_run_error"] == b"2"
