@@ -65,6 +65,7 @@ local deadline, margin, starts_keep_s = tonumber(ARGV[8]), tonumber(ARGV[9]), AR
 local readmit, default_cap = ARGV[11] == '1', tonumber(ARGV[12])
 local initial_window, window_keep_s = tonumber(ARGV[13]), ARGV[14]
 local key_ttl = ARGV[15] or '604800'  -- ROLLOUTS_LIVE_KEY_TTL_S's default when not passed
+local probe_s = tonumber(ARGV[16] or '0.25')  -- SLOW_START_PROBE_S's default when not passed
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -131,10 +132,21 @@ if agent_cap > 0 then cap = agent_cap elseif run_cap > 0 then cap = run_cap end
 local window = tonumber(redis.call('HGET', agent_window_key, 'window'))
 if not window then
   window = math.min(initial_window, cap)
-  redis.call('HSET', agent_window_key, 'window', window, 'ssthresh', cap, 'cap', cap)
+  redis.call('HSET', agent_window_key, 'window', window, 'ssthresh', cap, 'cap', cap, 'probed', now)
 elseif tonumber(redis.call('HGET', agent_window_key, 'cap')) ~= cap then
   window = math.min(window, cap)
   redis.call('HSET', agent_window_key, 'window', window, 'cap', cap)
+end
+-- Slow start also doubles a full window that has gone probe_s with no 429/503: an agent's round
+-- trip is a whole rollout (seconds to an hour), while a rate limiter answers at once.
+if agent_in_flight >= math.floor(window) and probe_s > 0 then
+  local ssthresh = tonumber(redis.call('HGET', agent_window_key, 'ssthresh')) or cap
+  local probed = tonumber(redis.call('HGET', agent_window_key, 'probed')) or now
+  local last = tonumber(redis.call('HGET', agent_window_key, 'last_decrease')) or 0
+  if window < ssthresh and now - math.max(probed, last) >= probe_s then
+    window = math.min(window * 2, ssthresh, cap)
+    redis.call('HSET', agent_window_key, 'window', window, 'probed', now)
+  end
 end
 redis.call('EXPIRE', agent_window_key, window_keep_s)
 if agent_in_flight >= math.floor(window) then return wait_for('window', true) end

@@ -3,9 +3,9 @@
 One Lua call per rollout decides it (`begin`), one more returns the slot (`end`); a 429/503
 reply returns it early (`back_off`) while the rollout waits. Each agent's concurrent calls are
 also bounded by its adaptive window (`keys.agent_window`), one for the whole cluster: slow start
-from `INITIAL_WINDOW`, shrunk by `WINDOW_DECREASE` on a 429/503 at most once per round trip, grown
-on success, up to
-the agent's `max_concurrency` (else the run's `max_resident_tasks`, else `DEFAULT_WINDOW_CAP`). A slot is a
+from `INITIAL_WINDOW` (doubling per round trip, or per `SLOW_START_PROBE_S` of a full window),
+shrunk by `WINDOW_DECREASE` on a 429/503 at most once per round trip, grown on success, up to the
+agent's `max_concurrency` (else the run's `max_resident_tasks`, else `DEFAULT_WINDOW_CAP`). A slot is a
 *lease*: a member of a Redis sorted set scored by its expiry on the Redis server's clock. Each
 worker process renews the leases it holds from one thread; a process that dies stops renewing,
 and its slots come back when the leases expire, with nobody cleaning up. The same sorted sets
@@ -59,8 +59,13 @@ RELEASE_BATCH = 256
 INITIAL_WINDOW = 10
 """An agent's window before its first success (TCP's initial window, RFC 6928): a cold server is
 not stormed by the first burst."""
-DEFAULT_WINDOW_CAP = 1024
-"""The largest window of an agent with no max_concurrency, in a run with no max_resident_tasks."""
+DEFAULT_WINDOW_CAP = 65536
+"""The largest window of an agent with no max_concurrency, in a run with no max_resident_tasks
+(well above an RL step's 8,192 rollouts at once: the cluster's slots bound it first)."""
+SLOW_START_PROBE_S = 0.25
+"""In slow start, a full window that has gone this long with no 429/503 doubles (as well as
+growing by one per success): a round trip to an agent is a whole rollout, seconds to an hour,
+while a rate limiter answers at once."""
 WINDOW_KEEP_S = 3600
 """An agent's window unused this long is forgotten, e.g. after its workers died (an agent left
 idle forgets it at once: the end script)."""
@@ -343,6 +348,7 @@ class Gate:
             INITIAL_WINDOW,
             WINDOW_KEEP_S,
             from_env().live_key_ttl_s,
+            SLOW_START_PROBE_S,
         ]
         answer = with_redis_retry(
             "admission", lambda: self._begin(keys=call_keys, args=args, client=self.r)

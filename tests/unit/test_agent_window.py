@@ -3,6 +3,7 @@ additive increase, its bounds, readmission after a rate-limit wait, and rebuildi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,7 +57,7 @@ def begin(gate: Gate, task: int, readmit: bool = False, **admission: Any) -> lis
     member = f"h:1:{task}|a|{task}:0"
     args: list[Any] = [TOKEN, f"{task}:0", member, 30.0, admission.get("run_cap", 0),
                        admission.get("agent_cap", 0), 3, 0, -1, 3600, 1 if readmit else 0, 1024,
-                       INITIAL_WINDOW, 3600]  # fmt: skip
+                       INITIAL_WINDOW, 3600, 604800, admission.get("probe_s", 0)]  # fmt: skip
     answer = gate._begin(keys=call_keys, args=args, client=gate.r)
     return [v.decode() if isinstance(v, bytes) else str(v) for v in answer]
 
@@ -76,7 +77,28 @@ def test_a_cold_agent_starts_with_the_initial_window(gate: Gate, r: redis.Redis)
     assert verdicts == ["run"] * INITIAL_WINDOW + ["wait"]
     assert begin(gate, 99) == ["wait", "window"]
     assert r.zcard(keys.agent_waiting(AGENT)) == 2
-    assert window(r) == {"window": INITIAL_WINDOW, "ssthresh": 1024, "cap": 1024}
+    assert {k: v for k, v in window(r).items() if k != "probed"} == {
+        "window": INITIAL_WINDOW, "ssthresh": 1024, "cap": 1024}  # fmt: skip
+
+
+def test_slow_start_doubles_a_full_window_that_went_a_probe_with_no_rate_limit(
+    gate: Gate, r: redis.Redis
+) -> None:
+    """An agent's round trip is a whole rollout: slow start does not wait for it to end."""
+    for i in range(INITIAL_WINDOW):
+        assert begin(gate, i, probe_s=0.2)[0] == "run"
+    assert begin(gate, 50, probe_s=0.2) == ["wait", "window"]
+    time.sleep(0.25)
+    verdicts = [begin(gate, 100 + i, probe_s=0.2)[0] for i in range(INITIAL_WINDOW + 1)]
+    assert verdicts == ["run"] * INITIAL_WINDOW + ["wait"]
+    assert window(r)["window"] == 2 * INITIAL_WINDOW
+    # After a rate limit, slow start is over: a full window no longer doubles with time.
+    gate.back_off(ticket(0), 429, -1, call_s=0.0)
+    shrunk = window(r)["window"]
+    assert shrunk == pytest.approx(2 * INITIAL_WINDOW * WINDOW_DECREASE)
+    time.sleep(0.25)
+    assert begin(gate, 200, probe_s=0.2) == ["wait", "window"]
+    assert window(r)["window"] == shrunk
 
 
 def test_slow_start_doubles_per_round_then_grows_by_one_per_round(
