@@ -28,6 +28,7 @@ from tests.ops_helpers import (
     rows_by_key,
     wait_for,
 )
+from workers.admission import DEFAULT_WINDOW_CAP
 from workers.backpressure import MIN_WAIT_S
 
 pytestmark = pytest.mark.integration
@@ -102,7 +103,7 @@ def test_a_rate_limited_agent_is_waited_out_by_the_fleet(
     # (no window: nothing runs), and the shard's waits are one per 429 the agent sent.
     assert during.returncode == 0, during.stdout + during.stderr
     live = json.loads(during.stdout)["by_agent"]["math_agent"]
-    assert 1 <= live["window"] <= 1024 and live["window_cap"] == 1024
+    assert 1 <= live["window"] <= DEFAULT_WINDOW_CAP and live["window_cap"] == DEFAULT_WINDOW_CAP
     assert live["waiting_for_agent"] >= 0
     assert after.returncode == 0, after.stdout + after.stderr
     done = json.loads(after.stdout)["by_agent"]["math_agent"]
