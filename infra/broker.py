@@ -12,6 +12,15 @@ until its removal is written, so a worker that dies first leaves it to be restor
 visibility timeout and delivered again, which landing absorbs (it is idempotent). A channel
 flushes its pending acks before it closes, so a clean shutdown leaves none behind.
 
+kombu takes a message with BRPOP and records it as unacknowledged afterwards, in a second round
+trip: a worker killed or cut off between the two held a message nobody could see again (the run
+stalled until a person resumed it). Here the pop and the record are one Lua script
+(`CLAIM_LUA`): a message leaves its queue only into the unacked hash and index, where kombu's
+restore and the takeover sweep (`workers/redispatch.py`) find it. Blocking is kept apart from the
+pop: the channel sends `BLMOVE q q RIGHT RIGHT timeout` (which waits until the queue has a
+message and moves nothing) and the claim, pipelined on the same connection, and reads both
+replies. Queues consumed without acks, and a Redis older than 6.2 (no BLMOVE), keep kombu's BRPOP.
+
 Select it with `broker_transport = "infra.broker:Transport"` (celeryconfig does, for redis://
 and rediss:// brokers).
 """
@@ -21,16 +30,46 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from queue import Empty
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+from kombu.utils.json import loads
 
 log = logging.getLogger(__name__)
 
 MAX_ACK_BATCH = 1000
+MULTI_QUEUE_WAIT_S = 0.2
+"""How long a claim waits on its first queue when the channel consumes several (a message in
+another waits at most this long)."""
+
+CLAIM_LUA = """
+-- Takes the first message of the queue lists KEYS[3..] (kombu's priority order) and records it
+-- as unacknowledged in the same step: kombu's unacked hash (KEYS[1]: tag -> [message, exchange,
+-- routing key]) and its index (KEYS[2]: tag scored by the time taken). Returns {list, message,
+-- 1}, or false when every list is empty; {list, message, 0} for a message that is not kombu's
+-- JSON (popped, not recorded: the caller records it as kombu does).
+for i = 3, #KEYS do
+  local item = redis.call('RPOP', KEYS[i])
+  if item then
+    local ok, decoded = pcall(cjson.decode, item)
+    local props = ok and type(decoded) == 'table' and decoded['properties']
+    local info = type(props) == 'table' and props['delivery_info']
+    local tag = type(props) == 'table' and props['delivery_tag']
+    if type(info) ~= 'table' or type(tag) ~= 'string' then return {KEYS[i], item, 0} end
+    local t = redis.call('TIME')
+    redis.call('ZADD', KEYS[2], tonumber(t[1]) + tonumber(t[2]) / 1000000, tag)
+    redis.call('HSET', KEYS[1], tag, '[' .. item .. ',' .. cjson.encode(info['exchange']) .. ','
+      .. cjson.encode(info['routing_key']) .. ']')
+    return {KEYS[i], item, 1}
+  end
+end
+return false
+"""
 REDIS_SCHEMES = ("redis://", "rediss://")
 
 
@@ -99,6 +138,14 @@ class QoS(kombu_redis.QoS):
         # kombu's in-process bookkeeping (prefetch count), as its own ack does after Redis.
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
 
+    def append(self, message: Any, delivery_tag: str) -> None:
+        claimed = self.channel.claimed
+        if delivery_tag in claimed:  # recorded as unacknowledged by the claim that took it
+            claimed.discard(delivery_tag)
+            virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
+            return
+        super().append(message, delivery_tag)  # type: ignore[no-untyped-call]
+
     def remove_acked(self, tags: list[str]) -> None:
         with self.channel.conn_or_acquire() as client:
             pipe = client.pipeline()
@@ -117,6 +164,86 @@ class Channel(kombu_redis.Channel):
     QoS = QoS
 
     _sync_client: Any = None
+    _claims: bool | None = None
+    """Whether this channel's Redis has BLMOVE (None: not asked yet)."""
+    _claim_sent = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.claimed: set[str] = set()
+        """Tags of messages a claim took and recorded, not yet appended to the QoS."""
+        self._no_ack_queues: set[str] = set()
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        return super().basic_consume(queue, no_ack, *args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def _can_claim(self) -> bool:
+        if self._claims is None:
+            claims = not self.global_keyprefix
+            if claims:
+                with self.conn_or_acquire() as client:
+                    version = str(client.info("server").get("redis_version", "0"))
+                major, minor = (int(x) for x in [*version.split("."), "0"][:2])
+                claims = (major, minor) >= (6, 2)
+            self._claims = claims
+        return self._claims
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        if self._no_ack_queues & set(self.active_queues) or not self._can_claim():
+            self._claim_sent = False
+            super()._brpop_start(timeout)  # type: ignore[no-untyped-call]
+            return
+        if timeout is None:
+            timeout = self.brpop_timeout
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        lists = [
+            self._q_for_pri(queue, pri)  # type: ignore[no-untyped-call]
+            for pri in self.priority_steps
+            for queue in queues
+        ]
+        wait = timeout or 0
+        if len(queues) > 1:
+            wait = min(wait, MULTI_QUEUE_WAIT_S) if wait else MULTI_QUEUE_WAIT_S
+        connection = self.client.connection
+        self._in_poll = connection
+        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
+        self._claim_sent = True
+        connection.send_command("BLMOVE", lists[0], lists[0], "RIGHT", "RIGHT", wait)
+        connection.send_command(
+            "EVAL", CLAIM_LUA, 2 + len(lists), self.unacked_key, self.unacked_index_key, *lists
+        )
+
+    def _brpop_read(self, **options: Any) -> Any:
+        if not self._claim_sent:
+            return super()._brpop_read(**options)  # type: ignore[no-untyped-call]
+        try:
+            connection = self.client.connection
+            try:
+                self.client.parse_response(connection, "BLMOVE", **options)
+                claimed = self.client.parse_response(connection, "EVAL", **options)
+            except Exception:
+                connection.disconnect()  # a reply may be left unread; the next poll reconnects
+                raise
+            if not claimed:
+                raise Empty()
+            dest, item = (v.decode() if isinstance(v, bytes) else str(v) for v in claimed[:2])
+            dest = dest.rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(dest)
+            message = loads(item)  # type: ignore[no-untyped-call]
+            if int(claimed[2]):
+                self.claimed.add(message["properties"]["delivery_tag"])
+            self.connection._deliver(message, dest)
+            return True
+        finally:
+            self._in_poll = None  # type: ignore[assignment]  # kombu's own reset
+            self._claim_sent = False
+            flush = getattr(self, "_flush_brpop_reauth", None)
+            if flush is not None:
+                flush()
 
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:

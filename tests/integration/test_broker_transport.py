@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import orjson
 import redis
 from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
@@ -106,3 +107,36 @@ def test_celery_broker_flag_picks_the_transport_too() -> None:
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         ).stdout.split()
         assert out == [url, transport]
+
+
+def test_messages_come_in_the_order_they_were_sent(redis_url: str) -> None:
+    publish(redis_url, 50)
+    with Connection(redis_url, transport=Transport) as conn:
+        assert receive(conn, 50, ack=True) == list(range(50))
+
+
+def test_a_message_leaves_its_queue_only_into_the_unacked_index(redis_url: str) -> None:
+    """A consumer that dies once its pop was sent, before it read the reply, leaves the message
+    where kombu's restore and the takeover sweep find it (kombu's BRPOP lost it)."""
+    publish(redis_url, 1)
+    r = redis.Redis.from_url(redis_url)
+    conn = Connection(redis_url, transport=Transport)
+    channel = conn.default_channel
+    channel.basic_consume(QUEUE.name, False, lambda message: None, "t")
+    conn.transport.cycle._register_BRPOP(channel)  # sends the pop, as a poll does
+    deadline = time.monotonic() + 10
+    while r.llen("broker-test") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    channel.client.connection.disconnect()  # the reply is never read: the process died
+    assert r.llen("broker-test") == 0
+    [(tag, entry)] = r.hgetall("unacked").items()
+    assert r.zscore("unacked_index", tag) is not None
+    raw, exchange, routing_key = orjson.loads(entry)
+    assert (exchange, routing_key) == ("broker-test", "broker-test")
+    assert raw["properties"]["delivery_tag"] == tag.decode()
+    # kombu's restore puts it back, and it is delivered again.
+    channel.qos.restore_by_tag(tag.decode())
+    assert r.llen("broker-test") == 1 and unacked(redis_url) == 0
+    conn.release()
+    with Connection(redis_url, transport=Transport) as again:
+        assert receive(again, 1, ack=True) == [0]
