@@ -7,6 +7,7 @@ ours writes the acks from a background thread. These tests read those keys direc
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import orjson
 import redis
@@ -119,9 +120,9 @@ def test_a_message_leaves_its_queue_only_into_the_unacked_index(redis_url: str) 
     """A consumer that dies once its pop was sent, before it read the reply, leaves the message
     where kombu's restore and the takeover sweep find it (kombu's BRPOP lost it)."""
     publish(redis_url, 1)
-    r = redis.Redis.from_url(redis_url)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
     conn = Connection(redis_url, transport=Transport)
-    channel = conn.default_channel
+    channel: Any = conn.default_channel
     channel.basic_consume(QUEUE.name, False, lambda message: None, "t")
     conn.transport.cycle._register_BRPOP(channel)  # sends the pop, as a poll does
     deadline = time.monotonic() + 10
@@ -133,9 +134,9 @@ def test_a_message_leaves_its_queue_only_into_the_unacked_index(redis_url: str) 
     assert r.zscore("unacked_index", tag) is not None
     raw, exchange, routing_key = orjson.loads(entry)
     assert (exchange, routing_key) == ("broker-test", "broker-test")
-    assert raw["properties"]["delivery_tag"] == tag.decode()
+    assert raw["properties"]["delivery_tag"] == tag
     # kombu's restore puts it back, and it is delivered again.
-    channel.qos.restore_by_tag(tag.decode())
+    channel.qos.restore_by_tag(tag)
     assert r.llen("broker-test") == 1 and unacked(redis_url) == 0
     conn.release()
     with Connection(redis_url, transport=Transport) as again:
