@@ -48,9 +48,9 @@ Runner = Callable[..., Awaitable[Any]]
 """A task's coroutine: called with the task's request (`celery.app.task.Context`) and its
 arguments; what it returns is what the task body takes with `take_ran`."""
 
-FINISHING_THREADS = 8
+FINISHING_THREADS = 2
 """Threads per process running Celery's tracer for a rollout that has its outcome: a chord
-count, an acknowledgement and events, about a millisecond each."""
+count, an acknowledgement and events, about a millisecond each (few: see BLOCKING_THREADS)."""
 
 _runners: dict[str, Runner] = {}
 
