@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,25 @@ pytestmark = pytest.mark.integration
 def shard_keys(r: redis.Redis, out: Path) -> dict[str, int]:
     sid = keys.shard_id(RunDir(str(out)).url, "0")
     return {k.decode(): int(r.ttl(k)) for k in r.scan_iter(f"{keys.PREFIX}:shard:{sid}:*")}
+
+
+def start_slow_run(
+    redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path, *settings: str
+) -> tuple[subprocess.Popen[bytes], Path, str]:
+    """One worker and a background `rollouts run` of 40 rollouts of 300 ms: the producer, the
+    run directory and the shard's id."""
+    workers.start(count=1, concurrency=4)
+    workers.wait_ready()
+    config = servers.write_config(str(tmp_path / "servers.yaml"))
+    rows = demo_rows(40)
+    for row in rows:
+        row["agent_latency_ms"] = 300
+    out = tmp_path / "run"
+    producer = cli_background(
+        "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
+        "--output-dir", str(out), "--broker", redis_url, *settings, log=tmp_path / "producer.log",
+    )  # fmt: skip
+    return producer, out, keys.shard_id(RunDir(str(out)).url, "0")
 
 
 def test_every_key_of_a_finished_run_or_resume_expires(
@@ -50,19 +70,8 @@ def test_every_key_of_a_stalled_run_expires(
 ) -> None:
     """The producer and its only worker are SIGKILLed mid-run: no finish step will ever run, and
     still no key of the shard (landed set, leases, attempts, settled, counters, ...) is permanent."""
-    workers.start(count=1, concurrency=4)
-    workers.wait_ready()
-    config = servers.write_config(str(tmp_path / "servers.yaml"))
-    rows = demo_rows(40)
-    for row in rows:
-        row["agent_latency_ms"] = 300
-    out = tmp_path / "run"
-    producer = cli_background(
-        "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
-        "--output-dir", str(out), "--broker", redis_url, log=tmp_path / "producer.log",
-    )  # fmt: skip
+    producer, out, sid = start_slow_run(redis_url, workers, servers, tmp_path)
     r = redis.Redis.from_url(redis_url)
-    sid = keys.shard_id(RunDir(str(out)).url, "0")
     try:
         wait_for(lambda: int(r.hget(keys.shard_counts(sid), "landed") or 0) >= 8, 120, "8 landed")
     finally:
@@ -79,20 +88,10 @@ def test_every_key_of_a_stalled_run_expires(
 def test_every_key_of_a_cancelled_run_expires(
     redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path
 ) -> None:
-    workers.start(count=1, concurrency=4)
-    workers.wait_ready()
-    config = servers.write_config(str(tmp_path / "servers.yaml"))
-    rows = demo_rows(40)
-    for row in rows:
-        row["agent_latency_ms"] = 300
-    out = tmp_path / "run"
-    producer = cli_background(
-        "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
-        "--output-dir", str(out), "--broker", redis_url, "+redis_key_ttl_s=3600",
-        log=tmp_path / "producer.log",
-    )  # fmt: skip
+    producer, out, sid = start_slow_run(
+        redis_url, workers, servers, tmp_path, "+redis_key_ttl_s=3600"
+    )
     r = redis.Redis.from_url(redis_url)
-    sid = keys.shard_id(RunDir(str(out)).url, "0")
     wait_for(lambda: int(r.hget(keys.shard_counts(sid), "landed") or 0) >= 4, 120, "4 landed")
     proc = cli("cancel", str(out), "--broker", redis_url)
     assert proc.returncode == 0, proc.stdout + proc.stderr
