@@ -321,7 +321,13 @@ def test_a_recorded_python_api_call_is_a_job_span_and_a_trace_per_rollout(
     # The call's finish ran here, in the job's trace.
     job_trace = job.context.trace_id
     assert "rollouts.health_check" in [s.name for s in local if s.context.trace_id == job_trace]
-    wait_for(lambda: len(receiver.spans("rollouts.land")) >= 6, 30, "the worker's spans")
+    # A rollout's collect span ends after its land span and may reach the receiver in a later
+    # export batch: wait for both.
+    wait_for(
+        lambda: len(receiver.spans("rollouts.land")) >= 6
+        and len(receiver.spans("rollouts.collect")) >= 6,
+        30, "the worker's spans",
+    )  # fmt: skip
     collects = receiver.spans("rollouts.collect")
     assert {s.trace_id for s in collects} == set(roots)
     assert {s.attributes["rollouts.ended"] for s in collects} == {"landed"}
