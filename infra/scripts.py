@@ -388,10 +388,16 @@ SETTLE_LUA = """
 -- An attempt of a rollout ended. If it is the rollout's current attempt (or Redis lost the
 -- attempts), its chord part counts: the rollout is settled for this generation and its lease
 -- and message go. Returns 1 if it counts, 0 if the attempt was taken over (its outcome is void).
--- The settled hash expires key_ttl seconds later.
+-- The settled hash expires key_ttl seconds later. With KEYS[6] and KEYS[7] (a Python API
+-- rollout), the attempt that counts also pushes its reply (ARGV[6]) onto KEYS[6], expiring
+-- ARGV[7] seconds later, and leaves the invocation's active set KEYS[7] (member ARGV[8]), so
+-- the reply goes exactly when the lease is settled: once the caller saw its last reply and
+-- dropped the call's keys, nothing writes them again.
 local lease_key, attempts_key, messages_key, settled_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local all_key = KEYS[5]
 local key, attempt, token, member, key_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local replies_key, active_key = KEYS[6], KEYS[7]
+local reply, reply_ttl, index = ARGV[6], ARGV[7], ARGV[8]
 local current = redis.call('HGET', attempts_key, key)
 if current and current ~= attempt then return 0 end
 redis.call('HSET', settled_key, key, token)
@@ -399,6 +405,11 @@ redis.call('EXPIRE', settled_key, key_ttl)
 redis.call('HDEL', lease_key, key)
 redis.call('HDEL', messages_key, key)
 redis.call('ZREM', all_key, member)
+if active_key then
+  redis.call('RPUSH', replies_key, reply)
+  redis.call('EXPIRE', replies_key, reply_ttl)
+  redis.call('SREM', active_key, index)
+end
 return 1
 """
 

@@ -7,8 +7,11 @@ is final (landed, when the call records a run directory); the caller's one liste
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
+from schemas import fields as F
 from schemas.messages import CollectRequest
 from schemas.outcomes import RolloutOutcome
 
@@ -46,3 +49,17 @@ class RolloutReply(BaseModel):
     """The row's position in the invocation."""
     outcome: RolloutOutcome
     """How the rollout ended: the rollout engine's own outcome."""
+
+
+def admission_row(row: dict[str, Any], reply: dict[str, Any] | None) -> dict[str, Any]:
+    """The row admission and the rollout's lease see for a task's `row` and `reply` (a
+    `ReplyTo` as JSON; None for a chord's task).
+
+    Rows given to `run_examples` need no planned identity, and two may share one: an unrecorded
+    rollout is keyed by its index in the call, so its landed set, delivery counts and lease are
+    per row of the call. Recorded rows keep their (task, rollout) key: it is what lands and what
+    a resume reads.
+    """
+    if reply is None or reply.get("record"):
+        return row
+    return {F.TASK_INDEX: reply["index"], F.ROLLOUT_INDEX: 0, F.AGENT_REF: row.get(F.AGENT_REF)}

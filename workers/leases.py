@@ -80,6 +80,20 @@ class LeaseTicket:
     """taken: the silent holder it was taken over from, if any."""
 
 
+@dataclass(frozen=True)
+class ReplyPush:
+    """A Python API rollout's reply, pushed in the round trip that settles its lease."""
+
+    replies: str
+    """The invocation's reply list."""
+    body: str
+    ttl_s: int
+    """The reply list's expiry."""
+    active: str
+    """The invocation's set of running rollouts, which the reply leaves."""
+    index: int
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -152,18 +166,23 @@ class RolloutLeases:
         now = self.r.hget(keys.shard_attempts(lease.sid), lease.key)
         return now is None or _text(now) == lease.attempt
 
-    def settle(self, lease: Lease, token: str) -> bool:
+    def settle(self, lease: Lease, token: str, reply: ReplyPush | None = None) -> bool:
         """The attempt ended and counted: drop its lease, the rollout is settled in generation
-        `token`. False if it was taken over (the current attempt settles it)."""
+        `token` (and `reply` pushed, in the same round trip). False if it was taken over (the
+        current attempt settles it; nothing is pushed)."""
         with self._lock:
             self._held.pop(lease.member, None)
+        names = self._keys(lease.sid)
         args: list[str | int] = [lease.key, lease.attempt, token, lease.member, self.key_ttl_s]
+        if reply is not None:
+            names += [reply.replies, reply.active]
+            args += [reply.body, reply.ttl_s, reply.index]
         # Retried through a Redis restart: a lease left behind would be taken over and its
         # rollout, counted already, counted again.
         return bool(
             with_redis_retry(
                 "lease settle",
-                lambda: self._settle(keys=self._keys(lease.sid), args=args, client=self.r),
+                lambda: self._settle(keys=names, args=args, client=self.r),
                 budget_s=SETTLE_RETRY_S,
             )
         )

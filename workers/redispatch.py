@@ -5,6 +5,8 @@ its chord (group id, index, callback) and what Flower shows of it. The producer'
 publishes one per rollout (`publish_collect`); a collect task stores its own with its rollout's
 lease (`from_request`), so that any live worker process that takes the lease over can publish
 the very same message again (`publisher`), and the chord counts the rollout once it settles.
+The Python API's reply task (`schemas.replies`) is kept and published again the same way,
+under its own task name and with no chord.
 A traced run's message carries its rollout's trace context in its headers; a message published
 again keeps it (with a new publish time), so each attempt joins the rollout's one trace.
 
@@ -34,6 +36,7 @@ from infra.redis_client import client
 from infra.telemetry import ENQUEUED_AT, TRACEPARENT, TRACESTATE
 from schemas import fields as F
 from schemas.messages import COLLECT_TASK, QUEUE
+from schemas.replies import COLLECT_REPLY_TASK, admission_row
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,8 @@ class CollectTaskMessage:
     """The rollout's trace context (`traceparent`, its publish time), when its run is traced
     (`workers/tracing.py`): a redelivery and a re-publish keep it, so every attempt of the
     rollout is in one trace."""
+    task: str = COLLECT_TASK
+    """The task's name: a chord's collect task, or the Python API's reply task (no chord)."""
 
     def to_json(self) -> dict[str, Any]:
         """Its fields as a dict for JSON, sharing their values (`asdict` deep-copied the payload:
@@ -70,10 +75,13 @@ class CollectTaskMessage:
         return cls(**data)
 
     @classmethod
-    def from_request(cls, request: Any, payload: dict[str, Any]) -> CollectTaskMessage:
+    def from_request(
+        cls, request: Any, payload: dict[str, Any], task: str = COLLECT_TASK
+    ) -> CollectTaskMessage:
         """The message of the task `request` (a Celery task's `self.request`) carrying `payload`."""
         chord = request.chord
         return cls(
+            task=task,
             task_id=request.id,
             payload=payload,
             argsrepr=getattr(request, "argsrepr", None) or "",
@@ -96,7 +104,7 @@ def publish_collect(app: Celery, producer: Any, queue: Queue, m: CollectTaskMess
     queue as Celery does for its default queue (`producer.batch` pipelines many)."""
     message = app.amqp.as_task_v2(
         m.task_id,
-        COLLECT_TASK,
+        m.task,
         args=(m.payload,),
         kwargs={},
         group_id=m.group_id,
@@ -137,9 +145,11 @@ def publisher(app: Celery) -> Callable[[dict[str, Any]], None]:
 
 
 def from_delivered(message: dict[str, Any]) -> CollectTaskMessage | None:
-    """The collect task of a chord in a message as kombu's Redis transport keeps it; else None."""
+    """The rollout task (a chord's collect task, or the Python API's reply task) in a message as
+    kombu's Redis transport keeps it; else None."""
     headers = message.get("headers") or {}
-    if headers.get("task") != COLLECT_TASK or not headers.get("group"):
+    task = headers.get("task")
+    if not (task == COLLECT_TASK and headers.get("group")) and task != COLLECT_REPLY_TASK:
         return None
     if message.get("properties", {}).get("body_encoding") != "base64":
         return None
@@ -148,15 +158,16 @@ def from_delivered(message: dict[str, Any]) -> CollectTaskMessage | None:
         task_id=headers["id"],
         payload=args[0],
         argsrepr=headers.get("argsrepr") or "",
-        group_id=headers["group"],
+        group_id=headers.get("group"),
         group_index=headers.get("group_index"),
         chord=embed.get("chord"),
         headers=trace_headers(headers),
+        task=task,
     )
 
 
 class UnackedSweep:
-    """Publishes again the chord tasks a silent worker took from a Redis broker and never started."""
+    """Publishes again the rollout tasks a silent worker took from a Redis broker and never started."""
 
     def __init__(
         self,
@@ -192,7 +203,8 @@ class UnackedSweep:
 
     def _unstarted(self, m: CollectTaskMessage) -> bool:
         """No attempt of the rollout holds a lease, and it has not settled in its generation."""
-        run, row = m.payload["run"], m.payload["row"]
+        run = m.payload["run"]
+        row = admission_row(m.payload["row"], m.payload.get("reply"))
         sid = keys.shard_id(run["output_dir"], run["shard"])
         key = f"{row[F.TASK_INDEX]}:{row[F.ROLLOUT_INDEX]}"
         pipe = self.state.pipeline(transaction=False)

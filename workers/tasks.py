@@ -118,8 +118,9 @@ def health_combine_task(results: list[dict[str, Any]], plan: dict[str, Any]) -> 
 async def _reply_on_loop(request: Any, payload: dict[str, Any]) -> dict[str, Any]:
     url = state_redis_url()
     req = ReplyingCollectRequest.model_validate(payload)
+    message = CollectTaskMessage.from_request(request, payload, COLLECT_REPLY_TASK).to_json()
     with tracing.delivery(request, payload):
-        return await collect_and_reply(req, url, process_context(url))
+        return await collect_and_reply(req, url, process_context(url), message)
 
 
 # No result stored: the outcome goes back on the invocation's reply list, not through Celery.

@@ -9,6 +9,7 @@ s) so that each run takes seconds.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import signal
@@ -27,6 +28,7 @@ from kombu.connection import Connection
 
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
+from examples.tasks import make_row
 from infra import keys
 from infra.store import RunDir
 from schemas import fields as F
@@ -41,7 +43,7 @@ from tests.ops_helpers import (
     rows_by_key,
     wait_for,
 )
-from workers.leases import RolloutLeases, lease_rows
+from workers.leases import ReplyPush, RolloutLeases, lease_rows
 from workers.redispatch import CollectTaskMessage, UnackedSweep, publish_collect
 
 pytestmark = pytest.mark.integration
@@ -76,8 +78,13 @@ def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
     again = other.take("sid1", "3:0", "gen-1", message)
     assert again.verdict == "taken" and again.lost == first.holder and again.lease is not None
     assert first.renew_once() == 0 and first._held == {}  # it learned it lost the lease
-    assert first.settle(lease, "gen-1") is False
-    assert other.settle(again.lease, "gen-1") is True
+    # A Python API rollout's reply goes with its settling: none from the fenced holder.
+    r.sadd("active", 3)
+    assert first.settle(lease, "gen-1", ReplyPush("replies", "old", 60, "active", 3)) is False
+    assert r.llen("replies") == 0 and r.sismember("active", "3")
+    assert other.settle(again.lease, "gen-1", ReplyPush("replies", "new", 60, "active", 3))
+    assert r.lrange("replies", 0, -1) == [b"new"] and not r.sismember("active", "3")
+    assert 0 < r.ttl("replies") <= 60
     assert other.take("sid1", "3:0", "gen-1", message).verdict == "settled"
     assert lease_rows(r, "sid1") == [] and r.zcard(keys.ROLLOUT_LEASES) == 0
     assert r.hget(keys.shard_attempts("sid1"), "3:0") == again.lease.attempt.encode()
@@ -117,6 +124,12 @@ def test_the_sweep_publishes_a_message_a_silent_worker_took_and_never_started(
 def mine_holder(r: redis.Redis, sid: str) -> str:
     [row] = [row for row in lease_rows(r, sid) if row["key"] == "1:0"]
     return str(row["holder"])
+
+
+def as_key(member: str) -> tuple[int, int]:
+    """A `task:rollout` key of the leases as the agent's request log has it."""
+    task, rollout = member.split(":")
+    return int(task), int(rollout)
 
 
 def results_once(out: Path, planned: int) -> None:
@@ -350,3 +363,82 @@ def test_a_frozen_worker_woken_mid_run_is_fenced_attempt_by_attempt(
     text = workers.logs[0].read_text(errors="replace")
     # Refused for its attempt, not because the shard had finished.
     assert "was taken over by" in text and "nothing written" in text
+
+
+@pytest.mark.timeout(120)
+def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    """`run_examples` on two workers, one frozen mid-call. Its rollouts are taken over and run
+    by the other; every row replies once and lands once; and with a visibility timeout shorter
+    than a rollout (2 s against 4 s), no rollout but those the frozen worker was calling is
+    called twice: a copy of a live delivery is acknowledged without a call. Woken, the frozen
+    worker changes no file of the recorded run."""
+    from producer import preprocess_examples, run_examples
+    from schemas.settings import CollectionSettings
+
+    log = tmp_path / "requests.jsonl"
+    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(4000, request_log=str(log)))
+    out = tmp_path / "run"
+    r = redis.Redis.from_url(redis_url)
+    frozen = None
+    try:
+        workers.start(count=2, concurrency=4, env={**ENV, "ROLLOUTS_VISIBILITY_TIMEOUT_S": "2"})
+        workers.wait_ready()
+        frozen = workers.procs[0]
+        raw = [make_row("arithmetic", i, "math_agent") for i in range(8)]
+        rows = preprocess_examples(raw, servers.config(), CollectionSettings())
+
+        def holders() -> dict[str, str]:
+            """Each leased rollout's holder (`host:pid`)."""
+            found: dict[str, str] = {}
+            for name in r.scan_iter(match=keys.shard_rollout_leases("*")):
+                leased: dict[bytes, bytes] = r.hgetall(name)  # type: ignore[assignment]
+                for k, v in leased.items():
+                    found[k.decode()] = orjson.loads(v)["holder"]
+            return found
+
+        def calling_on_both() -> bool:
+            called = set(requests_per_key(log))
+            mine = {k for k, h in holders().items() if h.endswith(f":{frozen.pid}")}
+            return len(holders()) == 8 and any(as_key(k) in called for k in mine)
+
+        async def go() -> list[Any]:
+            completions = run_examples(
+                rows, servers.config(), broker_url=redis_url, record_output_dir=str(out)
+            )
+            try:
+                pending = list(completions)  # publishing starts with the first
+                await asyncio.to_thread(wait_for, calling_on_both, 30, "calls on both workers")
+                held = holders()
+                frozen.send_signal(signal.SIGSTOP)
+                return [held, *[await f for f in pending]]
+            finally:
+                await completions.aclose()
+
+        held, *got = asyncio.run(go())
+        before = snapshot(out)
+        frozen.send_signal(signal.SIGCONT)
+        wait_for(lambda: "this attempt was taken over" in workers.logs[0].read_text(), 30,
+                 "the woken worker to end its attempts")  # fmt: skip
+        time.sleep(2 * LEASE_TTL_S)  # and its renewal thread to run again
+        assert frozen.poll() is None
+    finally:
+        if frozen is not None:
+            frozen.send_signal(signal.SIGCONT)
+        servers.stop()
+        r.close()
+    assert snapshot(out) == before, "the woken worker changed the run directory"
+    assert len(got) == 8 and all(isinstance(g, tuple) for g in got), got
+    results_once(out, 8)
+    lost = {as_key(k) for k, h in held.items() if h.endswith(f":{frozen.pid}")}
+    calls = requests_per_key(log)
+    assert lost and set(calls) == {key(row) for row in rows}
+    assert {k: n for k, n in calls.items() if k not in lost} == dict.fromkeys(
+        set(calls) - lost, 1
+    ), calls
+    assert max(calls[k] for k in lost) == 2, calls  # a rollout it was calling ran again
+    assert "published it again" in workers.logs[1].read_text()
+    copies = sum(p.read_text(errors="replace").count("this copy is acknowledged")
+                 for p in workers.logs)  # fmt: skip
+    assert copies >= 1, "the broker redelivered nothing: the test proves nothing"

@@ -10,7 +10,7 @@ from workers.rollout.context import (
     StopWatch,
     process_context,
 )
-from workers.rollout.engine import CHORD, Delivery, run_rollout, run_rollout_async
+from workers.rollout.engine import CHORD, Delivery, Settling, run_rollout, run_rollout_async
 
 __all__ = [
     "CHORD",
@@ -21,6 +21,7 @@ __all__ = [
     "LeaseKeeper",
     "RecordLander",
     "RolloutContext",
+    "Settling",
     "StopWatch",
     "process_context",
     "run_rollout",

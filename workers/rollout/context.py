@@ -28,7 +28,7 @@ from schemas.messages import CallPolicy, CollectRequest, RunRef
 from workers.admission import Ticket, gate
 from workers.agent_call import CallOutcome, call_run
 from workers.landing import LAND_WAIT_S, LandReport, lander
-from workers.leases import Lease, LeaseTicket, RolloutLeases, Stage
+from workers.leases import Lease, LeaseTicket, ReplyPush, RolloutLeases, Stage
 from workers.redispatch import publisher, unacked_sweep
 from workers.shard.trust import ManifestCheck
 
@@ -91,7 +91,7 @@ class LeaseKeeper(Protocol):
 
     def current(self, lease: Lease) -> bool: ...
 
-    def settle(self, lease: Lease, token: str) -> bool: ...
+    def settle(self, lease: Lease, token: str, reply: ReplyPush | None = None) -> bool: ...
 
     def forget(self, lease: Lease) -> None: ...
 

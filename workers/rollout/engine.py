@@ -51,8 +51,8 @@ from workers.agent_call import CallOutcome, with_attempt
 from workers.backpressure import RateLimitWaits, budget_failure, next_wait_s
 from workers.capture import clear_for, merge_into
 from workers.landing import LandReport
-from workers.leases import Lease, Stage
-from workers.rollout.context import STOP_POLL_S, RolloutContext
+from workers.leases import Lease, ReplyPush, Stage
+from workers.rollout.context import STOP_POLL_S, LeaseKeeper, RolloutContext
 from workers.rollout.rows import (
     drained_row,
     not_started_message,
@@ -85,12 +85,34 @@ class Delivery:
     message: dict[str, Any] | None = None
     """The task message of this delivery (`workers/redispatch.py`): kept with the rollout's
     lease, for a takeover to publish again. None: the delivery takes no lease."""
-    settle_later: Callable[[Callable[[bool], object]], None] | None = None
+    settle_later: Callable[[Settling], None] | None = None
     """Takes the settling of the lease of an attempt that ended as its rollout's current one,
     to call once the delivery counted, with True (the chord task: after Celery counted its chord
     part, so a worker killed in between leaves the lease to expire and be taken over, not a
     rollout the chord never counts), or False if it could not count (the lease is let go, to
-    expire and be taken over). None: the lease is settled when the attempt ends."""
+    expire and be taken over); or `reply` (the Python API's task: the reply goes with the
+    settling, in one round trip). None: the lease is settled when the attempt ends."""
+
+
+@dataclass(frozen=True)
+class Settling:
+    """The pending settling of an attempt's lease (`Delivery.settle_later`)."""
+
+    leases: LeaseKeeper
+    lease: Lease
+    token: str
+
+    def __call__(self, counted: bool) -> bool:
+        """Settle the lease if the delivery counted, else let it expire; whether it settled."""
+        if counted:
+            return self.leases.settle(self.lease, self.token)
+        self.leases.forget(self.lease)
+        return False
+
+    def reply(self, push: ReplyPush) -> bool:
+        """Settle the lease and push `push` in one round trip; False (nothing pushed) if the
+        attempt was taken over meanwhile."""
+        return self.leases.settle(self.lease, self.token, push)
 
 
 CHORD = Delivery()
@@ -179,7 +201,8 @@ class _Run:
         if leases is None or message is None:
             return None
         try:
-            ticket = leases.take(self.sid, key_str(self.req.row), self.req.run.token, message)
+            seen = self.delivery.admission or self.req
+            ticket = leases.take(self.sid, key_str(seen.row), self.req.run.token, message)
         except redis.RedisError as exc:
             # Admission retries Redis, and ends the rollout in error if it stays away.
             log.warning("rollout %s runs without a lease: %s", self.rollout, exc)
@@ -206,9 +229,7 @@ class _Run:
             return outcome
         if current:
             if self.delivery.settle_later is not None:
-                self.delivery.settle_later(
-                    lambda counted: leases.settle(lease, token) if counted else leases.forget(lease)
-                )
+                self.delivery.settle_later(Settling(leases, lease, token))
                 return outcome
             try:
                 leases.settle(lease, token)

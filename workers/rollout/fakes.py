@@ -24,7 +24,7 @@ from schemas.messages import CollectRequest, RunRef
 from workers.admission import WINDOW_DECREASE, Ticket
 from workers.encoding import encode_records
 from workers.landing import LandReport
-from workers.leases import Lease, LeaseTicket, Stage
+from workers.leases import Lease, LeaseTicket, ReplyPush, Stage
 
 
 def _key(row: dict[str, Any]) -> str:
@@ -284,6 +284,8 @@ class FakeLeases:
         self.messages: dict[str, dict[str, Any]] = {}
         self.stages: list[tuple[str, Stage]] = []
         self.republished: list[dict[str, Any]] = []
+        self.replies: list[ReplyPush] = []
+        """Replies pushed with a settled lease."""
         self._n = 0
 
     def take(self, sid: str, key: str, token: str, message: dict[str, Any]) -> LeaseTicket:
@@ -303,10 +305,12 @@ class FakeLeases:
     def current(self, lease: Lease) -> bool:
         return self.shard.attempts.get(lease.key, lease.attempt) == lease.attempt
 
-    def settle(self, lease: Lease, token: str) -> bool:
+    def settle(self, lease: Lease, token: str, reply: ReplyPush | None = None) -> bool:
         current = self.shard.attempts.get(lease.key)
         if current is not None and current != lease.attempt:
             return False
+        if reply is not None:
+            self.replies.append(reply)
         self.settled[lease.key] = token
         self.held.pop(lease.key, None)
         self.messages.pop(lease.key, None)
