@@ -327,9 +327,10 @@ return {'taken', attempt, was}
 RENEW_ROLLOUTS_LUA = """
 -- A worker process's one round trip per interval: renew the leases it holds, then take over up
 -- to `claim` expired leases of the cluster. ARGV: ttl, claim, this process's holder, the lease,
--- message and attempts hash patterns (`%s`: the sid), then (member, attempt, stage) per held
--- lease, the member being `<sid>|<task>:<rollout>`. A lease is renewed only while its attempt is
--- the current one. An expired lease is marked redispatched, its attempt replaced by the
+-- message and attempts hash patterns (`%s`: the sid), the expiry of the admission slots' lease
+-- sets, the number n of slot leases held, n (lease set, member) pairs, then (member, attempt,
+-- stage) per held rollout lease, the member being `<sid>|<task>:<rollout>`. The slot leases are
+-- renewed as RENEW_LUA does. A rollout lease is renewed only while its attempt is the current one. An expired lease is marked redispatched, its attempt replaced by the
 -- takeover's (the silent holder is fenced from now on, before any new attempt starts), its
 -- expiry pushed by ttl (if the taker dies before publishing, another takes it over later) and
 -- its message returned.
@@ -338,14 +339,20 @@ RENEW_ROLLOUTS_LUA = """
 local all_key = KEYS[1]
 local ttl, claim, holder = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local lease_pattern, message_pattern, attempts_pattern = ARGV[4], ARGV[5], ARGV[6]
+local slot_set_ttl, slots = ARGV[7], tonumber(ARGV[8])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local function split(member)
   local bar = string.find(member, '|', 1, true)
   return string.sub(member, 1, bar - 1), string.sub(member, bar + 1)
 end
+for i = 9, 8 + 2 * slots, 2 do
+  local lease_set, slot = ARGV[i], ARGV[i + 1]
+  redis.call('ZADD', lease_set, now + ttl, slot)
+  redis.call('EXPIRE', lease_set, slot_set_ttl)
+end
 local gone = {}
-for i = 7, #ARGV, 3 do
+for i = 9 + 2 * slots, #ARGV, 3 do
   local member, attempt, stage = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local sid, key = split(member)
   local lease_key = string.format(lease_pattern, sid)

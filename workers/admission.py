@@ -18,6 +18,7 @@ instead of being delivered forever.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -26,7 +27,8 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -118,7 +120,11 @@ def p75(values: list[float]) -> float:
 
 
 class _LeaseRenewer:
-    """Renews every lease this process holds, from one thread, every third of the lease time."""
+    """Renews every lease this process holds, from one thread, every third of the lease time.
+
+    In a worker process the rollout leases' thread adopts it (`adopt`): both kinds of lease are
+    then renewed in one round trip per interval (`workers/leases.py`), and this thread idles.
+    """
 
     def __init__(self, r: redis.Redis, script: Any, ttl_s: float) -> None:
         self._r = r
@@ -128,8 +134,25 @@ class _LeaseRenewer:
         # Held across a renewal's Redis call, so a lease removed here is never renewed (re-added)
         # by a renewal that read it before the removal.
         self._lock = threading.Lock()
+        self._adopted = False
         self._thread = threading.Thread(target=self._loop, name="rollouts-leases", daemon=True)
         self._thread.start()
+
+    def adopt(self, ttl_s: float) -> Callable[[], AbstractContextManager[list[str]]] | None:
+        """Hand the renewal to another thread renewing every third of `ttl_s`: returns what it
+        enters for each renewal (`held`), or None if the intervals differ (this thread keeps
+        renewing)."""
+        if ttl_s != self._ttl_s:
+            return None
+        self._adopted = True
+        return self.held
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[list[str]]:
+        """The held leases as flat (lease set, member) pairs, under the lock for the duration of
+        the adopting thread's renewal."""
+        with self._lock:
+            yield [x for member, keys_ in self._held.items() for k in keys_ for x in (k, member)]
 
     def add(self, member: str, zsets: tuple[str, ...]) -> None:
         with self._lock:
@@ -144,12 +167,7 @@ class _LeaseRenewer:
         with self._lock:
             if not self._held:
                 return 0
-            zsets: list[str] = []
-            members: list[str] = [str(self._ttl_s), str(from_env().live_key_ttl_s)]
-            for member, keys_ in self._held.items():
-                for k in keys_:
-                    zsets.append(k)
-                    members.append(member)
+            zsets, members = self._renewal()
             try:
                 self._script(keys=zsets, args=members, client=self._r)
             except redis.RedisError as exc:
@@ -157,10 +175,21 @@ class _LeaseRenewer:
                 return 0
             return len(self._held)
 
+    def _renewal(self) -> tuple[list[str], list[str]]:
+        """RENEW_LUA's keys and arguments for the held leases (under the lock)."""
+        zsets: list[str] = []
+        members: list[str] = [str(self._ttl_s), str(from_env().live_key_ttl_s)]
+        for member, keys_ in self._held.items():
+            for k in keys_:
+                zsets.append(k)
+                members.append(member)
+        return zsets, members
+
     def _loop(self) -> None:
         while True:
             time.sleep(self._ttl_s / 3)
-            self.renew_once()
+            if not self._adopted:
+                self.renew_once()
 
 
 class _Releaser:

@@ -3,8 +3,8 @@
 A delivery of a rollout takes the rollout's lease before anything else (`take`): holder (this
 worker process), attempt token, stage, last heartbeat, and the task message that runs it. One
 thread per process renews every lease the process holds, in one round trip per third of the
-lease TTL (`ROLLOUTS_LEASE_TTL_S`), and in the same round trip takes over expired leases of the
-whole cluster: a holder that died, froze or lost Redis stops renewing, and the first live
+lease TTL (`ROLLOUTS_LEASE_TTL_S`), with the process's admission slots (`workers/admission.py`),
+and in the same round trip takes over expired leases of the whole cluster: a holder that died, froze or lost Redis stops renewing, and the first live
 process to notice publishes the rollout's task again (`workers/redispatch.py`), with no producer
 and no person, long before the broker's visibility timeout. The next delivery takes the lease as
 a new attempt; the attempt limit (`keys.shard_starts`) still ends a rollout that kills every
@@ -20,6 +20,7 @@ without calling the agent and is no death.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -108,6 +110,7 @@ class RolloutLeases:
         ttl_s: float | None = None,
         start: bool = True,
         sweep: Callable[[], int] | None = None,
+        slots: Callable[[], AbstractContextManager[list[str]]] | None = None,
     ) -> None:
         self.r = client(redis_url)
         self.ttl_s = from_env().lease_ttl_s if ttl_s is None else ttl_s
@@ -116,6 +119,9 @@ class RolloutLeases:
         self._publish = publish
         self._sweep = sweep
         """Runs after each renewal: `workers/redispatch.py`'s sweep of unstarted messages."""
+        self._slots = slots
+        """The admission slots' leases this process holds, renewed in the same round trip
+        (`workers/admission.py`'s renewer, adopted)."""
         self._take = self.r.register_script(TAKE_LEASE_LUA)
         self._renew = self.r.register_script(RENEW_ROLLOUTS_LUA)
         self._settle = self.r.register_script(SETTLE_LUA)
@@ -194,7 +200,8 @@ class RolloutLeases:
 
     def renew_once(self) -> int:
         """Renew the held leases and take over expired ones; returns how many were published again."""
-        with self._lock:
+        slots = self._slots() if self._slots is not None else contextlib.nullcontext([])
+        with self._lock, slots as held_slots:
             args: list[str | int | float] = [
                 self.ttl_s,
                 CLAIM_BATCH if self._publish is not None else 0,
@@ -202,6 +209,9 @@ class RolloutLeases:
                 keys.ROLLOUT_LEASE_KEY,
                 keys.ROLLOUT_MESSAGE_KEY,
                 keys.ROLLOUT_ATTEMPTS_KEY,
+                self.key_ttl_s,
+                len(held_slots) // 2,
+                *held_slots,
             ]
             for member, (attempt, stage) in self._held.items():
                 args += [member, attempt, stage]

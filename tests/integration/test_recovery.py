@@ -43,6 +43,7 @@ from tests.ops_helpers import (
     rows_by_key,
     wait_for,
 )
+from workers.admission import Gate
 from workers.leases import ReplyPush, RolloutLeases, lease_rows
 from workers.redispatch import CollectTaskMessage, UnackedSweep, publish_collect
 
@@ -88,6 +89,30 @@ def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
     assert other.take("sid1", "3:0", "gen-1", message).verdict == "settled"
     assert lease_rows(r, "sid1") == [] and r.zcard(keys.ROLLOUT_LEASES) == 0
     assert r.hget(keys.shard_attempts("sid1"), "3:0") == again.lease.attempt.encode()
+    r.close()
+
+
+def test_one_round_trip_renews_the_rollout_leases_and_the_admission_slots(
+    redis_url: str,
+) -> None:
+    gate = Gate(redis_url, ttl_s=1.0)
+    assert gate.renewer.adopt(2.0) is None  # another interval: the gate keeps its own thread
+    leases = RolloutLeases(redis_url, ttl_s=1.0, start=False, slots=gate.renewer.adopt(1.0))
+    gate.renewer.add("slot-1", ("slots-a", "slots-b"))
+    ticket = leases.take("sid1", "1:0", "gen-1", {"task_id": "t"})
+    assert ticket.lease is not None
+    r = redis.Redis.from_url(redis_url)
+    time.sleep(0.5)
+    r.config_resetstat()
+    sec, usec = r.time()
+    assert leases.renew_once() == 0
+    stats = r.info("commandstats")
+    renewed = sec + usec / 1e6 + 1.0
+    for lease_set in ("slots-a", "slots-b"):
+        assert (r.zscore(lease_set, "slot-1") or 0) >= renewed
+    assert (r.zscore(keys.ROLLOUT_LEASES, ticket.lease.member) or 0) >= renewed
+    # One script call renewed them all (the commands a script runs are counted too).
+    assert stats["cmdstat_evalsha"]["calls"] == 1 and "cmdstat_eval" not in stats
     r.close()
 
 

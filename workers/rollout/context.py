@@ -258,8 +258,13 @@ def _real_leases(redis_url: str) -> RolloutLeases:
     from workers.app import app  # the worker's app publishes the rollouts it takes over
 
     publish = publisher(app)
-    found = unacked_sweep(app, redis_url, publish, from_env().lease_ttl_s)
-    return RolloutLeases(redis_url, publish=publish, sweep=found.sweep if found else None)
+    ttl_s = from_env().lease_ttl_s
+    found = unacked_sweep(app, redis_url, publish, ttl_s)
+    # One round trip per interval renews both kinds of lease the process holds.
+    slots = gate(redis_url).renewer.adopt(ttl_s)
+    return RolloutLeases(
+        redis_url, publish=publish, ttl_s=ttl_s, sweep=found.sweep if found else None, slots=slots
+    )
 
 
 _leases: PerProcess[str, RolloutLeases] = PerProcess(_real_leases)
