@@ -5,7 +5,8 @@ An instant agent, small rows, an embedded Redis and local worker processes (`Ben
 workers this process cannot see). `rollouts run` is the producer, in its own process. At every
 checkpoint (each 100k landed rollouts, or N/10 for a smaller N) it records the producer's RSS,
 the workers' RSS, Redis's `used_memory` (and the part of it that is the broker queue of messages
-not yet delivered), its key count and the rate since the last checkpoint. After the finish: the
+not yet delivered), its key count, the rate since the last checkpoint and the size of the
+workers' `stats.total` (what Flower's `/api/workers` carries per worker). After the finish: the
 run's keys left in Redis and their TTLs, the finish step's wall time (from the last landing to
 the producer's exit) and, run again on its own in a child process, its wall time and peak RSS;
 then `rollouts status` and `rollouts resume` (nothing missing) with their wall time and peak RSS.
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import orjson
 import psutil
 import redis
+from celery import Celery
 
 from bench.harness import ROOT, AgentProcess, BenchCluster, table
 from examples.tasks import make_row
@@ -48,9 +50,13 @@ class Checkpoint:
     redis_used_mb: float
     queue_mb: float
     redis_keys: int
+    stats_total_b: int | None = None
+    """The largest `stats.total` among the workers (`celery inspect stats`, which Flower's
+    `/api/workers` shows), as JSON bytes; None if no worker answered."""
 
     def row(self) -> list[object]:
         workers = "/".join(f"{w:.0f}" for w in self.workers_mb) or "n/a"
+        stats = "n/a" if self.stats_total_b is None else f"{self.stats_total_b:,}"
         return [
             f"{self.landed:,}",
             self.elapsed_s,
@@ -61,6 +67,7 @@ class Checkpoint:
             self.queue_mb,
             self.redis_used_mb - self.queue_mb,
             f"{self.redis_keys:,}",
+            stats,
         ]
 
     def bytes_per_planned(self, baseline_mb: float, n: int) -> float:
@@ -126,6 +133,16 @@ def run_measured(cmd: list[str], env: dict[str, str], timeout_s: float = 3600) -
         out.seek(0)
         text = out.read().decode(errors="replace")
     return Measured(wall, usage.ru_maxrss / 1024, proc.returncode, text)
+
+
+def stats_total_bytes(app: Celery) -> int | None:
+    """The largest worker's `stats.total` (task name -> count) as JSON bytes."""
+    try:
+        found = app.control.inspect(timeout=2.0).stats() or {}
+    except Exception:  # a busy or gone worker: this checkpoint has no figure
+        return None
+    sizes = [len(orjson.dumps(s.get("total", {}))) for s in found.values()]
+    return max(sizes) if sizes else None
 
 
 def queue_mb(r: redis.Redis) -> float:
@@ -204,6 +221,7 @@ def soak(
             ),
         ):
             r = redis.Redis.from_url(url)
+            control = Celery("soak-inspect", broker=url, set_as_current=False)
             sid = keys.shard_id(RunDir(out).url, "0")
             result.baseline_used_mb = float(r.info("memory")["used_memory"]) / 2**20
             env = producer_env(url)
@@ -235,6 +253,7 @@ def soak(
                             redis_used_mb=used,
                             queue_mb=queue_mb(r),
                             redis_keys=int(r.dbsize()),  # type: ignore[arg-type]
+                            stats_total_b=stats_total_bytes(control),
                         )
                     )
                     last_t, last_n = now, landed
@@ -270,6 +289,7 @@ def soak(
                 [sys.executable, "-m", "producer.cli", "resume", out, "--broker", url], env
             )
             r.close()
+            control.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return result
@@ -299,7 +319,8 @@ def measured_row(name: str, m: Measured | None) -> list[object]:
 
 def report(res: SoakResult) -> str:
     headers = ["landed", "elapsed s", "rollouts/s", "producer RSS MB", "worker RSS MB",
-               "Redis used MB", "of which queue MB", "Redis minus queue MB", "Redis keys"]  # fmt: skip
+               "Redis used MB", "of which queue MB", "Redis minus queue MB", "Redis keys",
+               "stats.total B"]  # fmt: skip
     lines = [
         f"soak: N={res.n:,}, instant agent, small rows; baseline Redis used_memory "
         f"{res.baseline_used_mb:.1f} MB; wall {res.wall_s:.0f} s",
