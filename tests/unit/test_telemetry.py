@@ -4,7 +4,6 @@ request's header and span, the records' trace id, and the delivery's spans (in-m
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import subprocess
@@ -29,10 +28,11 @@ from schemas.messages import COLLECT_TASK, QUEUE, CallPolicy
 from schemas.outcomes import Ended, RolloutOutcome
 from tests.conftest import ROOT
 from tests.otlp_receiver import in_memory_sdk
+from tests.unit.test_redispatch import as_kept
 from tests.unit.test_rollout_engine import Harness, limited, replies
 from workers import tracing
 from workers.agent_call import call_run
-from workers.redispatch import CollectTaskMessage, from_delivered, publish_collect, publisher
+from workers.redispatch import CollectTaskMessage, from_delivered, publisher
 
 PARENT = TraceParent.parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
 ROW = {F.TASK_INDEX: 3, F.ROLLOUT_INDEX: 1, F.RUN_ID: "r1", "agent_ref": {"name": "a"}}
@@ -92,24 +92,11 @@ def test_a_collect_message_keeps_its_trace_headers_through_its_lease_and_the_bro
 
     # Published: the trace headers are message headers, as Celery's request shows them; the
     # sweep reads them back from the message as kombu's Redis transport keeps it.
-    app = Celery("t", set_as_current=False)
-    sent: list[dict[str, Any]] = []
-
-    class Producer:
-        def publish(self, body: Any, **kw: Any) -> None:
-            sent.append({"body": body, **kw})
-
-    publish_collect(app, Producer(), app.amqp.queues[QUEUE], m)
-    [out] = sent
-    assert out["headers"][TRACEPARENT] == PARENT.header() and out["headers"]["task"] == COLLECT_TASK
-    kept = {
-        "headers": out["headers"],
-        "properties": {"body_encoding": "base64"},
-        "body": base64.b64encode(json.dumps(out["body"]).encode()).decode(),
-    }
+    kept = as_kept(m)
+    assert kept["headers"][TRACEPARENT] == PARENT.header()
+    assert kept["headers"]["task"] == COLLECT_TASK
     again = from_delivered(kept)
     assert again is not None and again.headers == m.headers
-    app.close()
 
 
 def test_a_message_published_again_keeps_its_trace_with_a_new_publish_time() -> None:
