@@ -330,10 +330,10 @@ RENEW_ROLLOUTS_LUA = """
 -- message and attempts hash patterns (`%s`: the sid), the expiry of the admission slots' lease
 -- sets, the number n of slot leases held, n (lease set, member) pairs, then (member, attempt,
 -- stage) per held rollout lease, the member being `<sid>|<task>:<rollout>`. The slot leases are
--- renewed as RENEW_LUA does. A rollout lease is renewed only while its attempt is the current one. An expired lease is marked redispatched, its attempt replaced by the
--- takeover's (the silent holder is fenced from now on, before any new attempt starts), its
--- expiry pushed by ttl (if the taker dies before publishing, another takes it over later) and
--- its message returned.
+-- renewed as RENEW_LUA does. A rollout lease is renewed only while its attempt is the current
+-- one. An expired lease is marked redispatched, its attempt replaced by the takeover's (the
+-- silent holder is fenced from now on, before any new attempt starts), its expiry pushed by ttl
+-- (if the taker dies before publishing, another takes it over later) and its message returned.
 -- Returns {members no longer this process's, {member, message} per taken-over lease}.
 -- The shards' keys are built here from the members (single-node Redis, as everywhere).
 local all_key = KEYS[1]

@@ -152,7 +152,7 @@ class _LeaseRenewer:
         """The held leases as flat (lease set, member) pairs, under the lock for the duration of
         the adopting thread's renewal."""
         with self._lock:
-            yield [x for member, keys_ in self._held.items() for k in keys_ for x in (k, member)]
+            yield [x for pair in self._pairs() for x in pair]
 
     def add(self, member: str, zsets: tuple[str, ...]) -> None:
         with self._lock:
@@ -175,14 +175,15 @@ class _LeaseRenewer:
                 return 0
             return len(self._held)
 
+    def _pairs(self) -> list[tuple[str, str]]:
+        """(lease set, member) per held lease and set it is in (under the lock)."""
+        return [(k, member) for member, keys_ in self._held.items() for k in keys_]
+
     def _renewal(self) -> tuple[list[str], list[str]]:
         """RENEW_LUA's keys and arguments for the held leases (under the lock)."""
-        zsets: list[str] = []
-        members: list[str] = [str(self._ttl_s), str(from_env().live_key_ttl_s)]
-        for member, keys_ in self._held.items():
-            for k in keys_:
-                zsets.append(k)
-                members.append(member)
+        pairs = self._pairs()
+        zsets = [k for k, _ in pairs]
+        members = [str(self._ttl_s), str(from_env().live_key_ttl_s), *(m for _, m in pairs)]
         return zsets, members
 
     def _loop(self) -> None:

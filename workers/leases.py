@@ -4,9 +4,10 @@ A delivery of a rollout takes the rollout's lease before anything else (`take`):
 worker process), attempt token, stage, last heartbeat, and the task message that runs it. One
 thread per process renews every lease the process holds, in one round trip per third of the
 lease TTL (`ROLLOUTS_LEASE_TTL_S`), with the process's admission slots (`workers/admission.py`),
-and in the same round trip takes over expired leases of the whole cluster: a holder that died, froze or lost Redis stops renewing, and the first live
-process to notice publishes the rollout's task again (`workers/redispatch.py`), with no producer
-and no person, long before the broker's visibility timeout. The next delivery takes the lease as
+and in the same round trip takes over expired leases of the whole cluster: a holder that died,
+froze or lost Redis stops renewing, and the first live process to notice publishes the
+rollout's task again (`workers/redispatch.py`), with no producer and no person, long before the
+broker's visibility timeout. The next delivery takes the lease as
 a new attempt; the attempt limit (`keys.shard_starts`) still ends a rollout that kills every
 worker running it as `worker_lost`.
 

@@ -34,9 +34,9 @@ from kombu.entity import Queue
 from infra import keys
 from infra.redis_client import client
 from infra.telemetry import ENQUEUED_AT, TRACEPARENT, TRACESTATE
-from schemas import fields as F
 from schemas.messages import COLLECT_TASK, QUEUE
 from schemas.replies import COLLECT_REPLY_TASK, admission_row
+from workers.shard.state import key_str
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,8 @@ def from_delivered(message: dict[str, Any]) -> CollectTaskMessage | None:
 
 
 class UnackedSweep:
-    """Publishes again the rollout tasks a silent worker took from a Redis broker and never started."""
+    """Publishes again the rollout tasks a silent worker took from a Redis broker and never
+    started."""
 
     def __init__(
         self,
@@ -204,9 +205,8 @@ class UnackedSweep:
     def _unstarted(self, m: CollectTaskMessage) -> bool:
         """No attempt of the rollout holds a lease, and it has not settled in its generation."""
         run = m.payload["run"]
-        row = admission_row(m.payload["row"], m.payload.get("reply"))
+        key = key_str(admission_row(m.payload["row"], m.payload.get("reply")))
         sid = keys.shard_id(run["output_dir"], run["shard"])
-        key = f"{row[F.TASK_INDEX]}:{row[F.ROLLOUT_INDEX]}"
         pipe = self.state.pipeline(transaction=False)
         pipe.hexists(keys.shard_rollout_leases(sid), key)
         pipe.hget(keys.shard_settled(sid), key)
