@@ -187,6 +187,11 @@ class RunDir:
             raise FileNotFoundError(self.path(name))
         return b"".join(block for _, block in self.iter_bytes(name))
 
+    def open_document(self, name: str) -> IO[bytes]:
+        """A JSON document of the run (replaced whole, never appended to), to read as a stream."""
+        f: IO[bytes] = self.fs.open(self.path(name), "rb")
+        return f
+
     def write_atomic(self, name: str, data: bytes) -> None:
         """Replace `name` with `data` so readers see the old or the new content, never a mix."""
         target = self.path(name)
@@ -196,6 +201,25 @@ class RunDir:
         else:
             # An object PUT is atomic: readers see the old object or the new one.
             self.fs.pipe_file(target, data)
+
+    @contextmanager
+    def writing(self, name: str) -> Iterator[IO[bytes]]:
+        """A file written a piece at a time that replaces `name` whole when the block exits
+        cleanly: readers see the old content or the new, never a mix, and an error leaves the
+        old. On an object store, a streamed (multipart) upload, visible only when complete."""
+        target = self.path(name)
+        if self.is_local:
+            with replacing_file(target) as f:
+                yield f
+            return
+        out = self.fs.open(target, "wb")
+        try:
+            yield out
+        except BaseException:
+            out.discard()  # the upload is aborted, not completed
+            out.closed = True
+            raise
+        out.close()
 
     def remove(self, name: str) -> None:
         """Remove the logical file: its base and any segments."""
@@ -304,14 +328,8 @@ class RunDir:
         base = segments.base_part(self.fs, self.path(name))
         end = segments.logical_end(base, listed)
         if base is None or base.end < end:
-            target = self.path(name)
-            if self.is_local:
-                with replacing_file(target) as f:
-                    self._copy_logical(name, f)
-            else:
-                # A streamed (multipart) upload becomes visible only when complete.
-                with self.fs.open(target, "wb") as f:
-                    self._copy_logical(name, f)
+            with self.writing(name) as f:
+                self._copy_logical(name, f)
         self.fs.rm([p.path for p in listed])
         return len(listed)
 

@@ -10,7 +10,9 @@ up to `AGGREGATE_RATE_LIMIT_RETRIES` times, each after at least its `Retry-After
 
 Each server's rows are kept as their encoded bytes (stripped of the heavy fields), not as
 dicts, a few MB in memory and the rest in sorted runs on local disk: the request body is
-streamed from their merge (`ServerRows.chunks`), so memory does not grow with the shard.
+streamed from their merge (`ServerRows.chunks`), and the answer (an entry per task) is streamed
+to a local file and read a piece at a time (`workers/aggregate_file.py`), so memory does not
+grow with the shard.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from infra.telemetry import client_span
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.messages import CallPolicy
+from workers.aggregate_file import receive
 from workers.backpressure import RATE_LIMIT_STATUSES, next_wait_s, parse_retry_after
 from workers.health.spool import compact, tagged
 
@@ -215,9 +218,35 @@ class UnknownServerError(LookupError):
     """Raised when rows are stamped with an environment server the config does not name."""
 
 
+async def _request(
+    client: httpx.AsyncClient, url: str, server: str, rows: ServerRows, answer_path: str
+) -> dict[str, Any]:
+    """POST the rows (retrying a 429/503) and keep the answer at `answer_path` (`receive`)."""
+    for retry in range(AGGREGATE_RATE_LIMIT_RETRIES + 1):
+        attrs = {"rollouts.environment_server": server}
+        with client_span("POST", url, attrs) as span:  # the finish step's trace, if traced
+            headers = span.headers({"content-type": "application/json"})
+            async with client.stream("POST", url, content=_stream(rows), headers=headers) as got:
+                span.status(got.status_code)
+                limited = got.status_code in RATE_LIMIT_STATUSES
+                if not limited or retry == AGGREGATE_RATE_LIMIT_RETRIES:
+                    got.raise_for_status()
+                    return await receive(got, answer_path)
+                retry_after = parse_retry_after(got.headers.get("retry-after"))
+        await asyncio.sleep(next_wait_s(_AGGREGATE_WAITS, retry_after, retry))
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
 async def _post_one(
-    client: httpx.AsyncClient, config: ServersConfig, label: str, server: str, rows: ServerRows
+    client: httpx.AsyncClient,
+    config: ServersConfig,
+    label: str,
+    server: str,
+    rows: ServerRows,
+    answer_path: str,
 ) -> tuple[dict[str, Any], BaseException | None]:
+    """The server's entry: its answer's top level, its lists left at `answer_path`
+    (`workers/aggregate_file.py`); or an empty entry with the error, and the error."""
     try:
         if server not in config.environments and server not in config.agents:
             raise UnknownServerError(
@@ -226,23 +255,7 @@ async def _post_one(
                 "that produced them"
             )
         url = config.aggregation_url(server).rstrip("/") + "/aggregate_metrics"
-        for retry in range(AGGREGATE_RATE_LIMIT_RETRIES + 1):
-            attrs = {"rollouts.environment_server": server}
-            with client_span("POST", url, attrs) as span:  # the finish step's trace, if traced
-                headers = span.headers({"content-type": "application/json"})
-                response = await client.post(url, content=_stream(rows), headers=headers)
-                span.status(response.status_code)
-            if response.status_code not in RATE_LIMIT_STATUSES:
-                break
-            if retry < AGGREGATE_RATE_LIMIT_RETRIES:
-                retry_after = parse_retry_after(response.headers.get("retry-after"))
-                await asyncio.sleep(next_wait_s(_AGGREGATE_WAITS, retry_after, retry))
-        response.raise_for_status()
-        answer = response.json()
-        if not isinstance(answer, dict):
-            raise ValueError(
-                f"/aggregate_metrics returned a JSON {type(answer).__name__}, not an object"
-            )
+        answer = await _request(client, url, server, rows, answer_path)
     except Exception as exc:
         message = f"{type(exc).__name__}: {exc}"
         return empty_entry(label, server, message), exc
@@ -260,14 +273,21 @@ async def _stream(rows: ServerRows) -> AsyncIterator[bytes]:
 
 
 async def aggregate(
-    groups: dict[str, ServerRows], config: ServersConfig
+    groups: dict[str, ServerRows], config: ServersConfig, scratch: str
 ) -> tuple[list[dict[str, Any]], BaseException | None]:
-    """One entry per server (sorted by server), and the first original exception, if any."""
+    """One entry per server (sorted by server), and the first original exception, if any.
+
+    Each answer is kept in the folder `scratch` (its lists are read from there when the file is
+    written: `workers/aggregate_file.py`); the caller removes it after writing.
+    """
     labels = label_servers({s: (g.agents[0] if g.agents else None) for s, g in groups.items()})
     servers = sorted(groups)
     async with httpx.AsyncClient(timeout=AGGREGATE_TIMEOUT_S) as client:
         done = await asyncio.gather(
-            *(_post_one(client, config, labels[s], s, groups[s]) for s in servers)
+            *(
+                _post_one(client, config, labels[s], s, groups[s], f"{scratch}/{i}.json")
+                for i, s in enumerate(servers)
+            )
         )
     entries = [entry for entry, _ in done]
     first_error = next((exc for _, exc in done if exc is not None), None)

@@ -8,10 +8,12 @@ fails the run: an error in it is logged and reported, and the run's state stands
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from infra import jsonl, keys
+from infra import keys
 from infra.http import process_io
 from infra.locks import held
 from infra.redis_client import client
@@ -23,6 +25,7 @@ from schemas.health import QUALITY_SUMMARY, STOPPED_BY_SIGTERM, Limits
 from schemas.messages import RunRef
 from schemas.records import rate_limit_waits
 from schemas.settings import CollectionSettings
+from workers.aggregate_file import write_entries
 from workers.aggregation import aggregate, group_rows
 from workers.health.check import check_sources_here, write_disabled
 from workers.health.sources import source_for
@@ -43,22 +46,29 @@ def write_aggregate_file(
     rows: Iterable[dict[str, Any]],
     config: ServersConfig,
     raise_on_error: bool = False,
+    stamp: Callable[[], Mapping[str, Any]] | None = None,
 ) -> str | None:
     """Aggregate `rows` per environment server and save `name`; returns the first error's text.
 
     The file is written even when a request failed (that entry carries `aggregation_error`);
     with `raise_on_error`, the first original exception is raised after it is saved. Nothing
-    is written when there are no rows to score.
+    is written when there are no rows to score. `stamp`, called once the rows were read, gives
+    fields set in every entry (a rejected run's). The answers wait in a local scratch folder
+    and the file is written from there, a list item at a time (`workers/aggregate_file.py`).
     """
     groups = group_rows(rows, config)
     if not groups:
         return None
+    scratch = tempfile.mkdtemp(prefix="rollouts-answers-")
     try:
-        entries, error = process_io().loop.run(aggregate(groups, config))
+        entries, error = process_io().loop.run(aggregate(groups, config, scratch))
+        extra = stamp() if stamp is not None else {}
+        with rd.writing(name) as out:
+            write_entries(out, ({**entry, **extra} for entry in entries))
     finally:
         for group in groups.values():
             group.close()
-    rd.write_atomic(name, jsonl.dumps_pretty(entries))
+        shutil.rmtree(scratch, ignore_errors=True)
     if error is None:
         return None
     if raise_on_error:
@@ -78,10 +88,17 @@ def write_aggregate(
     The scored rows are the results plus the zeros `count_failure_classes_as_zero` and
     `count_missing_rollouts_as_zero` impute (`workers/shard/scored.py`). With `fold`, the
     ledger has read everything but the results, and each result row is folded into it as the
-    aggregation reads it (one pass over the results for both).
+    aggregation reads it (one pass over the results for both). A run that `require_complete`
+    rejects has the rejection in every entry (`rejection_of`), so no score is read from it as
+    complete.
     """
     rows = ScoredRows.of(rd, ledger, config, settings, fold=fold)
-    error = write_aggregate_file(rd, ledger.files.aggregate, rows, config)
+
+    def stamp() -> dict[str, Any]:
+        rejection = rejection_of(rd, ledger, settings)
+        return {} if rejection is None else {"complete": False, "completion_rejected": rejection}
+
+    error = write_aggregate_file(rd, ledger.files.aggregate, rows, config, stamp=stamp)
     return error, rows.coverage()
 
 
@@ -157,26 +174,16 @@ def write_shard_report(rd: RunDir, shard: str) -> str | None:
         return None
 
 
-def completion_rejection(landed: int, planned: int, where: str) -> str:
-    """The strict-completion error (`require_complete`), in NeMo Gym's words."""
+def rejection_of(rd: RunDir, ledger: ShardLedger, settings: CollectionSettings) -> str | None:
+    """The strict-completion error (`require_complete`) of a shard missing rollouts, in NeMo
+    Gym's words; None when it is not asked for or nothing is missing."""
+    if not settings.require_complete or ledger.landed >= ledger.planned:
+        return None
+    where = rd.path(ledger.files.results)
     return (
-        f"EVAL FAILED: {landed}/{planned} samples completed. Partial artifacts retained at {where}."
+        f"EVAL FAILED: {ledger.landed}/{ledger.planned} samples completed. "
+        f"Partial artifacts retained at {where}."
     )
-
-
-def mark_rejected(rd: RunDir, shard: str, rejection: str) -> None:
-    """Record the rejection in every entry of the aggregate, so no score is read from it as complete."""
-    files = ShardFiles(shard)
-    if not rd.exists(files.aggregate):
-        return
-    entries = jsonl.loads(rd.read_bytes(files.aggregate))
-    if not isinstance(entries, list):
-        return
-    for entry in entries:
-        if isinstance(entry, dict):
-            entry["complete"] = False
-            entry["completion_rejected"] = rejection
-    rd.write_atomic(files.aggregate, jsonl.dumps_pretty(entries))
 
 
 def generation_counts(redis_url: str, sid: str, token: str) -> dict[str, int]:
@@ -232,12 +239,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     status.stopped = generation.get("stopped", 0)
     status.rate_limit_waits = rate_limit_waits(shard_counts(r, sid))
     status.tokens = counts.tokens.usage(settings.model_prices)
-    rejection = None
-    if settings.require_complete and counts.landed < counts.planned:
-        rejection = completion_rejection(
-            counts.landed, counts.planned, rd.path(ShardFiles(run.shard).results)
-        )
-        mark_rejected(rd, run.shard, rejection)
+    rejection = rejection_of(rd, counts, settings)  # in the aggregate's entries already
     write_status(rd, status)
     if run_error == STOPPED_BY_SIGTERM:
         # The provisional summary written at the stop stays until `rollouts health-check`.

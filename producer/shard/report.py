@@ -8,11 +8,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from infra import jsonl
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
 from schemas.errors import RunFailedError
 from schemas.finish import FinishResult
+from workers.aggregate_file import entry_heads
 from workers.health.summary import console_line
 
 
@@ -30,7 +30,8 @@ def print_metrics_file(console: Console, rd: RunDir, name: str, keys_only: bool 
     if not rd.exists(name):
         console.print("no aggregate metrics were written")
         return
-    entries = jsonl.loads(rd.read_bytes(name))
+    with rd.open_document(name) as f:
+        entries = entry_heads(f)  # without the per-task lists: a GB at a million rollouts
     for entry in entries:
         server = entry.get(F.ENVIRONMENT_SERVER)
         label = (entry.get("agent_ref") or {}).get("name")

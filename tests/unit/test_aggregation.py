@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -82,7 +83,7 @@ def test_labels_are_agent_names_unless_an_agent_spans_servers() -> None:
 
 
 def test_a_failed_server_keeps_an_entry_with_empty_collections_and_the_error(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "e2":
@@ -103,7 +104,7 @@ def test_a_failed_server_keeps_an_entry_with_empty_collections_and_the_error(
         {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}, "reward": 1},
         {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "b"}, "reward": 0},
     ]
-    entries, error = asyncio.run(aggregation.aggregate(group_rows(rows, CONFIG), CONFIG))
+    entries, error = asyncio.run(aggregation.aggregate(group_rows(rows, CONFIG), CONFIG, str(tmp_path)))
     assert [e["_ng_environment_server"] for e in entries] == ["e1", "e2"]
     assert entries[0]["agent_metrics"] == {"n": 1}
     assert entries[1]["agent_metrics"] == {} and entries[1]["group_level_metrics"] == []
@@ -112,7 +113,7 @@ def test_a_failed_server_keeps_an_entry_with_empty_collections_and_the_error(
 
 
 def test_a_rate_limited_aggregation_is_retried_after_its_retry_after_a_bounded_number_of_times(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     answers = {"e1": [429, 503, 200], "e2": [429] * 99}
     sent: dict[str, int] = {"e1": 0, "e2": 0}
@@ -140,7 +141,7 @@ def test_a_rate_limited_aggregation_is_retried_after_its_retry_after_a_bounded_n
         {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}, "reward": 1},
         {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "b"}, "reward": 0},
     ]
-    entries, error = asyncio.run(aggregation.aggregate(group_rows(rows, CONFIG), CONFIG))
+    entries, error = asyncio.run(aggregation.aggregate(group_rows(rows, CONFIG), CONFIG, str(tmp_path)))
     assert entries[0]["agent_metrics"] == {"ok": 1}
     assert sent == {"e1": 3, "e2": 1 + aggregation.AGGREGATE_RATE_LIMIT_RETRIES}
     assert set(slept) == {3.0} and len(slept) == 2 + aggregation.AGGREGATE_RATE_LIMIT_RETRIES

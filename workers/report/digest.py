@@ -21,6 +21,7 @@ from typing import Any
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
 from schemas.health import QUALITY_SUMMARY, ROLLOUT_VERDICTS, Source
+from workers.aggregate_file import read_heads
 from workers.health.sources import earlier_run, read_json, stem_of
 from workers.report.stats import Bins, LogHistogram, Reservoir, TopK
 from workers.shard.ledger import Failure, ShardLedger, is_drained, iter_rows
@@ -300,7 +301,7 @@ class RunDigest:
     def read_documents(self, rd: RunDir, stem: str) -> bool:
         """Read the source's manifest and aggregate metrics; whether it had a manifest."""
         manifest = read_json(rd, f"{stem}_manifest.json")
-        entries = read_json(rd, f"{stem}_aggregate_metrics.json")
+        entries = read_heads(rd, f"{stem}_aggregate_metrics.json")
         for entry in entries if isinstance(entries, list) else []:
             if isinstance(entry, dict) and isinstance(entry.get("key_metrics"), dict):
                 env = str(entry.get(F.ENVIRONMENT_SERVER, NO_NAME))
