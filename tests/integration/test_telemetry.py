@@ -221,7 +221,8 @@ def test_a_rollout_taken_over_from_a_killed_worker_keeps_its_trace(
         # survivor, after the kill, and their spans are what is checked below.
         traces = by_trace(receiver.spans())
         return all(
-            any(s.name == "rollouts.land" for s in traces.get(rows[k][F.TRACE_ID], ())) for k in again
+            any(s.name == "rollouts.land" for s in traces.get(rows[k][F.TRACE_ID], ()))
+            for k in again
         )
 
     wait_for(taken_over_landed, 30, "the taken-over rollouts' landing spans")

@@ -104,7 +104,9 @@ def test_a_failed_server_keeps_an_entry_with_empty_collections_and_the_error(
         {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}, "reward": 1},
         {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "b"}, "reward": 0},
     ]
-    entries, error = asyncio.run(aggregation.aggregate(group_rows(rows, CONFIG), CONFIG, str(tmp_path)))
+    entries, error = asyncio.run(
+        aggregation.aggregate(group_rows(rows, CONFIG), CONFIG, str(tmp_path))
+    )
     assert [e["_ng_environment_server"] for e in entries] == ["e1", "e2"]
     assert entries[0]["agent_metrics"] == {"n": 1}
     assert entries[1]["agent_metrics"] == {} and entries[1]["group_level_metrics"] == []
@@ -141,7 +143,9 @@ def test_a_rate_limited_aggregation_is_retried_after_its_retry_after_a_bounded_n
         {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}, "reward": 1},
         {"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "b"}, "reward": 0},
     ]
-    entries, error = asyncio.run(aggregation.aggregate(group_rows(rows, CONFIG), CONFIG, str(tmp_path)))
+    entries, error = asyncio.run(
+        aggregation.aggregate(group_rows(rows, CONFIG), CONFIG, str(tmp_path))
+    )
     assert entries[0]["agent_metrics"] == {"ok": 1}
     assert sent == {"e1": 3, "e2": 1 + aggregation.AGGREGATE_RATE_LIMIT_RETRIES}
     assert set(slept) == {3.0} and len(slept) == 2 + aggregation.AGGREGATE_RATE_LIMIT_RETRIES
