@@ -90,10 +90,11 @@ def _kind(event: Event | None) -> str:
     return _SCALAR_TYPES.get(name, name)
 
 
-def _skip(events: Iterator[Event]) -> None:
-    """Pass over the rest of a container whose opening event was just read."""
+def _rest(events: Iterator[Event]) -> Iterator[Event]:
+    """The events of the rest of a container whose opening event was just read, to its close."""
     depth = 1
-    for event, _ in events:
+    for event, value in events:
+        yield event, value
         if event in _OPENS:
             depth += 1
         elif event in _CLOSES:
@@ -102,21 +103,19 @@ def _skip(events: Iterator[Event]) -> None:
                 return
 
 
+def _skip(events: Iterator[Event]) -> None:
+    """Pass over the rest of a container whose opening event was just read."""
+    for _ in _rest(events):
+        pass
+
+
 def _build(opening: Event, events: Iterator[Event]) -> Any:
     """The value that begins with `opening`, parsed from the events that follow it."""
     builder = ObjectBuilder()
     builder.event(*opening)
-    if opening[0] not in _OPENS:
-        return builder.value
-    depth = 1
-    for event, value in events:
-        builder.event(event, value)
-        if event in _OPENS:
-            depth += 1
-        elif event in _CLOSES:
-            depth -= 1
-            if depth == 0:
-                break
+    if opening[0] in _OPENS:
+        for event, value in _rest(events):
+            builder.event(event, value)
     return builder.value
 
 

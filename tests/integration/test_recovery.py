@@ -190,14 +190,14 @@ def landed_lines(out: Path) -> int:
 
 @contextlib.contextmanager
 def mid_run(
-    tmp_path: Path, redis_url: str, workers: Workers, planned: int
+    tmp_path: Path, redis_url: str, workers: Workers, planned: int, settle_s: float = 0.2
 ) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """Two workers of 8 threads running `planned` rollouts of 400 ms, 30 of them landed.
 
-    It yields mid-call (200 ms after a batch landed), not while the workers fetch their next
-    messages: kombu's Redis transport pops a message and records it as unacknowledged in two
-    steps, and a worker killed or frozen between them holds a message no lease, sweep or
-    visibility timeout knows of (README: Recovery); the stall verdict and a resume cover that.
+    It yields `settle_s` after a batch landed: 0.2 s is mid-call; 0 is while the workers
+    acknowledge what landed and fetch their next messages, where kombu's own transport (a pop,
+    then a second round trip recording the message as unacknowledged) would lose a message to a
+    kill; ours pops and records in one script (README: Recovery, *Popped, never recorded*).
     """
     servers = start_servers(knobs=AgentKnobs(latency_ms=400))
     try:
@@ -206,17 +206,18 @@ def mid_run(
         config = servers.write_config(str(tmp_path / "servers.yaml"))
         run, out = start_run(tmp_path, redis_url, demo_rows(planned), config)
         wait_for(lambda: landed_lines(out) >= 30, 60, "30 results")
-        time.sleep(0.2)
+        time.sleep(settle_s)
         yield run, out
     finally:
         servers.stop()
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("settle_s", [0.2, 0.0], ids=["mid-call", "between-messages"])
 def test_a_sigkilled_worker_s_rollouts_are_taken_over_and_the_run_finishes_by_itself(
-    redis_url: str, workers: Workers, tmp_path: Path
+    redis_url: str, workers: Workers, tmp_path: Path, settle_s: float
 ) -> None:
-    with mid_run(tmp_path, redis_url, workers, 120) as (run, out):
+    with mid_run(tmp_path, redis_url, workers, 120, settle_s) as (run, out):
         workers.procs[0].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         workers.procs[0].wait(10)
