@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 from opentelemetry.trace import SpanKind
@@ -199,8 +199,19 @@ def test_a_rollout_taken_over_from_a_killed_worker_keeps_its_trace(
             path = out / "rollouts-0.jsonl"
             return path.read_bytes().count(b"\n") if path.exists() else 0
 
+        def exported_in_flight() -> set[Key]:
+            """Rollouts the worker to kill has exported a delivery span of and not landed: what
+            it holds mid-call whose spans reached the receiver (a span still in the exporter's
+            queue at the kill dies with the process)."""
+            results = (out / "rollouts-0.jsonl").read_bytes().splitlines(keepends=True)
+            landed_keys = {key(orjson.loads(line)) for line in results if line.endswith(b"\n")}
+            delivered = receiver.spans("rollouts.queue_wait")
+            mine = {rollout_key(s) for s in delivered if s.resource["process.pid"] == killed_pid}
+            return mine - landed_keys
+
         wait_for(lambda: landed() >= 20, 60, "20 results")
-        time.sleep(0.2)  # mid-call (`test_recovery.mid_run` says why)
+        wait_for(lambda: bool(exported_in_flight()), 30, "an exported delivery mid-call")
+        victims = exported_in_flight()
         workers.procs[0].send_signal(signal.SIGKILL)
         workers.procs[0].wait(10)
         code = run.wait(150)
@@ -240,7 +251,7 @@ def test_a_rollout_taken_over_from_a_killed_worker_keeps_its_trace(
         both.append({"key": k, "pids": pids, "deliveries": len(deliveries)})
     # The killed worker's first attempt left spans it exported before it died in the same trace
     # as the attempt that landed (a span still open at the kill is lost with the process).
-    assert any(killed_pid in b["pids"] and len(b["pids"]) == 2 for b in both), both
+    assert any(killed_pid in b["pids"] and len(b["pids"]) == 2 for b in both), (victims, both)
 
 
 def test_the_capture_proxy_records_a_model_call_in_its_rollout_s_trace(
