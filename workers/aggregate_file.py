@@ -11,6 +11,9 @@ once parsed into Python objects. So no process holds an answer whole:
   (ijson: yajl's C parser), in the bytes `jsonl.dumps_pretty` gives the whole document
   (orjson's two-space indentation), so readers see what they always saw;
 - readers take each entry without its lists (`entry_heads`): the server, the agent, the metrics.
+
+yajl reads integers up to 64 bits: an answer holding a larger one is refused with yajl's
+"integer overflow" (the server's entry records it as its `aggregation_error`).
 """
 
 from __future__ import annotations

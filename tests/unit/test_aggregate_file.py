@@ -89,6 +89,14 @@ def test_an_answer_that_is_not_one_json_object_is_refused(tmp_path: Path) -> Non
             read_answer(str(path))
 
 
+def test_an_integer_past_64_bits_is_refused_by_name(tmp_path: Path) -> None:
+    # orjson would have read it as a float; yajl refuses it, and the server's entry records why.
+    path = tmp_path / "big.json"
+    path.write_bytes(b'{"key_metrics": {"n": 123456789012345678901234567890}}')
+    with pytest.raises(ijson.JSONError, match="integer overflow"):
+        read_answer(str(path))
+
+
 def test_a_key_with_a_dot_is_parsed_whole_and_written_the_same(tmp_path: Path) -> None:
     doc = {"a.b": [1, 2], "a": {"b": [3]}}
     fields = read_answer(spooled(tmp_path, doc))
