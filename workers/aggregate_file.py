@@ -68,10 +68,7 @@ def read_answer(path: str) -> dict[str, Any]:
         if first is None or first[0] != "start_map":
             raise ValueError(f"/aggregate_metrics returned a JSON {_kind(first)}, not an object")
         fields: dict[str, Any] = {}
-        for event, key in events:
-            if event == "end_map":
-                break
-            opening = next(events)
+        for key, opening in _members(events):
             if opening[0] == "start_array" and "." not in key:
                 _skip(events)
                 fields[key] = Listed(path, key)
@@ -80,6 +77,15 @@ def read_answer(path: str) -> dict[str, Any]:
         for _ in events:  # anything after the object is an error of the parser's
             pass
     return fields
+
+
+def _members(events: Iterator[Event]) -> Iterator[tuple[str, Event]]:
+    """(key, the opening event of its value) for each member of an object whose `start_map`
+    was just read; the caller reads or skips the rest of each value before the next."""
+    for event, key in events:
+        if event == "end_map":
+            return
+        yield key, next(events)
 
 
 def _kind(event: Event | None) -> str:
@@ -171,10 +177,7 @@ def entry_heads(f: IO[bytes]) -> list[dict[str, Any]]:
             _build(opening, events)
             continue
         head: dict[str, Any] = {}
-        for event, key in events:
-            if event == "end_map":
-                break
-            value = next(events)
+        for key, value in _members(events):
             if value[0] == "start_array":
                 _skip(events)
             else:
