@@ -151,7 +151,7 @@ def queue_mb(r: redis.Redis) -> float:
 
 
 def run_keys(r: redis.Redis, sid: str) -> dict[str, int]:
-    """Every key of the run (its shard's and its chord's) and its TTL, by pattern."""
+    """Every key of the run (its shard's, and Celery's results) and its TTL, by pattern."""
     found: dict[str, int] = {}
     for pattern in (f"{keys.PREFIX}:shard:{sid}:*", "celery-task*"):
         for key in r.scan_iter(pattern, count=1000):
@@ -173,7 +173,10 @@ def biggest_keys(r: redis.Redis, sid: str, top: int = 8) -> list[tuple[str, int,
 
 def key_kind(key: str) -> str:
     if key.startswith(f"{keys.PREFIX}:shard:"):
-        return "shard:" + ":".join(key.split(":")[3:])
+        part = key.split(":")[3:]
+        if part[0] == "settled":  # one generation's: its token and rollout index left out
+            return "shard:settled" + ("_bits" if "_bits:" in key else "")
+        return "shard:" + ":".join(part)
     if key.startswith("celery-taskset-meta-"):
         return "celery chord" + (key[-2:] if key[-2] == "." else "")
     return "celery-task-meta (results)"

@@ -100,7 +100,11 @@ shard_generation = _shard_key("generation")
 """Hash of the current dispatch generation: `token`, `enqueued`, `started_at`, `deadline`,
 and its outcome counters `done`, `duplicate`, `drained` (the budget ran out), `stopped` (not
 started: the run was cancelled or failed), `cancelled` (cancelled in flight). Tasks of an
-older generation do not count here."""
+older generation do not count here.
+
+`finish` (the finish task's signature, JSON) and `counted` (its rollouts settled so far, each
+once, `workers/leases.py`): the delivery that settles the last of `enqueued` publishes the finish
+(the generation's chord, counted in one field instead of Celery's per-task chord keys)."""
 
 shard_rollout_leases = _shard_key("rollout_leases")
 """Hash `task:rollout` -> the JSON lease of the attempt running it now (`workers/leases.py`).
@@ -117,17 +121,37 @@ shard_lease_messages = _shard_key("lease_messages")
 publishes again, without the producer (`workers/redispatch.py`)."""
 
 shard_attempts = _shard_key("attempts")
-"""Hash `task:rollout` -> the token of the rollout's current attempt, kept after it settled.
+"""Hash `task:rollout` -> the token of the rollout's current attempt, until it settles.
 
-The lander refuses records of any other attempt: a holder that was taken over lands nothing.
+The lander refuses records of any other attempt: a holder that was taken over lands nothing
+while the attempt that took it over runs; once that one settled, what the late holder lands is
+a duplicate (the landed keys), and its settling counts nothing (`shard_settled`).
 """
 
-shard_settled = _shard_key("settled")
-"""Hash `task:rollout` -> the generation token the rollout's chord part was counted for.
 
-A delivery of a rollout settled in its own generation (a copy the broker redelivered, a takeover
-racing a late holder) is acknowledged without side effects and counts no chord part.
-"""
+def shard_settled(sid: str, token: str) -> str:
+    """Set of the keys `task:rollout` settled in generation `token`: each counted once toward the
+    generation's finish (`workers/leases.py`); bits where they fit, as the landed keys are
+    (`shard_settled_bits`, `workers/shard/landed.py`'s rule, made in `infra/scripts.py`).
+
+    A delivery of a rollout settled in its own generation (a copy the broker redelivered, a
+    takeover racing a late holder) is acknowledged without side effects and counts nothing.
+    """
+    return f"{PREFIX}:shard:{sid}:settled:{token}"
+
+
+def shard_settled_bits(sid: str, token: str, rollout: int) -> str:
+    """Bitmap of rollout index `rollout`: bit `task` is set once `task:rollout` settled in `token`."""
+    return f"{shard_settled(sid, token)}_bits:{rollout}"
+
+
+def shard_settled_keys(sid: str, token: str) -> list[str]:
+    """Every key that holds what settled in generation `token`."""
+    return [
+        shard_settled(sid, token),
+        *(shard_settled_bits(sid, token, rollout) for rollout in range(LANDED_BITS_ROLLOUTS)),
+    ]
+
 
 ROLLOUT_LEASES = f"{PREFIX}:rollout_leases"
 """Sorted set of the cluster: `<sid>|<task>:<rollout>` per running rollout, scored by its lease's
@@ -222,7 +246,6 @@ def all_shard_keys(sid: str) -> list[str]:
         shard_rollout_leases(sid),
         shard_lease_messages(sid),
         shard_attempts(sid),
-        shard_settled(sid),
     ]
 
 

@@ -280,21 +280,43 @@ end
 return #KEYS
 """
 
-TAKE_LEASE_LUA = """
+_MARK_FN = f"""
+-- Note `task:rollout` in the keys of `set_key` (landed()'s layout): a bit of its rollout index's
+-- bitmap when the task index is below `limit` (workers/shard/landed.py's rule: a bitmap holds at
+-- most 2 bytes per rollout the generation enqueued), else a member of the set. Expires key_ttl.
+local MARK_ROLLOUTS = {LANDED_BITS_ROLLOUTS}
+local function mark(set_key, key, limit, key_ttl)
+  local colon = string.find(key, ':', 1, true)
+  local task = colon and tonumber(string.sub(key, 1, colon - 1))
+  local rollout = colon and tonumber(string.sub(key, colon + 1))
+  if task and rollout and rollout < MARK_ROLLOUTS and task < limit then
+    local bits = set_key .. '_bits:' .. rollout
+    redis.call('SETBIT', bits, task, 1)
+    redis.call('EXPIRE', bits, key_ttl)
+  else
+    redis.call('SADD', set_key, key)
+    redis.call('EXPIRE', set_key, key_ttl)
+  end
+end
+"""
+
+TAKE_LEASE_LUA = (
+    _LANDED_FN
+    + """
 -- One delivery of a rollout asks for its lease. Returns {verdict, detail, lost}:
--- settled (its chord part was counted in this generation already: a copy), live (another
--- attempt of this generation holds a fresh lease; detail: its holder), or taken (detail: this
--- attempt's token; lost: the silent holder taken over, else ''). A lease is taken when there is
--- none, when it expired, when a takeover re-published it (stage redispatched) or when it is an
--- older generation's. The message (if any) is kept for a takeover to publish again. The shard
--- hashes it writes expire key_ttl seconds later.
+-- settled (it settled in this generation already: a copy), live (another attempt of this
+-- generation holds a fresh lease; detail: its holder), or taken (detail: this attempt's token;
+-- lost: the silent holder taken over, else ''). A lease is taken when there is none, when it
+-- expired, when a takeover re-published it (stage redispatched) or when it is an older
+-- generation's. The message (if any) is kept for a takeover to publish again. The shard hashes
+-- it writes expire key_ttl seconds later. settled_key: the generation's (keys.shard_settled).
 local lease_key, attempts_key, messages_key, settled_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local all_key = KEYS[5]
 local key, token, holder, ttl, message = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local member, key_ttl = ARGV[6], ARGV[7]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-if redis.call('HGET', settled_key, key) == token then return {'settled', '', ''} end
+if landed(settled_key, key) then return {'settled', '', ''} end
 local n, lost, was = 1, '', ''
 local raw = redis.call('HGET', lease_key, key)
 if raw then
@@ -323,6 +345,7 @@ end
 redis.call('ZADD', all_key, now + ttl, member)
 return {'taken', attempt, was}
 """
+)
 
 RENEW_ROLLOUTS_LUA = """
 -- A worker process's one round trip per interval: renew the leases it holds, then take over up
@@ -391,34 +414,56 @@ end
 return {gone, taken}
 """
 
-SETTLE_LUA = """
--- An attempt of a rollout ended. If it is the rollout's current attempt (or Redis lost the
--- attempts), its chord part counts: the rollout is settled for this generation and its lease
--- and message go. Returns 1 if it counts, 0 if the attempt was taken over (its outcome is void).
--- The settled hash expires key_ttl seconds later. With KEYS[6] and KEYS[7] (a Python API
--- rollout), the attempt that counts also pushes its reply (ARGV[6]) onto KEYS[6], expiring
--- ARGV[7] seconds later, and leaves the invocation's active set KEYS[7] (member ARGV[8]), so
--- the reply goes exactly when the lease is settled: once the caller saw its last reply and
--- dropped the call's keys, nothing writes them again.
+SETTLE_LUA = (
+    _LANDED_FN
+    + _MARK_FN
+    + """
+-- An attempt of a rollout ended. It settles the rollout in generation `token` unless the rollout
+-- settled there already or the attempt was taken over (another is the rollout's current one):
+-- then it returns {0, ''} and its outcome is void. Settling drops the lease, the message and the
+-- attempt (the attempt fences the lander only while a newer one may still land), and marks the
+-- rollout settled in the generation's settled_key (keys.shard_settled). With `count` = '1' (a
+-- rollout of `rollouts run` or `resume`) in the generation the shard runs now, it counts toward
+-- the finish: the settling that makes `counted` reach `enqueued` returns the finish task's
+-- signature, for its worker to publish ({1, finish}; else {1, ''}). An `attempt` of '' is a
+-- delivery that took no lease (Redis was away then): it settles and counts, and no lease goes.
+-- With KEYS[7] and KEYS[8] (a Python API rollout), the settling also pushes its reply (ARGV[7])
+-- onto KEYS[7], expiring ARGV[8] seconds later, and leaves the invocation's active set KEYS[8]
+-- (member ARGV[9]), so the reply goes exactly when the lease is settled: once the caller saw its
+-- last reply and dropped the call's keys, nothing writes them again. The keys it writes expire
+-- key_ttl seconds later.
 local lease_key, attempts_key, messages_key, settled_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local all_key = KEYS[5]
+local all_key, generation_key = KEYS[5], KEYS[6]
 local key, attempt, token, member, key_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local replies_key, active_key = KEYS[6], KEYS[7]
-local reply, reply_ttl, index = ARGV[6], ARGV[7], ARGV[8]
-local current = redis.call('HGET', attempts_key, key)
-if current and current ~= attempt then return 0 end
-redis.call('HSET', settled_key, key, token)
-redis.call('EXPIRE', settled_key, key_ttl)
-redis.call('HDEL', lease_key, key)
-redis.call('HDEL', messages_key, key)
-redis.call('ZREM', all_key, member)
+local count = ARGV[6]
+local replies_key, active_key = KEYS[7], KEYS[8]
+local reply, reply_ttl, index = ARGV[7], ARGV[8], ARGV[9]
+if landed(settled_key, key) then return {0, ''} end
+if attempt ~= '' then
+  local current = redis.call('HGET', attempts_key, key)
+  if current and current ~= attempt then return {0, ''} end
+  redis.call('HDEL', lease_key, key)
+  redis.call('HDEL', messages_key, key)
+  redis.call('HDEL', attempts_key, key)
+  redis.call('ZREM', all_key, member)
+end
+local generation = redis.call('HMGET', generation_key, 'token', 'enqueued')
+local enqueued = tonumber(generation[2] or '0') or 0
+mark(settled_key, key, math.max(65536, 16 * enqueued), key_ttl)
 if active_key then
   redis.call('RPUSH', replies_key, reply)
   redis.call('EXPIRE', replies_key, reply_ttl)
   redis.call('SREM', active_key, index)
 end
-return 1
+local finish = ''
+if count == '1' and generation[1] == token then
+  if redis.call('HINCRBY', generation_key, 'counted', 1) == enqueued then
+    finish = redis.call('HGET', generation_key, 'finish') or ''
+  end
+end
+return {1, finish}
 """
+)
 
 ACQUIRE_READING_LUA = (
     _LANDED_FN

@@ -258,7 +258,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
         manifest.error = f"{manifest.error}; {rejection}" if manifest.error else rejection
     write_manifest(rd, manifest)
     report = write_shard_report(rd, run.shard) if settings.write_report else None
-    expire_shard_keys(r, sid, settings.redis_key_ttl_s)
+    expire_shard_keys(r, sid, settings.redis_key_ttl_s, run.token)
     return FinishResult(
         state=manifest.state,
         error=manifest.error,

@@ -13,7 +13,13 @@ worker running it as `worker_lost`.
 
 Fencing per attempt: the lander refuses records whose attempt is not the rollout's current one
 (`keys.shard_attempts`; a takeover replaces it at once, before any new attempt starts), and an
-attempt that ends after a takeover counts no chord part.
+attempt that ends after a takeover counts nothing.
+
+Settling is also how a generation of `rollouts run` or `resume` knows it is done: the attempt
+that settles a rollout counts it once toward the generation's `enqueued` (`SETTLE_LUA`), and the
+settling that counts the last one hands back the finish task to publish (`Settled.finish`). The
+generation's chord is thus two fields of its hash and a bit per rollout, not Celery's chord keys
+(a result and a task id per rollout, ~220 bytes, until the callback).
 A copy of a delivery whose rollout runs elsewhere under a fresh lease (celery/celery#5935: the
 Redis transport redelivers a message unacknowledged past its visibility timeout) is acknowledged
 without calling the agent and is no death.
@@ -40,6 +46,7 @@ from infra.environment import from_env
 from infra.redis_client import client
 from infra.scripts import RENEW_ROLLOUTS_LUA, SETTLE_LUA, TAKE_LEASE_LUA
 from workers.admission import with_redis_retry
+from workers.shard.landed import settled
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +104,17 @@ class ReplyPush:
     index: int
 
 
+@dataclass(frozen=True)
+class Settled:
+    """What settling an attempt did."""
+
+    counted: bool
+    """The attempt settled its rollout (False: it was taken over, or the rollout settled in its
+    generation already; its outcome is void)."""
+    finish: dict[str, Any] | None = None
+    """It settled the generation's last rollout: the finish task's signature, to publish."""
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -135,12 +153,12 @@ class RolloutLeases:
             threading.Thread(target=self._loop, name="rollouts-rollout-leases", daemon=True).start()
 
     @staticmethod
-    def _keys(sid: str) -> list[str]:
+    def _keys(sid: str, token: str) -> list[str]:
         return [
             keys.shard_rollout_leases(sid),
             keys.shard_attempts(sid),
             keys.shard_lease_messages(sid),
-            keys.shard_settled(sid),
+            keys.shard_settled(sid, token),
             keys.ROLLOUT_LEASES,
         ]
 
@@ -150,7 +168,7 @@ class RolloutLeases:
         args: list[str | float] = [
             key, token, self.holder, self.ttl_s, json.dumps(message), member, self.key_ttl_s
         ]  # fmt: skip
-        answer = self._take(keys=self._keys(sid), args=args, client=self.r)
+        answer = self._take(keys=self._keys(sid, token), args=args, client=self.r)
         verdict, detail, lost = (_text(v) for v in answer)
         if verdict != "taken":
             return LeaseTicket(cast(Literal["live", "settled"], verdict), detail)
@@ -168,31 +186,40 @@ class RolloutLeases:
             if lease.member in self._held:
                 self._held[lease.member] = (lease.attempt, stage)
 
-    def current(self, lease: Lease) -> bool:
-        """Whether the lease's attempt is still its rollout's current one (or Redis lost it)."""
+    def current(self, lease: Lease, token: str) -> bool:
+        """Whether the lease's attempt is still its rollout's current one in generation `token`:
+        not taken over, and the rollout not settled by another attempt (or Redis lost both)."""
         now = self.r.hget(keys.shard_attempts(lease.sid), lease.key)
-        return now is None or _text(now) == lease.attempt
+        if now is not None:
+            return _text(now) == lease.attempt
+        return not settled(self.r, lease.sid, token, lease.key)
 
-    def settle(self, lease: Lease, token: str, reply: ReplyPush | None = None) -> bool:
-        """The attempt ended and counted: drop its lease, the rollout is settled in generation
-        `token` (and `reply` pushed, in the same round trip). False if it was taken over (the
-        current attempt settles it; nothing is pushed)."""
+    def settle(
+        self, lease: Lease, token: str, reply: ReplyPush | None = None, count: bool = False
+    ) -> Settled:
+        """The attempt ended: drop its lease, the rollout is settled in generation `token` (and
+        `reply` pushed, in the same round trip); with `count`, it counts toward the generation's
+        finish. Not counted (nothing pushed) if the attempt was taken over (the current attempt
+        settles it) or the rollout settled already. A lease whose attempt is '' is a delivery
+        that took none: it settles and counts the same way."""
         with self._lock:
             self._held.pop(lease.member, None)
-        names = self._keys(lease.sid)
-        args: list[str | int] = [lease.key, lease.attempt, token, lease.member, self.key_ttl_s]
+        names = [*self._keys(lease.sid, token), keys.shard_generation(lease.sid)]
+        args: list[str | int] = [
+            lease.key, lease.attempt, token, lease.member, self.key_ttl_s, 1 if count else 0
+        ]  # fmt: skip
         if reply is not None:
             names += [reply.replies, reply.active]
             args += [reply.body, reply.ttl_s, reply.index]
         # Retried through a Redis restart: a lease left behind would be taken over and its
         # rollout, counted already, counted again.
-        return bool(
-            with_redis_retry(
-                "lease settle",
-                lambda: self._settle(keys=names, args=args, client=self.r),
-                budget_s=SETTLE_RETRY_S,
-            )
+        counted, finish = with_redis_retry(
+            "lease settle",
+            lambda: self._settle(keys=names, args=args, client=self.r),
+            budget_s=SETTLE_RETRY_S,
         )
+        signature = _text(finish)
+        return Settled(bool(counted), json.loads(signature) if signature else None)
 
     def forget(self, lease: Lease) -> None:
         """Stop renewing the lease without settling it (Redis could not be reached to settle)."""

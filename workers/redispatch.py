@@ -1,12 +1,13 @@
-"""A collect task's message, as the producer's chord sends it and as a takeover sends it again.
+"""A collect task's message, as the producer sends it and as a takeover sends it again.
 
 `CollectTaskMessage` is what identifies one rollout task to Celery: its task id, its payload,
-its chord (group id, index, callback) and what Flower shows of it. The producer's `enqueue`
-publishes one per rollout (`publish_collect`); a collect task stores its own with its rollout's
-lease (`from_request`), so that any live worker process that takes the lease over can publish
-the very same message again (`publisher`), and the chord counts the rollout once it settles.
-The Python API's reply task (`schemas.replies`) is kept and published again the same way,
-under its own task name and with no chord.
+its group (the generation's id and its index; a chord callback only in messages of earlier
+versions) and what Flower shows of it. The producer's `enqueue` publishes one per rollout
+(`publish_collect`); a collect task stores its own with its rollout's lease (`from_request`), so
+that any live worker process that takes the lease over can publish the very same message again
+(`publisher`), and the rollout counts toward its generation's finish once it settles. The Python
+API's reply task (`schemas.replies`) is kept and published again the same way, under its own
+task name and with no group.
 A traced run's message carries its rollout's trace context in its headers; a message published
 again keeps it (with a new publish time), so each attempt joins the rollout's one trace.
 
@@ -36,6 +37,7 @@ from infra.redis_client import client
 from infra.telemetry import ENQUEUED_AT, TRACEPARENT, TRACESTATE
 from schemas.messages import COLLECT_TASK, QUEUE
 from schemas.replies import COLLECT_REPLY_TASK, admission_row
+from workers.shard.landed import settled
 from workers.shard.state import key_str
 
 log = logging.getLogger(__name__)
@@ -57,13 +59,14 @@ class CollectTaskMessage:
     group_id: str | None = None
     group_index: int | None = None
     chord: dict[str, Any] | None = None
-    """The chord's callback signature (the finish task)."""
+    """A Celery chord's callback signature: None in what rollouts publishes (a generation counts
+    its rollouts itself, `workers/leases.py`)."""
     headers: dict[str, Any] | None = None
     """The rollout's trace context (`traceparent`, its publish time), when its run is traced
     (`workers/tracing.py`): a redelivery and a re-publish keep it, so every attempt of the
     rollout is in one trace."""
     task: str = COLLECT_TASK
-    """The task's name: a chord's collect task, or the Python API's reply task (no chord)."""
+    """The task's name: a run's collect task, or the Python API's reply task (no group)."""
 
     def to_json(self) -> dict[str, Any]:
         """Its fields as a dict for JSON, sharing their values (`asdict` deep-copied the payload:
@@ -112,8 +115,8 @@ def publish_collect(app: Celery, producer: Any, queue: Queue, m: CollectTaskMess
         chord=m.chord,
         argsrepr=m.argsrepr,
         kwargsrepr="{}",
-        # The chord counts the task without its result being stored; the rare outcome a caller
-        # may read (a drained row) is stored by the task itself.
+        # No result is stored: the generation counts the task as it settles; the rare outcome a
+        # caller may read (a drained row) is stored by the task itself.
         ignore_result=True,
     )
     if m.headers:
@@ -145,7 +148,7 @@ def publisher(app: Celery) -> Callable[[dict[str, Any]], None]:
 
 
 def from_delivered(message: dict[str, Any]) -> CollectTaskMessage | None:
-    """The rollout task (a chord's collect task, or the Python API's reply task) in a message as
+    """The rollout task (a run's collect task, or the Python API's reply task) in a message as
     kombu's Redis transport keeps it; else None."""
     headers = message.get("headers") or {}
     task = headers.get("task")
@@ -207,11 +210,8 @@ class UnackedSweep:
         run = m.payload["run"]
         key = key_str(admission_row(m.payload["row"], m.payload.get("reply")))
         sid = keys.shard_id(run["output_dir"], run["shard"])
-        pipe = self.state.pipeline(transaction=False)
-        pipe.hexists(keys.shard_rollout_leases(sid), key)
-        pipe.hget(keys.shard_settled(sid), key)
-        leased, settled = pipe.execute()
-        return not leased and (settled or b"").decode() != run["token"]
+        leased = self.state.hexists(keys.shard_rollout_leases(sid), key)
+        return not leased and not settled(self.state, sid, run["token"], key)
 
     def _first(self, tag: str) -> bool:
         ex = max(1, int(10 * self.ttl_s))

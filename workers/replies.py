@@ -142,5 +142,5 @@ async def collect_and_reply(
         # The lease is let go: it expires and is taken over, and another attempt replies.
         log.error("could not reply for rollout %s of invocation %s: %s", index, invocation, exc)
         for pending in settling:
-            pending(False)
+            pending.forget()
     return summary

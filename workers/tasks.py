@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
 from typing import Any
 
-from celery import Task, states
+from celery import Task
 from celery.exceptions import Ignore
 from celery.signals import worker_ready
 
@@ -25,41 +25,37 @@ from workers import tracing
 from workers.app import app, state_redis_url
 from workers.finish import finish_shard, health_brief
 from workers.health import combine, scan
-from workers.pool import delivery_key, on_loop, take_ran
+from workers.pool import on_loop, take_ran
 from workers.redispatch import CollectTaskMessage
 from workers.replies import collect_and_reply
 from workers.rollout import Delivery, process_context, run_rollout, run_rollout_async
 
-_settling: dict[tuple[str, int], Callable[[bool], object]] = {}
-"""The lease each collect task settles once its chord part was counted, by delivery."""
+log = logging.getLogger(__name__)
+
+FINISH_RETRY = {"max_retries": 10, "interval_start": 0.5, "interval_step": 1, "interval_max": 5}
+"""How a finish task's publish rides out a broker that is away: about 40 s."""
 
 
-class CollectTask(Task):  # type: ignore[misc]  # celery's Task is untyped here
-    """The collect task's class: it settles its rollout's lease after Celery counted it."""
+def publish_finish(signature: dict[str, Any]) -> None:
+    """Publish a generation's finish task: its rollout that settled last counted it done.
 
-    def after_return(
-        self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
-    ) -> None:
-        # Called in the tracer's thread once the task's result was stored and its chord part
-        # counted (SUCCESS), or storing it failed.
-        settle = _settling.pop(delivery_key(self.request), None)
-        if settle is not None:
-            settle(status == states.SUCCESS)
+    Published with Celery's publish retries, for about 40 s. Should the broker stay away longer, the finish is lost with the error logged: the producer sees the run
+    stall and says to resume it (`producer/shard/supervise.py`), which finishes it.
+    """
+    try:
+        app.signature(signature).apply_async(retry=True, retry_policy=FINISH_RETRY)
+    except Exception:
+        log.exception("could not publish the finish task %s", signature.get("options", {}))
 
 
 def _collect(request: Any, payload: dict[str, Any]) -> tuple[CollectRequest, Delivery]:
-    """The rollout of a collect task's delivery: a chord's takes its rollout's lease."""
+    """The rollout of a collect task's delivery: a run's takes its rollout's lease and counts
+    toward its generation's finish."""
     req = CollectRequest.model_validate(payload)
-    if request.group is None:  # a task sent outside a chord counts no chord part: no lease
+    if request.group is None:  # a task sent outside a run's generation: no lease, no count
         return req, Delivery()
-    delivery = delivery_key(request)
     message = CollectTaskMessage.from_request(request, payload).to_json()
-    _settling.pop(delivery, None)
-
-    def settle_later(settle: Callable[[bool], object]) -> None:
-        _settling[delivery] = settle
-
-    return req, Delivery(message=message, settle_later=settle_later)
+    return req, Delivery(message=message, finish=publish_finish)
 
 
 @on_loop(COLLECT_TASK)
@@ -71,15 +67,15 @@ async def _collect_on_loop(request: Any, payload: dict[str, Any]) -> RolloutOutc
     return outcome
 
 
-@app.task(name=COLLECT_TASK, acks_late=True, bind=True, base=CollectTask)
+@app.task(name=COLLECT_TASK, acks_late=True, bind=True)
 def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any]:
     """Run one rollout and land its result exactly once.
 
-    A chord's delivery takes the rollout's lease; one that is not the rollout's (a copy, or an
-    attempt taken over) is acknowledged without a result: `Ignore` counts no chord part, so the
-    chord counts each rollout once. A task sent outside a chord takes no lease. In the rollout
-    pool the rollout ran on the event loop already (`_collect_on_loop`); in a thread pool it
-    runs here.
+    A run's delivery takes the rollout's lease, and settling it counts the rollout toward its
+    generation's finish, once (`workers/leases.py`); one that is not the rollout's (a copy, or
+    an attempt taken over) counts nothing and is acknowledged as ignored. A task sent outside a
+    run's generation (no group) takes no lease. In the rollout pool the rollout ran on the event
+    loop already (`_collect_on_loop`); in a thread pool it runs here.
     """
     outcome: RolloutOutcome | None = take_ran(self.request)
     if outcome is None:

@@ -335,6 +335,7 @@ class Invocation:
         names = [keys.api_replies(self.invocation), keys.api_active(self.invocation)]
         if not self.target.record:  # the call's own admission state; a shard's stays
             names += keys.all_shard_keys(self._sid)
+            names += keys.shard_settled_keys(self._sid, self.target.run.token)
         if self.all_settled() or not self._started:
             self._r.delete(*names)
             return

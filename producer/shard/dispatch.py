@@ -1,17 +1,22 @@
-"""Dispatching one generation of a shard: its counters, one collect task per rollout, the chord.
+"""Dispatching one generation of a shard: its counters, one collect task per rollout, its finish.
 
-The rollout tasks form one Celery chord whose callback finishes the shard. The chord is published
-from a stream of the materialized inputs, not built in memory: its size is known from planning,
-set in the result backend first, and each task is sent with the chord's callback, its group id
-and its index, exactly as Celery's own chord would send it. `CollectMessages` builds every rollout
-task's payload and what Flower shows of it (its argsrepr; its name is the task's own), for the chord and for the Python API's publisher.
-`dispatch_generation` starts the generation's Redis counters, publishes the chord and, when
-asked, waits for it (`producer/shard/supervise.py`), all inside the generation's job span when
-telemetry is on (`workers/tracing.py`).
+The rollout tasks and the finish task form the generation's chord, counted by the shard itself:
+its size (`enqueued`) and the finish task's signature go in the generation's hash first
+(`keys.shard_generation`), and the worker that settles the last rollout publishes the finish
+(`workers/leases.py`). Celery's own chord would keep a result and a task id per rollout in
+Redis until the callback (~220 bytes each); this keeps a bit. The tasks are published from a
+stream of the materialized inputs, not built in memory, each with the generation's group id and
+its index (what marks a run's rollout, and what Flower shows). `CollectMessages` builds every
+rollout task's payload and what Flower shows of it (its argsrepr; its name is the task's own),
+for a run and for the Python API's publisher. `dispatch_generation` starts the generation's
+Redis counters, publishes it and, when asked, waits for its finish
+(`producer/shard/supervise.py`), all inside the generation's job span when telemetry is on
+(`workers/tracing.py`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +26,7 @@ from celery import Celery
 from rich.console import Console
 
 from infra import keys, telemetry
+from infra.environment import from_env
 from infra.redis_client import client
 from producer.shard.opening import OpenedRun
 from producer.shard.supervise import wait_for_shard
@@ -153,7 +159,7 @@ def enqueue(
     deadline: float | None = None,
     job: Job = NO_JOB,
 ) -> str:
-    """Publish one collect task per row as a chord with the finish callback; returns the callback's id.
+    """Publish one collect task per row, counted toward the finish task; returns the finish's id.
 
     `deadline` is the dispatch budget's end on the Redis server's clock, when there is a budget.
     `job`: the generation's job span; each task then roots its rollout's trace, linked to it.
@@ -170,12 +176,11 @@ def enqueue(
     if count == 0:
         callback.apply_async()
         return finish_id
-    group_id = f"chord-{opened.manifest.run_id}-{opened.run.token[:8]}"
-    app.backend.set_chord_size(group_id, count)
+    group_id = f"gen-{opened.manifest.run_id}-{opened.run.token[:8]}"
+    count_toward(client(app.conf.result_backend), opened, count, dict(callback))
     messages = CollectMessages.of(opened.run, config, settings, deadline)
     prefix = f"{opened.manifest.run_id}.{opened.run.token[:8]}"
     queue = app.amqp.queues[QUEUE]
-    chord = dict(callback)
     with app.producer_or_acquire() as producer:
         producer.maybe_declare(queue)
         # One pipelined write per PUBLISH_BATCH messages (kombu's publish batch; immediate on
@@ -188,9 +193,22 @@ def enqueue(
                 payload, argsrepr = messages.message(row, rid, F.agent_name(row) or "")
                 task_id = f"{prefix}.{rid}"
                 traced = job.enqueued(row, messages.run_payload, task_id) if job.span else None
-                m = CollectTaskMessage(task_id, payload, argsrepr, group_id, index, chord, traced)
+                m = CollectTaskMessage(task_id, payload, argsrepr, group_id, index, None, traced)
                 publish_collect(app, producer, queue, m)
     return finish_id
+
+
+def count_toward(r: redis.Redis, opened: OpenedRun, count: int, finish: dict[str, Any]) -> None:
+    """The generation's chord: its `count` rollouts settle toward `finish` (`SETTLE_LUA`)."""
+    sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
+    pipe = r.pipeline(transaction=True)
+    pipe.hdel(keys.shard_generation(sid), "counted")
+    pipe.hset(
+        keys.shard_generation(sid),
+        mapping={"token": opened.run.token, "enqueued": count, "finish": json.dumps(finish)},
+    )
+    pipe.expire(keys.shard_generation(sid), from_env().live_key_ttl_s)
+    pipe.execute()
 
 
 def open_generation(
@@ -212,7 +230,7 @@ def open_generation(
         },
     )
     # The finish of an earlier generation set them to expire: they live while this one runs.
-    refresh_shard_keys(pipe, sid)
+    refresh_shard_keys(pipe, sid, token)
     pipe.execute()
     return deadline
 

@@ -107,7 +107,7 @@ def wait_for_shard(
             if now - last_refresh > KEYS_REFRESH_S:
                 # While the producer waits, the run is alive: its keys' expiry moves on.
                 pipe = r.pipeline(transaction=False)
-                refresh_shard_keys(pipe, sid)
+                refresh_shard_keys(pipe, sid, opened.run.token)
                 pipe.execute()
                 last_refresh = now
         except READ_ERRORS as exc:

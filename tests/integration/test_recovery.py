@@ -74,21 +74,23 @@ def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
     assert other.renew_once() == 1 and published == [message]
     [row] = lease_rows(r, "sid1")
     assert row["stage"] == "redispatched" and row["lost"] == first.holder
-    assert not first.current(lease)  # fenced from the takeover on, before any new attempt
+    assert not first.current(lease, "gen-1")  # fenced from the takeover on, before any new attempt
     # The re-published delivery takes it as attempt 2; the silent holder is refused.
     again = other.take("sid1", "3:0", "gen-1", message)
     assert again.verdict == "taken" and again.lost == first.holder and again.lease is not None
     assert first.renew_once() == 0 and first._held == {}  # it learned it lost the lease
     # A Python API rollout's reply goes with its settling: none from the fenced holder.
     r.sadd("active", 3)
-    assert first.settle(lease, "gen-1", ReplyPush("replies", "old", 60, "active", 3)) is False
+    assert not first.settle(lease, "gen-1", ReplyPush("replies", "old", 60, "active", 3)).counted
     assert r.llen("replies") == 0 and r.sismember("active", "3")
-    assert other.settle(again.lease, "gen-1", ReplyPush("replies", "new", 60, "active", 3))
+    assert other.settle(again.lease, "gen-1", ReplyPush("replies", "new", 60, "active", 3)).counted
     assert r.lrange("replies", 0, -1) == [b"new"] and not r.sismember("active", "3")
     assert 0 < r.ttl("replies") <= 60
     assert other.take("sid1", "3:0", "gen-1", message).verdict == "settled"
     assert lease_rows(r, "sid1") == [] and r.zcard(keys.ROLLOUT_LEASES) == 0
-    assert r.hget(keys.shard_attempts("sid1"), "3:0") == again.lease.attempt.encode()
+    # Settled, the attempt goes too: the fenced holder's settling still counts nothing.
+    assert r.hget(keys.shard_attempts("sid1"), "3:0") is None
+    assert not first.current(lease, "gen-1") and not first.settle(lease, "gen-1").counted
     r.close()
 
 

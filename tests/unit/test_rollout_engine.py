@@ -22,8 +22,9 @@ from schemas.errors import StorageError
 from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
 from schemas.outcomes import Ended, RolloutOutcome
 from workers.encoding import RESULT_NOT_STORED
+from workers.leases import Lease, LeaseTicket
 from workers.rollout import (
-    CHORD,
+    RECORDED,
     AgentCaller,
     Blocking,
     Delivery,
@@ -101,7 +102,7 @@ class Harness:
         )
 
     def run(
-        self, delivery: Delivery = CHORD, token: str = "token-1", **policy: Any
+        self, delivery: Delivery = RECORDED, token: str = "token-1", **policy: Any
     ) -> RolloutOutcome:
         admission = policy.pop("admission", Admission())
         req = CollectRequest(
@@ -531,7 +532,7 @@ def test_the_window_shrinks_on_a_rate_limit_and_grows_on_success(h: Harness) -> 
 
 MESSAGE = {"task_id": "r.abc.3-1", "payload": {}, "argsrepr": "rollout=3-1"}
 LEASED = Delivery(message=MESSAGE)
-"""A chord delivery carrying its task message: it takes the rollout's lease."""
+"""A delivery carrying its task message: it takes the rollout's lease."""
 
 
 def test_a_leased_attempt_notes_its_stages_and_settles_its_lease(h: Harness) -> None:
@@ -598,22 +599,69 @@ def test_the_last_attempt_after_takeovers_lands_worker_lost(h: Harness) -> None:
     assert h.leases.settled == {"3:1": "token-1"}
 
 
-def test_the_chord_task_settles_the_lease_only_once_it_counted(h: Harness) -> None:
-    later: list[Callable[[bool], object]] = []
-    out = h.run(Delivery(message=MESSAGE, settle_later=later.append))
-    assert out.ended is Ended.LANDED and untimed(h.shard.results) == [RESULT]
-    # Landed, not settled yet: a worker killed now leaves the lease to be taken over.
-    assert "3:1" in h.leases.held and h.leases.settled == {}
-    [settle] = later
-    settle(True)
-    assert h.leases.settled == {"3:1": "token-1"} and not h.leases.held
+FINISH = {"task": "rollouts.finish", "options": {"task_id": "finish-r"}}
 
 
-def test_a_chord_part_that_could_not_be_counted_lets_the_lease_go(h: Harness) -> None:
-    later: list[Callable[[bool], object]] = []
-    h.run(Delivery(message=MESSAGE, settle_later=later.append))
-    later[0](False)
-    assert h.leases.settled == {} and not h.leases.held  # it expires and is taken over
+def counting(published: list[dict[str, Any]]) -> Delivery:
+    """A run's delivery: it counts toward its generation's finish, published into `published`."""
+    return Delivery(message=MESSAGE, finish=published.append)
+
+
+def test_the_delivery_that_settles_a_generation_s_last_rollout_publishes_its_finish(
+    h: Harness,
+) -> None:
+    published: list[dict[str, Any]] = []
+    h.leases.generation = ("token-1", 2, FINISH)
+    h.leases.settle(Lease("sid", "0:0", ""), "token-1", count=True)  # the other rollout, earlier
+    out = h.run(counting(published))
+    assert out.ended is Ended.LANDED and h.leases.counted == 2
+    assert published == [FINISH] and h.leases.settled["3:1"] == "token-1"
+
+
+def test_a_rollout_counts_once_however_often_it_is_delivered(h: Harness) -> None:
+    published: list[dict[str, Any]] = []
+    h.leases.generation = ("token-1", 2, FINISH)
+    assert h.run(counting(published)).ended is Ended.LANDED
+    again = h.run(counting(published))  # a copy the broker redelivered
+    assert again.ended is Ended.REDELIVERED and h.leases.counted == 1 and published == []
+
+
+def test_an_attempt_taken_over_counts_nothing_toward_the_finish(h: Harness) -> None:
+    published: list[dict[str, Any]] = []
+    h.leases.generation = ("token-1", 1, FINISH)
+
+    async def taken_over(request: httpx.Request) -> httpx.Response:
+        h.leases.take_over("3:1")
+        return httpx.Response(200, content=orjson.dumps({"reward": 1.0}))
+
+    h.handler = taken_over
+    assert h.run(counting(published)).ended is Ended.TAKEN_OVER
+    assert h.leases.counted == 0 and published == []
+
+
+def test_an_older_generation_s_rollout_counts_nothing_toward_this_one_s_finish(
+    h: Harness,
+) -> None:
+    published: list[dict[str, Any]] = []
+    h.leases.generation = ("token-2", 1, FINISH)  # a resume opened a new generation
+    assert h.run(counting(published)).ended is Ended.LANDED  # token-1's delivery
+    assert h.leases.counted == 0 and published == []
+
+
+def test_a_delivery_that_could_take_no_lease_still_counts_once(h: Harness) -> None:
+    published: list[dict[str, Any]] = []
+    h.leases.generation = ("token-1", 1, FINISH)
+    take = h.leases.take
+
+    def redis_away(*args: Any) -> LeaseTicket:
+        raise redis.ConnectionError("Redis is restarting")
+
+    h.leases.take = redis_away  # type: ignore[method-assign,assignment]
+    assert h.run(counting(published)).ended is Ended.LANDED
+    assert h.leases.counted == 1 and published == [FINISH]
+    h.leases.take = take  # type: ignore[method-assign]
+    again = h.run(counting(published))
+    assert again.ended is Ended.REDELIVERED and h.leases.counted == 1
 
 
 def test_a_rollout_waits_on_the_loop_while_the_caps_are_full_then_lands(h: Harness) -> None:

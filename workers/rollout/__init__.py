@@ -10,10 +10,10 @@ from workers.rollout.context import (
     StopWatch,
     process_context,
 )
-from workers.rollout.engine import CHORD, Delivery, Settling, run_rollout, run_rollout_async
+from workers.rollout.engine import RECORDED, Delivery, Settling, run_rollout, run_rollout_async
 
 __all__ = [
-    "CHORD",
+    "RECORDED",
     "AdmissionGate",
     "AgentCaller",
     "Blocking",

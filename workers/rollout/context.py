@@ -28,7 +28,7 @@ from schemas.messages import CallPolicy, CollectRequest, RunRef
 from workers.admission import Ticket, gate
 from workers.agent_call import CallOutcome, call_run
 from workers.landing import LAND_WAIT_S, LandReport, lander
-from workers.leases import Lease, LeaseTicket, ReplyPush, RolloutLeases, Stage
+from workers.leases import Lease, LeaseTicket, ReplyPush, RolloutLeases, Settled, Stage
 from workers.redispatch import publisher, unacked_sweep
 from workers.shard.trust import ManifestCheck
 
@@ -89,9 +89,11 @@ class LeaseKeeper(Protocol):
 
     def stage(self, lease: Lease, stage: Stage) -> None: ...
 
-    def current(self, lease: Lease) -> bool: ...
+    def current(self, lease: Lease, token: str) -> bool: ...
 
-    def settle(self, lease: Lease, token: str, reply: ReplyPush | None = None) -> bool: ...
+    def settle(
+        self, lease: Lease, token: str, reply: ReplyPush | None = None, count: bool = False
+    ) -> Settled: ...
 
     def forget(self, lease: Lease) -> None: ...
 

@@ -3,7 +3,7 @@
 A 429/503 reply loops back before the sort: the slot is given back (`back_off`), the rollout
 waits (`workers/backpressure.py`), and it is admitted again, keeping its start and its attempt.
 
-A delivery that carries its task message (the chord's) first takes its rollout's lease
+A delivery that carries its task message (a run's or the Python API's) first takes its rollout's lease
 (`workers/leases.py`): a copy of a delivery whose rollout runs elsewhere, or settled already,
 ends there (`REDELIVERED`); the lease's attempt token fences what lands; and an attempt whose
 lease was taken over while it was silent ends `TAKEN_OVER`, counting nothing.
@@ -15,10 +15,10 @@ threads (`RolloutContext.blocking`), grouped so that a rollout makes a handful o
 The rollout pool (`workers/pool.py`) runs each delivered message as such a coroutine; a pool
 thread (the threads or solo pool) runs one through `run_rollout` and waits for it.
 
-Both rollout tasks are thin adapters over the engine: the chord task of `rollouts run` and
+Both rollout tasks are thin adapters over the engine: the collect task of `rollouts run` and
 `resume` (`workers/tasks.py`) and the Python API's reply task (`workers/replies.py`).
-Nothing here raises for a rollout's own trouble (a task that raised would fail the whole chord
-and the shard would never finish): every path returns a `RolloutOutcome`.
+Nothing here raises for a rollout's own trouble (a task that raised would never count toward
+its generation's finish): every path returns a `RolloutOutcome`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from schemas.messages import CollectRequest
 from schemas.outcomes import (
     FAILURE_ENDS,
     RESULT_ENDS,
+    VOID_ENDS,
     Ended,
     RolloutOutcome,
     run_failure_message,
@@ -51,7 +52,7 @@ from workers.agent_call import CallOutcome, with_attempt
 from workers.backpressure import RateLimitWaits, budget_failure, next_wait_s
 from workers.capture import clear_for, merge_into
 from workers.landing import LandReport
-from workers.leases import Lease, ReplyPush, Stage
+from workers.leases import Lease, ReplyPush, Settled, Stage
 from workers.rollout.context import STOP_POLL_S, LeaseKeeper, RolloutContext
 from workers.rollout.rows import (
     drained_row,
@@ -85,13 +86,14 @@ class Delivery:
     message: dict[str, Any] | None = None
     """The task message of this delivery (`workers/redispatch.py`): kept with the rollout's
     lease, for a takeover to publish again. None: the delivery takes no lease."""
+    finish: Callable[[dict[str, Any]], None] | None = None
+    """A rollout of `rollouts run` or `resume`: its settling counts it toward its generation's
+    finish, and this publishes the finish task (its signature) when it counted the last one.
+    None: the rollout counts toward no finish (the Python API's)."""
     settle_later: Callable[[Settling], None] | None = None
-    """Takes the settling of the lease of an attempt that ended as its rollout's current one,
-    to call once the delivery counted, with True (the chord task: after Celery counted its chord
-    part, so a worker killed in between leaves the lease to expire and be taken over, not a
-    rollout the chord never counts), or False if it could not count (the lease is let go, to
-    expire and be taken over); or `reply` (the Python API's task: the reply goes with the
-    settling, in one round trip). None: the lease is settled when the attempt ends."""
+    """Takes the settling of the lease of an attempt that ended as its rollout's current one, to
+    call with `reply` (the Python API's task: the reply goes with the settling, in one round
+    trip). None: the lease is settled when the attempt ends."""
 
 
 @dataclass(frozen=True)
@@ -102,25 +104,23 @@ class Settling:
     lease: Lease
     token: str
 
-    def __call__(self, counted: bool) -> bool:
-        """Settle the lease if the delivery counted, else let it expire; whether it settled."""
-        if counted:
-            return self.leases.settle(self.lease, self.token)
-        self.leases.forget(self.lease)
-        return False
-
     def reply(self, push: ReplyPush) -> bool:
         """Settle the lease and push `push` in one round trip; False (nothing pushed) if the
         attempt was taken over meanwhile."""
-        return self.leases.settle(self.lease, self.token, push)
+        return self.leases.settle(self.lease, self.token, push).counted
+
+    def forget(self) -> None:
+        """Let the lease go unsettled: it expires and is taken over, and another attempt settles it."""
+        self.leases.forget(self.lease)
 
 
-CHORD = Delivery()
-"""A rollout of `rollouts run` or `resume`."""
+RECORDED = Delivery()
+"""A recorded rollout that takes no lease and counts toward no finish (tests, a task sent by
+hand)."""
 
 
 async def run_rollout_async(
-    req: CollectRequest, ctx: RolloutContext, delivery: Delivery = CHORD
+    req: CollectRequest, ctx: RolloutContext, delivery: Delivery = RECORDED
 ) -> RolloutOutcome:
     """Run one delivery of one rollout and return how it ended; never raises for its trouble."""
     try:
@@ -130,7 +130,7 @@ async def run_rollout_async(
 
 
 def run_rollout(
-    req: CollectRequest, ctx: RolloutContext, delivery: Delivery = CHORD
+    req: CollectRequest, ctx: RolloutContext, delivery: Delivery = RECORDED
 ) -> RolloutOutcome:
     """`run_rollout_async` on the context's event loop, from a thread that waits for it."""
     return ctx.loop.run(run_rollout_async(req, ctx, delivery))
@@ -172,7 +172,13 @@ class _Run:
             outcome = unexpected(self.rollout, exc)
         lease = self.lease
         if lease is None:
-            return outcome
+            if self.delivery.finish is None or outcome.ended in VOID_ENDS:
+                return outcome
+            if self.ctx.leases is None or self.delivery.message is None:
+                return outcome
+            # It took no lease (Redis was away): it still counts toward the finish, once.
+            seen = self.delivery.admission or self.req
+            lease = Lease(self.sid, key_str(seen.row), "")
         return await self.ctx.blocking(lambda: self.settle(lease, outcome))
 
     def open(self) -> RolloutOutcome | Ticket:
@@ -217,29 +223,38 @@ class _Run:
         return None
 
     def settle(self, lease: Lease, outcome: RolloutOutcome) -> RolloutOutcome:
-        """Settle the lease (now, or as `settle_later` says); an attempt that was taken over
-        meanwhile ends `TAKEN_OVER`."""
+        """Settle the lease (now, or as `settle_later` says), counting the rollout toward its
+        generation's finish and publishing the finish if it was the last; an attempt that was
+        taken over meanwhile ends `TAKEN_OVER`."""
         leases, token = self.ctx.leases, self.req.run.token
         assert leases is not None
+        later = self.delivery.settle_later
+        settled = Settled(False)
         try:
-            current = leases.current(lease)
+            if later is not None:
+                if leases.current(lease, token):
+                    later(Settling(leases, lease, token))
+                    return outcome
+            else:
+                settled = leases.settle(lease, token, count=self.delivery.finish is not None)
         except redis.RedisError as exc:
+            # Not counted: the lease expires and is taken over, and a new attempt counts it.
             leases.forget(lease)
             log.warning("rollout %s: its lease could not be settled: %s", self.rollout, exc)
             return outcome
-        if current:
-            if self.delivery.settle_later is not None:
-                self.delivery.settle_later(Settling(leases, lease, token))
-                return outcome
-            try:
-                leases.settle(lease, token)
-            except redis.RedisError as exc:
-                log.warning("rollout %s: its lease could not be settled: %s", self.rollout, exc)
-            return outcome
-        leases.forget(lease)
-        log.warning("rollout %s: this attempt was taken over; it ended %s and counts nothing",
-                    self.rollout, outcome.ended.value)  # fmt: skip
-        return self.end(Ended.TAKEN_OVER, detail=f"taken over; this attempt {outcome.ended.value}")
+        if not settled.counted:
+            leases.forget(lease)
+            if not lease.attempt:
+                return self.end(Ended.REDELIVERED, detail="settled already")
+            log.warning("rollout %s: this attempt was taken over; it ended %s and counts nothing",
+                        self.rollout, outcome.ended.value)  # fmt: skip
+            return self.end(
+                Ended.TAKEN_OVER, detail=f"taken over; this attempt {outcome.ended.value}"
+            )
+        if settled.finish is not None and self.delivery.finish is not None:
+            log.info("rollout %s was the generation's last: publishing its finish", self.rollout)
+            self.delivery.finish(settled.finish)
+        return outcome
 
     def staged(self, stage: Stage) -> None:
         if self.lease is not None and self.ctx.leases is not None:

@@ -24,7 +24,7 @@ from schemas.messages import CollectRequest, RunRef
 from workers.admission import WINDOW_DECREASE, Ticket
 from workers.encoding import encode_records
 from workers.landing import LandReport
-from workers.leases import Lease, LeaseTicket, ReplyPush, Stage
+from workers.leases import Lease, LeaseTicket, ReplyPush, Settled, Stage
 
 
 def _key(row: dict[str, Any]) -> str:
@@ -286,6 +286,11 @@ class FakeLeases:
         self.republished: list[dict[str, Any]] = []
         self.replies: list[ReplyPush] = []
         """Replies pushed with a settled lease."""
+        self.generation: tuple[str, int, dict[str, Any]] | None = None
+        """The generation the shard runs now: its token, how many rollouts it enqueued, its
+        finish task's signature."""
+        self.counted = 0
+        """Rollouts of that generation counted toward its finish."""
         self._n = 0
 
     def take(self, sid: str, key: str, token: str, message: dict[str, Any]) -> LeaseTicket:
@@ -302,19 +307,30 @@ class FakeLeases:
     def stage(self, lease: Lease, stage: Stage) -> None:
         self.stages.append((lease.key, stage))
 
-    def current(self, lease: Lease) -> bool:
-        return self.shard.attempts.get(lease.key, lease.attempt) == lease.attempt
+    def current(self, lease: Lease, token: str) -> bool:
+        now = self.shard.attempts.get(lease.key)
+        return now == lease.attempt if now is not None else self.settled.get(lease.key) != token
 
-    def settle(self, lease: Lease, token: str, reply: ReplyPush | None = None) -> bool:
-        current = self.shard.attempts.get(lease.key)
-        if current is not None and current != lease.attempt:
-            return False
+    def settle(
+        self, lease: Lease, token: str, reply: ReplyPush | None = None, count: bool = False
+    ) -> Settled:
+        if self.settled.get(lease.key) == token:
+            return Settled(False)
+        if lease.attempt:
+            current = self.shard.attempts.get(lease.key)
+            if current is not None and current != lease.attempt:
+                return Settled(False)
+            self.shard.attempts.pop(lease.key, None)
+            self.held.pop(lease.key, None)
+            self.messages.pop(lease.key, None)
         if reply is not None:
             self.replies.append(reply)
         self.settled[lease.key] = token
-        self.held.pop(lease.key, None)
-        self.messages.pop(lease.key, None)
-        return True
+        if count and self.generation is not None and self.generation[0] == token:
+            self.counted += 1
+            if self.counted == self.generation[1]:
+                return Settled(True, self.generation[2])
+        return Settled(True)
 
     def forget(self, lease: Lease) -> None:
         self.held.pop(lease.key, None)

@@ -131,6 +131,17 @@ def present(
     return flags
 
 
+def settled(r: redis.Redis, sid: str, token: str, key: str) -> bool:
+    """Whether `key` settled in generation `token` (`keys.shard_settled`: its bit, else its set
+    member, written by `SETTLE_LUA` in the same layout as the landed keys)."""
+    task, rollout = split_key(key)
+    pipe = r.pipeline(transaction=False)
+    pipe.sismember(keys.shard_settled(sid, token), key)
+    if rollout < keys.LANDED_BITS_ROLLOUTS and task < MAX_BIT:
+        pipe.getbit(keys.shard_settled_bits(sid, token, rollout), task)
+    return any(pipe.execute())
+
+
 def count(r: redis.Redis, sid: str) -> int:
     """How many keys of the shard landed (one round trip)."""
     pipe = r.pipeline(transaction=False)

@@ -233,18 +233,26 @@ class ShardState:
         return state
 
 
-def expire_shard_keys(r: redis.Redis, sid: str, ttl_s: float) -> None:
-    """Let every key of the shard expire `ttl_s` from now, its slot leases at once (a finished run)."""
+def _shard_keys(sid: str, token: str | None) -> list[str]:
+    """The shard's keys, with what settled in generation `token` (when given)."""
+    settled = keys.shard_settled_keys(sid, token) if token is not None else []
+    return [*keys.all_shard_keys(sid), *settled]
+
+
+def expire_shard_keys(r: redis.Redis, sid: str, ttl_s: float, token: str | None = None) -> None:
+    """Let every key of the shard (and of its generation `token`) expire `ttl_s` from now, its
+    slot leases at once (a finished run)."""
     pipe = r.pipeline(transaction=False)
     pipe.delete(keys.shard_leases(sid), keys.shard_waiting(sid))
-    for key in keys.all_shard_keys(sid):
+    for key in _shard_keys(sid, token):
         pipe.expire(key, max(1, int(ttl_s)))
     pipe.execute()
 
 
-def refresh_shard_keys(pipe: redis.client.Pipeline, sid: str) -> None:
-    """Queue in `pipe`: every key of the shard expires the live TTL from now
-    (`ROLLOUTS_LIVE_KEY_TTL_S`): a generation opens on them, or its producer is still waiting."""
+def refresh_shard_keys(pipe: redis.client.Pipeline, sid: str, token: str | None = None) -> None:
+    """Queue in `pipe`: every key of the shard (and of its generation `token`) expires the live
+    TTL from now (`ROLLOUTS_LIVE_KEY_TTL_S`): a generation opens on them, or its producer is
+    still waiting."""
     ttl = from_env().live_key_ttl_s
-    for key in keys.all_shard_keys(sid):
+    for key in _shard_keys(sid, token):
         pipe.expire(key, ttl)
