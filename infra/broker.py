@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from queue import Empty
 from typing import Any
 
+import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import loads
@@ -252,6 +253,13 @@ class Channel(kombu_redis.Channel):
         if client:
             yield client
             return
+        transport = self.connection
+        if self._pool is None and (transport is None or transport.client is None):
+            # A channel of a closed connection (kombu's `collect` detaches the transport before
+            # Celery closes the channels again): building a pool from it fails with an
+            # AttributeError, which Celery's consumer does not survive. As a connection error it
+            # is ignored like any other during the close, and the consumer reconnects.
+            raise redis.ConnectionError("the channel's broker connection is closed")
         pool = self.pool
         cached = self._sync_client
         if cached is None or cached.connection_pool is not pool:
@@ -265,6 +273,17 @@ class Channel(kombu_redis.Channel):
                 qos.flush_acks()
             except Exception:
                 log.exception("could not flush acks before closing the channel")
+        if self._in_poll:
+            # kombu's close reads the reply of the claim in flight first and lets a connection
+            # error escape before the channel is closed (Redis went away): the channel would stay
+            # open, its unacked messages unrestored, until a later close after kombu's `collect`
+            # detached the transport. The reply is lost with the connection; close the rest.
+            try:
+                self._brpop_read()
+            except Empty:
+                pass
+            except self.connection_errors:
+                pass  # `_brpop_read` dropped the connection and cleared `_in_poll`
         super().close()  # type: ignore[no-untyped-call]
 
 

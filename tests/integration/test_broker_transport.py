@@ -6,6 +6,7 @@ ours writes the acks from a background thread. These tests read those keys direc
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -141,3 +142,43 @@ def test_a_message_leaves_its_queue_only_into_the_unacked_index(redis_url: str) 
     conn.release()
     with Connection(redis_url, transport=Transport) as again:
         assert receive(again, 1, ack=True) == [0]
+
+
+def test_redis_dying_while_a_message_is_awaited_leaves_a_connection_celery_can_close() -> None:
+    """Redis dies while the task channel waits for a message (a claim in flight) and Celery's
+    control channel (an auto-delete fanout queue) is open; Celery's consumer then collects the
+    connection and closes it, ignoring connection errors, and reconnects. kombu's own close
+    first let the claim's connection error escape, leaving the channel open; the second close,
+    after `collect` detached the transport, raised an AttributeError building a pool from None,
+    which Celery calls unrecoverable: every worker exited and a resume found nothing consuming
+    (seen in the chaos test's Redis restart)."""
+    from kombu.common import ignore_errors
+
+    from infra.embedded import EmbeddedRedis
+
+    own = EmbeddedRedis()
+    own.start()
+    try:
+        conn = Connection(own.url, transport=Transport)
+        channel: Any = conn.default_channel  # its claim internals are read below
+        QUEUE.declare(channel=channel)
+        Producer(channel).publish({"i": 0}, exchange=QUEUE.exchange, routing_key="broker-test",
+                                  serializer="json")  # fmt: skip
+        got: list[Any] = []
+        channel.basic_qos(prefetch_count=2)
+        channel.basic_consume("broker-test", False, got.append, "task")
+        conn.drain_events(timeout=5)  # one message delivered, not acknowledged
+        control = conn.channel()
+        pidbox = Queue("w.pidbox", Exchange("pidbox", "fanout"), auto_delete=True)
+        pidbox.declare(channel=control)
+        control.basic_consume("w.pidbox", True, lambda m: None, "control")
+        channel._brpop_start()  # waiting for the next message: a claim in flight
+        assert len(got) == 1 and channel._in_poll
+        own.stop()  # Redis goes away
+        # What collect raises is Celery's to ignore; what the close below raises is not.
+        with contextlib.suppress(Exception):
+            conn.collect(socket_timeout=2.0)
+        ignore_errors(conn, conn.close)  # raised AttributeError before the fix
+        assert channel.closed
+    finally:
+        own.close()
