@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
-import subprocess
-import sys
+import socket
 import threading
 from pathlib import Path
 
 import orjson
 import pytest
 import yaml
+from aiohttp import web
 
-from examples.agent_server import AgentKnobs
+from examples.agent_server import AgentKnobs, AgentServer
 from examples.servers import RunningServers, start_servers
 from examples.tasks import make_row
 from infra.embedded import free_port
 from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
 from schemas.errors import RunFailedError
-from tests.conftest import ROOT, Workers, agent_stats, demo_rows, write_rows
+from tests.conftest import Workers, agent_stats, demo_rows, write_rows
 from tests.ops_helpers import cli, cli_background, manifest, requests_per_key, rows_by_key, wait_for
 
 pytestmark = pytest.mark.integration
@@ -69,7 +70,12 @@ def test_retry_requests_off_does_not_replay_after_sending(
 def test_a_connection_never_established_is_retried_with_backoff(
     redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path
 ) -> None:
-    late_port, dead_port = free_port(), free_port()
+    # The late agent's socket is bound now and listens after a second: until then a connect is
+    # refused. (Starting an agent process then made the wait its interpreter's start-up time, and
+    # full-jitter backoff can sum to under that: P(8 retries < 4 s) is 1% a row.)
+    late_sock = socket.socket()
+    late_sock.bind(("127.0.0.1", 0))
+    late_port, dead_port = late_sock.getsockname()[1], free_port()
     log = tmp_path / "late.jsonl"
     config = servers.config()
     config["agents"]["late_agent"] = {
@@ -82,16 +88,15 @@ def test_a_connection_never_established_is_retried_with_backoff(
     config_path.write_text(yaml.safe_dump(config))
     rows = [make_row("arithmetic", i, "late_agent") for i in range(3)]
     rows.append(make_row("arithmetic", 3, "dead_agent"))
-    late: list[subprocess.Popen[bytes]] = []
+    late = AgentServer("late_agent", AgentKnobs(request_log=str(log)))
+    loop = asyncio.new_event_loop()
+    serving = threading.Thread(target=loop.run_forever, name="late-agent", daemon=True)
+    serving.start()
+    runner = web.AppRunner(late.app(), handler_cancellation=True, access_log=None)
+    asyncio.run_coroutine_threadsafe(runner.setup(), loop).result(30)
 
     def start_late_agent() -> None:
-        late.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "examples.agent_server", "--port", str(late_port),
-                 "--name", "late_agent", "--request-log", str(log)],
-                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )
-        )  # fmt: skip
+        asyncio.run_coroutine_threadsafe(web.SockSite(runner, late_sock).start(), loop).result(30)
 
     timer = threading.Timer(1.0, start_late_agent)
     workers.start(count=1, concurrency=8)
@@ -116,9 +121,12 @@ def test_a_connection_never_established_is_retried_with_backoff(
         )
     finally:
         timer.cancel()
-        for p in late:
-            p.terminate()
-            p.wait(10)
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        serving.join(30)
+        loop.close()
+        late.close()
+        late_sock.close()
     assert code == 0
     results = rows_by_key(out / "rollouts-0.jsonl")
     failures = rows_by_key(out / "rollouts-0_failures.jsonl")
