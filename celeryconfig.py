@@ -17,8 +17,9 @@ broker_url = _cluster.broker_url
 # blocking transaction per message on the worker's main thread (infra/broker.py says why).
 # Celery's own `-b URL` (CELERY_BROKER_URL) wins over broker_url, so the transport follows it.
 broker_transport = transport_for(_env.celery_broker_url or _cluster.broker_url)
-# Chord bookkeeping (the callback firing once every rollout task returned) needs a result store;
-# Redis also holds the shard locks and landed sets, so one server serves both.
+# The finish step's result (what the producer waits for) and the recheck chord need a result
+# store; Redis also holds the shard locks, landed bits and each generation's count of settled
+# rollouts (which publishes its finish, workers/leases.py), so one server serves both.
 result_backend = _cluster.redis_url
 
 # JSON only: a worker must never unpickle a message from the queue (arbitrary code execution).
@@ -41,7 +42,7 @@ VISIBILITY_TIMEOUT_S = _env.visibility_timeout_s
 broker_transport_options = {
     "visibility_timeout": VISIBILITY_TIMEOUT_S,
     # The default of 10 connections per channel starves hundreds of threads acking at once;
-    # acks then fail, results are lost and the chord never fires.
+    # acks then fail and messages are redelivered.
     "max_connections": 4096,
     # How often a worker looks for messages whose holder died (unacked past the visibility
     # timeout): kombu's default sweep (~100 s) only matters with a short timeout, e.g. in tests.
@@ -56,7 +57,7 @@ broker_connection_retry_on_startup = True
 # (idempotently) and the broker redelivers what could not be acknowledged.
 worker_cancel_long_running_tasks_on_connection_loss = False
 
-# Runs last days; chord state and the callback's result must outlive them.
+# Runs last days; the finish step's result must outlive them.
 result_expires = 7 * 24 * 3600
 
 # Rollouts wait on HTTP, not on the CPU: each in-flight rollout is a coroutine on the process's

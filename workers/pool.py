@@ -8,9 +8,9 @@ two rollout tasks) runs in two parts:
    runs the rollout to its outcome: admission, `/run`, landing, each blocking step on the rollout
    engine's few shared threads (`workers/rollout/context.py`);
 2. on one of a few *finishing* threads: Celery's own tracer runs the task with that outcome (its
-   body takes it from `take_ran` instead of running the rollout again): the chord part is
-   counted, the result stored if any, `after_return` settles the lease, and the request's
-   callback acknowledges the message (late ack) and sends Flower its events.
+   body takes it from `take_ran` instead of running the rollout again): the result stored if
+   any, and the request's callback acknowledges the message (late ack) and sends Flower its
+   events.
 
 So a rollout keeps everything the threads pool gives it (one Celery task per rollout, late
 acknowledgement after landing, redelivery of what a dead worker held, Flower's view, task
@@ -49,8 +49,8 @@ Runner = Callable[..., Awaitable[Any]]
 arguments; what it returns is what the task body takes with `take_ran`."""
 
 FINISHING_THREADS = 2
-"""Threads per process running Celery's tracer for a rollout that has its outcome: a chord
-count, an acknowledgement and events, about a millisecond each (few: see BLOCKING_THREADS)."""
+"""Threads per process running Celery's tracer for a rollout that has its outcome: an
+acknowledgement and events, under a millisecond each (few: see BLOCKING_THREADS)."""
 
 _runners: dict[str, Runner] = {}
 
@@ -201,7 +201,7 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
                 _ran[number] = await runner(context, *task_args, **task_kwargs)
             except Exception as exc:
                 _ran[number] = _Raised(exc)
-        # The tracer's own steps (chord count, result, after_return, acknowledgement, events).
+        # The tracer's own steps (result, after_return, acknowledgement, events).
         done = loop.run_in_executor(
             self._finishing, lambda: apply_target(target, args, kwargs, callback, None)
         )
