@@ -54,8 +54,12 @@ class Checkpoint:
     """The largest `stats.total` among the workers (`celery inspect stats`, which Flower's
     `/api/workers` shows), as JSON bytes; None if no worker answered."""
 
+    @property
+    def workers_mb_text(self) -> str:
+        return "/".join(f"{w:.0f}" for w in self.workers_mb) or "n/a"
+
     def row(self) -> list[object]:
-        workers = "/".join(f"{w:.0f}" for w in self.workers_mb) or "n/a"
+        workers = self.workers_mb_text
         stats = "n/a" if self.stats_total_b is None else f"{self.stats_total_b:,}"
         return [
             f"{self.landed:,}",
@@ -259,6 +263,12 @@ def soak(
                             stats_total_b=stats_total_bytes(control),
                         )
                     )
+                    c = result.checkpoints[-1]
+                    # A long soak shows its checkpoints as it goes (the table comes at the end).
+                    print(f"soak: {c.landed:,} landed at {c.elapsed_s:.0f} s, {c.rate:.0f}/s, "
+                          f"producer {c.producer_mb:.0f} MB, workers {c.workers_mb_text} MB, Redis "
+                          f"{c.redis_used_mb - c.queue_mb:.1f} MB beside the queue",
+                          file=sys.stderr, flush=True)  # fmt: skip
                     last_t, last_n = now, landed
                     next_mark += every
                     if landed < n:  # the last one before the finish cleans up
