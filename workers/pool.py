@@ -105,16 +105,6 @@ def take_ran(request: Any) -> Any:
     return found
 
 
-def _sends_events(callback: Callable[..., Any] | None) -> bool:
-    """Whether the worker sends task events for the request whose callback this is (its
-    `on_success`; its event dispatcher's `enabled`). True when it cannot tell."""
-    owner = getattr(callback, "__self__", None)
-    if owner is None or not hasattr(owner, "_eventer"):
-        return True
-    eventer = owner._eventer
-    return eventer is not None and bool(getattr(eventer, "enabled", True))
-
-
 class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyped
     """Rollouts as coroutines on the process's event loop; other tasks on threads."""
 
@@ -197,37 +187,26 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         request = {**args[2], DELIVERY: number}
         args = (args[0], args[1], request, *args[3:])
         body, content_type, content_encoding = args[3:6]
-        # Without task events the tracer's steps do no I/O (no result is stored, the ack goes
-        # to the broker's ack thread): they run here on the loop, saving two thread hops a
-        # rollout. With events each would publish one, so they go to a finishing thread.
-        inline = not _sends_events(callback)
         async with self._slots:
             if accept_callback is not None:
                 accepted = time.monotonic()
-                if inline:
-                    accept_callback(os.getpid(), accepted)
-                else:
-                    await loop.run_in_executor(
-                        self._finishing, accept_callback, os.getpid(), accepted
-                    )
+                await loop.run_in_executor(self._finishing, accept_callback, os.getpid(), accepted)
             try:
                 task_args, task_kwargs, embed = loads_message(  # type: ignore[no-untyped-call]
                     body, content_type, content_encoding, accept=self._accept
                 )
-                # The task's request as Celery's tracer builds it: the headers, and what the
+                # The task's request as Celery's tracer builds it: the headers, and the chord the
                 # body embeds (protocol 2).
                 context = Context({**request, **(embed or {})})
                 _ran[number] = await runner(context, *task_args, **task_kwargs)
             except Exception as exc:
                 _ran[number] = _Raised(exc)
         # The tracer's own steps (result, after_return, acknowledgement, events).
+        done = loop.run_in_executor(
+            self._finishing, lambda: apply_target(target, args, kwargs, callback, None)
+        )
         try:
-            if inline:
-                apply_target(target, args, kwargs, callback, None)
-            else:
-                await loop.run_in_executor(
-                    self._finishing, lambda: apply_target(target, args, kwargs, callback, None)
-                )
+            await done
         finally:
             _ran.pop(number, None)
 

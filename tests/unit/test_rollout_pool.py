@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import threading
-from types import SimpleNamespace
 from typing import Any
 
 import orjson
 from celery import Celery
 from celery.app.task import Context
 
-from infra.http import process_io
 from workers.pool import RolloutPool, on_loop, take_ran
 
 TASK = "tests.pooled"
@@ -73,45 +70,3 @@ def test_each_delivery_runs_its_coroutine_then_the_tracer_with_its_value() -> No
     assert got[2] == "raised boom"
     # Nothing is left behind for a later delivery to take.
     assert take_ran(Context({"id": "t-1", "rollouts_delivery": got[0]["delivery"]})) is None
-
-
-class _Request:
-    """What the tracer's callback is bound to: Celery's request, with its event dispatcher."""
-
-    def __init__(self, events: bool | None) -> None:
-        self._eventer = None if events is None else SimpleNamespace(enabled=events)
-        self.threads: list[str] = []
-        self.done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def on_accepted(self, pid: int, at: float) -> None:
-        self.threads.append(threading.current_thread().name)
-
-    def on_success(self, result: Any) -> None:
-        self.threads.append(threading.current_thread().name)
-        self.done.set_result(result)
-
-
-def test_without_task_events_the_tracer_runs_on_the_loop_and_with_them_on_a_thread() -> None:
-    app = Celery("test-pool")
-    pool = RolloutPool(limit=4, app=app)
-    pool.start()
-    body = orjson.dumps([["fast"], {}, {"chord": None, "callbacks": None}])
-    runs = {events: _Request(events) for events in (None, False, True)}
-    try:
-        for i, request in enumerate(runs.values()):
-            pool.apply_async(
-                lambda name, uuid, req, *_: take_ran(Context(req)),
-                args=(TASK, f"t-{i}", {"id": f"t-{i}", "task": TASK}, body, "application/json",
-                      "utf-8"),
-                callback=request.on_success,
-                accept_callback=request.on_accepted,
-            )  # fmt: skip
-        got = {events: r.done.result(5) for events, r in runs.items()}
-    finally:
-        pool.stop()
-    assert all(g["value"] == "fast" for g in got.values())
-    loop = process_io().loop.thread.name
-    # No dispatcher, or a disabled one: no I/O in those steps, no thread hop.
-    assert runs[None].threads == [loop, loop] and runs[False].threads == [loop, loop]
-    # Task events on (Flower): each step may publish one, off the loop.
-    assert all(t.startswith("rollouts-finish") for t in runs[True].threads)
