@@ -44,7 +44,7 @@ from tests.ops_helpers import (
     wait_for,
 )
 from workers.admission import Gate
-from workers.leases import ReplyPush, RolloutLeases, lease_rows
+from workers.leases import Lease, ReplyPush, RolloutLeases, Settled, lease_rows
 from workers.redispatch import CollectTaskMessage, UnackedSweep, publish_collect
 
 pytestmark = pytest.mark.integration
@@ -91,6 +91,38 @@ def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
     # Settled, the attempt goes too: the fenced holder's settling still counts nothing.
     assert r.hget(keys.shard_attempts("sid1"), "3:0") is None
     assert not first.current(lease, "gen-1") and not first.settle(lease, "gen-1").counted
+    r.close()
+
+
+def test_settling_counts_each_rollout_once_and_the_last_one_hands_back_the_finish(
+    redis_url: str,
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    sid, finish = "sid-count", {"task": "rollouts.finish", "options": {"task_id": "finish-r"}}
+    r.hset(keys.shard_generation(sid),
+           mapping={"token": "gen-2", "enqueued": 3, "finish": orjson.dumps(finish)})  # fmt: skip
+    leases = RolloutLeases(redis_url, ttl_s=5.0, start=False)
+    msg = {"task_id": "t"}
+    first = leases.take(sid, "0:0", "gen-2", msg).lease
+    second = leases.take(sid, "70000:1", "gen-2", msg).lease  # a task index past the bitmap
+    older = leases.take(sid, "5:0", "gen-1", msg).lease  # a frozen worker of the last generation
+    assert first is not None and second is not None and older is not None
+    assert leases.settle(first, "gen-2", count=True) == Settled(True)
+    # A copy of a settled rollout takes no lease, and settling it again counts nothing.
+    assert leases.take(sid, "0:0", "gen-2", msg).verdict == "settled"
+    assert leases.settle(first, "gen-2", count=True) == Settled(False)
+    assert leases.settle(older, "gen-1", count=True) == Settled(True)  # settled, not counted here
+    assert int(r.hget(keys.shard_generation(sid), "counted") or 0) == 1
+    assert leases.settle(second, "gen-2", count=True) == Settled(True)
+    # A delivery that took no lease (Redis was away) counts too; it is the generation's last.
+    assert leases.settle(Lease(sid, "2:0", ""), "gen-2", count=True) == Settled(True, finish)
+    assert int(r.hget(keys.shard_generation(sid), "counted") or 0) == 3
+    # Two bits and one set member, not a hash of tokens; the attempts went with the leases.
+    assert r.getbit(keys.shard_settled_bits(sid, "gen-2", 0), 0) == 1
+    assert r.getbit(keys.shard_settled_bits(sid, "gen-2", 0), 2) == 1
+    assert r.smembers(keys.shard_settled(sid, "gen-2")) == {b"70000:1"}
+    assert r.hlen(keys.shard_attempts(sid)) == 0 and lease_rows(r, sid) == []
+    assert all(r.ttl(k) > 0 for k in r.scan_iter(keys.shard_settled(sid, "gen-2") + "*"))
     r.close()
 
 
