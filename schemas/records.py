@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.finish import FinishResult
 from schemas.usage import TokenUsage
 
 RunState = Literal["running", "completed", "failed", "cancelled"]
@@ -47,6 +48,21 @@ class Generation(BaseModel):
     """Settings a resume changed for this generation."""
 
 
+class Finished(BaseModel):
+    """What the shard's last finish step read and returned. The files are append-only and a
+    finished shard is closed, so while their sizes are these, finishing again would read the
+    same rows: `rollouts resume` with nothing to run keeps this result instead."""
+
+    token: str
+    """The generation it finished."""
+    results_bytes: int
+    """Size of `rollouts-S.jsonl` it read."""
+    failures_bytes: int
+    """Size of `rollouts-S_failures.jsonl` it read (0 when there was none)."""
+    result: FinishResult
+    """What it returned: state, counts, health brief, coverage, report."""
+
+
 class Manifest(BaseModel):
     """`rollouts-S_manifest.json`: what the run is and where it stands."""
 
@@ -78,6 +94,9 @@ class Manifest(BaseModel):
     """Last change."""
     error: str | None = None
     """Why the run failed, when it did."""
+    finished: Finished | None = None
+    """The last finish step's reading and result; None until one ran, and again once a new
+    generation opens."""
 
     @property
     def token(self) -> str:

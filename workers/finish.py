@@ -1,4 +1,4 @@
-"""The chord callback's work: aggregate metrics per environment server, final status, health, manifest.
+"""A shard's finish step: aggregate metrics per environment server, final status, health, manifest.
 
 The health check runs at the end of every run (also a failed one: its partial results are
 judged; a run stopped by SIGTERM keeps the provisional summary written when it stopped); it never
@@ -23,7 +23,7 @@ from schemas.config import ServersConfig
 from schemas.finish import Coverage, FinishResult
 from schemas.health import QUALITY_SUMMARY, STOPPED_BY_SIGTERM, Limits
 from schemas.messages import RunRef
-from schemas.records import rate_limit_waits
+from schemas.records import Finished, rate_limit_waits
 from schemas.settings import CollectionSettings
 from workers.aggregate_file import write_entries
 from workers.aggregation import aggregate, group_rows
@@ -258,8 +258,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
         manifest.error = f"{manifest.error}; {rejection}" if manifest.error else rejection
     write_manifest(rd, manifest)
     report = write_shard_report(rd, run.shard) if settings.write_report else None
-    expire_shard_keys(r, sid, settings.redis_key_ttl_s, run.token)
-    return FinishResult(
+    result = FinishResult(
         state=manifest.state,
         error=manifest.error,
         run_error=run_error,
@@ -275,3 +274,13 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
         coverage=coverage,
         report=report,
     )
+    files = ShardFiles(run.shard)
+    manifest.finished = Finished(
+        token=run.token,
+        results_bytes=rd.size(files.results),
+        failures_bytes=rd.size(files.failures),
+        result=result,
+    )
+    write_manifest(rd, manifest)  # after the report, which reads the state written above
+    expire_shard_keys(r, sid, settings.redis_key_ttl_s, run.token)
+    return result

@@ -70,6 +70,7 @@ def record_opening(
     token = token or new_token()
     manifest.state = "running"
     manifest.error = None
+    manifest.finished = None
     if settings is not None:
         manifest.settings = settings.model_dump(mode="json")
     manifest.generations.append(

@@ -100,7 +100,7 @@ class ShardOutcomes:
 
     @classmethod
     def read(cls, rd: RunDir, shard: str, zero_classes: Iterable[str] = ()) -> ShardOutcomes:
-        return cls(ShardLedger.read(rd, shard), frozenset(zero_classes))
+        return cls(ShardLedger.read(rd, shard, tally_tokens=False), frozenset(zero_classes))
 
     @property
     def attempts(self) -> Counter[tuple[int, int]]:
@@ -231,6 +231,22 @@ def open_resume(
     return opened
 
 
+def standing_finish(rd: RunDir, manifest: Manifest) -> FinishResult | None:
+    """The last finish step's result, when finishing again could change nothing: it finished the
+    current generation completed, and the shard's results and failure rows are the bytes it read
+    (the files are append-only and a finished shard is closed). None otherwise."""
+    finished = manifest.finished
+    if finished is None or finished.token != manifest.token or manifest.state != "completed":
+        return None
+    files = ShardFiles(manifest.shard)
+    if (rd.size(files.results), rd.size(files.failures)) != (
+        finished.results_bytes,
+        finished.failures_bytes,
+    ):
+        return None
+    return finished.result
+
+
 def _check_agents(rd: RunDir, shard: str, outcomes: ShardOutcomes, max_attempts: int,
                   config: ServersConfig) -> None:  # fmt: skip
     missing: Counter[str] = Counter()
@@ -279,16 +295,33 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
         if opts.config_path or opts.head_server
         else saved_config(rd, manifest.config)
     )
-    plan, outcomes = plan_resume(
-        rd, opts.shard, max_attempts, settings.count_failure_classes_as_zero
-    )
-    _check_agents(rd, opts.shard, outcomes, max_attempts, config)
+    # Finishing again repeats the last finish when nothing would run and nothing it reads changed:
+    # the same files, config and settings.
+    same = not changed and not (opts.config_path or opts.head_server)
+    standing = standing_finish(rd, manifest) if same else None
+    if standing is not None and standing.landed == standing.planned == manifest.planned:
+        # Every planned rollout landed, in the files as they are: nothing to read to know it.
+        plan = ResumePlan(planned=manifest.planned, landed=manifest.planned)
+    else:
+        plan, outcomes = plan_resume(
+            rd, opts.shard, max_attempts, settings.count_failure_classes_as_zero
+        )
+        if plan.to_run:
+            _check_agents(rd, opts.shard, outcomes, max_attempts, config)
     zero = f", {plan.zero} scored as zero" if plan.zero else ""
     console.print(
         f"resuming {manifest.run_id} shard {opts.shard}: {plan.planned} planned, "
         f"{plan.landed} landed, {plan.failed_before} failed before, {plan.terminal} terminal, "
         f"{plan.exhausted} exhausted (attempt limit {max_attempts}){zero}; running {plan.to_run}"
     )
+    if standing is not None and plan.to_run == 0:
+        console.print(
+            f"nothing to run; shard {opts.shard}'s last finish ({manifest.updated_at}) read "
+            "these same files, so its aggregate metrics, health and report stand (an override "
+            "or --config finishes it again)"
+        )
+        console.print(f"run directory: {rd.url}")
+        return _print_finished(console, rd, opts, standing)
 
     def go(broker: str, redis_url: str, local: bool = False) -> FinishResult | None:
         opened = open_resume(
@@ -316,6 +349,10 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
     console.print(f"run directory: {rd.url}")
     if result is None:
         return 0
+    return _print_finished(console, rd, opts, result)
+
+
+def _print_finished(console: Console, rd: RunDir, opts: ResumeOptions, result: FinishResult) -> int:
     print_metrics(console, rd, opts.shard)
     print_health(console, result.health, result.report)
     print_counts(console, result)

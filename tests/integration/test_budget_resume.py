@@ -149,8 +149,15 @@ def test_resume_and_status_on_any_store(
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr
         status = cli("status", run_dir_url, "--json", "--redis", redis_url)
+        # Nothing to run and the files as the last finish read them: its result stands.
+        aggregated = sum(env.requests for env in servers.environments.values())
+        again = cli("resume", run_dir_url, "--broker", redis_url)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert sum(env.requests for env in servers.environments.values()) == aggregated
     finally:
         servers.stop()
+    assert "running 0" in again.stdout and "its aggregate metrics" in again.stdout, again.stdout
+    assert "landed 6/6 rollouts; state completed" in again.stdout
     rd = RunDir(run_dir_url)
     results = [orjson.loads(line) for _, line in rd.iter_lines("rollouts-0.jsonl")]
     failures = [orjson.loads(line) for _, line in rd.iter_lines("rollouts-0_failures.jsonl")]
@@ -169,3 +176,56 @@ def test_resume_and_status_on_any_store(
     assert (report["planned"], report["landed"], report["failed"], report["failure_rows"]) == (
         6, 6, {}, 1,
     )  # fmt: skip
+
+
+def test_a_resume_with_nothing_to_run_keeps_the_last_finish_while_its_inputs_stand(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    log = tmp_path / "requests.jsonl"
+    servers = start_servers(knobs=AgentKnobs(request_log=str(log)))
+    out = tmp_path / "run"
+
+    def aggregations() -> int:
+        return sum(env.requests for env in servers.environments.values())
+
+    def files() -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in out.iterdir()}
+
+    try:
+        workers.start(count=1, concurrency=8)
+        workers.wait_ready()
+        proc = cli(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", demo_rows(4)),
+            "--output-dir", str(out), "--broker", redis_url,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert manifest(out)["finished"]["result"]["landed"] == 4
+        before, finished_once = files(), aggregations()
+        assert finished_once >= 1
+
+        proc = cli("resume", str(out), "--broker", redis_url)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "running 0" in proc.stdout and "last finish" in proc.stdout, proc.stdout
+        assert "landed 4/4 rollouts; state completed" in proc.stdout
+        assert files() == before and aggregations() == finished_once  # nothing read or written
+
+        # A changed setting can change the finish: it runs again, in a new generation.
+        proc = cli("resume", str(out), "--broker", redis_url, "+max_failed_fraction=0.5")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "last finish" not in proc.stdout
+        assert aggregations() > finished_once
+        m = manifest(out)
+        assert [g["kind"] for g in m["generations"]] == ["run", "resume"]
+        assert m["finished"]["token"] == m["generations"][-1]["token"]
+
+        # Files that are not what the finish read (the results lost): the plan reads them.
+        (out / "rollouts-0.jsonl").unlink()
+        started = len(requests_per_key(log))
+        proc = cli("resume", str(out), "--broker", redis_url)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "running 4" in proc.stdout, proc.stdout
+    finally:
+        servers.stop()
+    assert started == 4 and sum(requests_per_key(log).values()) == 8
+    assert len(rows_by_key(out / "rollouts-0.jsonl")) == 4

@@ -59,10 +59,13 @@ def test_every_key_of_a_finished_run_or_resume_expires(
     assert left and all(0 < ttl <= 3600 for ttl in left.values()), left
     assert not any(k.endswith((":leases", ":waiting")) for k in left)
 
-    proc = cli("resume", str(out), "--broker", redis_url)
+    # A setting the finish reads, changed: the resume opens a generation and finishes again
+    # (with nothing changed it would keep the last finish and touch no key).
+    proc = cli("resume", str(out), "--broker", redis_url, "+redis_key_ttl_s=1800")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     after = shard_keys(r, out)
     assert after and all(ttl > 0 for ttl in after.values()), after
+    assert min(after.values()) <= 1800, after
 
 
 def test_every_key_of_a_stalled_run_expires(

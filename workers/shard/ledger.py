@@ -107,11 +107,15 @@ class ShardLedger:
     """Where the next read of each file starts: just past its last complete line read."""
     tokens: TokenTally = field(default_factory=TokenTally)
     """Tokens of the landed rollouts (their first result row), per group and model."""
+    tally_tokens: bool = True
+    """Whether to tally `tokens` (a third of reading the results; `resume` needs none)."""
 
     @classmethod
-    def read(cls, rd: RunDir, shard: str, planned: bool = False) -> ShardLedger:
+    def read(
+        cls, rd: RunDir, shard: str, planned: bool = False, tally_tokens: bool = True
+    ) -> ShardLedger:
         """The whole shard: results, failures and, with `planned`, the materialized inputs."""
-        ledger = cls(rd, ShardFiles(shard))
+        ledger = cls(rd, ShardFiles(shard), tally_tokens=tally_tokens)
         if planned:
             ledger.read_planned()
         ledger.read_results()
@@ -183,7 +187,8 @@ class ShardLedger:
             return None
         self.landed_keys.add(key)
         self.landed_by[group_of(row)] += 1
-        self.tokens.add(group_of(row), row)
+        if self.tally_tokens:
+            self.tokens.add(group_of(row), row)
         previous = self.latest.get(key)
         if previous is not None:
             self._uncount(previous)
@@ -232,7 +237,9 @@ class ShardLedger:
         self.read_failures()
 
     def _forget_files(self) -> None:
-        fresh = ShardLedger(self.rd, self.files, self.planned, self.planned_by)
+        fresh = ShardLedger(
+            self.rd, self.files, self.planned, self.planned_by, tally_tokens=self.tally_tokens
+        )
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(fresh, f.name))
 
