@@ -194,25 +194,32 @@ class _LeaseRenewer:
 
 
 class _Releaser:
-    """Returns slots from one thread, many per Lua call: a task does not wait for its release.
+    """Returns slots from one thread, many per Lua call: a task does not wait for its release,
+    and `put` never blocks (the event loop calls it).
 
-    A release lost with its process only delays the slot (its lease expires) and leaves its
-    delivery counted as unfinished, which no harm comes from below the attempt limit.
+    A released slot stops being renewed here, before its release is sent (`forget`: the
+    renewer's lock is held across a renewal's round trip, which the caller must not wait on),
+    so no renewal re-adds it after. A release lost with its process only delays the slot (its
+    lease expires) and leaves its delivery counted as unfinished, which no harm comes from below
+    the attempt limit.
     """
 
-    def __init__(self, r: redis.Redis, script: Any) -> None:
+    def __init__(self, r: redis.Redis, script: Any, forget: Callable[[str], None]) -> None:
         self._r = r
         self._script = script
-        self._queue: queue.SimpleQueue[tuple[list[str], list[str | float]]] = queue.SimpleQueue()
+        self._forget = forget
+        self._queue: queue.SimpleQueue[tuple[str, list[str], list[str | float]]] = (
+            queue.SimpleQueue()
+        )
         self._pending = 0
         self._done = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="rollouts-release", daemon=True)
         self._thread.start()
 
-    def put(self, zkeys: list[str], args: list[str | float]) -> None:
+    def put(self, member: str, zkeys: list[str], args: list[str | float]) -> None:
         with self._done:
             self._pending += 1
-        self._queue.put((zkeys, args))
+        self._queue.put((member, zkeys, args))
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued release was sent to Redis (tests, shutdown)."""
@@ -227,9 +234,11 @@ class _Releaser:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            call_keys = [k for zkeys, _ in batch for k in zkeys]
+            for member, _, _ in batch:
+                self._forget(member)
+            call_keys = [k for _, zkeys, _ in batch for k in zkeys]
             args: list[str | float] = [DURATIONS_KEPT, from_env().live_key_ttl_s]
-            for _, item_args in batch:
+            for _, _, item_args in batch:
                 args.extend(item_args)
             try:
                 with_redis_retry(
@@ -267,9 +276,9 @@ class Gate:
         self.r = client(redis_url)
         self._begin = self.r.register_script(BEGIN_LUA)
         self._back_off = self.r.register_script(BACK_OFF_LUA)
-        self.releaser = _Releaser(self.r, self.r.register_script(END_LUA))
         self.ttl_s = from_env().lease_ttl_s if ttl_s is None else ttl_s
         self.renewer = _LeaseRenewer(self.r, self.r.register_script(RENEW_LUA), self.ttl_s)
+        self.releaser = _Releaser(self.r, self.r.register_script(END_LUA), self.renewer.remove)
         self._holder = f"{socket.gethostname()}:{self.pid}"
         self._seq = 0
         self._seq_lock = threading.Lock()
@@ -393,10 +402,11 @@ class Gate:
 
     def free_slot(self, ticket: Ticket, token: str, ok: bool = False) -> None:
         """Give the slot back as soon as the `/run` call ended, before the records land; `ok`
-        (the call succeeded) grows the agent's window."""
-        self.renewer.remove(ticket.member)
+        (the call succeeded) grows the agent's window. Never blocks."""
         self.releaser.put(
-            self._release_keys(ticket), [ticket.member, "", token, "", -1, "1" if ok else "0"]
+            ticket.member,
+            self._release_keys(ticket),
+            [ticket.member, "", token, "", -1, "1" if ok else "0"],
         )
 
     def back_off(self, ticket: Ticket, status: int, wait_s: float | None, call_s: float) -> None:
@@ -440,11 +450,13 @@ class Gate:
     def release(
         self, ticket: Ticket, token: str, field: str = "done", duration_s: float | None = None
     ) -> None:
-        """Give the slot back (if still held) and count the outcome, batched with other releases."""
-        self.renewer.remove(ticket.member)
+        """Give the slot back (if still held) and count the outcome, batched with other releases.
+        Never blocks: the event loop calls it."""
         duration: str | float = -1 if duration_s is None else duration_s
         self.releaser.put(
-            self._release_keys(ticket), [ticket.member, ticket.key, token, field, duration, "0"]
+            ticket.member,
+            self._release_keys(ticket),
+            [ticket.member, ticket.key, token, field, duration, "0"],
         )
 
     @staticmethod

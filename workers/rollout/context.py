@@ -58,7 +58,9 @@ class AdmissionGate(Protocol):
 
     def release(
         self, ticket: Ticket, token: str, field: str = "done", duration_s: float | None = None
-    ) -> None: ...
+    ) -> None:
+        """Give the slot back and count the outcome; called on the event loop: never blocks."""
+        ...
 
     def stop_reason(self, sid: str) -> str | None: ...
 

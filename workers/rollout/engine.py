@@ -66,6 +66,8 @@ from workers.shard.state import key_str
 log = logging.getLogger(__name__)
 
 LAND_RETRY_S = 120.0
+Queued = concurrent.futures.Future[LandReport] | Exception
+"""A landing queued with the lander (its future), or what queueing it raised."""
 """How long landing rides out a Redis restart or a busy lock before the rollout ends in error."""
 
 
@@ -308,16 +310,16 @@ class _Run:
         ended_call = ctx.monotonic()
         duration_s: float | None = None
         try:
-            landing = await ctx.blocking(
+            # One hop off the loop: the slot freed, the outcome sorted and its landing queued.
+            result, failures, ended, queued = await ctx.blocking(
                 lambda: self.after_call(slot, outcome, started, ended_call)
             )
-            result, failures, ended = landing
             if ended is Ended.LANDED and self.req.admission.dispatch_deadline is not None:
                 duration_s = ended_call - started
             if self.delivery.record:
-                ended = await self.land(result, failures, ended)
+                ended = await self.land(result, failures, ended, queued)
         finally:
-            await ctx.blocking(lambda: ctx.gate.release(slot, token, duration_s=duration_s))
+            ctx.gate.release(slot, token, duration_s=duration_s)  # queued: it never blocks
         kept = ended in RESULT_ENDS or ended in FAILURE_ENDS or ended is Ended.DUPLICATE
         record = outcome.result if outcome.result is not None else failures[-1]
         if self.not_stored is not None:
@@ -333,19 +335,26 @@ class _Run:
 
     def after_call(
         self, ticket: Ticket, outcome: CallOutcome, started: float, ended_call: float
-    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]], Ended]:
+    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]], Ended, Queued | None]:
         """The blocking steps after `/run`: the slot freed, the model calls merged, the outcome
-        sorted into its records, stamped with its timing."""
+        sorted into its records, stamped with its timing, and (a recorded delivery) their
+        landing queued: the lander's future, or what queueing raised (`land_with_retry`)."""
         ctx = self.ctx
         # The slot covers the /run call: the next rollout may start while this one lands.
         ctx.gate.free_slot(ticket, self.req.run.token, ok=outcome.result is not None)
         if outcome.result is not None:  # the model-call capture, as NeMo Gym merges it
             outcome.result = merge_into(self.req, outcome.result, (ended_call - started) * 1000)
         result, failures, ended = sort_outcome(outcome)
-        if self.delivery.record:
-            at, ms = time.time() - (ctx.monotonic() - started), (ended_call - started) * 1000
-            stamp_timing([*failures, *([] if result is None else [result])], at, ms)
-        return result, failures, ended
+        if not self.delivery.record:
+            return result, failures, ended, None
+        at, ms = time.time() - (ctx.monotonic() - started), (ended_call - started) * 1000
+        stamp_timing([*failures, *([] if result is None else [result])], at, ms)
+        queued: Queued
+        try:
+            queued = self.queue_landing(result, failures)
+        except Exception as exc:  # raised where queueing it on its own would have
+            queued = exc
+        return result, failures, ended, queued
 
     async def call(self, first: Ticket) -> tuple[Ticket, CallOutcome, float] | RolloutOutcome:
         """Call `/run` with the admitted slot, waiting out 429/503s without it.
@@ -366,10 +375,10 @@ class _Run:
             try:
                 outcome, stop = await ctx.agent.call(req.agent_url, row, req.policy, self.sid)
             except BaseException:
-                await asyncio.shield(ctx.blocking(partial(ctx.gate.release, ticket, token)))
+                ctx.gate.release(ticket, token)
                 raise
             if outcome is None:
-                await ctx.blocking(partial(ctx.gate.release, ticket, token, field="cancelled"))
+                ctx.gate.release(ticket, token, field="cancelled")
                 return self.end(Ended.CANCELLED, detail=stop)
             requests += outcome.requests_sent
             earlier += outcome.failures
@@ -388,7 +397,7 @@ class _Run:
             with tracing.rate_limit_wait(status, wait_s):
                 stop = await self.wait(wait_s)
             if stop is not None:
-                await ctx.blocking(partial(ctx.gate.release, ticket, token, field="cancelled"))
+                ctx.gate.release(ticket, token, field="cancelled")
                 return self.end(Ended.CANCELLED, detail=stop)
             row = with_attempt(req.row, limited.attempt)
             # Admitted again without a new start.
@@ -450,11 +459,16 @@ class _Run:
                         detail=self.land_error)  # fmt: skip
 
     async def land(
-        self, result: dict[str, Any] | None, failures: list[dict[str, Any]], ended: Ended
+        self,
+        result: dict[str, Any] | None,
+        failures: list[dict[str, Any]],
+        ended: Ended,
+        queued: Queued | None = None,
     ) -> Ended:
-        """Land the records; returns how the rollout ended once they are (or could not be) down."""
+        """Land the records (`queued`: already queued); returns how the rollout ended once they
+        are (or could not be) down."""
         try:
-            report = await self.land_with_retry(result, failures)
+            report = await self.land_with_retry(result, failures, queued)
         except ShardFencedError as exc:
             log.warning("%s", exc)
             self.land_error = str(exc)
@@ -476,9 +490,13 @@ class _Run:
         return Ended.DUPLICATE if report.duplicate else ended
 
     async def land_with_retry(
-        self, result: dict[str, Any] | None, failures: list[dict[str, Any]]
+        self,
+        result: dict[str, Any] | None,
+        failures: list[dict[str, Any]],
+        queued: Queued | None = None,
     ) -> LandReport:
-        """Land the records, riding out a Redis restart or a busy lock for up to LAND_RETRY_S.
+        """Land the records, riding out a Redis restart or a busy lock for up to LAND_RETRY_S;
+        `queued`: the first try, queued already (`after_call`).
 
         Each attempt waits at most `land_wait_s` for the lander: past it, `StorageError` (the
         records may land later; the rollout's outcome is an error, and a resume finds them).
@@ -487,8 +505,11 @@ class _Run:
         deadline = ctx.monotonic() + LAND_RETRY_S
         delay = 0.5
         while True:
-            # Queueing encodes the records: off the loop, with the stage noted.
-            queued = await ctx.blocking(lambda: self.queue_landing(result, failures))
+            if queued is None:
+                # Queueing encodes the records: off the loop, with the stage noted.
+                queued = await ctx.blocking(lambda: self.queue_landing(result, failures))
+            elif isinstance(queued, Exception):
+                raise queued
             try:
                 # Shielded: a timeout must not cancel the lander's future (its thread settles
                 # it later, and a cancelled one would refuse the report).
@@ -505,6 +526,7 @@ class _Run:
                 log.warning("landing %s: %s; retrying in %.1fs", self.rollout, exc, delay)
                 await ctx.sleep(delay)
                 delay = min(delay * 2, 5.0)
+                queued = None
 
     def queue_landing(
         self, result: dict[str, Any] | None, failures: list[dict[str, Any]]
