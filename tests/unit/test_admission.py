@@ -132,6 +132,26 @@ def test_release_is_not_undone_by_a_later_renewal(gate: Gate, r: redis.Redis) ->
     assert live_leases(r) == 0
 
 
+def test_a_release_never_waits_on_a_renewal_in_progress(gate: Gate, r: redis.Redis) -> None:
+    """The event loop releases slots: a renewal holds the renewer's lock across its round trip
+    (a slow or absent Redis), and the release must not wait for it, nor be undone by it."""
+    ticket = gate.admit(request(0), SID)
+    released = threading.Event()
+
+    def release() -> None:
+        gate.release(ticket, TOKEN)
+        released.set()
+
+    with gate.renewer._lock:  # a renewal in progress
+        threading.Thread(target=release, daemon=True).start()
+        assert released.wait(2), "the release waited for the renewal"
+        assert live_leases(r) == 1  # the releaser thread waits for it instead
+    assert gate.releaser.flush()
+    assert ticket.member not in gate.renewer._held
+    gate.renewer.renew_once()
+    assert live_leases(r) == 0
+
+
 def test_more_unfinished_deliveries_than_the_attempt_limit_is_worker_lost(
     make_gate: Callable[[float], Gate], r: redis.Redis
 ) -> None:
