@@ -102,7 +102,10 @@ class TaskTable:
     def rows(self) -> Iterator[tuple[str, str, int, int, int, float, int]]:
         """(env, agent, task, landed, passing, reward sum, failed), by group then task."""
         for (env, agent), tasks in sorted(self.index.items()):
-            for task, i in sorted(tasks.items()):
+            # The task numbers sorted, not (task, slot) pairs: 8 B a task instead of 64 (a
+            # million tasks: 56 MB less at the finish step's peak).
+            for task in sorted(tasks):
+                i = tasks[task]
                 yield env, agent, task, self.n[i], self.passes[i], self.reward[i], self.failed[i]
 
 
