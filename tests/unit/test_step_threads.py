@@ -1,0 +1,90 @@
+"""The engine's step threads (`workers/rollout/context.py`): values, errors, context, cancels."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+import time
+
+import pytest
+
+from workers.rollout.context import Blocking, StepThreads
+
+WHO = contextvars.ContextVar("who", default="nobody")
+
+
+@pytest.fixture(scope="module")
+def threads() -> StepThreads:
+    return StepThreads(4, "test-step")
+
+
+def test_many_steps_come_back_with_their_own_values_off_the_loop(threads: StepThreads) -> None:
+    blocking = Blocking(threads)
+    loop_thread: list[threading.Thread] = []
+
+    def step(i: int) -> tuple[int, str]:
+        time.sleep(0.001 * (i % 3))
+        return i, threading.current_thread().name
+
+    async def main() -> list[tuple[int, str]]:
+        loop_thread.append(threading.current_thread())
+        return await asyncio.gather(*(blocking(lambda i=i: step(i)) for i in range(500)))
+
+    got = asyncio.run(main())
+    assert [i for i, _ in got] == list(range(500))
+    names = {name for _, name in got}
+    assert names and all(n.startswith("test-step_") for n in names)
+    assert loop_thread[0].name not in names
+
+
+def test_a_step_s_error_is_raised_in_its_coroutine_and_it_sees_the_caller_s_context(
+    threads: StepThreads,
+) -> None:
+    blocking = Blocking(threads)
+
+    def fails() -> None:
+        raise KeyError("boom")
+
+    async def main() -> str:
+        WHO.set("rollout 3-0")
+        with pytest.raises(KeyError, match="boom"):
+            await blocking(fails)
+        with pytest.raises(RuntimeError, match="StopIteration"):
+            await blocking(lambda: next(iter(())))
+        return await blocking(WHO.get)
+
+    assert asyncio.run(main()) == "rollout 3-0"
+
+
+def test_a_step_cancelled_before_it_started_does_not_run() -> None:
+    one = StepThreads(1, "test-one")
+    blocking = Blocking(one)
+    started, ran = threading.Event(), []
+    gate = threading.Event()
+
+    def hold() -> None:
+        started.set()
+        gate.wait(5)
+
+    async def main() -> None:
+        held = asyncio.ensure_future(blocking(hold))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        queued = asyncio.ensure_future(blocking(lambda: ran.append(1)))
+        await asyncio.sleep(0)
+        queued.cancel()
+        gate.set()
+        await held
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        await blocking(lambda: None)  # the thread has passed the cancelled step by now
+
+    asyncio.run(main())
+    assert ran == []
+
+
+def test_without_threads_a_step_runs_inline() -> None:
+    async def main() -> str:
+        return await Blocking()(lambda: threading.current_thread().name)
+
+    assert asyncio.run(main()) == threading.current_thread().name
