@@ -240,7 +240,13 @@ def test_a_local_run_stays_local_and_its_status_reads_files(
         orjson.loads(cli("status", str(run_dir), "--json").stdout)["rate_per_s"]
         == report["rate_per_s"]
     )
+    # Nothing to run and nothing changed: the last finish stands, and no cluster is started.
     proc = cli("resume", str(run_dir), "--workers", "1", "--concurrency", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "last finish" in proc.stdout and "local worker processes" not in proc.stdout
+    # A setting changed: the resume finishes again, on a local cluster as the run was.
+    proc = cli("resume", str(run_dir), "--workers", "1", "--concurrency", "8",
+               "+max_failed_fraction=0.5")  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "local worker processes (the run was local" in proc.stdout
     assert [g["local"] for g in manifest_of(run_dir)["generations"]] == [True, True]
