@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import threading
 import time
 
@@ -29,7 +30,7 @@ def test_many_steps_come_back_with_their_own_values_off_the_loop(threads: StepTh
 
     async def main() -> list[tuple[int, str]]:
         loop_thread.append(threading.current_thread())
-        return await asyncio.gather(*(blocking(lambda i=i: step(i)) for i in range(500)))
+        return await asyncio.gather(*(blocking(functools.partial(step, i)) for i in range(500)))
 
     got = asyncio.run(main())
     assert [i for i, _ in got] == list(range(500))

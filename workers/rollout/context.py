@@ -137,12 +137,14 @@ class StepThreads:
             loop, future, context, step = self._steps.get()
             if future.cancelled():  # read off the loop: at worst a cancelled step runs anyway
                 continue
+            value: Any = None
+            error: BaseException | None = None
             try:
-                value, error = context.run(step), None
+                value = context.run(step)
             except StopIteration as exc:  # a future cannot hold one
-                value, error = None, RuntimeError(f"a step raised StopIteration: {exc!r}")
+                error = RuntimeError(f"a step raised StopIteration: {exc!r}")
             except BaseException as exc:  # handed to the awaiting coroutine, as an executor does
-                value, error = None, exc
+                error = exc
             self._hand_back(loop, future, value, error)
 
     def _hand_back(
