@@ -26,14 +26,15 @@ def shard_keys(r: redis.Redis, out: Path) -> dict[str, int]:
 def start_slow_run(
     redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path, *settings: str
 ) -> tuple[subprocess.Popen[bytes], Path, str]:
-    """One worker and a background `rollouts run` of 40 rollouts of 300 ms: the producer, the
-    run directory and the shard's id."""
+    """One worker and a background `rollouts run` of 40 rollouts of 1 s, 4 at a time (10 s: a
+    window wide enough for a `rollouts cancel` to start in): the producer, the run directory
+    and the shard's id."""
     workers.start(count=1, concurrency=4)
     workers.wait_ready()
     config = servers.write_config(str(tmp_path / "servers.yaml"))
     rows = demo_rows(40)
     for row in rows:
-        row["agent_latency_ms"] = 300
+        row["agent_latency_ms"] = 1000
     out = tmp_path / "run"
     producer = cli_background(
         "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),

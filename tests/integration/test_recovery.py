@@ -433,7 +433,10 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
     by the other; every row replies once and lands once; and with a visibility timeout shorter
     than a rollout (2 s against 4 s), no rollout but those the frozen worker was calling is
     called twice: a copy of a live delivery is acknowledged without a call. Woken, the frozen
-    worker changes no file of the recorded run."""
+    worker changes no file of the recorded run. Six rows on two workers of four: the worker that
+    stays up has a slot free for the copies while it runs what it took over (with eight, the
+    copies waited for slots until the attempts they copied had settled, and no copy of a live
+    delivery was seen in about half the runs)."""
     from producer import preprocess_examples, run_examples
     from schemas.settings import CollectionSettings
 
@@ -446,7 +449,7 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
         workers.start(count=2, concurrency=4, env={**ENV, "ROLLOUTS_VISIBILITY_TIMEOUT_S": "2"})
         workers.wait_ready()
         frozen = workers.procs[0]
-        raw = [make_row("arithmetic", i, "math_agent") for i in range(8)]
+        raw = [make_row("arithmetic", i, "math_agent") for i in range(6)]
         rows = preprocess_examples(raw, servers.config(), CollectionSettings())
 
         def holders() -> dict[str, str]:
@@ -461,7 +464,7 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
         def calling_on_both() -> bool:
             called = set(requests_per_key(log))
             mine = {k for k, h in holders().items() if h.endswith(f":{frozen.pid}")}
-            return len(holders()) == 8 and any(as_key(k) in called for k in mine)
+            return len(holders()) == 6 and any(as_key(k) in called for k in mine)
 
         async def go() -> list[Any]:
             completions = run_examples(
@@ -489,8 +492,8 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
         servers.stop()
         r.close()
     assert snapshot(out) == before, "the woken worker changed the run directory"
-    assert len(got) == 8 and all(isinstance(g, tuple) for g in got), got
-    results_once(out, 8)
+    assert len(got) == 6 and all(isinstance(g, tuple) for g in got), got
+    results_once(out, 6)
     lost = {as_key(k) for k, h in held.items() if h.endswith(f":{frozen.pid}")}
     calls = requests_per_key(log)
     assert lost and set(calls) == {key(row) for row in rows}
