@@ -54,6 +54,9 @@ class Environment:
     """`ROLLOUTS_LIVE_KEY_TTL_S`: a running shard's Redis keys expire this long after they were
     last written or refreshed (by a worker's write, or its producer while it waits): the keys of
     a run nobody works on any more go by themselves."""
+    gc_thresholds: tuple[int, int, int] | None = None
+    """`ROLLOUTS_GC_THRESHOLDS`: a worker's garbage-collector thresholds, as `700,10,10`
+    (CPython's own); None: the worker's (`workers/gc_tuning.py`)."""
 
 
 def read_environment(environ: Mapping[str, str]) -> Environment:
@@ -71,7 +74,19 @@ def read_environment(environ: Mapping[str, str]) -> Environment:
         redis_max_connections=int(environ.get("ROLLOUTS_REDIS_MAX_CONNECTIONS", "64")),
         redis_idle_s=float(environ.get("ROLLOUTS_REDIS_IDLE_S", "60")),
         live_key_ttl_s=max(1, int(environ.get("ROLLOUTS_LIVE_KEY_TTL_S", LIVE_KEY_TTL_S))),
+        gc_thresholds=parse_thresholds(environ.get("ROLLOUTS_GC_THRESHOLDS") or None),
     )
+
+
+def parse_thresholds(text: str | None) -> tuple[int, int, int] | None:
+    """`ROLLOUTS_GC_THRESHOLDS`: three non-negative integers, comma-separated; ValueError else."""
+    if text is None:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"ROLLOUTS_GC_THRESHOLDS={text!r}: expected three integers, as 700,10,10")
+    first, second, third = (int(p) for p in parts)
+    return first, second, third
 
 
 @functools.cache

@@ -41,6 +41,7 @@ from kombu.serialization import loads as loads_message
 from kombu.serialization import prepare_accept_content
 
 from infra.http import process_io
+from workers.gc_tuning import gc_state
 
 log = logging.getLogger(__name__)
 
@@ -214,5 +215,5 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         info: dict[str, Any] = super()._get_info()
         with self._lock:
             in_flight = len(self._running)
-        info.update({"max-concurrency": self.limit, "in-flight": in_flight})
+        info.update({"max-concurrency": self.limit, "in-flight": in_flight, "gc": gc_state()})
         return info

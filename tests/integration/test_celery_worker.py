@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -95,3 +96,27 @@ def test_pickle_payload_is_refused(
         orjson.loads((tmp_path / "run" / "rollouts-0_manifest.json").read_bytes())["state"]
         == "running"
     )
+
+
+def test_worker_tunes_its_garbage_collector(redis_url: str, workers: Workers) -> None:
+    """A ready worker has frozen its start-up objects and set the collector's thresholds
+    (`workers/gc_tuning.py`); `ROLLOUTS_GC_THRESHOLDS` sets others. Seen as Flower sees a
+    worker: its `inspect stats`."""
+    from workers.gc_tuning import GC_THRESHOLDS
+
+    worker = [CELERY, "-A", "workers.app", "worker", "-c", "4", "-l", "INFO"]
+    workers.start(count=1, command=[*worker, "-n", "tuned@%h"])
+    workers.start(
+        count=1, command=[*worker, "-n", "plain@%h"], env={"ROLLOUTS_GC_THRESHOLDS": "700,10,10"}
+    )
+    workers.wait_ready()
+    app = client_app(redis_url, redis_url)
+    stats: dict[str, Any] = {}
+    deadline = time.monotonic() + 30
+    while len(stats) < 2 and time.monotonic() < deadline:
+        stats.update(app.control.inspect(timeout=1.0).stats() or {})
+    gc_of = {name.split("@")[0]: info["pool"]["gc"] for name, info in stats.items()}
+    assert gc_of["tuned"]["thresholds"] == list(GC_THRESHOLDS)
+    assert gc_of["plain"]["thresholds"] == [700, 10, 10]
+    for state in gc_of.values():
+        assert state["frozen"] > 10_000  # the modules, the app and the context at least

@@ -41,6 +41,7 @@ def test_defaults_and_parsing() -> None:
             "ROLLOUTS_WORKER_CONCURRENCY": "8",
             "ROLLOUTS_TASK_EVENTS": "1",
             "ROLLOUTS_HEALTH_RANGE_BYTES": "300",
+            "ROLLOUTS_GC_THRESHOLDS": "700, 10,10",
         }
     )
     assert parsed == Environment(
@@ -51,9 +52,13 @@ def test_defaults_and_parsing() -> None:
         worker_concurrency=8,
         task_events=True,
         health_range_bytes=300,
+        gc_thresholds=(700, 10, 10),
     )
     with pytest.raises(ValueError):
         read_environment({"ROLLOUTS_LOCK_TTL_S": "soon"})
+    for bad in ("700,10", "700,10,10,1", "700,-1,10", "a,b,c"):
+        with pytest.raises(ValueError, match="ROLLOUTS_GC_THRESHOLDS"):
+            read_environment({"ROLLOUTS_GC_THRESHOLDS": bad})
 
 
 def test_read_once(env: pytest.MonkeyPatch) -> None:
