@@ -39,7 +39,8 @@ from typing import Any
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
-from kombu.utils.json import loads
+
+from infra import json_codec
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class Channel(kombu_redis.Channel):
             dest, item = (v.decode() if isinstance(v, bytes) else str(v) for v in claimed[:2])
             dest = dest.rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(dest)
-            message = loads(item)  # type: ignore[no-untyped-call]
+            message = json_codec.loads(item)
             if int(claimed[2]):
                 self.claimed.add(message["properties"]["delivery_tag"])
             self.connection._deliver(message, dest)

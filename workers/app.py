@@ -6,6 +6,7 @@ from celery import Celery
 from celery.backends.base import Backend
 from celery.backends.redis import RedisBackend
 
+from infra import json_codec
 from infra.environment import from_env
 from infra.redis_client import shared_pool
 
@@ -24,6 +25,8 @@ class _App(Celery):  # type: ignore[misc]
             backend._ConnectionPool = shared_pool
         return backend
 
+
+json_codec.install()  # messages decoded by orjson where that decodes them the same
 
 # `include` imports the task module when a worker starts, without a circular import here.
 app = _App("rollouts", include=["workers.tasks"])
