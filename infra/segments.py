@@ -133,15 +133,25 @@ def iter_chunks(
 
 
 def split_lines(chunks: Iterator[tuple[int, bytes]]) -> Iterator[tuple[int, bytes]]:
-    """Complete lines with their offsets; a last line without its newline is left out."""
-    pending = b""
+    """Complete lines with their offsets; a last line without its newline is left out.
+
+    Each block is split once; only a line that spans blocks is joined from its parts (a block
+    is never copied onto what came before it, nor a long line copied again per block).
+    """
+    parts: list[bytes] = []
+    """The start of a line that spans blocks, block by block."""
     offset = -1
     for at, block in chunks:
         if offset < 0:
             offset = at
-        pending += block
-        lines = pending.split(b"\n")
-        pending = lines.pop()
+        lines = block.split(b"\n")
+        tail = lines.pop()
+        if lines and parts:
+            parts.append(lines[0])
+            lines[0] = b"".join(parts)
+            parts = []
+        if tail:
+            parts.append(tail)
         for line in lines:
             yield offset, line
             offset += len(line) + 1
