@@ -163,7 +163,9 @@ def test_fail_on_unhealthy_gates_run_and_health_check(
     assert "Run health (complete): unknown" in proc.stdout
     assert "set a limit with --limit max_failed_fraction=F" in proc.stdout
     # A run without a limit: unknown, the line names the overrides; --fail-on-unhealthy passes.
-    proc = cli(*run_args(config, tmp_path, n=4, out="plain"), "--route-failures-to-sidecar",
+    # Twelve rows: with half the calls failing, four all failed in 1 of 16 runs (no record to
+    # check, so no line about unobserved checks).
+    proc = cli(*run_args(config, tmp_path, n=12, out="plain"), "--route-failures-to-sidecar",
                "--broker", redis_url, "--fail-on-unhealthy")  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Run health (complete): unknown" in proc.stdout
