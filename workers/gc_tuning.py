@@ -24,12 +24,11 @@ GC_THRESHOLDS = (20_000, 10, 10)
 """The collector's thresholds in a worker (`gc.set_threshold`)."""
 
 
-def tune_gc(thresholds: tuple[int, int, int] = GC_THRESHOLDS) -> dict[str, object]:
-    """Freeze what is alive now and set the thresholds; returns what `gc_state` reports."""
+def tune_gc(thresholds: tuple[int, int, int] | None = None) -> None:
+    """Freeze what is alive now and set the thresholds (None: `GC_THRESHOLDS`)."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(*thresholds)
-    return gc_state()
+    gc.set_threshold(*(thresholds or GC_THRESHOLDS))
 
 
 def gc_state() -> dict[str, object]:

@@ -25,7 +25,7 @@ from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
 from workers import tracing
 from workers.app import app, state_redis_url
 from workers.finish import finish_shard, health_brief
-from workers.gc_tuning import GC_THRESHOLDS, tune_gc
+from workers.gc_tuning import tune_gc
 from workers.health import combine, scan
 from workers.pool import on_loop, take_ran
 from workers.redispatch import CollectTaskMessage
@@ -137,4 +137,4 @@ def _start_leases(**_: Any) -> None:
     """A worker takes over silent holders' rollouts from its start, before it runs any itself;
     then what is alive is frozen out of the garbage collector (`workers/gc_tuning.py`)."""
     process_context(state_redis_url())
-    tune_gc(from_env().gc_thresholds or GC_THRESHOLDS)
+    tune_gc(from_env().gc_thresholds)

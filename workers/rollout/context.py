@@ -122,7 +122,7 @@ class StepThreads:
     def __init__(self, count: int, name: str) -> None:
         self._steps: queue.SimpleQueue[_Step] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._done: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, Any]]] = {}
+        self._done: dict[asyncio.AbstractEventLoop, list[_Settled]] = {}
         for i in range(count):
             threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True).start()
 
@@ -148,7 +148,11 @@ class StepThreads:
             self._hand_back(loop, future, value, error)
 
     def _hand_back(
-        self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value: Any, error: Any
+        self,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[Any],
+        value: Any,
+        error: BaseException | None,
     ) -> None:
         with self._lock:
             waiting = self._done.get(loop)
@@ -174,6 +178,8 @@ class StepThreads:
 _Step = tuple[
     asyncio.AbstractEventLoop, "asyncio.Future[Any]", contextvars.Context, Callable[[], Any]
 ]
+_Settled = tuple["asyncio.Future[Any]", Any, BaseException | None]
+"""A step's future, its value and its error (None: it returned the value)."""
 
 
 class Blocking:
