@@ -42,6 +42,7 @@ from kombu.serialization import prepare_accept_content
 
 from infra.http import process_io
 from workers.gc_tuning import gc_state
+from workers.rollout.context import StepThreads
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,7 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         self._threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.limit, thread_name_prefix="rollouts-task"
         )
-        self._finishing = concurrent.futures.ThreadPoolExecutor(
-            max_workers=FINISHING_THREADS, thread_name_prefix="rollouts-finish"
-        )
+        self._finishing = StepThreads(FINISHING_THREADS, "rollouts-finish")
         self._running: set[concurrent.futures.Future[None]] = set()
         self._lock = threading.Lock()
         self._slots: asyncio.Semaphore | None = None
@@ -133,11 +132,9 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         with self._lock:
             running = list(self._running)
         concurrent.futures.wait(running)
-        self._finishing.shutdown(wait=True)
         self._threads.shutdown(cancel_futures=True)
 
     def on_terminate(self) -> None:
-        self._finishing.shutdown(wait=False, cancel_futures=True)
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def on_apply(
@@ -191,7 +188,13 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         async with self._slots:
             if accept_callback is not None:
                 accepted = time.monotonic()
-                await loop.run_in_executor(self._finishing, accept_callback, os.getpid(), accepted)
+                if _sends_events(accept_callback):
+                    # The task-started event goes out before the task's own, off the loop.
+                    await self._finishing.submit(
+                        loop, lambda: accept_callback(os.getpid(), accepted)
+                    )
+                else:  # bookkeeping only: no hop for it
+                    accept_callback(os.getpid(), accepted)
             try:
                 task_args, task_kwargs, embed = loads_message(  # type: ignore[no-untyped-call]
                     body, content_type, content_encoding, accept=self._accept
@@ -203,11 +206,10 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
             except Exception as exc:
                 _ran[number] = _Raised(exc)
         # The tracer's own steps (result, after_return, acknowledgement, events).
-        done = loop.run_in_executor(
-            self._finishing, lambda: apply_target(target, args, kwargs, callback, None)
-        )
         try:
-            await done
+            await self._finishing.submit(
+                loop, lambda: apply_target(target, args, kwargs, callback, None)
+            )
         finally:
             _ran.pop(number, None)
 
@@ -217,3 +219,15 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
             in_flight = len(self._running)
         info.update({"max-concurrency": self.limit, "in-flight": in_flight, "gc": gc_state()})
         return info
+
+
+def _sends_events(accept_callback: Callable[..., Any]) -> bool:
+    """Whether accepting the request sends Flower its task-started event (a write to the broker):
+    Celery's `Request.on_accepted` does while the worker's events are on (`-E`, or enabled at
+    run time by `celery control enable_events`); otherwise it only notes the request in the
+    worker's state, which the loop does in place. Unknown callbacks count as sending."""
+    request = getattr(accept_callback, "__self__", None)
+    if request is None or not hasattr(request, "_eventer"):
+        return True
+    eventer = request._eventer
+    return bool(eventer is not None and eventer.enabled and request.task.send_events)

@@ -70,3 +70,45 @@ def test_each_delivery_runs_its_coroutine_then_the_tracer_with_its_value() -> No
     assert got[2] == "raised boom"
     # Nothing is left behind for a later delivery to take.
     assert take_ran(Context({"id": "t-1", "rollouts_delivery": got[0]["delivery"]})) is None
+
+
+class _Request:
+    """What `_sends_events` reads of Celery's `Request`: its eventer and its task's flag."""
+
+    def __init__(self, events: bool) -> None:
+        self._eventer = type("Eventer", (), {"enabled": events})()
+        self.task = type("Task", (), {"send_events": True})()
+        self.accepted_on: list[str] = []
+
+    def on_accepted(self, pid: int, at: float) -> None:
+        import threading
+
+        self.accepted_on.append(threading.current_thread().name)
+
+
+def test_acceptance_hops_off_the_loop_only_when_it_sends_an_event() -> None:
+    """Without task events, accepting a request is bookkeeping the loop does in place; with them
+    (Flower's task-started) it runs on a finishing thread, before the coroutine starts."""
+    app = Celery("test-pool-accept")
+    pool = RolloutPool(limit=2, app=app)
+    pool.start()
+    try:
+        for events, where in ((False, "rollouts-io"), (True, "rollouts-finish")):
+            request = _Request(events)
+            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            body = orjson.dumps([["x"], {}, {"chord": None, "callbacks": None}])
+
+            def tracer(*_: Any, request: _Request = request) -> Any:
+                return list(request.accepted_on)
+
+            pool.apply_async(
+                tracer,
+                args=(TASK, f"accept-{events}", {"id": "a", "task": TASK}, body,
+                      "application/json", "utf-8"),
+                callback=done.set_result,
+                accept_callback=request.on_accepted,
+            )  # fmt: skip
+            [thread] = done.result(timeout=10)
+            assert thread.startswith(where), (events, thread)
+    finally:
+        pool.stop()
