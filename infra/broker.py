@@ -19,7 +19,10 @@ stalled until a person resumed it). Here the pop and the record are one Lua scri
 restore and the takeover sweep (`workers/redispatch.py`) find it. Blocking is kept apart from the
 pop: the channel sends `BLMOVE q q RIGHT RIGHT timeout` (which waits until the queue has a
 message and moves nothing) and the claim, pipelined on the same connection, and reads both
-replies. Queues consumed without acks, and a Redis older than 6.2 (no BLMOVE), keep kombu's BRPOP.
+replies. A claim takes as many messages as the prefetch limit still allows (at most
+`CLAIM_BATCH`): a worker with thousands of free slots fills them a batch per round trip, not a
+message per round trip (py-spy put two fifths of a rollout worker's main thread in the
+per-message pop and its re-registration). Queues consumed without acks, and a Redis older than 6.2 (no BLMOVE), keep kombu's BRPOP.
 
 Select it with `broker_transport = "infra.broker:Transport"` (celeryconfig does, for redis://
 and rediss:// brokers).
@@ -49,28 +52,45 @@ MULTI_QUEUE_WAIT_S = 0.2
 """How long a claim waits on its first queue when the channel consumes several (a message in
 another waits at most this long)."""
 
+CLAIM_BATCH = 64
+"""Messages one claim takes at most (fewer when the channel's prefetch allows fewer)."""
+
 CLAIM_LUA = """
--- Takes the first message of the queue lists KEYS[3..] (kombu's priority order) and records it
--- as unacknowledged in the same step: kombu's unacked hash (KEYS[1]: tag -> [message, exchange,
--- routing key]) and its index (KEYS[2]: tag scored by the time taken). Returns {list, message,
--- 1}, or false when every list is empty; {list, message, 0} for a message that is not kombu's
--- JSON (popped, not recorded: the caller records it as kombu does).
+-- Takes up to ARGV[1] messages from the queue lists KEYS[3..] (kombu's priority order: a list is
+-- emptied before the next is read) and records each as unacknowledged in the same step: kombu's
+-- unacked hash (KEYS[1]: tag -> [message, exchange, routing key]) and its index (KEYS[2]: tag
+-- scored by the time taken). Returns {list, message, 1, list, message, 1, ...}, or false when
+-- every list is empty; a message that is not kombu's JSON comes as {list, message, 0} (popped,
+-- not recorded: the caller records it as kombu does).
+local most = tonumber(ARGV[1])
+local out = {}
+local taken = 0
+local now = nil
 for i = 3, #KEYS do
-  local item = redis.call('RPOP', KEYS[i])
-  if item then
+  while taken < most do
+    local item = redis.call('RPOP', KEYS[i])
+    if not item then break end
+    taken = taken + 1
     local ok, decoded = pcall(cjson.decode, item)
     local props = ok and type(decoded) == 'table' and decoded['properties']
     local info = type(props) == 'table' and props['delivery_info']
     local tag = type(props) == 'table' and props['delivery_tag']
-    if type(info) ~= 'table' or type(tag) ~= 'string' then return {KEYS[i], item, 0} end
-    local t = redis.call('TIME')
-    redis.call('ZADD', KEYS[2], tonumber(t[1]) + tonumber(t[2]) / 1000000, tag)
-    redis.call('HSET', KEYS[1], tag, '[' .. item .. ',' .. cjson.encode(info['exchange']) .. ','
-      .. cjson.encode(info['routing_key']) .. ']')
-    return {KEYS[i], item, 1}
+    if type(info) ~= 'table' or type(tag) ~= 'string' then
+      out[#out + 1] = KEYS[i]; out[#out + 1] = item; out[#out + 1] = 0
+    else
+      if not now then
+        local t = redis.call('TIME')
+        now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+      end
+      redis.call('ZADD', KEYS[2], now, tag)
+      redis.call('HSET', KEYS[1], tag, '[' .. item .. ',' .. cjson.encode(info['exchange']) .. ','
+        .. cjson.encode(info['routing_key']) .. ']')
+      out[#out + 1] = KEYS[i]; out[#out + 1] = item; out[#out + 1] = 1
+    end
   end
 end
-return false
+if taken == 0 then return false end
+return out
 """
 REDIS_SCHEMES = ("redis://", "rediss://")
 
@@ -216,8 +236,9 @@ class Channel(kombu_redis.Channel):
         self._claim_sent = True
         connection.send_command("BLMOVE", lists[0], lists[0], "RIGHT", "RIGHT", wait)
         connection.send_command(
-            "EVAL", CLAIM_LUA, 2 + len(lists), self.unacked_key, self.unacked_index_key, *lists
-        )
+            "EVAL", CLAIM_LUA, 2 + len(lists), self.unacked_key, self.unacked_index_key, *lists,
+            self._claim_size(),
+        )  # fmt: skip
 
     def _brpop_read(self, **options: Any) -> Any:
         if not self._claim_sent:
@@ -232,13 +253,7 @@ class Channel(kombu_redis.Channel):
                 raise
             if not claimed:
                 raise Empty()
-            dest, item = (v.decode() if isinstance(v, bytes) else str(v) for v in claimed[:2])
-            dest = dest.rsplit(self.sep, 1)[0]
-            self._queue_cycle.rotate(dest)
-            message = json_codec.loads(item)
-            if int(claimed[2]):
-                self.claimed.add(message["properties"]["delivery_tag"])
-            self.connection._deliver(message, dest)
+            self._deliver_claimed(claimed)
             return True
         finally:
             self._in_poll = None  # type: ignore[assignment]  # kombu's own reset
@@ -246,6 +261,33 @@ class Channel(kombu_redis.Channel):
             flush = getattr(self, "_flush_brpop_reauth", None)
             if flush is not None:
                 flush()
+
+    def _claim_size(self) -> int:
+        """How many messages the next claim may take: what the prefetch limit still allows (the
+        claim is only sent while it allows one), at most CLAIM_BATCH."""
+        allowed = self.qos.can_consume_max_estimate()
+        return max(1, min(CLAIM_BATCH, CLAIM_BATCH if allowed is None else allowed))
+
+    def _deliver_claimed(self, claimed: list[Any]) -> None:
+        """Hand each claimed message to its consumer, in the order taken; each is in the
+        unacked index already, so one whose delivery raises is restored like any unacked
+        message and the rest are still delivered (the first error is raised after them)."""
+        error: BaseException | None = None
+        for i in range(0, len(claimed) - 2, 3):
+            raw_dest, item, recorded = claimed[i : i + 3]
+            dest = raw_dest.decode() if isinstance(raw_dest, bytes) else str(raw_dest)
+            dest = dest.rsplit(self.sep, 1)[0]
+            try:
+                self._queue_cycle.rotate(dest)
+                message = json_codec.loads(item)
+                if int(recorded):
+                    self.claimed.add(message["properties"]["delivery_tag"])
+                self.connection._deliver(message, dest)
+            except Exception as exc:
+                if error is None:
+                    error = exc
+        if error is not None:
+            raise error
 
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:

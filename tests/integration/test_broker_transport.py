@@ -182,3 +182,35 @@ def test_redis_dying_while_a_message_is_awaited_leaves_a_connection_celery_can_c
         assert channel.closed
     finally:
         own.close()
+
+
+def test_one_claim_takes_what_the_prefetch_allows_and_records_each(redis_url: str) -> None:
+    """A claim takes a batch, bounded by the channel's prefetch count; every message of it is in
+    the unacked index before it is delivered, and a later claim takes the next ones in order."""
+    publish(redis_url, 20)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    conn = Connection(redis_url, transport=Transport)
+    channel: Any = conn.default_channel
+    channel.basic_qos(0, 7, False)
+    got: list[int] = []
+
+    def on_message(message: Any) -> None:
+        got.append(orjson.loads(message.body)["i"])
+        # delivered after the claim recorded the whole batch, this message's own entry included
+        assert r.hexists("unacked", message.delivery_tag)
+        assert r.llen("broker-test") in (13, 6)
+
+    channel.basic_consume(QUEUE.name, False, on_message, "t")
+    conn.transport.cycle._register_BRPOP(channel)  # sends the claim, as a poll does
+    channel._brpop_read()
+    assert got == list(range(7))
+    assert r.llen("broker-test") == 13 and unacked(redis_url) == 7
+    for tag in list(channel.qos._delivered):
+        channel.qos.ack(tag)
+    conn.transport.cycle._register_BRPOP(channel)
+    channel._brpop_read()
+    assert got == list(range(14))
+    assert r.llen("broker-test") == 6
+    conn.release()  # restores the second batch, unacked (kombu's behaviour)
+    with Connection(redis_url, transport=Transport) as again:
+        assert sorted(receive(again, 13, ack=True)) == list(range(7, 20))
