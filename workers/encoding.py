@@ -34,8 +34,10 @@ RESULT_NOT_STORED = "result_not_stored"
 class EncodedRecords:
     """One rollout's records for its shard, each encoded already."""
 
-    result: dict[str, Any] | None = None
-    """The result to land; None when there is none or it could not be encoded."""
+    result_key: str | None = None
+    """The `task:rollout` key of the result to land; None when there is none or it could not be
+    encoded. (The result itself is not kept: its line is what lands, and a rollout waiting for
+    its landing holds no parsed copy.)"""
     result_line: bytes | None = None
     """Its JSONL line."""
     failures: list[dict[str, Any]] = field(default_factory=list)
@@ -50,13 +52,13 @@ class EncodedRecords:
     @property
     def key(self) -> str | None:
         """The `task:rollout` key of the result to land."""
-        return None if self.result is None else key_str(self.result)
+        return self.result_key
 
     def to_land(self) -> tuple[str, bytes] | None:
         """(key, line) of the result to land, if there is one."""
-        if self.result is None or self.result_line is None:
+        if self.result_key is None or self.result_line is None:
             return None
-        return key_str(self.result), self.result_line
+        return self.result_key, self.result_line
 
     def counters(self) -> list[str]:
         """The `failed:<class>` counter of each failure row."""
@@ -93,7 +95,7 @@ def encode_records(result: dict[str, Any] | None, failures: list[dict[str, Any]]
         out.failure_lines.append(line)
     if result is not None:
         try:
-            out.result_line, out.result = jsonl.dumps_line(result), result
+            out.result_line, out.result_key = jsonl.dumps_line(result), key_str(result)
         except orjson.JSONEncodeError as exc:
             row = not_stored_row(result, "the /run result", exc)
             out.failures.append(row)

@@ -125,18 +125,31 @@ class Lander:
     ) -> concurrent.futures.Future[LandReport]:
         """Queue the records for landing; the future settles once they are durable (or refused).
 
-        The records are encoded here, in the calling thread, each on its own. The future raises
-        `ShardFencedError` when the shard was opened by a newer writer than `run.token`, when
-        `lease`'s attempt is no longer its rollout's current one, or when the shard was closed
-        (nothing of this task was written); or the error that failed the batch.
+        The records are encoded here, in the calling thread, each on its own (`encode`). The
+        future raises `ShardFencedError` when the shard was opened by a newer writer than
+        `run.token`, when `lease`'s attempt is no longer its rollout's current one, or when the
+        shard was closed (nothing of this task was written); or the error that failed the batch.
         """
-        tracing.stamp(result, failures)
         try:
-            records = encode_records(result, failures)
+            records = self.encode(result, failures)
         except StorageError as exc:
             failed: concurrent.futures.Future[LandReport] = concurrent.futures.Future()
             failed.set_exception(exc)
             return failed
+        return self.enqueue(run, records, lease)
+
+    def encode(
+        self, result: dict[str, Any] | None, failures: list[dict[str, Any]]
+    ) -> EncodedRecords:
+        """The records as they land (stamped with the rollout's trace id, if traced); raises
+        `StorageError` when not even a record's identity can be encoded."""
+        tracing.stamp(result, failures)
+        return encode_records(result, failures)
+
+    def enqueue(
+        self, run: RunRef, records: EncodedRecords, lease: Lease | None = None
+    ) -> concurrent.futures.Future[LandReport]:
+        """Queue records encoded already (`encode`), as `submit` does: a retry queues them again."""
         pending = _Pending(run, records, lease, span=tracing.landing())
         self._queue.put(pending)
         return pending.future

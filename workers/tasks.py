@@ -55,9 +55,9 @@ def _collect(request: Any, payload: dict[str, Any]) -> tuple[CollectRequest, Del
     toward its generation's finish."""
     req = CollectRequest.model_validate(payload)
     if request.group is None:  # a task sent outside a run's generation: no lease, no count
-        return req, Delivery()
+        return req, Delivery(returns_record=False)
     message = CollectTaskMessage.from_request(request, payload).to_json()
-    return req, Delivery(message=message, finish=publish_finish)
+    return req, Delivery(message=message, finish=publish_finish, returns_record=False)
 
 
 @on_loop(COLLECT_TASK)

@@ -347,6 +347,29 @@ def test_landing_rides_out_a_redis_restart(h: Harness) -> None:
     assert out.ended is Ended.LANDED and h.lander.calls == 3 and h.slept == [0.5, 1.0]
 
 
+def test_a_summary_delivery_lets_its_result_go_and_a_retry_reuses_the_encoded_records(
+    h: Harness,
+) -> None:
+    """`rollouts run`'s task returns a summary: the parsed result is not kept in the outcome,
+    and a landing retried after a Redis restart queues the records encoded the first time."""
+    encoded: list[Any] = []
+    encode = h.lander.encode
+
+    def counting(result: Any, failures: Any) -> Any:
+        encoded.append(result)
+        return encode(result, failures)
+
+    h.lander.encode = counting  # type: ignore[method-assign]
+    h.lander.errors = [redis.ConnectionError("restarting")]
+    out = h.run(Delivery(returns_record=False))
+    assert out.ended is Ended.LANDED and out.record is None
+    assert h.lander.calls == 2 and len(encoded) == 1
+    assert untimed(h.shard.results) == [RESULT]
+    # The Python API's default keeps it: its reply carries the result.
+    kept = Harness(h.loop).run().record
+    assert kept is not None and untimed([kept]) == [RESULT]
+
+
 def test_a_storage_error_is_an_error_outcome_and_frees_the_slot(h: Harness) -> None:
     h.lander.errors = [StorageError("disk full")]
     out = h.run()

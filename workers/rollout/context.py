@@ -29,6 +29,7 @@ from infra.process import PerProcess
 from schemas.messages import CallPolicy, CollectRequest, RunRef
 from workers.admission import Ticket, gate
 from workers.agent_call import CallOutcome, call_run
+from workers.encoding import EncodedRecords
 from workers.landing import LAND_WAIT_S, LandReport, lander
 from workers.leases import Lease, LeaseTicket, ReplyPush, RolloutLeases, Settled, Stage
 from workers.redispatch import publisher, unacked_sweep
@@ -83,6 +84,18 @@ class RecordLander(Protocol):
     ) -> concurrent.futures.Future[LandReport]:
         """Queue the records (of the attempt holding `lease`); the future settles with the report,
         or the error that failed them (`ShardFencedError`: a newer writer or attempt)."""
+        ...
+
+    def encode(
+        self, result: dict[str, Any] | None, failures: list[dict[str, Any]]
+    ) -> EncodedRecords:
+        """The records as `submit` would land them; `StorageError` if they cannot be encoded."""
+        ...
+
+    def enqueue(
+        self, run: RunRef, records: EncodedRecords, lease: Lease | None = None
+    ) -> concurrent.futures.Future[LandReport]:
+        """Queue records encoded already, as `submit` does (a landing retried)."""
         ...
 
 

@@ -10,8 +10,10 @@ lease was taken over while it was silent ends `TAKEN_OVER`, counting nothing.
 
 A rollout is a coroutine (`run_rollout_async`) on its worker process's event loop: the `/run`
 call runs there, and each blocking step (a Redis round trip of the gate or the leases, the
-manifest check, encoding and queueing records for the lander) goes to the context's few shared
-threads (`RolloutContext.blocking`), grouped so that a rollout makes a handful of such hops.
+manifest check, reading the model-call capture) goes to the context's few shared threads
+(`RolloutContext.blocking`), grouped so that a rollout makes a handful of such hops. What does
+not block (sorting a reply, encoding its records and queueing them for the lander) runs on the
+loop as soon as the reply is parsed.
 The rollout pool (`workers/pool.py`) runs each delivered message as such a coroutine; a pool
 thread (the threads or solo pool) runs one through `run_rollout` and waits for it.
 
@@ -51,6 +53,7 @@ from workers.admission import AdmissionWaits, Ticket
 from workers.agent_call import CallOutcome, with_attempt
 from workers.backpressure import RateLimitWaits, budget_failure, next_wait_s
 from workers.capture import clear_for, merge_into
+from workers.encoding import EncodedRecords
 from workers.landing import LandReport
 from workers.leases import Lease, ReplyPush, Settled, Stage
 from workers.rollout.context import STOP_POLL_S, LeaseKeeper, RolloutContext
@@ -92,6 +95,11 @@ class Delivery:
     """A rollout of `rollouts run` or `resume`: its settling counts it toward its generation's
     finish, and this publishes the finish task (its signature) when it counted the last one.
     None: the rollout counts toward no finish (the Python API's)."""
+    returns_record: bool = True
+    """The outcome carries the `/run` result (the Python API replies with it). Off for a task
+    that returns a summary (`rollouts run`'s): the parsed result, often the largest thing a
+    rollout holds, is let go once it is landed instead of waiting with the outcome for the
+    settling and the tracer."""
     settle_later: Callable[[Settling], None] | None = None
     """Takes the settling of the lease of an attempt that ended as its rollout's current one, to
     call with `reply` (the Python API's task: the reply goes with the settling, in one round
@@ -158,6 +166,8 @@ class _Run:
         """The `result_not_stored` row stored in place of the rollout's last record, if any."""
         self.lease: Lease | None = None
         """This attempt's lease of the rollout, when the delivery takes one."""
+        self.encoded: EncodedRecords | None = None
+        """The records as they land, once encoded (`queue_landing`)."""
 
     def end(self, ended: Ended, **fields: Any) -> RolloutOutcome:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
@@ -309,11 +319,23 @@ class _Run:
         slot, outcome, started = called
         ended_call = ctx.monotonic()
         duration_s: float | None = None
+        let_go = False
         try:
-            # One hop off the loop: the slot freed, the outcome sorted and its landing queued.
-            result, failures, ended, queued = await ctx.blocking(
-                lambda: self.after_call(slot, outcome, started, ended_call)
-            )
+            # The slot freed, the outcome sorted and its landing queued (encoded): here on the
+            # loop when nothing of it waits (no capture to read), so a reply is encoded as soon
+            # as it is parsed instead of waiting, parsed, for a step thread behind a wave of
+            # others; else one hop off the loop.
+            after = partial(self.after_call, slot, outcome, started, ended_call)
+            if self.req.capture is None:
+                result, failures, ended, queued = after()
+            else:
+                result, failures, ended, queued = await ctx.blocking(after)
+            queued_ok = isinstance(queued, concurrent.futures.Future)
+            if result is not None and queued_ok and not self.delivery.returns_record:
+                # Encoded and queued (a retry queues the encoded records again): the parsed
+                # result, often the largest thing a rollout holds, is not kept while it lands.
+                outcome.result = result = None
+                let_go = True
             if ended is Ended.LANDED and self.req.admission.dispatch_deadline is not None:
                 duration_s = ended_call - started
             if self.delivery.record:
@@ -321,7 +343,9 @@ class _Run:
         finally:
             ctx.gate.release(slot, token, duration_s=duration_s)  # queued: it never blocks
         kept = ended in RESULT_ENDS or ended in FAILURE_ENDS or ended is Ended.DUPLICATE
-        record = outcome.result if outcome.result is not None else failures[-1]
+        record = None
+        if not let_go:
+            record = outcome.result if outcome.result is not None else failures[-1]
         if self.not_stored is not None:
             record = self.not_stored
         return self.end(
@@ -336,9 +360,10 @@ class _Run:
     def after_call(
         self, ticket: Ticket, outcome: CallOutcome, started: float, ended_call: float
     ) -> tuple[dict[str, Any] | None, list[dict[str, Any]], Ended, Queued | None]:
-        """The blocking steps after `/run`: the slot freed, the model calls merged, the outcome
-        sorted into its records, stamped with its timing, and (a recorded delivery) their
-        landing queued: the lander's future, or what queueing raised (`land_with_retry`)."""
+        """The steps after `/run`: the slot freed (queued), the model calls merged (reading the
+        capture: the one part that blocks), the outcome sorted into its records, stamped with
+        its timing, and (a recorded delivery) encoded and their landing queued: the lander's
+        future, or what queueing raised (`land_with_retry`)."""
         ctx = self.ctx
         # The slot covers the /run call: the next rollout may start while this one lands.
         ctx.gate.free_slot(ticket, self.req.run.token, ok=outcome.result is not None)
@@ -506,7 +531,7 @@ class _Run:
         delay = 0.5
         while True:
             if queued is None:
-                # Queueing encodes the records: off the loop, with the stage noted.
+                # Queued again (encoded the first time): off the loop, with the stage noted.
                 queued = await ctx.blocking(lambda: self.queue_landing(result, failures))
             elif isinstance(queued, Exception):
                 raise queued
@@ -531,5 +556,10 @@ class _Run:
     def queue_landing(
         self, result: dict[str, Any] | None, failures: list[dict[str, Any]]
     ) -> concurrent.futures.Future[LandReport]:
+        """Queue the records for landing, encoded once: a retry queues the same encoded records
+        again (`land_with_retry`), so the parsed records need not be kept for it."""
         self.staged("landing")
-        return self.ctx.lander.submit(self.req.run, result, failures, self.lease)
+        lander = self.ctx.lander
+        if self.encoded is None:
+            self.encoded = lander.encode(result, failures)  # StorageError: nothing to land
+        return lander.enqueue(self.req.run, self.encoded, self.lease)

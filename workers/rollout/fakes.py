@@ -18,11 +18,13 @@ import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from schemas import fields as F
-from schemas.errors import ShardFencedError
+from schemas.errors import ShardFencedError, StorageError
 from schemas.messages import CollectRequest, RunRef
 from workers.admission import WINDOW_DECREASE, Ticket
-from workers.encoding import encode_records
+from workers.encoding import EncodedRecords, encode_records
 from workers.landing import LandReport
 from workers.leases import Lease, LeaseTicket, ReplyPush, Settled, Stage
 
@@ -224,24 +226,35 @@ class FakeLander:
         failures: list[dict[str, Any]],
         lease: Lease | None = None,
     ) -> concurrent.futures.Future[LandReport]:
+        try:
+            records = self.encode(result, failures)
+        except StorageError as exc:
+            self.calls += 1
+            failed: concurrent.futures.Future[LandReport] = concurrent.futures.Future()
+            failed.set_exception(exc)
+            return failed
+        return self.enqueue(run, records, lease)
+
+    def encode(
+        self, result: dict[str, Any] | None, failures: list[dict[str, Any]]
+    ) -> EncodedRecords:
+        return encode_records(result, failures)
+
+    def enqueue(
+        self, run: RunRef, records: EncodedRecords, lease: Lease | None = None
+    ) -> concurrent.futures.Future[LandReport]:
         self.calls += 1
         future: concurrent.futures.Future[LandReport] = concurrent.futures.Future()
         if self.stuck:
             self.unanswered.append(future)
             return future
         try:
-            future.set_result(self._land(run, result, failures, lease))
+            future.set_result(self._land(run, records, lease))
         except Exception as exc:
             future.set_exception(exc)
         return future
 
-    def _land(
-        self,
-        run: RunRef,
-        result: dict[str, Any] | None,
-        failures: list[dict[str, Any]],
-        lease: Lease | None,
-    ) -> LandReport:
+    def _land(self, run: RunRef, records: EncodedRecords, lease: Lease | None) -> LandReport:
         if self.errors:
             raise self.errors.pop(0)
         s = self.shard
@@ -251,15 +264,15 @@ class FakeLander:
             raise ShardFencedError(f"shard {run.shard} was opened by another writer ({s.opener})")
         if lease is not None and s.attempts.get(lease.key, lease.attempt) != lease.attempt:
             raise ShardFencedError(f"rollout {lease.key}: this attempt was taken over")
-        records = encode_records(result, failures)
         report = LandReport(failures_written=len(records.failures), not_stored=records.not_stored)
-        if records.result is not None:
-            key = _key(records.result)
+        landed = records.to_land()
+        if landed is not None:
+            key, line = landed
             if key in s.landed:
                 report.duplicate = True
             else:
                 s.landed.add(key)
-                s.results.append(records.result)
+                s.results.append(orjson.loads(line))  # what landed: the encoded line
                 report.landed = True
         s.failures.extend(records.failures)
         return report
