@@ -75,27 +75,19 @@ class AdmissionGate(Protocol):
 class RecordLander(Protocol):
     """Lands a rollout's records in its shard exactly once (`workers/landing.py`)."""
 
-    def submit(
-        self,
-        run: RunRef,
-        result: dict[str, Any] | None,
-        failures: list[dict[str, Any]],
-        lease: Lease | None = None,
-    ) -> concurrent.futures.Future[LandReport]:
-        """Queue the records (of the attempt holding `lease`); the future settles with the report,
-        or the error that failed them (`ShardFencedError`: a newer writer or attempt)."""
-        ...
-
     def encode(
         self, result: dict[str, Any] | None, failures: list[dict[str, Any]]
     ) -> EncodedRecords:
-        """The records as `submit` would land them; `StorageError` if they cannot be encoded."""
+        """The records as they land, each encoded on its own; `StorageError` if not even a
+        record's identity can be encoded."""
         ...
 
     def enqueue(
         self, run: RunRef, records: EncodedRecords, lease: Lease | None = None
     ) -> concurrent.futures.Future[LandReport]:
-        """Queue records encoded already, as `submit` does (a landing retried)."""
+        """Queue the encoded records (of the attempt holding `lease`), again for a retried
+        landing; the future settles with the report, or the error that failed them
+        (`ShardFencedError`: a newer writer or attempt)."""
         ...
 
 

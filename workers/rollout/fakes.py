@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from schemas import fields as F
-from schemas.errors import ShardFencedError, StorageError
+from schemas.errors import ShardFencedError
 from schemas.messages import CollectRequest, RunRef
 from workers.admission import WINDOW_DECREASE, Ticket
 from workers.encoding import EncodedRecords, encode_records
@@ -218,22 +218,6 @@ class FakeLander:
         self.unanswered: list[concurrent.futures.Future[LandReport]] = []
         """The futures a stuck lander handed out (still its to settle)."""
         self.calls = 0
-
-    def submit(
-        self,
-        run: RunRef,
-        result: dict[str, Any] | None,
-        failures: list[dict[str, Any]],
-        lease: Lease | None = None,
-    ) -> concurrent.futures.Future[LandReport]:
-        try:
-            records = self.encode(result, failures)
-        except StorageError as exc:
-            self.calls += 1
-            failed: concurrent.futures.Future[LandReport] = concurrent.futures.Future()
-            failed.set_exception(exc)
-            return failed
-        return self.enqueue(run, records, lease)
 
     def encode(
         self, result: dict[str, Any] | None, failures: list[dict[str, Any]]
