@@ -22,7 +22,8 @@ message and moves nothing) and the claim, pipelined on the same connection, and 
 replies. A claim takes as many messages as the prefetch limit still allows (at most
 `CLAIM_BATCH`): a worker with thousands of free slots fills them a batch per round trip, not a
 message per round trip (py-spy put two fifths of a rollout worker's main thread in the
-per-message pop and its re-registration). Queues consumed without acks, and a Redis older than 6.2 (no BLMOVE), keep kombu's BRPOP.
+per-message pop and its re-registration). Queues consumed without acks, and a Redis older than
+6.2 (no BLMOVE), keep kombu's BRPOP.
 
 Select it with `broker_transport = "infra.broker:Transport"` (celeryconfig does, for redis://
 and rediss:// brokers).

@@ -98,8 +98,8 @@ class Delivery:
     returns_record: bool = True
     """The outcome carries the `/run` result (the Python API replies with it). Off for a task
     that returns a summary (`rollouts run`'s): the parsed result, often the largest thing a
-    rollout holds, is let go once it is landed instead of waiting with the outcome for the
-    settling and the tracer."""
+    rollout holds, is let go once its records are encoded and queued, instead of waiting with
+    the rollout for its landing, its settling and the tracer."""
     settle_later: Callable[[Settling], None] | None = None
     """Takes the settling of the lease of an attempt that ended as its rollout's current one, to
     call with `reply` (the Python API's task: the reply goes with the settling, in one round
