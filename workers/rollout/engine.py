@@ -531,7 +531,8 @@ class _Run:
         delay = 0.5
         while True:
             if queued is None:
-                # Queued again (encoded the first time): off the loop, with the stage noted.
+                # Queued with the stage noted, off the loop (encoded there the first time; a retry
+                # queues those records again).
                 queued = await ctx.blocking(lambda: self.queue_landing(result, failures))
             elif isinstance(queued, Exception):
                 raise queued

@@ -20,18 +20,13 @@ from typing import Any
 
 import orjson
 
-from schemas import fields as F
 from schemas.errors import ShardFencedError
 from schemas.messages import CollectRequest, RunRef
 from workers.admission import WINDOW_DECREASE, Ticket
 from workers.encoding import EncodedRecords, encode_records
 from workers.landing import LandReport
 from workers.leases import Lease, LeaseTicket, ReplyPush, Settled, Stage
-
-
-def _key(row: dict[str, Any]) -> str:
-    task, rollout = F.rollout_key(row)
-    return f"{task}:{rollout}"
+from workers.shard.state import key_str
 
 
 @dataclass
@@ -114,11 +109,11 @@ class FakeGate:
         if self.full > 0:  # the caps are full for this many tries
             self.full -= 1
             self.waited.append(waiting.member if waiting is not None else None)
-            return Ticket("wait", "", sid, _key(req.row), f"fake|{_key(req.row)}", "agent")
+            return Ticket("wait", "", sid, key_str(req.row), f"fake|{key_str(req.row)}", "agent")
         return self.admit(req, sid, readmit)
 
     def admit(self, req: CollectRequest, sid: str, readmit: Ticket | None = None) -> Ticket:
-        s, key = self.shard, _key(req.row)
+        s, key = self.shard, key_str(req.row)
 
         def ticket(verdict: Any, detail: str = "") -> Ticket:
             return Ticket(verdict, detail, sid, key, f"fake|{key}", "agent")
