@@ -160,49 +160,56 @@ def classify_reply(
     return value
 
 
-async def read_body(reply: StreamedReply, policy: CallPolicy) -> bytearray:
+async def read_body(reply: StreamedReply, policy: CallPolicy) -> bytes:
     """A reply's body, read chunk by chunk under the reply size limit and the read-idle timeout.
 
     A 2xx body past `max_reply_bytes` (decompressed) fails the attempt as soon as the limit is
     passed, holding no more than the limit; an error status's body is read only as far as its
     failure row keeps. A body that stays silent for `read_idle_timeout_s` fails as a timeout.
+    The chunks are joined once at the end (a body that came in one chunk is not copied).
     """
     status = reply.status_code
     ok = 200 <= status < 300
     limit = policy.max_reply_bytes if ok else ERROR_BODY_BYTES
-    body = bytearray()
+    parts: list[bytes] = []
+    size = 0
     chunks = aiter(reply.aiter_bytes())
     while True:
         try:
             async with asyncio.timeout(policy.read_idle_timeout_s):
                 chunk = await anext(chunks)
         except StopAsyncIteration:
-            return body
+            return _joined(parts)
         except TimeoutError:
             failure = FailureRow(
                 _ng_failure_class="agent_request_failed",
                 _ng_failure_type="ReadIdleTimeout",
                 _ng_failure_message=(
                     f"/run reply sent nothing for {policy.read_idle_timeout_s:g}s after "
-                    f"{len(body)} bytes (read_idle_timeout_s)"
+                    f"{size} bytes (read_idle_timeout_s)"
                 ),
                 _ng_failure_http_status=status,
                 failure_kind="transport_timeout",
             )
             raise AttemptFailed(failure, sent=True, replayable=True) from None
-        if len(body) + len(chunk) > limit:
+        if size + len(chunk) > limit:
             if not ok:
-                body += chunk[: limit - len(body)]
-                return body
+                parts.append(chunk[: limit - size])
+                return _joined(parts)
             failure = _bad_reply(
                 status,
-                _body_text(body),
+                _body_text(_joined(parts)),
                 "ReplyTooLarge",
                 f"/run reply is larger than max_reply_bytes={policy.max_reply_bytes} "
-                f"(decompressed); it was cut off after {len(body) + len(chunk)} bytes",
+                f"(decompressed); it was cut off after {size + len(chunk)} bytes",
             )
             raise AttemptFailed(failure, sent=True, replayable=False)
-        body += chunk
+        parts.append(chunk)
+        size += len(chunk)
+
+
+def _joined(parts: list[bytes]) -> bytes:
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def backoff_s(policy: CallPolicy, retry: int) -> float:
