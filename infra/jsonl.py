@@ -17,7 +17,7 @@ def dumps_pretty(obj: Any) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
 
 
-def loads(data: bytes | str) -> Any:
+def loads(data: bytes | bytearray | memoryview | str) -> Any:
     return orjson.loads(data)
 
 

@@ -155,3 +155,41 @@ def split_lines(chunks: Iterator[tuple[int, bytes]]) -> Iterator[tuple[int, byte
         for line in lines:
             yield offset, line
             offset += len(line) + 1
+
+
+def split_views(
+    chunks: Iterator[tuple[int, bytes]],
+) -> Iterator[tuple[int, bytes | memoryview]]:
+    """`split_lines` for a reader that only parses each line: a line inside one block is a
+    `memoryview` of that block (not a copy of it), a line that spans blocks is joined bytes.
+
+    A view is valid while the reader holds it; it keeps its block alive. With 64 KB lines,
+    copying each line out of its block was a third of the time of reading and parsing it.
+    """
+    parts: list[bytes | memoryview] = []
+    """The start of a line that spans blocks, block by block."""
+    offset = -1
+    for at, block in chunks:
+        if offset < 0:
+            offset = at
+        view = memoryview(block)
+        start = 0
+        end = block.find(b"\n")
+        if parts:
+            if end < 0:
+                parts.append(view)
+                continue
+            parts.append(view[:end])
+            line = b"".join(parts)
+            parts = []
+            yield offset, line
+            offset += len(line) + 1
+            start = end + 1
+            end = block.find(b"\n", start)
+        while end >= 0:
+            yield offset, view[start:end]
+            offset += end - start + 1
+            start = end + 1
+            end = block.find(b"\n", start)
+        if start < len(block):
+            parts.append(view[start:])

@@ -253,15 +253,15 @@ class RunDir:
         object, or None for a blank line, a line that is not JSON (`on_unreadable(offset)` is
         told) or JSON that is not an object.
         """
-        for offset, line in self.iter_lines(name, start):
+        # Each line is parsed where it lies in the block read (`split_views`), not copied out.
+        for offset, line in segments.split_views(self.iter_bytes(name, start)):
             end = offset + len(line) + 1
             value = None
-            if line.strip():
-                try:
-                    value = jsonl.loads(line)
-                except jsonl.JSONDecodeError:
-                    if on_unreadable is not None:
-                        on_unreadable(offset)
+            try:
+                value = jsonl.loads(line)
+            except jsonl.JSONDecodeError:
+                if on_unreadable is not None and bytes(line).strip():
+                    on_unreadable(offset)
             yield end, value if isinstance(value, dict) else None
 
     def iter_line_range(self, name: str, start: int, end: int) -> Iterator[tuple[int, bytes]]:

@@ -61,6 +61,21 @@ def test_logical_file_reads_in_order_with_logical_offsets(rd: RunDir) -> None:
     assert len(rd.segments(NAME)) == (0 if rd.can_append else 3)
 
 
+def test_objects_are_read_across_blocks_with_blank_and_broken_lines_told_apart(
+    rd: RunDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(segments, "READ_BLOCK", 7)  # most lines span several blocks
+    rows = [b'{"i": 0, "pad": "xxxxxxxxxxxx"}\n', b"\n", b"  \n", b'{"i": 1\n', b"[1, 2]\n"]
+    rows += [b' {"i": 2} \n', b'{"i": 3}\n']
+    append_batches(rd, [rows[:2], rows[2:]])
+    told: list[int] = []
+    got = list(rd.iter_objects(NAME, 0, told.append))
+    ends = list(itertools.accumulate(map(len, rows)))
+    values = [{"i": 0, "pad": "x" * 12}, None, None, None, None, {"i": 2}, {"i": 3}]
+    assert got == list(zip(ends, values, strict=True))
+    assert told == [ends[2]]  # the unreadable line, not the blank ones
+
+
 def test_append_at_a_stale_offset_is_a_conflict_and_overwrites_nothing(rd: RunDir) -> None:
     first = b"".join(lines(2))
     rd.append_at(NAME, first, 0)

@@ -12,8 +12,9 @@ import contextlib
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import IO
+from typing import IO, TypeVar
 
+from infra import segments
 from infra.store import RunDir, replacing_file
 
 SCRATCH_BLOCK = 1 << 18
@@ -27,7 +28,26 @@ def iter_range(
     A line that straddles `start` belongs to the range before. A last line without a newline is
     read too (a file written by another tool may lack the final newline).
     """
-    lines = rd.iter_lines(name, max(0, start - 1))
+    return _range(rd, name, start, end, rd.iter_lines(name, max(0, start - 1)))
+
+
+def iter_range_views(
+    rd: RunDir, name: str, start: int = 0, end: int | None = None
+) -> Iterator[tuple[int, bytes | memoryview]]:
+    """`iter_range` for a reader that only parses each line: a line may be a view of the block
+    it was read in (`segments.split_views`), not a copy."""
+    lines = segments.split_views(rd.iter_bytes(name, max(0, start - 1)))
+    return _range(rd, name, start, end, lines)
+
+
+Line = TypeVar("Line", bytes, bytes | memoryview)
+
+
+def _range(
+    rd: RunDir, name: str, start: int, end: int | None, lines: Iterator[tuple[int, Line]]
+) -> Iterator[tuple[int, Line]]:
+    """The lines of `lines` (read from byte start-1) that begin in [start, end), and a last
+    line without a newline."""
     with contextlib.closing(lines):  # type: ignore[type-var]
         position = 0
         if start > 0:

@@ -311,7 +311,7 @@ def _run(
         d.findings.extend((check, locator, detail) for locator, detail in found)
 
 
-def check_line(line: bytes, ignored: frozenset[str]) -> Digest:
+def check_line(line: bytes | memoryview, ignored: frozenset[str]) -> Digest:
     """The digest of one non-blank line of a rollouts file."""
     try:
         record = jsonl.loads(line)

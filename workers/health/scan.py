@@ -23,7 +23,7 @@ from infra import jsonl
 from infra.store import RunDir
 from schemas import fields as F
 from schemas.health import ScanJob, ScanResult
-from workers.health.io import iter_range, open_writer
+from workers.health.io import iter_range_views, open_writer
 from workers.health.record_checks import check_line
 from workers.health.spool import RunWriter, tagged
 from workers.shard.ledger import failure_class, group_of
@@ -34,6 +34,15 @@ OWED, FAILURE, RECORD = 0, 1, 2
 # A scan holds up to a run's worth of entries in memory; threads of one worker process take
 # turns so that a process with hundreds of threads does not hold hundreds of buffers.
 _scan_slots = threading.BoundedSemaphore(1)
+
+
+_SPACE = frozenset(b" \t\n\r\x0b\x0c")
+"""What `bytes.strip` strips."""
+
+
+def _blank(line: bytes | memoryview) -> bool:
+    """Whether the line is empty or only whitespace (a record starts with `{`: no copy for it)."""
+    return not line or (line[0] in _SPACE and not bytes(line).strip())
 
 
 def _int_key(row: dict[str, Any]) -> tuple[int, int] | None:
@@ -59,10 +68,10 @@ def _scan(job: ScanJob) -> ScanResult:
     late_name = f"{prefix}-late.jsonl"
     late_count = 0
     with open_writer(scratch, late_name, durable=False) as late:
-        for offset, line in iter_range(rd, job.name, job.start, job.end):
+        for offset, line in iter_range_views(rd, job.name, job.start, job.end):
             result.lines += 1
             result.bytes += len(line) + 1
-            if not line.strip():
+            if _blank(line):
                 continue
             result.nonblank += 1
             if job.kind == "results":
