@@ -57,6 +57,10 @@ class Environment:
     gc_thresholds: tuple[int, int, int] | None = None
     """`ROLLOUTS_GC_THRESHOLDS`: a worker's garbage-collector thresholds, as `700,10,10`
     (CPython's own); None: the worker's (`workers/gc_tuning.py`)."""
+    prefetch_ahead: int | None = None
+    """`ROLLOUTS_PREFETCH_AHEAD`: deliveries a rollout worker takes beyond its `-c` slots, so that a
+    slot freed when a `/run` call ends is refilled at once; None: a quarter of the slots
+    (`workers/pool.py`)."""
 
 
 def read_environment(environ: Mapping[str, str]) -> Environment:
@@ -75,7 +79,18 @@ def read_environment(environ: Mapping[str, str]) -> Environment:
         redis_idle_s=float(environ.get("ROLLOUTS_REDIS_IDLE_S", "60")),
         live_key_ttl_s=max(1, int(environ.get("ROLLOUTS_LIVE_KEY_TTL_S", LIVE_KEY_TTL_S))),
         gc_thresholds=parse_thresholds(environ.get("ROLLOUTS_GC_THRESHOLDS") or None),
+        prefetch_ahead=_non_negative("ROLLOUTS_PREFETCH_AHEAD", environ),
     )
+
+
+def _non_negative(name: str, environ: Mapping[str, str]) -> int | None:
+    """An optional count: unset or empty is None; anything but a non-negative integer raises."""
+    text = environ.get(name, "").strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"{name}={text!r}: expected a non-negative integer")
+    return int(text)
 
 
 def parse_thresholds(text: str | None) -> tuple[int, int, int] | None:

@@ -9,6 +9,7 @@ from celery.backends.redis import RedisBackend
 from infra import json_codec
 from infra.environment import from_env
 from infra.redis_client import shared_pool
+from workers.pool import PrefetchAhead
 
 
 class _App(Celery):  # type: ignore[misc]
@@ -31,6 +32,7 @@ json_codec.install()  # messages decoded by orjson where that decodes them the s
 # `include` imports the task module when a worker starts, without a circular import here.
 app = _App("rollouts", include=["workers.tasks"])
 app.config_from_object("celeryconfig")
+app.steps["consumer"].add(PrefetchAhead)  # a rollout pool's successors delivered ahead
 
 
 def state_redis_url() -> str:

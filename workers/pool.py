@@ -35,14 +35,16 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from celery import bootsteps
 from celery.app.task import Context
 from celery.concurrency.base import BasePool, apply_target
 from kombu.serialization import loads as loads_message
 from kombu.serialization import prepare_accept_content
 
+from infra.environment import from_env
 from infra.http import process_io
 from workers.gc_tuning import gc_state
-from workers.rollout.context import StepThreads
+from workers.rollout.context import CALL_ENDED, StepThreads
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,17 @@ FINISHING_THREADS = 2
 """Threads per process running Celery's tracer for a rollout that has its outcome: an
 acknowledgement and events, under a millisecond each (few: see BLOCKING_THREADS)."""
 
+AHEAD_FRACTION = 4
+"""Deliveries a worker takes ahead of its slots by default: one per this many slots (at least one;
+`ROLLOUTS_PREFETCH_AHEAD` sets the number)."""
+
 _runners: dict[str, Runner] = {}
+
+
+def prefetch_ahead(limit: int) -> int:
+    """How many deliveries a pool of `limit` slots takes beyond them (`RolloutPool.ahead`)."""
+    configured = from_env().prefetch_ahead
+    return configured if configured is not None else max(1, limit // AHEAD_FRACTION)
 
 
 R = TypeVar("R", bound=Runner)
@@ -115,6 +127,10 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.ahead = prefetch_ahead(self.limit)
+        """Deliveries held beyond the `limit` slots (`PrefetchAhead`): a rollout gives its slot
+        back when its `/run` call ends (`CALL_ENDED`) and keeps its message until it landed and
+        was acknowledged; the successor is delivered already and starts at once."""
         self._threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.limit, thread_name_prefix="rollouts-task"
         )
@@ -122,6 +138,12 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         self._running: set[concurrent.futures.Future[None]] = set()
         self._lock = threading.Lock()
         self._slots: asyncio.Semaphore | None = None
+
+    @property
+    def num_processes(self) -> int:
+        """What Celery sizes the prefetch by (`PrefetchAhead`, and after a reconnection): the
+        slots and the deliveries taken ahead of them."""
+        return int(self.limit) + self.ahead
 
     def on_start(self) -> None:
         self._loop = process_io().loop
@@ -185,7 +207,10 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         request = {**args[2], DELIVERY: number}
         args = (args[0], args[1], request, *args[3:])
         body, content_type, content_encoding = args[3:6]
-        async with self._slots:
+        await self._slots.acquire()
+        call_ended = _SlotRelease(self._slots, loop)
+        token = CALL_ENDED.set(call_ended)
+        try:
             if accept_callback is not None:
                 accepted = time.monotonic()
                 if _sends_events(accept_callback):
@@ -205,6 +230,9 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
                 _ran[number] = await runner(context, *task_args, **task_kwargs)
             except Exception as exc:
                 _ran[number] = _Raised(exc)
+        finally:
+            CALL_ENDED.reset(token)
+            call_ended()
         # The tracer's own steps (result, after_return, acknowledgement, events).
         try:
             await self._finishing.submit(
@@ -217,7 +245,14 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         info: dict[str, Any] = super()._get_info()
         with self._lock:
             in_flight = len(self._running)
-        info.update({"max-concurrency": self.limit, "in-flight": in_flight, "gc": gc_state()})
+        info.update(
+            {
+                "max-concurrency": self.limit,
+                "prefetch-ahead": self.ahead,
+                "in-flight": in_flight,
+                "gc": gc_state(),
+            }
+        )
         return info
 
 
@@ -231,3 +266,45 @@ def _sends_events(accept_callback: Callable[..., Any]) -> bool:
         return True
     eventer = request._eventer
     return bool(eventer is not None and eventer.enabled and request.task.send_events)
+
+
+class _SlotRelease:
+    """Gives a delivery's slot back once, on the loop, whichever thread calls it first."""
+
+    def __init__(self, slots: asyncio.Semaphore, loop: asyncio.AbstractEventLoop) -> None:
+        self._slots = slots
+        self._loop = loop
+        self._done = False  # read and set on the loop only
+
+    def __call__(self) -> None:
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._release()
+        else:
+            self._loop.call_soon_threadsafe(self._release)
+
+    def _release(self) -> None:
+        if not self._done:
+            self._done = True
+            self._slots.release()
+
+
+class PrefetchAhead(bootsteps.StartStopStep):  # type: ignore[misc]  # celery's bootsteps are untyped
+    """A consumer step: a rollout pool's worker takes `RolloutPool.ahead` deliveries beyond its
+    slots.
+
+    With late acknowledgement and a prefetch of one message per slot, a slot freed when a
+    rollout's `/run` call ends could be refilled only after that rollout landed, was settled
+    and acknowledged, and the next claim came back: when thousands of replies arrived together,
+    the next rollouts started seconds after the slots were free. Celery sizes the consumer's
+    prefetch by `-c` at first and by the pool's `num_processes` afterwards; this makes the first
+    agree. The caps still hold: a delivery taken ahead waits for a slot, then for admission.
+    """
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        if isinstance(parent.pool, RolloutPool) and parent.initial_prefetch_count:
+            parent.initial_prefetch_count = parent.max_prefetch_count

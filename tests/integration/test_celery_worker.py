@@ -98,16 +98,19 @@ def test_pickle_payload_is_refused(
     )
 
 
-def test_worker_tunes_its_garbage_collector(redis_url: str, workers: Workers) -> None:
+def test_worker_tunes_its_garbage_collector_and_prefetch(redis_url: str, workers: Workers) -> None:
     """A ready worker has frozen its start-up objects and set the collector's thresholds
-    (`workers/gc_tuning.py`); `ROLLOUTS_GC_THRESHOLDS` sets others. Seen as Flower sees a
-    worker: its `inspect stats`."""
+    (`workers/gc_tuning.py`); `ROLLOUTS_GC_THRESHOLDS` sets others. It takes a quarter more
+    deliveries than its slots (`workers/pool.py`); `ROLLOUTS_PREFETCH_AHEAD` sets how many. Seen
+    as Flower sees a worker: its `inspect stats`."""
     from workers.gc_tuning import GC_THRESHOLDS
 
     worker = [CELERY, "-A", "workers.app", "worker", "-c", "4", "-l", "INFO"]
     workers.start(count=1, command=[*worker, "-n", "tuned@%h"])
     workers.start(
-        count=1, command=[*worker, "-n", "plain@%h"], env={"ROLLOUTS_GC_THRESHOLDS": "700,10,10"}
+        count=1,
+        command=[*worker, "-n", "plain@%h"],
+        env={"ROLLOUTS_GC_THRESHOLDS": "700,10,10", "ROLLOUTS_PREFETCH_AHEAD": "0"},
     )
     workers.wait_ready()
     app = client_app(redis_url, redis_url)
@@ -120,3 +123,7 @@ def test_worker_tunes_its_garbage_collector(redis_url: str, workers: Workers) ->
     assert gc_of["plain"]["thresholds"] == [700, 10, 10]
     for state in gc_of.values():
         assert state["frozen"] > 10_000  # the modules, the app and the context at least
+    prefetch = {name.split("@")[0]: info["prefetch_count"] for name, info in stats.items()}
+    assert prefetch == {"tuned": 5, "plain": 4}  # -c 4, and one ahead by default
+    ahead = {name.split("@")[0]: info["pool"]["prefetch-ahead"] for name, info in stats.items()}
+    assert ahead == {"tuned": 1, "plain": 0}

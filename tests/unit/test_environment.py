@@ -99,3 +99,16 @@ def test_a_worker_defaults_to_the_local_redis(env: pytest.MonkeyPatch) -> None:
     env.setenv("ROLLOUTS_REDIS_URL", "redis://r:1/0")
     from_env.cache_clear()
     assert worker_cluster() == Cluster("amqp://mq:5672//", "redis://r:1/0")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("", None), (" 0 ", 0), ("512", 512), ("-1", ValueError), ("x", ValueError)],
+)
+def test_prefetch_ahead_is_a_non_negative_count(text: str, expected: int | type | None) -> None:
+    environ = {"ROLLOUTS_PREFETCH_AHEAD": text}
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="ROLLOUTS_PREFETCH_AHEAD"):
+            read_environment(environ)
+    else:
+        assert read_environment(environ).prefetch_ahead == expected

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from typing import Any
 
 import orjson
+import pytest
 from celery import Celery
 from celery.app.task import Context
 
+from infra.environment import from_env
 from workers.pool import RolloutPool, on_loop, take_ran
+from workers.rollout.context import CALL_ENDED
 
 TASK = "tests.pooled"
 seen: list[Any] = []
@@ -112,3 +116,81 @@ def test_acceptance_hops_off_the_loop_only_when_it_sends_an_event() -> None:
             assert thread.startswith(where), (events, thread)
     finally:
         pool.stop()
+
+
+PREFETCH_TASK = "tests.pooled_prefetch"
+events: list[str] = []
+
+
+@on_loop(PREFETCH_TASK)
+async def _lands_slowly(request: Any, name: str, frees_slot: bool) -> str:
+    """A rollout whose landing takes a while after its `/run` call: with `frees_slot`, it says
+    its call ended (as the engine does, here from another thread) before landing."""
+    events.append(f"{name} started")
+    if frees_slot:
+        hook = CALL_ENDED.get()
+        assert hook is not None
+        caller = threading.Thread(target=hook)
+        caller.start()
+        caller.join()
+    for _ in range(200):  # landing: until the next delivery started, or 2 s
+        if len(events) > 1 and events[-1] != f"{name} started":
+            break
+        await asyncio.sleep(0.01)
+    events.append(f"{name} landed")
+    return name
+
+
+def _deliver_prefetch(
+    pool: RolloutPool, name: str, frees_slot: bool
+) -> concurrent.futures.Future[Any]:
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    body = orjson.dumps([[name, frees_slot], {}, {"chord": None, "callbacks": None}])
+    pool.apply_async(
+        lambda *_: done.set_result(None),
+        args=(PREFETCH_TASK, name, {"id": name, "task": PREFETCH_TASK}, body,
+              "application/json", "utf-8"),
+        accept_callback=lambda pid, at: None,
+    )  # fmt: skip
+    return done
+
+
+@pytest.mark.parametrize("frees_slot", [True, False])
+def test_a_slot_is_refilled_when_the_call_ends_not_when_the_rollout_landed(
+    frees_slot: bool,
+) -> None:
+    """One slot: the delivery taken ahead starts as soon as the first says its `/run` call
+    ended (`CALL_ENDED`), while the first still lands; without that, only after it landed."""
+    events.clear()
+    pool = RolloutPool(limit=1, app=Celery("test-pool-ahead"))
+    pool.start()
+    try:
+        first = _deliver_prefetch(pool, "first", frees_slot)
+        second = _deliver_prefetch(pool, "second", False)
+        first.result(10)
+        second.result(10)
+    finally:
+        pool.stop()
+    if frees_slot:
+        assert events[:3] == ["first started", "second started", "first landed"]
+    else:
+        assert events == ["first started", "first landed", "second started", "second landed"]
+
+
+def test_the_prefetch_counts_the_slots_and_the_deliveries_taken_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Celery sizes the consumer's prefetch by `num_processes`: a quarter more than the slots by
+    default, `ROLLOUTS_PREFETCH_AHEAD` more when set (0: none)."""
+    app = Celery("test-pool-count")
+    try:
+        for env, limit, ahead in ((None, 64, 16), (None, 2, 1), ("0", 64, 0), ("5", 64, 5)):
+            if env is None:
+                monkeypatch.delenv("ROLLOUTS_PREFETCH_AHEAD", raising=False)
+            else:
+                monkeypatch.setenv("ROLLOUTS_PREFETCH_AHEAD", env)
+            from_env.cache_clear()
+            pool = RolloutPool(limit=limit, app=app)
+            assert (pool.ahead, pool.num_processes) == (ahead, limit + ahead), env
+    finally:
+        from_env.cache_clear()

@@ -37,6 +37,13 @@ from workers.shard.trust import ManifestCheck
 
 STOP_POLL_S = 0.5
 
+CALL_ENDED: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "rollouts_call_ended", default=None
+)
+"""Set by the rollout pool (`workers/pool.py`) in the task running a delivery: the engine calls it
+(from any thread, once or more) when the rollout's `/run` call ended, so that a delivery taken
+ahead starts while this one lands. Unset elsewhere (a thread pool, tests)."""
+
 T = TypeVar("T")
 
 

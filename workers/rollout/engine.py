@@ -56,7 +56,7 @@ from workers.capture import clear_for, merge_into
 from workers.encoding import EncodedRecords
 from workers.landing import LandReport
 from workers.leases import Lease, ReplyPush, Settled, Stage
-from workers.rollout.context import STOP_POLL_S, LeaseKeeper, RolloutContext
+from workers.rollout.context import CALL_ENDED, STOP_POLL_S, LeaseKeeper, RolloutContext
 from workers.rollout.rows import (
     drained_row,
     not_started_message,
@@ -168,6 +168,8 @@ class _Run:
         """This attempt's lease of the rollout, when the delivery takes one."""
         self.encoded: EncodedRecords | None = None
         """The records as they land, once encoded (`queue_landing`)."""
+        self.call_ended = CALL_ENDED.get()
+        """The pool's slot of this delivery, given back once `/run` ended (`CALL_ENDED`)."""
 
     def end(self, ended: Ended, **fields: Any) -> RolloutOutcome:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
@@ -367,6 +369,8 @@ class _Run:
         ctx = self.ctx
         # The slot covers the /run call: the next rollout may start while this one lands.
         ctx.gate.free_slot(ticket, self.req.run.token, ok=outcome.result is not None)
+        if self.call_ended is not None:  # and so is this process's: a delivery taken ahead starts
+            self.call_ended()
         if outcome.result is not None:  # the model-call capture, as NeMo Gym merges it
             outcome.result = merge_into(self.req, outcome.result, (ended_call - started) * 1000)
         result, failures, ended = sort_outcome(outcome)
