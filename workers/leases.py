@@ -39,6 +39,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+import orjson
 import redis
 
 from infra import keys
@@ -165,8 +166,8 @@ class RolloutLeases:
     def take(self, sid: str, key: str, token: str, message: dict[str, Any]) -> LeaseTicket:
         """Take the rollout's lease for a new attempt of generation `token`, unless it runs or ended."""
         member = f"{sid}|{key}"
-        args: list[str | float] = [
-            key, token, self.holder, self.ttl_s, json.dumps(message), member, self.key_ttl_s
+        args: list[str | bytes | float] = [
+            key, token, self.holder, self.ttl_s, _encoded(message), member, self.key_ttl_s
         ]  # fmt: skip
         answer = self._take(keys=self._keys(sid, token), args=args, client=self.r)
         verdict, detail, lost = (_text(v) for v in answer)
@@ -293,3 +294,12 @@ def lease_rows(r: redis.Redis, sid: str) -> list[dict[str, Any]]:
         row["expiry"] = expiry
         rows.append(row)
     return rows
+
+
+def _encoded(message: dict[str, Any]) -> bytes | str:
+    """The task message as JSON: by orjson (the stdlib's encoder took 7% of a rollout's start
+    in py-spy), by the stdlib where orjson refuses it (an integer past 64 bits)."""
+    try:
+        return orjson.dumps(message)
+    except TypeError:  # orjson.JSONEncodeError is a TypeError
+        return json.dumps(message)
