@@ -31,7 +31,9 @@ result_accept_content = ["json"]
 # A rollout is acknowledged after it ran and its record is durable: a worker that dies mid-rollout
 # leaves the message to be redelivered, and landing is idempotent, so redelivery is safe.
 task_acks_late = True
-# With late acks, a prefetched message waits behind a long rollout; take one at a time per slot.
+# With late acks, a prefetched message waits behind a long rollout; take one at a time per slot
+# (the rollout pool adds a quarter more, so that a slot freed by a `/run` call that ended is
+# refilled while that rollout lands: `PrefetchAhead` in workers/pool.py).
 worker_prefetch_multiplier = 1
 # A rejected or lost worker child puts the message back rather than dropping it silently.
 task_reject_on_worker_lost = True
