@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from celery import bootsteps
@@ -135,8 +135,16 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
             max_workers=self.limit, thread_name_prefix="rollouts-task"
         )
         self._finishing = StepThreads(FINISHING_THREADS, "rollouts-finish")
-        self._running: set[concurrent.futures.Future[None]] = set()
         self._lock = threading.Lock()
+        self._pending: list[Coroutine[Any, Any, None]] = []
+        """Deliveries handed over and not started on the loop yet (under `_lock`)."""
+        self._waking = False
+        """A call to start the pending deliveries is queued on the loop (under `_lock`)."""
+        self._live = 0
+        """Deliveries handed over and not ended (under `_lock`): what a warm shutdown waits for."""
+        self._idle = threading.Condition(self._lock)
+        self._tasks: set[asyncio.Task[None]] = set()
+        """The deliveries' tasks on the loop (touched on the loop only)."""
         self._slots: asyncio.Semaphore | None = None
 
     @property
@@ -151,9 +159,9 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
 
     def on_stop(self) -> None:
         """Warm shutdown: the rollouts in flight finish (and are acknowledged) first."""
-        with self._lock:
-            running = list(self._running)
-        concurrent.futures.wait(running)
+        with self._idle:
+            while self._live:
+                self._idle.wait()
         self._threads.shutdown(cancel_futures=True)
 
     def on_terminate(self) -> None:
@@ -167,28 +175,41 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         callback: Callable[..., Any] | None = None,
         accept_callback: Callable[..., Any] | None = None,
         **_: Any,
-    ) -> concurrent.futures.Future[Any]:
+    ) -> concurrent.futures.Future[Any] | None:
+        """A task on a thread (its future), or a rollout handed to the loop (None: Celery keeps
+        the value only to terminate the job, which a coroutine does not support)."""
         args = tuple(args or ())
         runner = _runners.get(args[0]) if args else None
         if runner is None:
             return self._threads.submit(
                 apply_target, target, args, kwargs, callback, accept_callback
             )
-        future = self._loop.submit(
-            self._run(runner, target, args, kwargs or {}, callback, accept_callback)
-        )
+        delivery = self._run(runner, target, args, kwargs or {}, callback, accept_callback)
         with self._lock:
-            self._running.add(future)
-        future.add_done_callback(self._ended)
-        return future
+            self._pending.append(delivery)
+            self._live += 1
+            wake, self._waking = not self._waking, True
+        if wake:  # one wake-up of the loop for a claim's batch of deliveries
+            self._loop.loop.call_soon_threadsafe(self._start_pending)
+        return None
 
-    def _ended(self, future: concurrent.futures.Future[None]) -> None:
+    def _start_pending(self) -> None:
+        """On the loop: a task for each delivery handed over since the last call."""
         with self._lock:
-            self._running.discard(future)
-        if not future.cancelled() and future.exception() is not None:
-            log.error(
-                "rollout pool: a delivery failed outside its task", exc_info=future.exception()
-            )
+            pending, self._pending, self._waking = self._pending, [], False
+        for delivery in pending:
+            task = self._loop.loop.create_task(delivery)
+            self._tasks.add(task)
+            task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        with self._idle:
+            self._live -= 1
+            if not self._live:
+                self._idle.notify_all()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("rollout pool: a delivery failed outside its task", exc_info=task.exception())
 
     async def _run(
         self,
@@ -244,7 +265,7 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
     def _get_info(self) -> dict[str, Any]:
         info: dict[str, Any] = super()._get_info()
         with self._lock:
-            in_flight = len(self._running)
+            in_flight = self._live
         info.update(
             {
                 "max-concurrency": self.limit,

@@ -194,3 +194,14 @@ def test_the_prefetch_counts_the_slots_and_the_deliveries_taken_ahead(
             assert (pool.ahead, pool.num_processes) == (ahead, limit + ahead), env
     finally:
         from_env.cache_clear()
+
+
+def test_a_warm_stop_waits_for_every_delivery_handed_over_even_one_not_started_yet() -> None:
+    """Deliveries handed over together start on the loop together; stopping the pool right
+    after returns only once every one of them ran its coroutine and its tracer."""
+    pool = RolloutPool(limit=8, app=Celery("test-pool-stop"))
+    pool.start()
+    done = [_deliver(pool, f"s-{i}", "slow") for i in range(40)]
+    pool.stop()
+    assert all(f.done() for f in done)
+    assert sorted(f.result()["value"] for f in done) == ["slow"] * 40
