@@ -265,12 +265,13 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
     def _get_info(self) -> dict[str, Any]:
         info: dict[str, Any] = super()._get_info()
         with self._lock:
-            in_flight = self._live
+            held = self._live
         info.update(
             {
                 "max-concurrency": self.limit,
                 "prefetch-ahead": self.ahead,
-                "in-flight": in_flight,
+                # in their `/run` call (at most max-concurrency), landing, or taken ahead
+                "deliveries": held,
                 "gc": gc_state(),
             }
         )
