@@ -33,16 +33,20 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from functools import partial
 from typing import Any, TypeVar
 
+import redis
 from celery import bootsteps
 from celery.app.task import Context
 from celery.concurrency.base import BasePool, apply_target
 from kombu.serialization import loads as loads_message
 from kombu.serialization import prepare_accept_content
 
+from infra import keys
 from infra.environment import from_env
 from infra.http import process_io
+from infra.redis_client import client
 from workers.gc_tuning import gc_state
 from workers.rollout.context import CALL_ENDED, StepThreads
 
@@ -143,6 +147,12 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         self._live = 0
         """Deliveries handed over and not ended (under `_lock`): what a warm shutdown waits for."""
         self._idle = threading.Condition(self._lock)
+        self._stopping = False
+        """A warm stop began: a delivery that has no slot yet does not start (`_run`)."""
+        self._waiting: dict[int, str] = {}
+        """The broker's delivery tags of the deliveries waiting for a slot, by delivery (loop
+        only): kept marked as held (`_keep_held`)."""
+        self._keeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         """The deliveries' tasks on the loop (touched on the loop only)."""
         self._slots: asyncio.Semaphore | None = None
@@ -158,8 +168,11 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         self._accept = prepare_accept_content(self.app.conf.accept_content)  # type: ignore[no-untyped-call]
 
     def on_stop(self) -> None:
-        """Warm shutdown: the rollouts in flight finish (and are acknowledged) first."""
+        """Warm shutdown: the rollouts in flight finish (and are acknowledged) first; one taken
+        ahead that has no slot yet is not started and not acknowledged (the broker restores it
+        when the worker's channel closes, else the unacked sweep does: another worker runs it)."""
         with self._idle:
+            self._stopping = True
             while self._live:
                 self._idle.wait()
         self._threads.shutdown(cancel_futures=True)
@@ -228,7 +241,18 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         request = {**args[2], DELIVERY: number}
         args = (args[0], args[1], request, *args[3:])
         body, content_type, content_encoding = args[3:6]
-        await self._slots.acquire()
+        tag = _delivery_tag(request) if self._slots.locked() else None
+        if tag is not None:  # taken ahead: it waits for a slot, holding no lease yet
+            self._waiting[number] = tag
+            if self._keeper is None or self._keeper.done():
+                self._keeper = loop.create_task(self._keep_held())
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting.pop(number, None)
+        if self._stopping:  # taken ahead and still waiting when the warm stop began
+            self._slots.release()
+            return
         call_ended = _SlotRelease(self._slots, loop)
         token = CALL_ENDED.set(call_ended)
         try:
@@ -262,6 +286,32 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         finally:
             _ran.pop(number, None)
 
+    async def _keep_held(self) -> None:
+        """While deliveries wait for a slot, mark them held every third of the lease TTL.
+
+        A delivery waiting for a slot has taken no lease yet, and `UnackedSweep`
+        (`workers/redispatch.py`) publishes again any message unacknowledged for longer than the
+        lease TTL whose rollout holds no lease: a frozen worker's. Its time in the broker's
+        unacknowledged index is moved to now instead (kombu's visibility timeout reads the same
+        time), so only a worker that stopped renewing loses its waiting deliveries.
+        """
+        loop = asyncio.get_running_loop()
+        every = from_env().lease_ttl_s / 3
+        while self._waiting:
+            await asyncio.sleep(every)
+            tags = list(self._waiting.values())
+            if tags:
+                await self._finishing.submit(loop, partial(self._mark_held, tags))
+
+    def _mark_held(self, tags: list[str]) -> None:
+        url = self.app.conf.broker_url
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            return  # another broker redelivers by itself, and nothing sweeps it
+        try:
+            client(url).zadd(keys.KOMBU_UNACKED_INDEX, dict.fromkeys(tags, time.time()), xx=True)
+        except redis.RedisError as exc:
+            log.warning("could not mark %d waiting deliveries as held: %s", len(tags), exc)
+
     def _get_info(self) -> dict[str, Any]:
         info: dict[str, Any] = super()._get_info()
         with self._lock:
@@ -276,6 +326,12 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
             }
         )
         return info
+
+
+def _delivery_tag(request: dict[str, Any]) -> str | None:
+    """The broker's tag of a delivery (kombu's virtual transports put it in the properties)."""
+    tag = (request.get("properties") or {}).get("delivery_tag")
+    return tag if isinstance(tag, str) else None
 
 
 def _sends_events(accept_callback: Callable[..., Any]) -> bool:

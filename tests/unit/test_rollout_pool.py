@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from typing import Any
 
 import orjson
@@ -196,12 +197,49 @@ def test_the_prefetch_counts_the_slots_and_the_deliveries_taken_ahead(
         from_env.cache_clear()
 
 
-def test_a_warm_stop_waits_for_every_delivery_handed_over_even_one_not_started_yet() -> None:
-    """Deliveries handed over together start on the loop together; stopping the pool right
-    after returns only once every one of them ran its coroutine and its tracer."""
-    pool = RolloutPool(limit=8, app=Celery("test-pool-stop"))
+HELD_TASK = "tests.pooled_held"
+hold = threading.Event()
+
+
+@on_loop(HELD_TASK)
+async def _held(request: Any, name: str) -> str:
+    events.append(f"{name} started")
+    while not hold.is_set():
+        await asyncio.sleep(0.01)
+    events.append(f"{name} ended")
+    return name
+
+
+def _deliver_held(pool: RolloutPool, name: str) -> concurrent.futures.Future[Any]:
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    body = orjson.dumps([[name], {}, {"chord": None, "callbacks": None}])
+    pool.apply_async(
+        lambda *_: done.set_result(None),
+        args=(HELD_TASK, name, {"id": name, "task": HELD_TASK}, body, "application/json", "utf-8"),
+        accept_callback=lambda pid, at: None,
+    )
+    return done
+
+
+def test_a_warm_stop_finishes_what_holds_a_slot_and_starts_nothing_taken_ahead() -> None:
+    """A warm stop returns once every delivery holding a slot ran its coroutine and its tracer;
+    one still waiting for a slot then (taken ahead) is neither run nor finished: left
+    unacknowledged, the broker gives it to another worker."""
+    events.clear()
+    hold.clear()
+    pool = RolloutPool(limit=2, app=Celery("test-pool-stop"))
     pool.start()
-    done = [_deliver(pool, f"s-{i}", "slow") for i in range(40)]
-    pool.stop()
-    assert all(f.done() for f in done)
-    assert sorted(f.result()["value"] for f in done) == ["slow"] * 40
+    running = [_deliver_held(pool, name) for name in ("a", "b")]
+    deadline = time.monotonic() + 5
+    while len(events) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    waiting = _deliver_held(pool, "c")
+    stopping = threading.Thread(target=pool.stop)
+    stopping.start()
+    while not pool._stopping and time.monotonic() < deadline:  # the warm stop has begun
+        time.sleep(0.01)
+    hold.set()  # a and b end; c gets a slot only now
+    stopping.join(10)
+    assert not stopping.is_alive()
+    assert all(f.done() for f in running) and not waiting.done()
+    assert sorted(events) == ["a ended", "a started", "b ended", "b started"]
