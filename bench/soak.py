@@ -245,8 +245,8 @@ def soak(
             try:
                 while True:
                     pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-                    if pid:
-                        break
+                    # Read once more after the producer exited: a small run can land its last
+                    # rollouts and finish between two polls.
                     landed = int(r.hget(keys.shard_counts(sid), "landed") or 0)  # type: ignore[arg-type]
                     now = time.perf_counter()
                     if landed >= n and all_landed_at is None:
@@ -277,6 +277,8 @@ def soak(
                         if landed < n:  # the last one before the finish cleans up
                             result.biggest = biggest_keys(r, sid)
                             result.biggest_at = landed
+                    if pid:
+                        break
                     time.sleep(POLL_S)
             except BaseException:  # interrupted (Ctrl-C): the producer does not outlive the soak
                 proc.terminate()
