@@ -89,3 +89,26 @@ def test_without_threads_a_step_runs_inline() -> None:
         return await Blocking()(lambda: threading.current_thread().name)
 
     assert asyncio.run(main()) == threading.current_thread().name
+
+
+def test_a_step_queued_first_runs_before_those_queued_earlier_without() -> None:
+    """A rollout's start (`first=True`) does not wait behind the landings and settlings
+    already queued: with the one thread busy, the steps then run first-queued first."""
+    one = StepThreads(1, "test-first")
+    busy = threading.Event()
+    order: list[str] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        blocker = one.submit(loop, busy.wait)
+        await asyncio.sleep(0.05)  # the thread is in the blocker now
+        steps = [
+            one.submit(loop, functools.partial(order.append, "settle a")),
+            one.submit(loop, functools.partial(order.append, "settle b")),
+            one.submit(loop, functools.partial(order.append, "start c"), first=True),
+        ]
+        busy.set()
+        await asyncio.gather(blocker, *steps)
+
+    asyncio.run(main())
+    assert order == ["start c", "settle a", "settle b"]

@@ -133,20 +133,35 @@ class StepThreads:
 
     def __init__(self, count: int, name: str) -> None:
         self._steps: queue.SimpleQueue[_Step] = queue.SimpleQueue()
+        self._first: queue.SimpleQueue[_Step] = queue.SimpleQueue()
+        """Steps taken before any in `_steps` (`submit(first=True)`)."""
+        self._ready = threading.Semaphore(0)
+        """One release per step queued, in either queue."""
         self._lock = threading.Lock()
         self._done: dict[asyncio.AbstractEventLoop, list[_Settled]] = {}
         for i in range(count):
             threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True).start()
 
-    def submit(self, loop: asyncio.AbstractEventLoop, step: Callable[[], T]) -> asyncio.Future[T]:
-        """Queue `step` (run in the caller's context); its value or exception comes on `loop`."""
+    def submit(
+        self, loop: asyncio.AbstractEventLoop, step: Callable[[], T], first: bool = False
+    ) -> asyncio.Future[T]:
+        """Queue `step` (run in the caller's context); its value or exception comes on `loop`.
+        A step queued `first` runs before every step queued without (a rollout's start, ahead
+        of the landings and settlings of those that ended)."""
         future: asyncio.Future[T] = loop.create_future()
-        self._steps.put((loop, future, contextvars.copy_context(), step))
+        (self._first if first else self._steps).put(
+            (loop, future, contextvars.copy_context(), step)
+        )
+        self._ready.release()
         return future
 
     def _work(self) -> None:
         while True:
-            loop, future, context, step = self._steps.get()
+            self._ready.acquire()
+            try:
+                loop, future, context, step = self._first.get_nowait()
+            except queue.Empty:
+                loop, future, context, step = self._steps.get()
             if future.cancelled():  # read off the loop: at worst a cancelled step runs anyway
                 continue
             value: Any = None
@@ -206,11 +221,11 @@ class Blocking:
     def __init__(self, threads: StepThreads | None = None) -> None:
         self._threads = threads
 
-    async def __call__(self, step: Callable[[], T]) -> T:
+    async def __call__(self, step: Callable[[], T], first: bool = False) -> T:
         if self._threads is None:
             return step()
         # The step sees the rollout's context (its trace, `workers/tracing.py`) on the thread.
-        return await self._threads.submit(asyncio.get_running_loop(), step)
+        return await self._threads.submit(asyncio.get_running_loop(), step, first)
 
 
 class StopWatch:

@@ -178,7 +178,8 @@ class _Run:
         """Take the lease, run the attempt, settle the lease."""
         try:
             # One hop off the loop: the lease, the manifest check and the first admission.
-            opened = await self.ctx.blocking(self.open)
+            # First in the step threads' queue: a start waits behind no landing or settling.
+            opened = await self.ctx.blocking(self.open, first=True)
             if isinstance(opened, Ticket) and opened.verdict == "wait":
                 opened = await self.admitted(None, opened)
             outcome = opened if isinstance(opened, RolloutOutcome) else await self.attempt(opened)
