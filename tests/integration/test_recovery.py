@@ -319,16 +319,15 @@ def test_rollouts_longer_than_the_visibility_timeout_run_once_each(
     assert copies >= 1, "the broker redelivered nothing: the test proves nothing"
 
 
-@pytest.mark.timeout(120)
-def test_a_delivery_taken_ahead_waits_for_its_slot_without_being_swept_as_a_frozen_worker_s(
-    redis_url: str, workers: Workers, tmp_path: Path
-) -> None:
-    """One worker of 2 slots takes a third delivery ahead (`workers/pool.py`), which waits 6 s
-    for a slot with no lease: twice the lease TTL after which the sweep publishes again a
-    message a silent worker took and never started. The worker keeps marking it held, so it is
-    not published again; each rollout is requested once."""
+@contextlib.contextmanager
+def one_waiting_ahead(
+    tmp_path: Path, redis_url: str, workers: Workers, latency_ms: float
+) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
+    """A run of 3 rollouts on one worker of 2 slots: it yields (the producer, the run directory,
+    the agent's request log) once two calls are in flight and the third message is out of the
+    queue, taken ahead by the worker (`workers/pool.py`) and waiting for a slot."""
     log = tmp_path / "requests.jsonl"
-    servers = start_servers(knobs=AgentKnobs(latency_ms=6000, request_log=str(log)))
+    servers = start_servers(knobs=AgentKnobs(latency_ms=latency_ms, request_log=str(log)))
     r = redis.Redis.from_url(redis_url)
     try:
         workers.start(count=1, concurrency=2, env=ENV)
@@ -337,12 +336,22 @@ def test_a_delivery_taken_ahead_waits_for_its_slot_without_being_swept_as_a_froz
         run, out = start_run(tmp_path, redis_url, demo_rows(3), config)
         wait_for(lambda: sum(requests_per_key(log).values()) >= 2, 30, "two calls")
         time.sleep(0.5)
-        # Two calls in flight, the third message out of the queue: held by the worker, waiting.
         assert sum(requests_per_key(log).values()) == 2 and r.llen(QUEUE) == 0
-        code = run.wait(90)
+        yield run, out, log
     finally:
         servers.stop()
         r.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_delivery_taken_ahead_waits_for_its_slot_without_being_swept_as_a_frozen_worker_s(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    """The delivery taken ahead waits 6 s for a slot with no lease: twice the lease TTL after
+    which the sweep publishes again a message a silent worker took and never started. The
+    worker keeps marking it held, so it is not published again; each rollout is requested once."""
+    with one_waiting_ahead(tmp_path, redis_url, workers, 6000) as (run, out, log):
+        code = run.wait(90)
     assert code == 0, (tmp_path / "run.log").read_text()
     results_once(out, 3)
     assert set(requests_per_key(log).values()) == {1}, requests_per_key(log)
@@ -356,26 +365,13 @@ def test_a_warm_shutdown_leaves_a_delivery_taken_ahead_to_another_worker(
 ) -> None:
     """A worker stopped with SIGTERM (warm) finishes the rollouts in its slots and does not
     start the one it took ahead: that one runs on the worker started after, once."""
-    log = tmp_path / "requests.jsonl"
-    servers = start_servers(knobs=AgentKnobs(latency_ms=4000, request_log=str(log)))
-    r = redis.Redis.from_url(redis_url)
-    try:
-        workers.start(count=1, concurrency=2, env=ENV)
-        workers.wait_ready()
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        run, out = start_run(tmp_path, redis_url, demo_rows(3), config)
-        wait_for(lambda: sum(requests_per_key(log).values()) >= 2, 30, "two calls")
-        time.sleep(0.5)
-        assert sum(requests_per_key(log).values()) == 2 and r.llen(QUEUE) == 0
+    with one_waiting_ahead(tmp_path, redis_url, workers, 4000) as (run, out, log):
         first = workers.procs[0]
         first.send_signal(signal.SIGTERM)
         assert first.wait(30) == 0
         assert sum(requests_per_key(log).values()) == 2  # the third was not started
         workers.start(count=1, concurrency=2, env=ENV)
         code = run.wait(90)
-    finally:
-        servers.stop()
-        r.close()
     assert code == 0, (tmp_path / "run.log").read_text()
     results_once(out, 3)
     assert set(requests_per_key(log).values()) == {1}, requests_per_key(log)
