@@ -23,6 +23,11 @@ HEALTH_RANGE_BYTES = 64 << 20
 LIVE_KEY_TTL_S = 7 * 24 * 3600
 
 
+def redis_url(url: object) -> str | None:
+    """`url` when it is a Redis URL (`REDIS_SCHEMES`), else None (unset, or another broker)."""
+    return url if isinstance(url, str) and url.startswith(REDIS_SCHEMES) else None
+
+
 @dataclass(frozen=True)
 class Environment:
     """The process's settings from `ROLLOUTS_*` variables (README: environment variables)."""

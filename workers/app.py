@@ -7,7 +7,7 @@ from celery.backends.base import Backend
 from celery.backends.redis import RedisBackend
 
 from infra import json_codec
-from infra.environment import from_env
+from infra.environment import from_env, redis_url
 from infra.redis_client import shared_pool
 from workers.pool import PrefetchAhead
 
@@ -37,7 +37,7 @@ app.steps["consumer"].add(PrefetchAhead)  # a rollout pool's successors delivere
 
 def state_redis_url() -> str:
     """The Redis that holds locks and landed sets: `ROLLOUTS_REDIS_URL`, else the result backend."""
-    url = from_env().redis_url or app.conf.result_backend
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+    url = redis_url(from_env().redis_url or app.conf.result_backend)
+    if url is None:
         raise RuntimeError("rollouts needs a Redis result backend (set ROLLOUTS_REDIS_URL)")
     return url

@@ -44,7 +44,7 @@ from kombu.serialization import loads as loads_message
 from kombu.serialization import prepare_accept_content
 
 from infra import keys
-from infra.environment import from_env
+from infra.environment import from_env, redis_url
 from infra.http import process_io
 from infra.redis_client import client
 from workers.gc_tuning import gc_state
@@ -165,6 +165,9 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
 
     def on_start(self) -> None:
         self._loop = process_io().loop
+        # Only a Redis broker is swept for unstarted messages (`_keep_held`); another redelivers
+        # by itself.
+        self._swept_broker = redis_url(self.app.conf.broker_url)
         self._accept = prepare_accept_content(self.app.conf.accept_content)  # type: ignore[no-untyped-call]
 
     def on_stop(self) -> None:
@@ -241,7 +244,8 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         request = {**args[2], DELIVERY: number}
         args = (args[0], args[1], request, *args[3:])
         body, content_type, content_encoding = args[3:6]
-        tag = _delivery_tag(request) if self._slots.locked() else None
+        swept = self._swept_broker is not None
+        tag = _delivery_tag(request) if swept and self._slots.locked() else None
         if tag is not None:  # taken ahead: it waits for a slot, holding no lease yet
             self._waiting[number] = tag
             if self._keeper is None or self._keeper.done():
@@ -304,11 +308,11 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
                 await self._finishing.submit(loop, partial(self._mark_held, tags))
 
     def _mark_held(self, tags: list[str]) -> None:
-        url = self.app.conf.broker_url
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            return  # another broker redelivers by itself, and nothing sweeps it
+        assert self._swept_broker is not None  # no tag is kept otherwise
         try:
-            client(url).zadd(keys.KOMBU_UNACKED_INDEX, dict.fromkeys(tags, time.time()), xx=True)
+            client(self._swept_broker).zadd(
+                keys.KOMBU_UNACKED_INDEX, dict.fromkeys(tags, time.time()), xx=True
+            )
         except redis.RedisError as exc:
             log.warning("could not mark %d waiting deliveries as held: %s", len(tags), exc)
 

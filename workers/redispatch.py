@@ -33,6 +33,7 @@ from celery import Celery
 from kombu.entity import Queue
 
 from infra import keys
+from infra.environment import redis_url
 from infra.redis_client import client
 from infra.telemetry import ENQUEUED_AT, TRACEPARENT, TRACESTATE
 from schemas.messages import COLLECT_TASK, QUEUE
@@ -222,7 +223,7 @@ def unacked_sweep(
     app: Celery, state_redis_url: str, publish: Callable[[dict[str, Any]], None], ttl_s: float
 ) -> UnackedSweep | None:
     """The sweep for `app`'s broker when it is a Redis (another broker redelivers by itself)."""
-    url = app.conf.broker_url
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+    url = redis_url(app.conf.broker_url)
+    if url is None:
         return None
     return UnackedSweep(client(url), client(state_redis_url), publish, ttl_s)

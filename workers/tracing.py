@@ -33,6 +33,7 @@ import redis
 from celery.exceptions import Ignore
 
 from infra import telemetry
+from infra.environment import redis_url
 from infra.redis_client import client
 from infra.telemetry import ENQUEUED_AT, ROLLOUT_ID, RUN_ID, TRACEPARENT, TraceParent
 from schemas import fields as F
@@ -411,8 +412,8 @@ def _queue_depth(_options: Any) -> list[Any]:
     from celery import current_app  # in a worker, its own app
     from opentelemetry.metrics import Observation
 
-    url = current_app.conf.broker_url
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+    url = redis_url(current_app.conf.broker_url)
+    if url is None:
         return []
     try:
         depth = int(client(url).llen(QUEUE))
