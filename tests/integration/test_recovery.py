@@ -261,7 +261,7 @@ def test_a_sigkilled_worker_s_rollouts_are_taken_over_and_the_run_finishes_by_it
     results_once(out, 120)
     # The acceptance bound: lease TTL + the longest rollout + 30 s after the kill.
     print(f"run finished {after_kill:.1f}s after the SIGKILL (lease TTL {LEASE_TTL_S:g}s)")
-    assert "published it again" in workers.logs[1].read_text()
+    assert "went silent; published it again" in workers.logs[1].read_text()
 
 
 @pytest.mark.timeout(180)
@@ -472,7 +472,11 @@ def test_a_frozen_worker_woken_mid_run_is_fenced_attempt_by_attempt(
         frozen = workers.procs[0]
         frozen.send_signal(signal.SIGSTOP)
         try:
-            wait_for(lambda: "published it again" in workers.logs[1].read_text(), 30, "takeover")
+            wait_for(
+                lambda: "went silent; published it again" in workers.logs[1].read_text(),
+                30,
+                "takeover",
+            )
         finally:
             frozen.send_signal(signal.SIGCONT)  # woken while the run goes on
         code = run.wait(150)
@@ -559,7 +563,7 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
         set(calls) - lost, 1
     ), calls
     assert max(calls[k] for k in lost) == 2, calls  # a rollout it was calling ran again
-    assert "published it again" in workers.logs[1].read_text()
+    assert "went silent; published it again" in workers.logs[1].read_text()
     copies = sum(p.read_text(errors="replace").count("this copy is acknowledged")
                  for p in workers.logs)  # fmt: skip
     assert copies >= 1, "the broker redelivered nothing: the test proves nothing"

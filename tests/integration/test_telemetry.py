@@ -218,7 +218,7 @@ def test_a_rollout_taken_over_from_a_killed_worker_keeps_its_trace(
     finally:
         servers.stop()
     assert code == 0, (tmp_path / "run.log").read_text()
-    assert "published it again" in workers.logs[1].read_text()
+    assert "went silent; published it again" in workers.logs[1].read_text()
 
     sent = agent_traceparents(log)
     again = {k: parents for k, parents in sent.items() if len(parents) > 1}
