@@ -244,6 +244,13 @@ class RunDir:
         """
         yield from segments.split_lines(self.iter_bytes(name, start))
 
+    def iter_line_views(
+        self, name: str, start: int = 0
+    ) -> Iterator[tuple[int, bytes | memoryview]]:
+        """`iter_lines` for a reader that only parses each line: a line may be a view of the
+        block it was read in (`segments.split_views`), not a copy."""
+        yield from segments.split_views(self.iter_bytes(name, start))
+
     def iter_objects(
         self, name: str, start: int = 0, on_unreadable: Callable[[int], None] | None = None
     ) -> Iterator[tuple[int, dict[str, Any] | None]]:
@@ -253,8 +260,8 @@ class RunDir:
         object, or None for a blank line, a line that is not JSON (`on_unreadable(offset)` is
         told) or JSON that is not an object.
         """
-        # Each line is parsed where it lies in the block read (`split_views`), not copied out.
-        for offset, line in segments.split_views(self.iter_bytes(name, start)):
+        # Each line is parsed where it lies in the block read, not copied out.
+        for offset, line in self.iter_line_views(name, start):
             end = offset + len(line) + 1
             value = None
             try:

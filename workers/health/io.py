@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, TypeVar
 
-from infra import segments
 from infra.store import RunDir, replacing_file
 
 SCRATCH_BLOCK = 1 << 18
@@ -34,10 +33,8 @@ def iter_range(
 def iter_range_views(
     rd: RunDir, name: str, start: int = 0, end: int | None = None
 ) -> Iterator[tuple[int, bytes | memoryview]]:
-    """`iter_range` for a reader that only parses each line: a line may be a view of the block
-    it was read in (`segments.split_views`), not a copy."""
-    lines = segments.split_views(rd.iter_bytes(name, max(0, start - 1)))
-    return _range(rd, name, start, end, lines)
+    """`iter_range` for a reader that only parses each line (`RunDir.iter_line_views`)."""
+    return _range(rd, name, start, end, rd.iter_line_views(name, max(0, start - 1)))
 
 
 Line = TypeVar("Line", bytes, bytes | memoryview)
