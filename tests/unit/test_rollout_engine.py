@@ -7,7 +7,9 @@ agent is an `httpx.AsyncClient` over a `MockTransport` driven by the real `call_
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -368,6 +370,33 @@ def test_a_summary_delivery_lets_its_result_go_and_a_retry_reuses_the_encoded_re
     # The Python API's default keeps it: its reply carries the result.
     kept = Harness(h.loop).run().record
     assert kept is not None and untimed([kept]) == [RESULT]
+
+
+def test_the_encoded_records_are_let_go_once_landed(h: Harness) -> None:
+    """A rollout keeps its encoded lines (a result's is its whole reply) only until they are
+    down: not while it settles its lease and waits for Celery's tracer, which a wave of
+    thousands of replies makes wait behind the next rollouts' starts."""
+    encoded: list[weakref.ref[Any]] = []
+    encode = h.lander.encode
+
+    def kept(result: Any, failures: Any) -> Any:
+        records = encode(result, failures)
+        encoded.append(weakref.ref(records))
+        return records
+
+    alive_at_settle: list[bool] = []
+    settle = h.leases.settle
+
+    def settling(*args: Any, **kwargs: Any) -> Any:
+        gc.collect()
+        alive_at_settle.append(encoded[0]() is not None)
+        return settle(*args, **kwargs)
+
+    h.lander.encode = kept  # type: ignore[method-assign]
+    h.leases.settle = settling  # type: ignore[method-assign]
+    out = h.run(Delivery(message={"task": "m"}, returns_record=False))
+    assert out.ended is Ended.LANDED and untimed(h.shard.results) == [RESULT]
+    assert alive_at_settle == [False]
 
 
 def test_a_storage_error_is_an_error_outcome_and_frees_the_slot(h: Harness) -> None:

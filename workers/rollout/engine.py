@@ -498,7 +498,12 @@ class _Run:
         """Land the records (`queued`: already queued); returns how the rollout ended once they
         are (or could not be) down."""
         try:
-            report = await self.land_with_retry(result, failures, queued)
+            try:
+                report = await self.land_with_retry(result, failures, queued)
+            finally:
+                # Landed or given up: the encoded lines (a result's is its whole reply) are not
+                # kept while the rollout settles and waits for the tracer.
+                self.encoded = None
         except ShardFencedError as exc:
             log.warning("%s", exc)
             self.land_error = str(exc)
