@@ -270,9 +270,14 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
                 else:  # bookkeeping only: no hop for it
                     accept_callback(os.getpid(), accepted)
             try:
-                task_args, task_kwargs, embed = loads_message(  # type: ignore[no-untyped-call]
-                    body, content_type, content_encoding, accept=self._accept
-                )
+                decoded = _decoded_body(accept_callback, body, content_type)
+                if decoded is None:
+                    decoded = loads_message(  # type: ignore[no-untyped-call]
+                        body, content_type, content_encoding, accept=self._accept
+                    )
+                task_args, task_kwargs, embed = decoded
+                # The tracer takes the decoded body as it is (no content type: nothing to decode).
+                args = (*args[:3], decoded, None, None, *args[6:])
                 # The task's request as Celery's tracer builds it: the headers, and the chord the
                 # body embeds (protocol 2).
                 context = Context({**request, **(embed or {})})
@@ -336,6 +341,25 @@ def _delivery_tag(request: dict[str, Any]) -> str | None:
     """The broker's tag of a delivery (kombu's virtual transports put it in the properties)."""
     tag = (request.get("properties") or {}).get("delivery_tag")
     return tag if isinstance(tag, str) else None
+
+
+def _decoded_body(
+    accept_callback: Callable[..., Any] | None, body: Any, content_type: str | None
+) -> Any:
+    """The message body as Celery's consumer decoded it already, or None.
+
+    Celery's strategy reads every message's `payload` (kombu decodes the body once and keeps
+    it) to tell the protocol, and its request takes the arguments from it; its tracer would
+    decode the body again, and so would this pool. The body decoded already when no content
+    type is given (Celery converted an older protocol's message)."""
+    if not content_type:
+        return body
+    request = getattr(accept_callback, "__self__", None)
+    message = getattr(request, "message", None)
+    if message is None or getattr(message, "body", None) is not body:
+        return None
+    decoded = message.payload
+    return decoded if isinstance(decoded, (list, tuple)) and len(decoded) == 3 else None
 
 
 def _sends_events(accept_callback: Callable[..., Any]) -> bool:

@@ -243,3 +243,71 @@ def test_a_warm_stop_finishes_what_holds_a_slot_and_starts_nothing_taken_ahead()
     assert not stopping.is_alive()
     assert all(f.done() for f in running) and not waiting.done()
     assert sorted(events) == ["a ended", "a started", "b ended", "b started"]
+
+
+def test_a_delivery_body_is_decoded_once_by_the_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery's consumer decodes every message as it builds its request (kombu keeps the
+    decode); the delivery's coroutine and Celery's tracer take that one instead of decoding the
+    body twice more (a real `Request` of a real kombu `Message`, executed on the pool as the
+    worker executes it)."""
+    from celery.worker.request import Request
+    from kombu.message import Message
+    from kombu.serialization import loads as kombu_loads
+
+    import workers.pool as pool_module
+
+    decodes: list[bytes] = []
+
+    def counted(body: Any, *args: Any, **kwargs: Any) -> Any:
+        decodes.append(body)
+        return kombu_loads(body, *args, **kwargs)
+
+    monkeypatch.setattr("kombu.message.loads", counted)
+    monkeypatch.setattr(pool_module, "loads_message", counted)
+    app = Celery("test-pool-decode")
+
+    def pooled(value: str) -> str:
+        return value
+
+    task = app.task(name=TASK, shared=False)(pooled)
+    body = orjson.dumps([["once"], {}, {"chord": None, "callbacks": None}])
+    message = Message(
+        body=body,
+        content_type="application/json",
+        content_encoding="utf-8",
+        headers={"id": "t-once", "task": TASK, "group": None},
+        accept=["application/json"],
+    )
+    request = Request(message, app=app, task=task, hostname="h")
+    traced: list[tuple[Any, ...]] = []
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def tracer(*args: Any) -> Any:
+        traced.append(args)
+        return take_ran(Context(args[2]))
+
+    pool = RolloutPool(limit=2, app=app)
+    pool.start()
+    try:
+        pool.apply_async(
+            tracer,
+            args=(
+                TASK,
+                request.id,
+                request.request_dict,
+                request.body,
+                request.content_type,
+                request.content_encoding,
+            ),
+            callback=done.set_result,
+            accept_callback=request.on_accepted,
+        )
+        got = done.result(5)
+    finally:
+        pool.stop()
+    assert got["value"] == "once"
+    assert decodes == [body]  # the consumer's (Celery's request reads the payload), no other
+    # The tracer is handed the decoded body with no content type: it decodes nothing.
+    [(_, _, _, given, content_type, encoding)] = traced
+    assert given == [["once"], {}, {"chord": None, "callbacks": None}]
+    assert content_type is None and encoding is None
