@@ -7,6 +7,7 @@ agent is an `httpx.AsyncClient` over a `MockTransport` driven by the real `call_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import time
 import weakref
@@ -33,7 +34,9 @@ from workers.rollout import (
     RolloutContext,
     StopWatch,
     run_rollout,
+    run_rollout_async,
 )
+from workers.rollout.context import WaitingLines
 from workers.rollout.fakes import FakeGate, FakeLander, FakeLeases, FakeShard
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
@@ -726,3 +729,66 @@ def test_a_rollout_waits_on_the_loop_while_the_caps_are_full_then_lands(h: Harne
     assert h.gate.admitted == ["3:1"] and h.slots_returned()
     # Every try after the first names the waiting entry the first one listed.
     assert h.gate.waited == [None, "fake|3:1", "fake|3:1"]
+
+
+def _waiting_rollouts(
+    h: Harness, n: int, full_s: float, refresh_s: float
+) -> list[tuple[str, bool]]:
+    """`n` rollouts of one shard and agent started at once in one context, admission full for
+    `full_s` (real pauses): the tries made while it was full, as (rollout, whether it was a
+    first try)."""
+    tries: list[tuple[str, bool]] = []
+    full = True
+    try_admit = h.gate.try_admit
+
+    def gate_try(req: CollectRequest, sid: str, readmit: Any = None, waiting: Any = None) -> Any:
+        if full:
+            tries.append((key_of(req), waiting is None))
+            h.gate.full = 1
+        return try_admit(req, sid, readmit, waiting)
+
+    h.gate.try_admit = gate_try  # type: ignore[method-assign]
+    ctx = dataclasses.replace(h.context(), sleep=asyncio.sleep, lines=WaitingLines(refresh_s))
+
+    def request(task: int) -> CollectRequest:
+        return CollectRequest(
+            run=RunRef(run_id="r", output_dir="/tmp/nowhere", shard="0", token="token-1"),
+            agent_url="http://agent",
+            policy=CallPolicy(),
+            row={**ROW, F.TASK_INDEX: task},
+        )
+
+    async def scenario() -> list[RolloutOutcome]:
+        nonlocal full
+        runs = [asyncio.ensure_future(run_rollout_async(request(t), ctx)) for t in range(n)]
+        await asyncio.sleep(full_s)
+        full = False
+        return await asyncio.gather(*runs)
+
+    outcomes = h.loop.run(scenario())
+    assert [o.ended for o in outcomes] == [Ended.LANDED] * n
+    assert h.slots_returned() and not ctx.lines.waiting(("", "http://agent"))
+    return tries
+
+
+def key_of(req: CollectRequest) -> str:
+    return f"{req.row[F.TASK_INDEX]}:{req.row[F.ROLLOUT_INDEX]}"
+
+
+def test_rollouts_waiting_for_a_slot_take_turns_asking_for_one(h: Harness) -> None:
+    """Only the first in a process's line asks again while the caps stay full: 1,000 rollouts
+    waiting out an agent's slow start must not each call the begin script every 20-250 ms."""
+    tries = _waiting_rollouts(h, 5, full_s=0.5, refresh_s=10.0)
+    firsts = [k for k, first in tries if first]
+    again = [k for k, first in tries if not first]
+    assert sorted(firsts) == [f"{t}:1" for t in range(5)]
+    # Pauses of 10-250 ms over half a second: several tries again, every one by the first in line.
+    assert len(again) >= 3 and set(again) == {"0:1"}
+    # Once the caps opened, each landed (above), the next in line asking as the one before left.
+
+
+def test_a_rollout_behind_others_in_line_still_asks_every_refresh(h: Harness) -> None:
+    """Its waiting entry (`rollouts status`, stall detection) expires unless it asks again."""
+    tries = _waiting_rollouts(h, 3, full_s=0.5, refresh_s=0.1)
+    again = {k for k, first in tries if not first}
+    assert again == {"0:1", "1:1", "2:1"}

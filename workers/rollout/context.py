@@ -20,7 +20,7 @@ import contextvars
 import queue
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -282,6 +282,54 @@ class StopWatch:
                         waiter.set_result(reason)
 
 
+WAIT_REFRESH_S = 10.0
+"""How often a rollout waiting behind others in its line asks for a slot anyway: its entry in the
+waiting lists (`rollouts status`, stall detection) expires a lease TTL (30 s by default) after
+its last try."""
+
+
+class WaitingLines:
+    """The rollouts of a process that wait for a slot take turns asking for one.
+
+    A rollout that admission told to wait joins the line of its shard and agent (their caps are
+    the same for all of it); only the first in line asks again, with the growing pauses of
+    `AdmissionWaits`, and the next one asks as soon as it leaves (admitted, or ended), since a
+    slot that came back may be followed by more. Before this, each waiting rollout asked on its
+    own: 1,000 rollouts waiting out an agent window's slow start made ~9,300 begin calls (a step
+    thread's hop and a Redis script each) in an `inflight-1k` run of 4,000 rollouts. The others
+    ask only every `refresh_s`, to stay listed as waiting.
+    """
+
+    def __init__(self, refresh_s: float = WAIT_REFRESH_S) -> None:
+        self.refresh_s = refresh_s
+        self._lines: dict[tuple[str, str], collections.deque[asyncio.Future[None]]] = {}
+
+    @contextlib.asynccontextmanager
+    async def joined(self, key: tuple[str, str]) -> AsyncIterator[asyncio.Future[None]]:
+        """Stand in `key`'s line; the future is done once this rollout is first in it."""
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        line = self._lines.setdefault(key, collections.deque())
+        line.append(turn)
+        if line[0] is turn:
+            turn.set_result(None)
+        try:
+            yield turn
+        finally:
+            if line[0] is turn:
+                line.popleft()
+                if line:
+                    line[0].set_result(None)
+            else:
+                line.remove(turn)
+            if not line:
+                del self._lines[key]
+
+    def waiting(self, key: tuple[str, str]) -> int:
+        """How many of this process's rollouts stand in `key`'s line."""
+        line = self._lines.get(key)
+        return 0 if line is None else len(line)
+
+
 class AgentCaller:
     """`call_run` on the event loop, cancelled when the run is failed or cancelled meanwhile.
 
@@ -338,6 +386,8 @@ class RolloutContext:
     runs: RunCheck | None = None
     """Vouches for a recorded task's run fields before anyone is called (the shard's manifest,
     `workers/shard/trust.py`); None trusts every task (unit tests of the other steps)."""
+    lines: WaitingLines = field(default_factory=WaitingLines)
+    """Where the rollouts told to wait for a slot take turns asking again."""
 
 
 BLOCKING_THREADS = 4

@@ -279,15 +279,32 @@ class _Run:
         self, readmit: Ticket | None, waiting: Ticket | None = None
     ) -> RolloutOutcome | Ticket:
         """Admit the rollout, waiting on the loop (not on a thread) while the caps are full;
-        `waiting`: the `wait` ticket of a try already made."""
+        `waiting`: the `wait` ticket of a try already made.
+
+        A rollout that waits stands in its shard's and agent's line (`WaitingLines`): the first
+        in it asks again after each pause, the next asks as soon as it leaves, and the rest ask
+        only every `refresh_s` to stay listed as waiting."""
+        ctx = self.ctx
         waits = AdmissionWaits()
-        while True:
-            if waiting is not None:
-                await self.ctx.sleep(waits.next_s())
-            got = await self.ctx.blocking(partial(self.admit, readmit, waiting))
-            if isinstance(got, RolloutOutcome) or got.verdict != "wait":
-                return got
-            waiting = got
+        async with ctx.lines.joined((self.sid, self.req.agent_url)) as turn:
+            while True:
+                if waiting is not None:
+                    if turn.done():
+                        await ctx.sleep(waits.next_s())
+                    else:
+                        await self.turn_or_refresh(turn)
+                got = await ctx.blocking(partial(self.admit, readmit, waiting))
+                if isinstance(got, RolloutOutcome) or got.verdict != "wait":
+                    return got
+                waiting = got
+
+    async def turn_or_refresh(self, turn: asyncio.Future[None]) -> None:
+        """Until this rollout is first in its line, or `refresh_s` went by."""
+        refresh = asyncio.ensure_future(self.ctx.sleep(self.ctx.lines.refresh_s))
+        try:
+            await asyncio.wait((turn, refresh), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            refresh.cancel()
 
     def admit(self, readmit: Ticket | None, waiting: Ticket | None) -> RolloutOutcome | Ticket:
         """Try to admit the rollout (again, after a rate-limit wait: no new start); blocking.
