@@ -264,12 +264,13 @@ class AdmissionWaits:
     """The pauses between a waiting rollout's tries: jittered, growing from `WAIT_MIN_S` to
     `WAIT_MAX_S`."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_s: float = WAIT_MAX_S) -> None:
         self._delay = WAIT_MIN_S
+        self._max_s = max_s
 
     def next_s(self) -> float:
         wait_s = random.uniform(self._delay / 2, self._delay)
-        self._delay = min(self._delay * 1.5, WAIT_MAX_S)
+        self._delay = min(self._delay * 1.5, self._max_s)
         return wait_s
 
 

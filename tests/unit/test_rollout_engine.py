@@ -792,3 +792,37 @@ def test_a_rollout_behind_others_in_line_still_asks_every_refresh(h: Harness) ->
     tries = _waiting_rollouts(h, 3, full_s=0.5, refresh_s=0.1)
     again = {k for k, first in tries if not first}
     assert again == {"0:1", "1:1", "2:1"}
+
+
+def test_a_line_passes_the_turn_in_order_and_rings_its_first(loop: EventLoopThread) -> None:
+    lines = WaitingLines()
+    key = ("shard", "http://agent")
+
+    async def scenario() -> list[str]:
+        seen: list[str] = []
+        left = asyncio.Event()
+
+        async def stand(name: str, leave_after: asyncio.Event | None = None) -> None:
+            async with lines.joined(key) as turn:
+                if leave_after is not None:  # leaves from behind, before its turn
+                    await leave_after.wait()
+                    seen.append(f"{name} left")
+                    return
+                await turn
+                seen.append(name)
+                await asyncio.sleep(0)
+
+        first = asyncio.ensure_future(stand("a"))
+        behind = [asyncio.ensure_future(stand("b")), asyncio.ensure_future(stand("c", left))]
+        behind.append(asyncio.ensure_future(stand("d")))
+        await asyncio.sleep(0)
+        assert lines.waiting(key) == 4
+        bell = lines.bell(key)
+        lines.ring(key)
+        assert bell.done() and not lines.bell(key).done()
+        left.set()
+        await asyncio.gather(first, *behind)
+        assert lines.waiting(key) == 0
+        return seen
+
+    assert loop.run(scenario()) == ["a", "c left", "b", "d"]

@@ -286,23 +286,28 @@ WAIT_REFRESH_S = 10.0
 """How often a rollout waiting behind others in its line asks for a slot anyway: its entry in the
 waiting lists (`rollouts status`, stall detection) expires a lease TTL (30 s by default) after
 its last try."""
+FIRST_WAIT_MAX_S = 0.05
+"""The longest pause of the first in a line between its tries (10-50 ms, jittered): one poller
+per line and process, so a slot freed elsewhere in the cluster is taken within 50 ms."""
 
 
 class WaitingLines:
     """The rollouts of a process that wait for a slot take turns asking for one.
 
     A rollout that admission told to wait joins the line of its shard and agent (their caps are
-    the same for all of it); only the first in line asks again, with the growing pauses of
-    `AdmissionWaits`, and the next one asks as soon as it leaves (admitted, or ended), since a
-    slot that came back may be followed by more. Before this, each waiting rollout asked on its
-    own: 1,000 rollouts waiting out an agent window's slow start made ~9,300 begin calls (a step
-    thread's hop and a Redis script each) in an `inflight-1k` run of 4,000 rollouts. The others
-    ask only every `refresh_s`, to stay listed as waiting.
+    the same for all of it); only the first in line asks again, after pauses of 10-50 ms or as
+    soon as a call of this process to that agent ended (`ring`), and the next one asks as soon
+    as it leaves (admitted, or ended), since a slot that came back may be followed by more.
+    Before this, each waiting rollout asked on its own every 20-250 ms: 1,000 rollouts waiting
+    out an agent window's slow start made ~9,300 begin calls (a step thread's hop and a Redis
+    script each) in an `inflight-1k` run of 4,000 rollouts. The others ask only every
+    `refresh_s`, to stay listed as waiting.
     """
 
     def __init__(self, refresh_s: float = WAIT_REFRESH_S) -> None:
         self.refresh_s = refresh_s
         self._lines: dict[tuple[str, str], collections.deque[asyncio.Future[None]]] = {}
+        self._bells: dict[tuple[str, str], asyncio.Future[None]] = {}
 
     @contextlib.asynccontextmanager
     async def joined(self, key: tuple[str, str]) -> AsyncIterator[asyncio.Future[None]]:
@@ -323,6 +328,20 @@ class WaitingLines:
                 line.remove(turn)
             if not line:
                 del self._lines[key]
+
+    def bell(self, key: tuple[str, str]) -> asyncio.Future[None]:
+        """Done at the next `ring` of `key` (the first in its line waits on it between tries)."""
+        bell = self._bells.get(key)
+        if bell is None or bell.done():
+            bell = self._bells[key] = asyncio.get_running_loop().create_future()
+        return bell
+
+    def ring(self, key: tuple[str, str]) -> None:
+        """A call of this process to `key`'s agent ended (its slot is free): the first in the
+        line asks now. On the loop."""
+        bell = self._bells.pop(key, None)
+        if bell is not None and not bell.done():
+            bell.set_result(None)
 
     def waiting(self, key: tuple[str, str]) -> int:
         """How many of this process's rollouts stand in `key`'s line."""

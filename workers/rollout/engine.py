@@ -56,7 +56,13 @@ from workers.capture import clear_for, merge_into
 from workers.encoding import EncodedRecords
 from workers.landing import LandReport
 from workers.leases import Lease, ReplyPush, Settled, Stage
-from workers.rollout.context import CALL_ENDED, STOP_POLL_S, LeaseKeeper, RolloutContext
+from workers.rollout.context import (
+    CALL_ENDED,
+    FIRST_WAIT_MAX_S,
+    STOP_POLL_S,
+    LeaseKeeper,
+    RolloutContext,
+)
 from workers.rollout.rows import (
     drained_row,
     not_started_message,
@@ -170,6 +176,8 @@ class _Run:
         """The records as they land, once encoded (`queue_landing`)."""
         self.call_ended = CALL_ENDED.get()
         """The pool's slot of this delivery, given back once `/run` ended (`CALL_ENDED`)."""
+        self.line = (self.sid, req.agent_url)
+        """Its line of rollouts waiting for a slot in this process (`WaitingLines`)."""
 
     def end(self, ended: Ended, **fields: Any) -> RolloutOutcome:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
@@ -285,26 +293,29 @@ class _Run:
         in it asks again after each pause, the next asks as soon as it leaves, and the rest ask
         only every `refresh_s` to stay listed as waiting."""
         ctx = self.ctx
-        waits = AdmissionWaits()
-        async with ctx.lines.joined((self.sid, self.req.agent_url)) as turn:
+        waits = AdmissionWaits(FIRST_WAIT_MAX_S)
+        key = self.line
+        async with ctx.lines.joined(key) as turn:
             while True:
                 if waiting is not None:
-                    if turn.done():
-                        await ctx.sleep(waits.next_s())
+                    if turn.done():  # first in line: a pause, cut short by a call's end
+                        await self.until(ctx.lines.bell(key), waits.next_s())
                     else:
-                        await self.turn_or_refresh(turn)
+                        await self.until(turn, ctx.lines.refresh_s)
                 got = await ctx.blocking(partial(self.admit, readmit, waiting))
                 if isinstance(got, RolloutOutcome) or got.verdict != "wait":
                     return got
                 waiting = got
 
-    async def turn_or_refresh(self, turn: asyncio.Future[None]) -> None:
-        """Until this rollout is first in its line, or `refresh_s` went by."""
-        refresh = asyncio.ensure_future(self.ctx.sleep(self.ctx.lines.refresh_s))
+    async def until(self, event: asyncio.Future[None], seconds: float) -> None:
+        """Until `event` is done or `seconds` went by (the context's sleep)."""
+        if event.done():
+            return
+        slept = asyncio.ensure_future(self.ctx.sleep(seconds))
         try:
-            await asyncio.wait((turn, refresh), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((event, slept), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            refresh.cancel()
+            slept.cancel()
 
     def admit(self, readmit: Ticket | None, waiting: Ticket | None) -> RolloutOutcome | Ticket:
         """Try to admit the rollout (again, after a rate-limit wait: no new start); blocking.
@@ -350,6 +361,7 @@ class _Run:
                 result, failures, ended, queued = after()
             else:
                 result, failures, ended, queued = await ctx.blocking(after)
+            ctx.lines.ring(self.line)  # its slot is free: the first waiting for one asks now
             queued_ok = isinstance(queued, concurrent.futures.Future)
             if result is not None and queued_ok and not self.delivery.returns_record:
                 # Encoded and queued (a retry queues the encoded records again): the parsed
@@ -440,6 +452,7 @@ class _Run:
                 break
             # The slot goes back for the wait: a rate-limited rollout holds no concurrency.
             await ctx.blocking(partial(ctx.gate.back_off, ticket, status, wait_s, call_s))
+            ctx.lines.ring(self.line)
             waits.add(status, wait_s)
             with tracing.rate_limit_wait(status, wait_s):
                 stop = await self.wait(wait_s)
