@@ -131,3 +131,38 @@ def test_agent_max_concurrency_caps_calls_to_that_agent(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert stats["max_in_flight"] == 3
     assert stats["completed"] == 40
+
+
+def test_rollouts_waiting_in_line_stay_listed_as_waiting_past_a_lease_ttl(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    """Only the first of a worker's waiting rollouts polls (`WaitingLines`); the others still
+    ask within a lease TTL, so `rollouts status` and the stall check keep seeing them wait."""
+    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(latency_ms=2500))
+    r = redis.Redis.from_url(redis_url)
+    try:
+        workers.start(count=1, concurrency=8, env={"ROLLOUTS_LEASE_TTL_S": "3"})
+        workers.wait_ready()
+        rows = [make_row("arithmetic", i, "math_agent") for i in range(6)]
+        out = tmp_path / "run"
+        config = servers.write_config(str(tmp_path / "servers.yaml"))
+        run = cli_background(
+            "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
+            "--output-dir", str(out), "--broker", redis_url, "--max-resident-tasks", "1",
+            log=tmp_path / "run.log",
+        )  # fmt: skip
+        stats_url = servers.urls["math_agent"] + "/stats"
+        wait_for(lambda: httpx.get(stats_url).json()["requests"] >= 1, 60, "the first call")
+        sid = keys.shard_id(RunDir(str(out)).url, "0")
+        # Past a lease TTL from the first call, three or four of the six are still waiting.
+        time.sleep(4.0)
+        now = float(r.time()[0])
+        waiting = r.zcount(keys.shard_waiting(sid), now, "+inf")
+        started = httpx.get(stats_url).json()["requests"]
+        assert run.wait(120) == 0, (tmp_path / "run.log").read_text()
+    finally:
+        servers.stop()
+        r.close()
+    assert started <= 3
+    assert waiting == 6 - started
+    assert len(rows_by_key(out / "rollouts-0.jsonl")) == 6

@@ -285,7 +285,7 @@ class StopWatch:
 WAIT_REFRESH_S = 10.0
 """How often a rollout waiting behind others in its line asks for a slot anyway: its entry in the
 waiting lists (`rollouts status`, stall detection) expires a lease TTL (30 s by default) after
-its last try."""
+its last try (a worker asks every third of a shorter TTL)."""
 FIRST_WAIT_MAX_S = 0.05
 """The longest pause of the first in a line between its tries (10-50 ms, jittered): one poller
 per line and process, so a slot freed elsewhere in the cluster is taken within 50 ms."""
@@ -428,6 +428,8 @@ def _real_context(redis_url: str) -> RolloutContext:
         blocking=blocking,
         leases=_leases.get(redis_url),
         runs=ManifestCheck(),
+        # Within a lease TTL, a waiting entry asked again before it expires.
+        lines=WaitingLines(min(WAIT_REFRESH_S, from_env().lease_ttl_s / 3)),
     )
 
 
