@@ -328,6 +328,7 @@ class WaitingLines:
                 line.remove(turn)
             if not line:
                 del self._lines[key]
+                self._bells.pop(key, None)  # nobody waits on it: a shard long done keeps none
 
     def bell(self, key: tuple[str, str]) -> asyncio.Future[None]:
         """Done at the next `ring` of `key` (the first in its line waits on it between tries)."""
@@ -347,6 +348,11 @@ class WaitingLines:
         """How many of this process's rollouts stand in `key`'s line."""
         line = self._lines.get(key)
         return 0 if line is None else len(line)
+
+    @property
+    def empty(self) -> bool:
+        """No line and no bell left (every line's last rollout left)."""
+        return not self._lines and not self._bells
 
 
 class AgentCaller:
