@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +94,9 @@ class LocalCounter:
         self._original = RunDir.append_at
         counter = self
 
-        def append_at(rd: RunDir, name: str, data: bytes, offset: int) -> None:
+        def append_at(rd: RunDir, name: str, data: bytes | Sequence[bytes], offset: int) -> None:
             counter.writes += 1
-            counter.written += len(data)
+            counter.written += len(data) if isinstance(data, bytes) else sum(map(len, data))
             counter._original(rd, name, data, offset)
 
         RunDir.append_at = append_at  # type: ignore[method-assign,assignment]

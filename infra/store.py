@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
@@ -19,6 +19,26 @@ from fsspec.implementations.local import LocalFileSystem
 
 from infra import jsonl, segments
 from schemas.errors import StorageError
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
+"""The most buffers one `writev` takes (1,024 on Linux)."""
+
+
+def write_parts(fd: int, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+    """Write `parts` to `fd` in order, whole, with `writev` (no joined copy of them): a batch of
+    300 lines of 64 KB joined was a 20 MB copy at a worker's memory peak."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    i = 0
+    while i < len(views):
+        written = os.writev(fd, views[i : i + IOV_MAX])
+        while written and i < len(views):  # a short write: resume inside the part it stopped in
+            size = len(views[i])
+            if written >= size:
+                written -= size
+                i += 1
+            else:
+                views[i] = views[i][written:]
+                written = 0
 
 
 @dataclass(frozen=True)
@@ -289,25 +309,28 @@ class RunDir:
                 return
             yield offset, line
 
-    def append_at(self, name: str, data: bytes, offset: int) -> None:
-        """Append whole lines as bytes `[offset, offset + len(data))`; the caller holds the lock.
+    def append_at(self, name: str, data: bytes | Sequence[bytes], offset: int) -> None:
+        """Append whole lines at `offset`, the committed logical size; the caller holds the lock.
 
-        `offset` is the committed logical size. On a local folder the lines go in place with
-        O_APPEND and an fsync; elsewhere as one write-once segment object. Raises
+        `data` is the bytes, or their parts in order (a batch's lines: on a local folder they
+        are written as they are, with no joined copy). On a local folder the lines go in place
+        with O_APPEND and an fsync; elsewhere as one write-once segment object. Raises
         `WriteConflictError` when bytes exist at or past `offset` already (a writer that died
         before committing, or one that lost the lock).
         """
+        parts = [data] if isinstance(data, bytes | bytearray | memoryview) else data
         if self.can_append:
-            with open(self.path(name), "ab") as f:
+            with open(self.path(name), "ab", buffering=0) as f:
                 actual = os.fstat(f.fileno()).st_size
                 if actual != offset:
                     raise WriteConflictError(
                         f"{self.path(name)} holds {actual} bytes where {offset} were committed"
                     )
-                f.write(data)
-                f.flush()
+                write_parts(f.fileno(), parts)
                 os.fsync(f.fileno())
             return
+        if not isinstance(data, bytes | bytearray | memoryview):
+            data = b"".join(parts)
         target = f"{segments.segment_dir(self.root, name)}/{segments.segment_name(offset)}"
         try:
             self.fs.pipe_file(target, data, mode="create")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 from celery.__main__ import main
 
@@ -30,13 +31,14 @@ def _stall() -> None:
         time.sleep(60)
 
 
-def append_at(self: RunDir, name: str, data: bytes, offset: int) -> None:
+def append_at(self: RunDir, name: str, data: bytes | Sequence[bytes], offset: int) -> None:
     if name.endswith("rollouts-0.jsonl") and not os.path.exists(MARKER):
         if POINT == "after":
             _original(self, name, data, offset)
         elif self.can_append:
+            whole = data if isinstance(data, bytes) else b"".join(data)
             with open(self.path(name), "ab") as f:
-                f.write(data[: len(data) // 2])
+                f.write(whole[: len(whole) // 2])
                 f.flush()
                 os.fsync(f.fileno())
         _stall()

@@ -324,7 +324,7 @@ def test_a_storage_write_that_fails_releases_every_task_and_the_retry_lands_once
     original = RunDir.append_at
     calls: list[str] = []
 
-    def append_at(self: RunDir, name: str, data: bytes, offset: int) -> None:
+    def append_at(self: RunDir, name: str, data: Any, offset: int) -> None:
         calls.append(name)
         if len(calls) == 1:
             if written:  # the bytes are down, the reply was lost

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,8 +11,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from infra import segments
-from infra.store import RunDir, WriteConflictError
+from infra import segments, store
+from infra.store import RunDir, WriteConflictError, write_parts
 
 NAME = "rollouts-0.jsonl"
 
@@ -161,3 +162,34 @@ def test_json_documents_are_plain_objects(rd: RunDir) -> None:
 def test_segment_names_sort_in_file_order() -> None:
     names = [segments.segment_name(o) for o in (0, 9, 10, 123456789, 10**12)]
     assert names == sorted(names)
+
+
+def test_lines_appended_as_parts_land_as_their_join(rd: RunDir) -> None:
+    """A batch's lines are appended as they are (no joined copy on a local folder), more of them
+    than one `writev` takes; an object store gets one segment of their join."""
+    many = lines(2 * store.IOV_MAX + 5)
+    rd.append_at(NAME, many, 0)
+    rd.append_at(NAME, [b"", *lines(2, first=9000)], sum(map(len, many)))
+    assert rd.read_bytes(NAME) == b"".join(many + lines(2, first=9000))
+    assert len(rd.segments(NAME)) == (0 if rd.can_append else 2)
+
+
+def test_a_short_write_resumes_inside_the_part_it_stopped_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = os.writev
+    calls: list[int] = []
+
+    def short(fd: int, buffers: list[memoryview]) -> int:
+        calls.append(len(buffers))
+        return real(fd, [buffers[0][:5]])  # at most 5 bytes of the first buffer
+
+    monkeypatch.setattr(os, "writev", short)
+    parts: list[bytes | bytearray | memoryview] = [
+        b"abcdefgh", b"", b"ij", bytearray(b"klmnopqrstu"), memoryview(b"vwxyz")
+    ]  # fmt: skip
+    path = tmp_path / "out"
+    with open(path, "wb", buffering=0) as f:
+        write_parts(f.fileno(), parts)
+    assert path.read_bytes() == b"abcdefghijklmnopqrstuvwxyz"
+    assert len(calls) == 7  # 5+3, 2, 5+5+1, 5 bytes: every byte once, in order
