@@ -318,7 +318,6 @@ class RunDir:
         `WriteConflictError` when bytes exist at or past `offset` already (a writer that died
         before committing, or one that lost the lock).
         """
-        parts = [data] if isinstance(data, bytes | bytearray | memoryview) else data
         if self.can_append:
             with open(self.path(name), "ab", buffering=0) as f:
                 actual = os.fstat(f.fileno()).st_size
@@ -326,14 +325,13 @@ class RunDir:
                     raise WriteConflictError(
                         f"{self.path(name)} holds {actual} bytes where {offset} were committed"
                     )
-                write_parts(f.fileno(), parts)
+                write_parts(f.fileno(), [data] if isinstance(data, bytes) else data)
                 os.fsync(f.fileno())
             return
-        if not isinstance(data, bytes | bytearray | memoryview):
-            data = b"".join(parts)
+        whole = data if isinstance(data, bytes) else b"".join(data)
         target = f"{segments.segment_dir(self.root, name)}/{segments.segment_name(offset)}"
         try:
-            self.fs.pipe_file(target, data, mode="create")
+            self.fs.pipe_file(target, whole, mode="create")
         except FileExistsError:
             raise WriteConflictError(f"{target} was written by another writer") from None
 
