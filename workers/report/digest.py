@@ -337,7 +337,8 @@ class RunDigest:
         rd = RunDir(source.dir)
         label = source.label
         self.sources.append(label)
-        ledger = ShardLedger(rd, _StemFiles("", source.name))
+        # The page's tokens are its own (`usage_of`): the ledger tallies none.
+        ledger = ShardLedger(rd, _StemFiles("", source.name), tally_tokens=False)
         if not has_manifest:
             if source.materialized is not None and self.planned is not None:
                 ledger.read_planned()
