@@ -22,3 +22,6 @@ def loads(data: bytes | bytearray | memoryview | str) -> Any:
 
 
 JSONDecodeError = orjson.JSONDecodeError
+
+UNPARSED: Any = object()
+"""What a reader hands on for a line that `loads` refused (`null` is a value of its own)."""

@@ -7,6 +7,7 @@ fails the run: an error in it is logged and reported, and the run's state stands
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -27,13 +28,13 @@ from schemas.records import Finished, rate_limit_waits
 from schemas.settings import CollectionSettings
 from workers.aggregate_file import write_entries
 from workers.aggregation import aggregate, group_rows
-from workers.health.check import check_sources_here, write_disabled
+from workers.health.check import FoldedCheck, check_sources_here, write_disabled
 from workers.health.sources import source_for
 from workers.health.summary import blind_checks
 from workers.landing import compact_shard, shard_counts
 from workers.report import write_report
 from workers.shard.ledger import ShardLedger, count_shard
-from workers.shard.scored import ScoredRows
+from workers.shard.scored import LineWatcher, ScoredRows
 from workers.shard.state import expire_shard_keys
 from workers.tracing import step
 
@@ -82,6 +83,7 @@ def write_aggregate(
     config: ServersConfig,
     settings: CollectionSettings,
     fold: bool = False,
+    watch: LineWatcher | None = None,
 ) -> tuple[str | None, Coverage]:
     """Aggregate the shard's scored rows and save the file: the first error's text, the coverage.
 
@@ -90,9 +92,10 @@ def write_aggregate(
     ledger has read everything but the results, and each result row is folded into it as the
     aggregation reads it (one pass over the results for both). A run that `require_complete`
     rejects has the rejection in every entry (`rejection_of`), so no score is read from it as
-    complete.
+    complete. `watch` is told of every line of the results as it is read (`ScoredRows.watch`).
     """
     rows = ScoredRows.of(rd, ledger, config, settings, fold=fold)
+    rows.watch = watch
 
     def stamp() -> dict[str, Any]:
         rejection = rejection_of(rd, ledger, settings)
@@ -103,13 +106,18 @@ def write_aggregate(
 
 
 def count_and_aggregate(
-    rd: RunDir, shard: str, config: ServersConfig, settings: CollectionSettings
+    rd: RunDir,
+    shard: str,
+    config: ServersConfig,
+    settings: CollectionSettings,
+    watch: LineWatcher | None = None,
 ) -> tuple[ShardLedger, str | None, Coverage]:
-    """The shard's accounting (`count_shard`) and its aggregate, reading the results once."""
+    """The shard's accounting (`count_shard`) and its aggregate, reading the results once (and
+    handing each line to `watch`: the health check's scan of them)."""
     ledger = ShardLedger(rd, ShardFiles(shard))
     ledger.read_planned()
     ledger.read_failures()  # before the results: a result landed later uncounts its failure
-    error, coverage = write_aggregate(rd, ledger, config, settings, fold=True)
+    error, coverage = write_aggregate(rd, ledger, config, settings, fold=True, watch=watch)
     return ledger, error, coverage
 
 
@@ -127,12 +135,15 @@ def health_brief(run: dict[str, Any], path: str) -> dict[str, Any]:
     return {**{k: run[k] for k in keys_}, "path": path, "blind_checks": blind_checks(run)}
 
 
-def check_shard_health(rd: RunDir, shard: str, settings: CollectionSettings) -> dict[str, Any]:
-    """Write the shard's quality summary (or the disabled one); never raises."""
+def check_shard_health(
+    rd: RunDir, shard: str, settings: CollectionSettings, folded: FoldedCheck | None = None
+) -> dict[str, Any]:
+    """Write the shard's quality summary (or the disabled one); never raises. `folded`: the
+    check whose results scan the finish step's pass fed."""
     files = ShardFiles(shard)
     path = rd.path(QUALITY_SUMMARY)
     with step("rollouts.health_check", **{"rollouts.shard": shard}) as traced:
-        brief = _check_shard_health(rd, shard, settings, files, path)
+        brief = _check_shard_health(rd, shard, settings, files, path, folded)
         traced.set("rollouts.health.state", brief.get("state"))
         if "error" in brief:
             traced.fail(str(brief["error"]))
@@ -140,7 +151,12 @@ def check_shard_health(rd: RunDir, shard: str, settings: CollectionSettings) -> 
 
 
 def _check_shard_health(
-    rd: RunDir, shard: str, settings: CollectionSettings, files: ShardFiles, path: str
+    rd: RunDir,
+    shard: str,
+    settings: CollectionSettings,
+    files: ShardFiles,
+    path: str,
+    folded: FoldedCheck | None,
 ) -> dict[str, Any]:
     try:
         if settings.disable_health_check:
@@ -150,6 +166,9 @@ def _check_shard_health(
                 settings.health_check_ignored_checks,
                 settings_limits(settings),
             )
+        elif folded is not None:
+            sources = [source_for(rd, files.results, files.results)]
+            run = folded.run(sources, settings_limits(settings))
         else:
             run = check_sources_here(
                 rd.url,
@@ -205,6 +224,13 @@ def finish_shard(run: RunRef, redis_url: str) -> FinishResult:
 
 
 def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
+    with contextlib.ExitStack() as stack:
+        return _finish_in(rd, sid, run, redis_url, stack)
+
+
+def _finish_in(
+    rd: RunDir, sid: str, run: RunRef, redis_url: str, stack: contextlib.ExitStack
+) -> FinishResult:
     manifest = read_manifest(rd, run.shard)
     if manifest.token != run.token:
         log.warning(
@@ -228,10 +254,19 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     aggregation_error = None
     coverage = None
     health: dict[str, Any] | None = None
+    # The health check's scan of the results rides on the counting's pass (one parse of each
+    # row, not two) when the check will run.
+    folded = None
+    checking = not (settings.disable_aggregation or settings.disable_health_check)
+    if checking and run_error != STOPPED_BY_SIGTERM:
+        ignored = settings.health_check_ignored_checks
+        folded = stack.enter_context(FoldedCheck(rd, results, ignored))
     if settings.disable_aggregation:
         counts = count_shard(rd, run.shard)
     else:
-        counts, aggregation_error, coverage = count_and_aggregate(rd, run.shard, config, settings)
+        counts, aggregation_error, coverage = count_and_aggregate(
+            rd, run.shard, config, settings, watch=folded
+        )
     status = counts.status(manifest.run_id, run.shard)
     generation = generation_counts(redis_url, sid, run.token)
     status.drained = generation.get("drained", 0)
@@ -245,7 +280,7 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
         # The provisional summary written at the stop stays until `rollouts health-check`.
         log.info("%s shard %s was stopped: its provisional summary is kept", rd.url, run.shard)
     elif not settings.disable_aggregation:
-        health = check_shard_health(rd, run.shard, settings)
+        health = check_shard_health(rd, run.shard, settings, folded)
 
     manifest.state = "failed" if run_error else "cancelled" if cancelled else "completed"
     manifest.error = run_error

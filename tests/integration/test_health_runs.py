@@ -22,6 +22,7 @@ from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
 from tests.conftest import ROOT, Workers, demo_rows, read_jsonl, write_rows
 from tests.unit.test_health_golden import crafted_folder
+from workers.health import plan_recheck, run_local
 
 pytestmark = pytest.mark.integration
 
@@ -67,6 +68,14 @@ def test_run_ends_with_health_summary_and_verdict_line(
     assert run["healthy"] is True
     assert run["limits"]["max_failed_fraction"] == 0.1
     assert len(read_jsonl(out / "rollout_verdicts.jsonl")) == 40
+    # The finish step's check rode on its counting pass (no second read of the results), and
+    # its reports are what a standalone recheck writes.
+    assert "reads the results again" not in workers.output()
+    reports = [(out / n).read_bytes() for n in ("quality_summary.json", "rollout_verdicts.jsonl")]
+    run_local(plan_recheck(str(out)))
+    assert [(out / n).read_bytes() for n in ("quality_summary.json", "rollout_verdicts.jsonl")] == (
+        reports
+    )
     printed = buffer.getvalue()
     assert "Rollout health: 40 checked" in printed
     assert "Run health (complete): healthy" in printed

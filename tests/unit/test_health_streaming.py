@@ -11,13 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infra.store import RunDir
+from infra.store import RunDir, ShardFiles
+from schemas.config import ServersConfig
 from tests.health_fixtures import healthy_trajectory, read_summary, record, write_lines
 from tests.unit.test_health_golden import crafted_folder
 from workers.health import make_plan, plan_recheck, run_local, spool
+from workers.health.check import FoldedCheck
 from workers.health.io import file_digest, iter_range
 from workers.health.sources import shard_sources
 from workers.health.summary import summary_chunks
+from workers.shard.ledger import ShardLedger
+from workers.shard.scored import ScoredRows
 
 
 @given(
@@ -152,3 +156,85 @@ def test_object_store_folder_gives_the_same_reports(tmp_path: Path) -> None:
         assert not fs.exists("/health-store/run/" + plan.scratch.rsplit("/", 1)[1])
     finally:
         fs.rm("/health-store", recursive=True)
+
+
+def _fed_check(folder: Path, fail_after: int | None = None, to_end: bool = True) -> list[Any]:
+    """The results read by the finish step's counting pass (`ScoredRows` with `watch`), the
+    health check fed by it, then run; returns the rows the pass yielded."""
+    rd = RunDir(str(folder))
+    plan = plan_recheck(str(folder))
+    with FoldedCheck(rd, "rollouts-0.jsonl") as check:
+        watch: Any = check
+        if fail_after is not None or not to_end:
+            watch = _Feeder(check, fail_after, to_end)
+        rows = ScoredRows(rd, ShardLedger(rd, ShardFiles("0")), ServersConfig(), fold=True)
+        rows.watch = watch
+        landed = list(rows)
+        check.run(plan.sources, plan.limits)
+    return landed
+
+
+class _Feeder:
+    """A pass that breaks: its health scan raises after `fail_after` lines, or it stops short
+    of the end."""
+
+    def __init__(self, check: FoldedCheck, fail_after: int | None, to_end: bool) -> None:
+        self.check, self.fail_after, self.to_end, self.lines = check, fail_after, to_end, 0
+
+    def add_parsed(self, offset: int, line: bytes | memoryview, value: Any) -> None:
+        self.lines += 1
+        if self.fail_after is not None and self.lines > self.fail_after:
+            self.check._scan._writer = None  # type: ignore[assignment]  # its next add raises
+        self.check.add_parsed(offset, line, value)
+
+    def end(self, position: int) -> None:
+        if self.to_end:
+            self.check.end(position)
+
+
+def _with_odd_lines(tmp_path: Path) -> Path:
+    """The crafted folder (blank and unreadable lines among its records), with JSON that is not
+    an object and a last record without its newline."""
+    folder = crafted_folder(tmp_path)
+    with open(folder / "rollouts-0.jsonl", "ab") as f:
+        f.write(b"[1, 2]\nnull\n")
+        f.write(orjson.dumps(record(8, 0, traj=healthy_trajectory())))
+    return folder
+
+
+def test_a_check_fed_by_the_counting_pass_writes_a_standalone_checks_reports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = _with_odd_lines(tmp_path)
+    run_local(plan_recheck(str(folder)))
+    whole = _reports(folder)
+    reads: list[str] = []
+    iter_bytes = RunDir.iter_bytes
+
+    def counted(self: RunDir, name: str, start: int = 0) -> Any:
+        reads.append(name)
+        return iter_bytes(self, name, start)
+
+    monkeypatch.setattr(RunDir, "iter_bytes", counted)
+    landed = _fed_check(folder)
+    assert _reports(folder) == whole
+    # The results were read once, by the pass (the last line, which has no newline, on its own).
+    assert reads.count("rollouts-0.jsonl") == 1
+    assert reads.count("rollouts-0_failures.jsonl") == 1
+    assert len(landed) == sum(
+        1 for line in (folder / "rollouts-0.jsonl").read_bytes().splitlines()[:-1]
+        if line.startswith(b"{") and line.endswith(b"}")
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("fail_after", "to_end"), [(5, True), (None, False)])
+def test_a_check_whose_feed_broke_reads_the_results_itself(
+    tmp_path: Path, fail_after: int | None, to_end: bool
+) -> None:
+    folder = _with_odd_lines(tmp_path)
+    run_local(plan_recheck(str(folder)))
+    whole = _reports(folder)
+    (folder / "quality_summary.json").unlink()
+    (folder / "rollout_verdicts.jsonl").unlink()
+    _fed_check(folder, fail_after, to_end)
+    assert _reports(folder) == whole

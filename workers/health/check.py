@@ -7,6 +7,7 @@ jobs' results into the reports either way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -16,12 +17,20 @@ from typing import Any
 from infra.environment import from_env
 from infra.store import RunDir
 from schemas.errors import UsageError
-from schemas.health import QUALITY_SUMMARY, HealthPlan, Limits, ScanJob, Source, SummaryState
+from schemas.health import (
+    QUALITY_SUMMARY,
+    HealthPlan,
+    Limits,
+    ScanJob,
+    ScanResult,
+    Source,
+    SummaryState,
+)
 from workers.health.accounting import Accounting
 from workers.health.combine import combine
 from workers.health.io import open_writer
 from workers.health.registry import normalize_ignored
-from workers.health.scan import scan
+from workers.health.scan import ResultsScan, scan
 from workers.health.sources import apply_overrides, discover, persisted_limits
 from workers.health.summary import run_section, summary_chunks
 
@@ -144,6 +153,94 @@ def check_sources_here(
         return run_local(plan)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+class FoldedCheck:
+    """A check of one shard in this process whose results are read by another pass: the finish
+    step's one pass over the results (`workers/finish.py`) parses every line to count and
+    aggregate it, and hands each to this check's results job (`add_parsed`, `end`) instead of
+    the job reading and parsing the file again. The other jobs (failures, inventory) and the
+    combine step run in `run`.
+
+    It never fails the pass that feeds it: an error of the job is kept, and `run` then reads the
+    results itself, as does a pass that did not reach the end of the file. A context manager:
+    the scratch folder goes when the block exits.
+    """
+
+    def __init__(self, rd: RunDir, name: str, ignored: list[str] | tuple[str, ...] = ()) -> None:
+        self.rd = rd
+        self.ignored = list(ignored)
+        self.scratch = _local_scratch()
+        source = Source(label=name, dir=rd.url, name=name)
+        self.job = plan_jobs(
+            [source], self.scratch, list(normalize_ignored(self.ignored)), LOCAL_RANGE_BYTES
+        )[0]
+        self._scan = ResultsScan(self.job)
+        self._stack = contextlib.ExitStack()
+        self._ended = False
+        self._failed: BaseException | None = None
+
+    def __enter__(self) -> FoldedCheck:
+        try:
+            self._stack.enter_context(self._scan)
+        except Exception as exc:
+            self._failed = exc
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._close(clean=False)  # not run: nothing of the job's is kept
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def _close(self, clean: bool) -> ScanResult | None:
+        """End the job's scan: its result when `clean` and it ends well, else None (its late
+        run, open until now, is discarded)."""
+        try:
+            if clean:
+                self._stack.close()
+                return self._scan.result
+            self._stack.__exit__(_Abandoned, _Abandoned(), None)
+        except Exception as exc:
+            self._failed = self._failed or exc
+        return None
+
+    def add_parsed(self, offset: int, line: bytes | memoryview, value: Any) -> None:
+        if self._failed is None:
+            try:
+                self._scan.add_parsed(offset, line, value)
+            except Exception as exc:
+                self._failed = exc
+
+    def end(self, position: int) -> None:
+        if self._failed is None:
+            try:
+                self._scan.end(position)
+                self._ended = True
+            except Exception as exc:
+                self._failed = exc
+
+    def run(self, sources: list[Source], limits: Limits) -> dict[str, Any]:
+        """Check `sources` (the shard's, read after the pass: its status is written by then) and
+        write the reports beside them; returns the summary's `run`."""
+        plan = make_plan(
+            self.rd.url, sources, ignored=self.ignored, limits=limits, scratch=self.scratch
+        )
+        usable = self._failed is None and self._ended and plan.jobs[0] == self.job
+        fed = self._close(clean=usable)  # the job's late run is complete only now
+        if fed is None:  # a broken feed's runs are not in the plan's results: no harm
+            log.warning(
+                "the health check of %s reads the results again: %s",
+                self.rd.path(self.job.name),
+                self._failed
+                or ("its plan reads them in parts" if self._ended else "the pass stopped short"),
+            )
+            return run_local(plan)
+        return combine(plan, [fed, *(scan(job) for job in plan.jobs[1:])])
+
+
+class _Abandoned(Exception):
+    """Thrown into a fed results scan that is not used: its files are discarded."""
 
 
 def write_disabled(

@@ -61,12 +61,12 @@ def _range(
             position = offset + len(line) + 1
             yield offset, line
     if end is None or position < end:
-        tail = _tail(rd, name, position)
-        if tail:
-            yield position, tail
+        last = tail(rd, name, position)
+        if last:
+            yield position, last
 
 
-def _tail(rd: RunDir, name: str, position: int) -> bytes:
+def tail(rd: RunDir, name: str, position: int) -> bytes:
     """The bytes of a last line that has no newline, if any (everything before was read)."""
     size = rd.size(name)
     if size <= position:

@@ -316,6 +316,14 @@ def check_line(line: bytes | memoryview, ignored: frozenset[str]) -> Digest:
     try:
         record = jsonl.loads(line)
     except jsonl.JSONDecodeError:
+        record = jsonl.UNPARSED
+    return check_parsed(record, ignored)
+
+
+def check_parsed(record: Any, ignored: frozenset[str]) -> Digest:
+    """The digest of one non-blank line, from what `jsonl.loads` made of it (`jsonl.UNPARSED`:
+    it raised)."""
+    if record is jsonl.UNPARSED:
         return unreadable_digest("JSONDecodeError", ignored)
     if not isinstance(record, dict):
         return unreadable_digest("ValueError", ignored)

@@ -14,7 +14,9 @@ its line number names it) cannot be keyed by a job that sees only a range; it go
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from types import TracebackType
 from typing import Any
 
 import orjson
@@ -23,8 +25,9 @@ from infra import jsonl
 from infra.store import RunDir
 from schemas import fields as F
 from schemas.health import ScanJob, ScanResult
-from workers.health.io import iter_range_views, open_writer
-from workers.health.record_checks import check_line
+from workers.health.digest import Digest
+from workers.health.io import iter_range_views, open_writer, tail
+from workers.health.record_checks import check_line, check_parsed
 from workers.health.spool import RunWriter, tagged
 from workers.shard.ledger import failure_class, group_of
 
@@ -58,60 +61,125 @@ def scan(job: ScanJob) -> ScanResult:
         return _scan(job)
 
 
+class ResultsScan:
+    """A results job's scan, fed one line at a time: by its own read (`scan`), or by a reader
+    that parses every line of the file anyway (the finish step's one pass over the results,
+    `workers/finish.py`), which hands over each parsed line (`add_parsed`) instead of the text.
+
+    A context manager: the job's "late" run is kept only when the block exits cleanly and
+    `result` (complete after the block) names it.
+    """
+
+    def __init__(self, job: ScanJob) -> None:
+        assert job.kind == "results"
+        self.job = job
+        self.ignored = frozenset(job.ignored)
+        self.result = ScanResult(job=job.job)
+        self._scratch = RunDir(job.scratch)
+        self._prefix = f"job{job.job:05d}"
+        self._writer = RunWriter(self._scratch, self._prefix, KEY_LEN)
+        self._late_name = f"{self._prefix}-late.jsonl"
+        self._late_count = 0
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> ResultsScan:
+        self._late = self._stack.enter_context(
+            open_writer(self._scratch, self._late_name, durable=False)
+        )
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stack.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            return
+        self.result.runs = self._writer.close()
+        if self._late_count:
+            self.result.late = self._late_name
+        else:
+            self._scratch.remove(self._late_name)
+
+    def add_line(self, offset: int, line: bytes | memoryview) -> None:
+        """One line of the range, as read."""
+        if self._count(line):
+            self._add(offset, check_line(line, self.ignored))
+
+    def add_parsed(self, offset: int, line: bytes | memoryview, value: Any) -> None:
+        """One line of the range and what `jsonl.loads` made of it (`jsonl.UNPARSED`: it raised)."""
+        if self._count(line):
+            self._add(offset, check_parsed(value, self.ignored))
+
+    def end(self, position: int) -> None:
+        """The lines fed were the file's complete lines, up to byte `position`: the last line,
+        if it has no newline, is read here (the range reaches the end of the file)."""
+        assert self.job.end is None
+        last = tail(RunDir(self.job.dir), self.job.name, position)
+        if last:
+            self.add_line(position, last)
+
+    def _count(self, line: bytes | memoryview) -> bool:
+        """Count the line; whether it is to be checked (not blank)."""
+        result = self.result
+        result.lines += 1
+        result.bytes += len(line) + 1
+        if _blank(line):
+            return False
+        result.nonblank += 1
+        return True
+
+    def _add(self, offset: int, d: Digest) -> None:
+        result = self.result
+        stage = tagged(d.stage)
+        if d.unreadable or d.task is None:
+            rel = [result.lines, result.nonblank - 1, offset]
+            self._late.write(orjson.dumps([*rel, *tagged(d.rollout), *stage, d.payload()]))
+            self._late.write(b"\n")
+            self._late_count += 1
+            return
+        self._writer.add(
+            [
+                self.job.source,
+                *tagged(d.task),
+                *tagged(d.rollout),
+                RECORD,
+                *stage,
+                offset,
+                d.payload(),
+            ]
+        )
+
+
 def _scan(job: ScanJob) -> ScanResult:
     rd = RunDir(job.dir)
-    scratch = RunDir(job.scratch)
-    prefix = f"job{job.job:05d}"
-    writer = RunWriter(scratch, prefix, KEY_LEN)
+    lines = iter_range_views(rd, job.name, job.start, job.end)
+    if job.kind == "results":
+        with ResultsScan(job) as results:
+            for offset, line in lines:
+                results.add_line(offset, line)
+        return results.result
+    writer = RunWriter(RunDir(job.scratch), f"job{job.job:05d}", KEY_LEN)
     result = ScanResult(job=job.job)
-    ignored = frozenset(job.ignored)
-    late_name = f"{prefix}-late.jsonl"
-    late_count = 0
-    with open_writer(scratch, late_name, durable=False) as late:
-        for offset, line in iter_range_views(rd, job.name, job.start, job.end):
-            result.lines += 1
-            result.bytes += len(line) + 1
-            if _blank(line):
-                continue
-            result.nonblank += 1
-            if job.kind == "results":
-                d = check_line(line, ignored)
-                stage = tagged(d.stage)
-                if d.unreadable or d.task is None:
-                    rel = [result.lines, result.nonblank - 1, offset]
-                    late.write(orjson.dumps([*rel, *tagged(d.rollout), *stage, d.payload()]))
-                    late.write(b"\n")
-                    late_count += 1
-                    continue
-                writer.add(
-                    [
-                        job.source,
-                        *tagged(d.task),
-                        *tagged(d.rollout),
-                        RECORD,
-                        *stage,
-                        offset,
-                        d.payload(),
-                    ]
-                )
-                continue
-            try:
-                row = jsonl.loads(line)
-            except jsonl.JSONDecodeError:
-                continue
-            key = _int_key(row) if isinstance(row, dict) else None
-            if key is None:
-                continue
-            if job.kind == "failures":
-                payload = [failure_class(row), *group_of(row)]
-                writer.add([job.source, 0, key[0], 0, key[1], FAILURE, 0, 0, offset, payload])
-            else:
-                writer.add(
-                    [job.source, 0, key[0], 0, key[1], OWED, 0, 0, offset, list(group_of(row))]
-                )
+    for offset, line in lines:
+        result.lines += 1
+        result.bytes += len(line) + 1
+        if _blank(line):
+            continue
+        result.nonblank += 1
+        try:
+            row = jsonl.loads(line)
+        except jsonl.JSONDecodeError:
+            continue
+        key = _int_key(row) if isinstance(row, dict) else None
+        if key is None:
+            continue
+        if job.kind == "failures":
+            payload = [failure_class(row), *group_of(row)]
+            writer.add([job.source, 0, key[0], 0, key[1], FAILURE, 0, 0, offset, payload])
+        else:
+            writer.add([job.source, 0, key[0], 0, key[1], OWED, 0, 0, offset, list(group_of(row))])
     result.runs = writer.close()
-    if late_count:
-        result.late = late_name
-    else:
-        scratch.remove(late_name)
     return result

@@ -15,8 +15,9 @@ import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from infra import jsonl
 from infra.store import RunDir
 from schemas import fields as F
 from schemas.config import ServersConfig
@@ -64,6 +65,16 @@ def fill_task_fields(added: dict[str, Any], planned: dict[str, Any], carried: se
             added.setdefault(name, planned[name])
 
 
+class LineWatcher(Protocol):
+    """What a reader of every line of a file is told (`workers/health/scan.py`'s `ResultsScan`)."""
+
+    def add_parsed(self, offset: int, line: bytes | memoryview, value: Any) -> None:
+        """A complete line at `offset`, and what `jsonl.loads` made of it (`jsonl.UNPARSED`)."""
+
+    def end(self, position: int) -> None:
+        """The complete lines were read up to byte `position`."""
+
+
 @dataclass
 class ScoredRows:
     """The rows to aggregate, streamed; `coverage()` is complete once they were all read."""
@@ -76,6 +87,9 @@ class ScoredRows:
     fold: bool = False
     """Fold each result row into the ledger as it is read: the finish step's one pass over the
     results counts and aggregates them at once (`workers/finish.py`)."""
+    watch: LineWatcher | None = None
+    """Told of every line of the results as it is read and parsed (the finish step's health
+    scan, `ResultsScan`, so that the results are parsed once for both)."""
     counted: int = 0
     imputed: int = 0
     _carried: defaultdict[str | None, set[str]] = field(default_factory=lambda: defaultdict(set))
@@ -104,7 +118,9 @@ class ScoredRows:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         add = self.ledger.add_result if self.fold else None
-        for row in iter_rows(self.rd, self.ledger.files.results):
+        name = self.ledger.files.results
+        rows = iter_rows(self.rd, name) if self.watch is None else self._watched(name, self.watch)
+        for row in rows:
             if add is not None:
                 add(row)
             if self.imputing:
@@ -112,6 +128,20 @@ class ScoredRows:
             yield row
         if self.imputing:
             yield from self._added()
+
+    def _watched(self, name: str, watch: LineWatcher) -> Iterator[dict[str, Any]]:
+        """`iter_rows`, telling `watch` of every line, blank and unreadable ones too."""
+        position = 0
+        for offset, line in self.rd.iter_line_views(name):
+            position = offset + len(line) + 1
+            try:
+                value = jsonl.loads(line)
+            except jsonl.JSONDecodeError:
+                value = jsonl.UNPARSED
+            watch.add_parsed(offset, line, value)
+            if isinstance(value, dict):
+                yield value
+        watch.end(position)
 
     def _counted_failures(self) -> dict[Key, dict[str, Any]]:
         """The latest failure row of each rollout scored as zero (its attempts-th row)."""
