@@ -21,6 +21,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -81,11 +83,28 @@ def latency(
         rows = write_rows(rows_path, n)
         ideal = in_flight / (latency_ms / 1000)
         runs: dict[str, list[Measure]] = {}
-        rss_per_1k: list[float] = []
+        rss_per_1k: dict[str, list[float]] = {}
+        per_1k = in_flight / 1000
+
+        def sampled(pids: list[int], measure: Callable[[], Measure]) -> Measure:
+            """`measure()`, and the peak RSS of `pids` beyond their RSS before it."""
+            rss = RssSampler(pids)
+            idle = rss.now_bytes()
+            with rss:
+                m = measure()
+            rss_per_1k.setdefault(m.name, []).append((rss.peak_bytes - idle) / 2**20 / per_1k)
+            return m
+
         with AgentProcess(latency_ms=latency_ms, pad_kb=pad_kb) as agent:
             url = agent_url(agent.config_path)
             for r in range(rounds):
-                ms = [run_asyncio_aiohttp(url, rows, in_flight, os.path.join(tmp, "aiohttp.jsonl"))]
+                aiohttp_out = os.path.join(tmp, "aiohttp.jsonl")
+                ms = [
+                    sampled(
+                        [os.getpid()],
+                        partial(run_asyncio_aiohttp, url, rows, in_flight, aiohttp_out),
+                    )
+                ]
                 if nemo_python:
                     ms.append(
                         run_nemo_gym(
@@ -98,21 +117,21 @@ def latency(
                     concurrency=in_flight // workers,
                     pool="threads",
                 ) as cluster:
-                    ms.append(run_empty_chord(cluster, n, sleep_s=latency_ms / 1000))
-                with BenchCluster(workers=workers, concurrency=in_flight // workers) as cluster:
-                    rss = RssSampler(p.pid for p in cluster.procs)
-                    idle = rss.now_bytes()
-                    with rss:
-                        ms.append(
-                            run_ours(
-                                cluster,
-                                agent.config_path,
-                                rows_path,
-                                os.path.join(tmp, f"run{r}"),
-                                n,
-                            )
+                    chord_pids = [p.pid for p in cluster.procs]
+                    ms.append(
+                        sampled(
+                            chord_pids,
+                            partial(run_empty_chord, cluster, n, sleep_s=latency_ms / 1000),
                         )
-                    rss_per_1k.append((rss.peak_bytes - idle) / 2**20 / (in_flight / 1000))
+                    )
+                with BenchCluster(workers=workers, concurrency=in_flight // workers) as cluster:
+                    out_dir = os.path.join(tmp, f"run{r}")
+                    ms.append(
+                        sampled(
+                            [p.pid for p in cluster.procs],
+                            partial(run_ours, cluster, agent.config_path, rows_path, out_dir, n),
+                        )
+                    )
                 for m in ms:
                     runs.setdefault(m.name, []).append(m)
         results = [best(v) for v in runs.values()]
@@ -125,13 +144,14 @@ def latency(
                 m.rate,
                 f"{100 * m.rate / ideal:.1f}%",
                 m.cpu_ms_per_rollout,
+                f"{min(rss_per_1k[m.name]):.1f}" if m.name in rss_per_1k else "-",
             ]
             for m in results
         ]
         nemo_note = "" if nemo_python else " (NeMo Gym not installed: see README, bench extra)"
         rss_note = (
-            f"; our workers' RSS beyond idle: {min(rss_per_1k):.1f} MB per 1,000 in flight "
-            f"(least of {rounds}; peak over the run, {pad_kb} KB replies)"
+            f"; RSS: the peak beyond idle over the run per 1,000 in flight, least of {rounds} "
+            f"({pad_kb} KB replies; the aiohttp loop: this process; the others: their workers)"
         )
         return (
             f"latency: N={n}, agent latency {latency_ms:g} ms, {in_flight} in flight, "
@@ -145,6 +165,7 @@ def latency(
                     "rollouts/s",
                     "of ideal",
                     "CPU ms/rollout",
+                    "RSS MB per 1,000",
                 ],
                 out,
             )
