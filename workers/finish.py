@@ -33,6 +33,7 @@ from workers.health.sources import source_for
 from workers.health.summary import blind_checks
 from workers.landing import compact_shard, shard_counts
 from workers.report import write_report
+from workers.report.build import FoldedReport
 from workers.shard.ledger import ShardLedger, count_shard
 from workers.shard.scored import LineWatcher, ScoredRows
 from workers.shard.state import expire_shard_keys
@@ -83,7 +84,8 @@ def write_aggregate(
     config: ServersConfig,
     settings: CollectionSettings,
     fold: bool = False,
-    watch: LineWatcher | None = None,
+    watchers: tuple[LineWatcher, ...] = (),
+    on_landed: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> tuple[str | None, Coverage]:
     """Aggregate the shard's scored rows and save the file: the first error's text, the coverage.
 
@@ -92,10 +94,11 @@ def write_aggregate(
     ledger has read everything but the results, and each result row is folded into it as the
     aggregation reads it (one pass over the results for both). A run that `require_complete`
     rejects has the rejection in every entry (`rejection_of`), so no score is read from it as
-    complete. `watch` is told of every line of the results as it is read (`ScoredRows.watch`).
+    complete. `watchers` and `on_landed` are told of the results as they are read
+    (`ScoredRows`).
     """
     rows = ScoredRows.of(rd, ledger, config, settings, fold=fold)
-    rows.watch = watch
+    rows.watchers, rows.on_landed = watchers, on_landed
 
     def stamp() -> dict[str, Any]:
         rejection = rejection_of(rd, ledger, settings)
@@ -110,14 +113,18 @@ def count_and_aggregate(
     shard: str,
     config: ServersConfig,
     settings: CollectionSettings,
-    watch: LineWatcher | None = None,
+    watchers: tuple[LineWatcher, ...] = (),
+    on_landed: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> tuple[ShardLedger, str | None, Coverage]:
     """The shard's accounting (`count_shard`) and its aggregate, reading the results once (and
-    handing each line to `watch`: the health check's scan of them)."""
+    handing each line to `watchers`, each landed row to `on_landed`: the health check's scan
+    and the report)."""
     ledger = ShardLedger(rd, ShardFiles(shard))
     ledger.read_planned()
     ledger.read_failures()  # before the results: a result landed later uncounts its failure
-    error, coverage = write_aggregate(rd, ledger, config, settings, fold=True, watch=watch)
+    error, coverage = write_aggregate(
+        rd, ledger, config, settings, fold=True, watchers=watchers, on_landed=on_landed
+    )
     return ledger, error, coverage
 
 
@@ -182,14 +189,33 @@ def _check_shard_health(
     return health_brief(run, path)
 
 
-def write_shard_report(rd: RunDir, shard: str) -> str | None:
+def write_shard_report(
+    rd: RunDir,
+    shard: str,
+    ledger: ShardLedger | None = None,
+    folded: FoldedReport | None = None,
+) -> str | None:
     """Write the shard's `report.html` beside its quality summary; returns where, or None when
-    it failed: a report failure is logged and never fails the shard."""
+    it failed: a report failure is logged and never fails the shard. `folded`: the report the
+    finish step's pass fed, with that pass's `ledger`."""
     results = ShardFiles(shard).results
     try:
-        return write_report(rd, [source_for(rd, results, results)])[0]
+        source = source_for(rd, results, results)
+        if folded is not None and ledger is not None:
+            return folded.write(ledger, source)
+        return write_report(rd, [source])[0]
     except Exception:  # a report must not stop the run
         log.exception("report of %s shard %s failed; the run is not affected", rd.url, shard)
+        return None
+
+
+def _folded_report(rd: RunDir, results: str) -> FoldedReport | None:
+    """The report the finish step's pass feeds, or None when it cannot start (the report is
+    then built by itself, or its failure logged, after the pass)."""
+    try:
+        return FoldedReport(rd, results)
+    except Exception as exc:
+        log.warning("the report of %s will read the results again: %s", rd.url, exc)
         return None
 
 
@@ -256,16 +282,26 @@ def _finish_in(
     health: dict[str, Any] | None = None
     # The health check's scan of the results rides on the counting's pass (one parse of each
     # row, not two) when the check will run.
+    # The health check's scan of the results and the report ride on the counting's pass (one
+    # parse of each row, not three) when they will run.
     folded = None
     checking = not (settings.disable_aggregation or settings.disable_health_check)
     if checking and run_error != STOPPED_BY_SIGTERM:
         ignored = settings.health_check_ignored_checks
         folded = stack.enter_context(FoldedCheck(rd, results, ignored))
+    reporting = None
+    if settings.write_report and not settings.disable_aggregation:
+        reporting = _folded_report(rd, results)
     if settings.disable_aggregation:
         counts = count_shard(rd, run.shard)
     else:
         counts, aggregation_error, coverage = count_and_aggregate(
-            rd, run.shard, config, settings, watch=folded
+            rd,
+            run.shard,
+            config,
+            settings,
+            watchers=tuple(w for w in (folded, reporting) if w is not None),
+            on_landed=reporting.landed if reporting is not None else None,
         )
     status = counts.status(manifest.run_id, run.shard)
     generation = generation_counts(redis_url, sid, run.token)
@@ -292,7 +328,9 @@ def _finish_in(
         manifest.state = "failed"
         manifest.error = f"{manifest.error}; {rejection}" if manifest.error else rejection
     write_manifest(rd, manifest)
-    report = write_shard_report(rd, run.shard) if settings.write_report else None
+    report = None
+    if settings.write_report:
+        report = write_shard_report(rd, run.shard, counts, reporting)
     result = FinishResult(
         state=manifest.state,
         error=manifest.error,

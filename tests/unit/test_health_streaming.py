@@ -168,7 +168,7 @@ def _fed_check(folder: Path, fail_after: int | None = None, to_end: bool = True)
         if fail_after is not None or not to_end:
             watch = _Feeder(check, fail_after, to_end)
         rows = ScoredRows(rd, ShardLedger(rd, ShardFiles("0")), ServersConfig(), fold=True)
-        rows.watch = watch
+        rows.watchers = (watch,)
         landed = list(rows)
         check.run(plan.sources, plan.limits)
     return landed

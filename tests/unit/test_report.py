@@ -7,18 +7,23 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from bench.report import synthetic_run
-from infra.store import RunDir
+from infra.store import RunDir, ShardFiles
+from schemas.config import ServersConfig
 from schemas.health import ROLLOUT_VERDICTS
 from workers import finish
-from workers.health.sources import shard_sources
+from workers.health.sources import shard_sources, source_for
 from workers.report import build_report
+from workers.report.build import FoldedReport
 from workers.report.page import SECTIONS
 from workers.report.stats import Bins, LogHistogram, Reservoir, TopK, pass_at_k
+from workers.shard.ledger import ShardLedger
+from workers.shard.scored import ScoredRows
 
 
 def test_log_histogram_quantiles_fall_within_a_bin() -> None:
@@ -164,3 +169,62 @@ def test_graded_rewards_are_binned_and_untimed_records_are_said() -> None:
     assert 20 <= rewards.count('<rect class="bar" data-n="1"') <= 40
     latency = html[html.index('<section id="latency">') : html.index('<section id="throughput">')]
     assert 'class="chart empty"' in latency
+
+
+def _fed_report(rd: RunDir, break_after: int | None = None) -> bytes:
+    """The finish step's report: its results read by the counting pass (`ScoredRows` with the
+    report as a watcher and `on_landed`), then written; returns the page."""
+    name = "rollouts-0.jsonl"
+    ledger = ShardLedger(rd, ShardFiles("0"))
+    ledger.read_planned()
+    ledger.read_failures()
+    report = FoldedReport(rd, name)
+    rows = ScoredRows(rd, ledger, ServersConfig(), fold=True)
+    rows.watchers, rows.on_landed = (report,), report.landed
+    if break_after is not None:
+        landed, seen = report.landed, []
+
+        def breaking(offset: int, row: dict[str, Any]) -> None:
+            seen.append(offset)
+            if len(seen) > break_after:
+                report.digest.groups = None  # type: ignore[assignment]  # the next add raises
+            landed(offset, row)
+
+        rows.on_landed = breaking
+    list(rows)
+    report.write(ledger, source_for(rd, name, name))
+    return rd.read_bytes("report.html")
+
+
+@pytest.mark.parametrize("break_after", [None, 10])
+def test_the_report_fed_by_the_finish_steps_pass_is_the_standalone_page(
+    tmp_path: Path, break_after: int | None
+) -> None:
+    """Byte for byte, with health findings naming a landed and a failed rollout (transcripts
+    read back by offset), an unreadable line, a blank one, and a duplicate result; and again
+    when the report's share of the pass broke (it then reads the results itself)."""
+    synthetic_run(str(tmp_path / "run"), 400, shards=1)
+    rd = RunDir(str(tmp_path / "run"))
+    results = tmp_path / "run" / "rollouts-0.jsonl"
+    lines = results.read_bytes().splitlines(keepends=True)
+    with open(results, "ab") as f:
+        f.write(b'{"torn": \n\n' + lines[3])
+    failed = orjson.loads(
+        (tmp_path / "run" / "rollouts-0_failures.jsonl").read_bytes().split(b"\n")[0]
+    )
+    landed = orjson.loads(lines[5])
+    verdicts = [
+        {
+            "_ng_task_index": row["_ng_task_index"], "_ng_rollout_index": row["_ng_rollout_index"],
+            "rollout_id": "x", "verdict": "unhealthy", "unobserved": [],
+            "findings": [{"check": "rollout_response_empty", "detail": "no output"}],
+        }
+        for row in (landed, failed)
+    ]  # fmt: skip
+    rd.write_atomic(ROLLOUT_VERDICTS, b"".join(orjson.dumps(v) + b"\n" for v in verdicts))
+    name = "rollouts-0.jsonl"
+    page, d = build_report(rd, [source_for(rd, name, name)])
+    wanted = [f"#{row['_ng_task_index']}-{row['_ng_rollout_index']}" for row in (landed, failed)]
+    assert all(w in d.transcripts for w in wanted), wanted
+    assert d.unreadable == 1 and d.duplicates == 1
+    assert _fed_report(rd, break_after) == page

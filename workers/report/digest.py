@@ -355,11 +355,21 @@ class RunDigest:
         for _, row in results:
             if row is not None and ledger.add_result(row) is not None:
                 self.add_result(row, label)
-        if source.failures is not None:
-            for row in iter_rows(rd, source.failures):
+        self.read_failures(rd, source, ledger)
+        self.tally(ledger)
+
+    def read_failures(self, rd: RunDir, source: Source, ledger: ShardLedger | None) -> None:
+        """Each failure row of the source's sidecar (folded into `ledger` too, when given)."""
+        if source.failures is None:
+            return
+        for row in iter_rows(rd, source.failures):
+            if ledger is not None:
                 ledger.add_failure(row)
-                if not is_drained(row):
-                    self.add_failure(row, label)
+            if not is_drained(row):
+                self.add_failure(row, source.label)
+
+    def tally(self, ledger: ShardLedger) -> None:
+        """Add a source's ledger (its results and failures read): landed, duplicates, failed."""
         self.landed += ledger.landed
         self.duplicates += ledger.duplicates
         self.failure_rows += ledger.failure_rows

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -87,9 +87,12 @@ class ScoredRows:
     fold: bool = False
     """Fold each result row into the ledger as it is read: the finish step's one pass over the
     results counts and aggregates them at once (`workers/finish.py`)."""
-    watch: LineWatcher | None = None
+    watchers: tuple[LineWatcher, ...] = ()
     """Told of every line of the results as it is read and parsed (the finish step's health
-    scan, `ResultsScan`, so that the results are parsed once for both)."""
+    scan and report, so that the results are parsed once for all)."""
+    on_landed: Callable[[int, dict[str, Any]], None] | None = None
+    """With `fold`: called with the offset and row of each result the ledger counts as landed
+    (not a duplicate) as it is read (the finish step's report)."""
     counted: int = 0
     imputed: int = 0
     _carried: defaultdict[str | None, set[str]] = field(default_factory=lambda: defaultdict(set))
@@ -118,19 +121,20 @@ class ScoredRows:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         add = self.ledger.add_result if self.fold else None
+        landed = self.on_landed if self.fold else None
         name = self.ledger.files.results
-        rows = iter_rows(self.rd, name) if self.watch is None else self._watched(name, self.watch)
-        for row in rows:
-            if add is not None:
-                add(row)
+        for offset, row in self._rows(name):
+            if add is not None and add(row) is not None and landed is not None:
+                landed(offset, row)
             if self.imputing:
                 self._carried[server_of(row, self.config)].update(row)
             yield row
         if self.imputing:
             yield from self._added()
 
-    def _watched(self, name: str, watch: LineWatcher) -> Iterator[dict[str, Any]]:
-        """`iter_rows`, telling `watch` of every line, blank and unreadable ones too."""
+    def _rows(self, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
+        """`(offset, row)` of each row of `iter_rows`, telling the watchers of every line,
+        blank and unreadable ones too."""
         position = 0
         for offset, line in self.rd.iter_line_views(name):
             position = offset + len(line) + 1
@@ -138,10 +142,12 @@ class ScoredRows:
                 value = jsonl.loads(line)
             except jsonl.JSONDecodeError:
                 value = jsonl.UNPARSED
-            watch.add_parsed(offset, line, value)
+            for watch in self.watchers:
+                watch.add_parsed(offset, line, value)
             if isinstance(value, dict):
-                yield value
-        watch.end(position)
+                yield offset, value
+        for watch in self.watchers:
+            watch.end(position)
 
     def _counted_failures(self) -> dict[Key, dict[str, Any]]:
         """The latest failure row of each rollout scored as zero (its attempts-th row)."""
