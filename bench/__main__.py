@@ -32,6 +32,7 @@ from bench.collectors import (
     Measure,
     nemo_gym_python,
     run_asyncio_aiohttp,
+    run_asyncio_aiohttp_alone,
     run_empty_chord,
     run_nemo_gym,
     run_ours,
@@ -80,7 +81,7 @@ def latency(
     tmp = tempfile.mkdtemp(prefix="bench-latency-")
     try:
         rows_path = os.path.join(tmp, "rows.jsonl")
-        rows = write_rows(rows_path, n)
+        write_rows(rows_path, n)
         ideal = in_flight / (latency_ms / 1000)
         runs: dict[str, list[Measure]] = {}
         rss_per_1k: dict[str, list[float]] = {}
@@ -98,13 +99,11 @@ def latency(
         with AgentProcess(latency_ms=latency_ms, pad_kb=pad_kb) as agent:
             url = agent_url(agent.config_path)
             for r in range(rounds):
-                aiohttp_out = os.path.join(tmp, "aiohttp.jsonl")
-                ms = [
-                    sampled(
-                        [os.getpid()],
-                        partial(run_asyncio_aiohttp, url, rows, in_flight, aiohttp_out),
-                    )
-                ]
+                aiohttp = run_asyncio_aiohttp_alone(
+                    url, rows_path, in_flight, os.path.join(tmp, "aiohttp.jsonl")
+                )
+                rss_per_1k.setdefault(aiohttp.name, []).append(aiohttp.extra["rss_mb"] / per_1k)
+                ms = [aiohttp]
                 if nemo_python:
                     ms.append(
                         run_nemo_gym(
@@ -151,7 +150,7 @@ def latency(
         nemo_note = "" if nemo_python else " (NeMo Gym not installed: see README, bench extra)"
         rss_note = (
             f"; RSS: the peak beyond idle over the run per 1,000 in flight, least of {rounds} "
-            f"({pad_kb} KB replies; the aiohttp loop: this process; the others: their workers)"
+            f"({pad_kb} KB replies; the aiohttp loop: its own process; the others: their workers)"
         )
         return (
             f"latency: N={n}, agent latency {latency_ms:g} ms, {in_flight} in flight, "

@@ -200,6 +200,58 @@ def run_asyncio_aiohttp(
     )
 
 
+def run_asyncio_aiohttp_alone(
+    agent_url: str, rows_path: str, concurrency: int, out: str
+) -> Measure:
+    """`run_asyncio_aiohttp` in a child interpreter of its own, so that its peak RSS is its own
+    (`extra["rss_mb"]`: the peak during the run beyond what the child held before it, read
+    from `VmHWM` reset at its start), not the benchmark process's reused heap."""
+    import subprocess
+    import sys
+
+    from bench.harness import ROOT
+
+    proc = subprocess.run(
+        [sys.executable, "-c", "from bench.collectors import _aiohttp_child; _aiohttp_child()",
+         agent_url, rows_path, str(concurrency), out],
+        capture_output=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    line = orjson.loads(proc.stdout.strip().splitlines()[-1])
+    m = Measure(
+        "asyncio + aiohttp (in-process)",
+        int(line["n"]),
+        float(line["wall_s"]),
+        float(line["cpu_s"]),
+        {"cpu_ms": {"producer": 1000 * float(line["cpu_s"]) / int(line["n"])}},
+    )
+    m.extra["rss_mb"] = float(line["rss_mb"])
+    return m
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def _aiohttp_child() -> None:
+    """The child of `run_asyncio_aiohttp_alone`: argv agent URL, rows file, concurrency, out."""
+    import sys
+
+    url, rows_path, concurrency, out = sys.argv[1:5]
+    with open(rows_path, "rb") as f:
+        rows = [orjson.loads(line) for line in f if line.strip()]
+    # The peak from here on (where that is not permitted: from the start).
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    before = _status_kb("VmRSS:")
+    m = run_asyncio_aiohttp(url, rows, int(concurrency), out)
+    rss_mb = (_status_kb("VmHWM:") - before) / 1024
+    print(orjson.dumps({"n": m.n, "wall_s": m.wall_s, "cpu_s": m.cpu_s, "rss_mb": rss_mb}).decode())
+
+
 def nemo_gym_python(explicit: str | None = None) -> str | None:
     """An interpreter with nemo-gym installed: the one named, $ROLLOUTS_BENCH_NEMO_PYTHON, or this one."""
     import importlib.util
