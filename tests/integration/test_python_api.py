@@ -375,8 +375,11 @@ def test_example_trainer_loop_stops_early() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = re.search(r"stopped early: (\d+) rollouts used, (\d+) of 64 rows sent", proc.stdout)
     assert found is not None, proc.stdout
-    # 16 taken; with at most 8 resident, no more than 8 others were ever sent.
-    assert int(found[1]) == 16 and 16 <= int(found[2]) <= 24
+    # 16 taken. At most 8 are resident at once, so those sent beyond the 16 are the ones running
+    # when the loop stopped, and the few that ended and started again while its results and
+    # then its cancellation were on their way (the agent answers at once: 17-25 sent in 34 runs
+    # on a quiet machine). Without the early stop all 64 are sent.
+    assert int(found[1]) == 16 and 16 <= int(found[2]) <= 32
 
 
 def test_a_fully_consumed_call_records_a_completed_shard_on_s3(
