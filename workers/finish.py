@@ -280,8 +280,6 @@ def _finish_in(
     aggregation_error = None
     coverage = None
     health: dict[str, Any] | None = None
-    # The health check's scan of the results rides on the counting's pass (one parse of each
-    # row, not two) when the check will run.
     # The health check's scan of the results and the report ride on the counting's pass (one
     # parse of each row, not three) when they will run.
     folded = None

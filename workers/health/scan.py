@@ -48,6 +48,16 @@ def _blank(line: bytes | memoryview) -> bool:
     return not line or (line[0] in _SPACE and not bytes(line).strip())
 
 
+def _counted(result: ScanResult, line: bytes | memoryview) -> bool:
+    """Count the line in `result`; whether it is to be read (not blank)."""
+    result.lines += 1
+    result.bytes += len(line) + 1
+    if _blank(line):
+        return False
+    result.nonblank += 1
+    return True
+
+
 def _int_key(row: dict[str, Any]) -> tuple[int, int] | None:
     task, rollout = row.get(F.TASK_INDEX), row.get(F.ROLLOUT_INDEX)
     if type(task) is int and type(rollout) is int:
@@ -105,12 +115,12 @@ class ResultsScan:
 
     def add_line(self, offset: int, line: bytes | memoryview) -> None:
         """One line of the range, as read."""
-        if self._count(line):
+        if _counted(self.result, line):
             self._add(offset, check_line(line, self.ignored))
 
     def add_parsed(self, offset: int, line: bytes | memoryview, value: Any) -> None:
         """One line of the range and what `jsonl.loads` made of it (`jsonl.UNPARSED`: it raised)."""
-        if self._count(line):
+        if _counted(self.result, line):
             self._add(offset, check_parsed(value, self.ignored))
 
     def end(self, position: int) -> None:
@@ -120,16 +130,6 @@ class ResultsScan:
         last = tail(RunDir(self.job.dir), self.job.name, position)
         if last:
             self.add_line(position, last)
-
-    def _count(self, line: bytes | memoryview) -> bool:
-        """Count the line; whether it is to be checked (not blank)."""
-        result = self.result
-        result.lines += 1
-        result.bytes += len(line) + 1
-        if _blank(line):
-            return False
-        result.nonblank += 1
-        return True
 
     def _add(self, offset: int, d: Digest) -> None:
         result = self.result
@@ -164,11 +164,8 @@ def _scan(job: ScanJob) -> ScanResult:
     writer = RunWriter(RunDir(job.scratch), f"job{job.job:05d}", KEY_LEN)
     result = ScanResult(job=job.job)
     for offset, line in lines:
-        result.lines += 1
-        result.bytes += len(line) + 1
-        if _blank(line):
+        if not _counted(result, line):
             continue
-        result.nonblank += 1
         try:
             row = jsonl.loads(line)
         except jsonl.JSONDecodeError:
