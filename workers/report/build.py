@@ -48,9 +48,10 @@ class FoldedReport:
         self.name = name
         self.digest = RunDigest(rd.url)
         # The timelines start at the first generation: anchored before any row lands in them
-        # (a finish step adds no generation).
+        # (a finish step adds no generation). The aggregate file is not read for it: it is
+        # written by this finish step, after the pass.
         early = RunDigest(rd.url)
-        early.read_documents(rd, stem_of(name))
+        early.read_manifest(rd, stem_of(name))
         early.align_time()
         self.digest.landed_over_time = early.landed_over_time
         self.digest.failed_over_time = early.failed_over_time

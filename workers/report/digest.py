@@ -303,13 +303,21 @@ class RunDigest:
 
     def read_documents(self, rd: RunDir, stem: str) -> bool:
         """Read the source's manifest and aggregate metrics; whether it had a manifest."""
-        manifest = read_json(rd, f"{stem}_manifest.json")
+        self.read_aggregate(rd, stem)
+        return self.read_manifest(rd, stem)
+
+    def read_aggregate(self, rd: RunDir, stem: str) -> None:
+        """The key metrics of the source's aggregate metrics file."""
         entries = read_heads(rd, f"{stem}_aggregate_metrics.json")
         for entry in entries if isinstance(entries, list) else []:
             if isinstance(entry, dict) and isinstance(entry.get("key_metrics"), dict):
                 env = str(entry.get(F.ENVIRONMENT_SERVER, NO_NAME))
                 agent = F.agent_name(entry) or NO_NAME
                 self.key_metrics.append((env, agent, entry["key_metrics"]))
+
+    def read_manifest(self, rd: RunDir, stem: str) -> bool:
+        """Read the source's manifest (planned, state, times, generations); whether it had one."""
+        manifest = read_json(rd, f"{stem}_manifest.json")
         if not isinstance(manifest, dict):
             return False
         if self.planned is not None and isinstance(manifest.get("planned"), int):
