@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.harness import BenchCluster, cpu_seconds
+from bench.harness import BenchCluster, cpu_seconds, status_mb
 from infra.redis_client import client
 from producer.config.loading import load_servers_config
 from producer.shard.celery_client import client_app
@@ -228,14 +228,6 @@ def run_asyncio_aiohttp_alone(
     return m
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    return 0
-
-
 def _aiohttp_child() -> None:
     """The child of `run_asyncio_aiohttp_alone`: argv agent URL, rows file, concurrency, out."""
     import sys
@@ -246,9 +238,9 @@ def _aiohttp_child() -> None:
     # The peak from here on (where that is not permitted: from the start).
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
-    before = _status_kb("VmRSS:")
+    before = status_mb("VmRSS:")
     m = run_asyncio_aiohttp(url, rows, int(concurrency), out)
-    rss_mb = (_status_kb("VmHWM:") - before) / 1024
+    rss_mb = status_mb("VmHWM:") - before
     print(orjson.dumps({"n": m.n, "wall_s": m.wall_s, "cpu_s": m.cpu_s, "rss_mb": rss_mb}).decode())
 
 

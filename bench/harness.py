@@ -72,10 +72,15 @@ def cpu_seconds(pids: Iterable[int], children: bool = False) -> float:
 
 def peak_rss_mb(pid: int | None = None) -> float:
     """Peak resident set of a process (this one by default), from /proc."""
+    return status_mb("VmHWM:", pid)
+
+
+def status_mb(field: str, pid: int | None = None) -> float:
+    """A memory field of a process's /proc status (`VmRSS:`, `VmHWM:`) in MB; 0 when absent."""
     path = f"/proc/{pid or os.getpid()}/status"
     with open(path) as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
     return 0.0
 
