@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
@@ -92,6 +93,11 @@ def test_chaos_run_then_resume_settles_every_rollout(
             events.append(f"killed worker {victim} at {lines(results_file)} results")
             workers.start(count=1, concurrency=32, env=env)
         wait_for(lambda: lines(results_file) >= 1100, 120, "1100 results")
+        # The takeover waits out the dead holders' leases (a few seconds): the agent slows
+        # down so that the run is still far from its end when Redis restarts. (At 200 ms it
+        # could land all but a few dozen rollouts first, or all of them.)
+        agent = servers.urls["math_agent"]
+        httpx.post(agent + "/admin/knobs", json={"latency_ms": 2000}).raise_for_status()
         # No rollout is left with a dead holder: each was taken over by a live worker.
         killed = {f"{socket.gethostname()}:{workers.procs[v].pid}" for v in (0, 1)}
         r = redis.Redis.from_url(url)
@@ -105,6 +111,7 @@ def test_chaos_run_then_resume_settles_every_rollout(
         events.append(f"killed workers' rollouts taken over at {lines(results_file)} results")
         private_redis.restart_empty()
         events.append(f"restarted Redis empty at {lines(results_file)} results")
+        httpx.post(agent + "/admin/knobs", json={"latency_ms": 200}).raise_for_status()
 
         # The chord and the queue are gone: the producer notices the stall and says to resume.
         assert run.wait(300) == 1, (tmp_path / "run.log").read_text()
