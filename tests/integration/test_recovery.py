@@ -501,7 +501,9 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
     worker changes no file of the recorded run. Six rows on two workers of four: the worker that
     stays up has a slot free for the copies while it runs what it took over (with eight, the
     copies waited for slots until the attempts they copied had settled, and no copy of a live
-    delivery was seen in about half the runs)."""
+    delivery was seen in about half the runs). No delivery is taken ahead of a slot: with one
+    (the default at four slots), one worker took five of the six, the fifth waiting unleased,
+    and the other one, so that no moment had all six leased (about one run in seven)."""
     from producer import preprocess_examples, run_examples
     from schemas.settings import CollectionSettings
 
@@ -511,7 +513,8 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
     r = redis.Redis.from_url(redis_url)
     frozen = None
     try:
-        workers.start(count=2, concurrency=4, env={**ENV, "ROLLOUTS_VISIBILITY_TIMEOUT_S": "2"})
+        env = {**ENV, "ROLLOUTS_VISIBILITY_TIMEOUT_S": "2", "ROLLOUTS_PREFETCH_AHEAD": "0"}
+        workers.start(count=2, concurrency=4, env=env)
         workers.wait_ready()
         frozen = workers.procs[0]
         raw = [make_row("arithmetic", i, "math_agent") for i in range(6)]
