@@ -19,7 +19,7 @@ broker_url = _cluster.broker_url
 broker_transport = transport_for(_env.celery_broker_url or _cluster.broker_url)
 # The finish step's result (what the producer waits for) and the recheck chord need a result
 # store; Redis also holds the shard locks, landed bits and each generation's count of settled
-# rollouts (which publishes its finish, workers/leases.py), so one server serves both.
+# rollouts (which publishes its finish, workers/rollout/leases.py), so one server serves both.
 result_backend = _cluster.redis_url
 
 # JSON only: a worker must never unpickle a message from the queue (arbitrary code execution).

@@ -3,7 +3,7 @@
     python -m bench.admission_cost [--rollouts 6000] [--threads 32]
 
 Starts an embedded Redis, then from `--threads` threads admits and releases `--rollouts`
-rollouts through `workers.admission.Gate` (one Lua call to begin; releases batched by the
+rollouts through `workers.rollout.admission.Gate` (one Lua call to begin; releases batched by the
 gate's thread, or, for comparison, one Lua call each), and prints a markdown table.
 The process's CPU time is what is measured: the Redis server runs in its own process.
 """
@@ -20,7 +20,7 @@ import redis
 from infra import keys
 from infra.embedded import EmbeddedRedis
 from schemas.messages import CallPolicy, CollectRequest, RunRef
-from workers.admission import DURATIONS_KEPT, Gate
+from workers.rollout.admission import DURATIONS_KEPT, Gate
 
 
 def measure(

@@ -37,7 +37,8 @@ from infra.store import RunDir, ShardFiles
 from schemas import fields as F
 from schemas.messages import RunRef
 from schemas.records import Generation, InputSource, Manifest, utc_now
-from workers.landing import Lander, compact_shard, open_shard
+from workers.rollout.landing import Lander
+from workers.shard.state import compact_shard, open_shard
 
 PAD = "x" * 1900
 FILES = ShardFiles("0")

@@ -103,11 +103,11 @@ started: the run was cancelled or failed), `cancelled` (cancelled in flight). Ta
 older generation do not count here.
 
 `finish` (the finish task's signature, JSON) and `counted` (its rollouts settled so far, each
-once, `workers/leases.py`): the delivery that settles the last of `enqueued` publishes the finish
+once, `workers/rollout/leases.py`): the delivery that settles the last of `enqueued` publishes the finish
 (the generation's chord, counted in one field instead of Celery's per-task chord keys)."""
 
 shard_rollout_leases = _shard_key("rollout_leases")
-"""Hash `task:rollout` -> the JSON lease of the attempt running it now (`workers/leases.py`).
+"""Hash `task:rollout` -> the JSON lease of the attempt running it now (`workers/rollout/leases.py`).
 
 `holder` (`host:pid` of the worker process), `attempt` (this attempt's token), `n` (attempts so
 far, the first is 1), `token` (the generation it runs for), `stage` (admitted, calling, landing;
@@ -131,7 +131,7 @@ a duplicate (the landed keys), and its settling counts nothing (`shard_settled`)
 
 def shard_settled(sid: str, token: str) -> str:
     """Set of the keys `task:rollout` settled in generation `token`: each counted once toward the
-    generation's finish (`workers/leases.py`); bits where they fit, as the landed keys are
+    generation's finish (`workers/rollout/leases.py`); bits where they fit, as the landed keys are
     (`shard_settled_bits`, `workers/shard/landed.py`'s rule, made in `infra/scripts.py`).
 
     A delivery of a rollout settled in its own generation (a copy the broker redelivered, a

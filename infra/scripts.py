@@ -7,9 +7,9 @@ layouts are `infra/keys.py`'s. Callers register them with `redis.Redis.register_
 
 - `BEGIN_LUA`, `END_LUA`, `RENEW_LUA`, `BACK_OFF_LUA`: a rollout's admission (with its agent's
   adaptive window), slot release (growing the window), lease renewal, and a 429/503 reply
-  (shrinking the window) (`workers/admission.py`).
+  (shrinking the window) (`workers/rollout/admission.py`).
 - `TAKE_LEASE_LUA`, `RENEW_ROLLOUTS_LUA`, `SETTLE_LUA`: a rollout's lease (holder, attempt,
-  stage), its renewal with the takeover of expired leases, and its settling (`workers/leases.py`).
+  stage), its renewal with the takeover of expired leases, and its settling (`workers/rollout/leases.py`).
 - `ACQUIRE_READING_LUA`, `RELEASE_LUA`, `EXTEND_LUA`: the shard lock (`infra/locks.py`).
 - `LANDED_LUA`: which keys of a batch landed, in the landed bitmaps or set
   (`workers/shard/landed.py`); `BEGIN_LUA` and `ACQUIRE_READING_LUA` start with the same function.

@@ -7,6 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from schemas import fields as F
+
 # Key, header and query-parameter names whose values are secrets, matched case-insensitively
 # anywhere in the name: `api_key`, `X-Api-Key`, `openai_key`, `hf_access_key`, `private_key`,
 # `aws_access_key_id`, `aws_secret_access_key`, `Authorization`, `Proxy-Authorization`, `token`,
@@ -141,6 +143,21 @@ class ServersConfig(BaseModel):
             for name, env in self.environments.items()
             if agent in env.agents or any(d.agent == agent for d in env.datasets)
         )
+
+    def server_of(self, row: dict[str, Any]) -> str | None:
+        """The environment server `row` is aggregated under: its `_ng_environment_server` stamp,
+        else the one server that fronts its agent (the agent itself when none does); None when
+        that is not one server."""
+        stamp = row.get(F.ENVIRONMENT_SERVER)
+        if isinstance(stamp, str):
+            return stamp
+        agent = F.agent_name(row)
+        if agent is None or agent not in self.agents:
+            return None
+        servers = self.environments_of(agent)
+        if not servers:
+            return agent  # an agent without an environment server is aggregated at its own URL
+        return servers[0] if len(servers) == 1 else None
 
     def aggregation_url(self, server: str) -> str:
         """Where `/aggregate_metrics` for rows stamped with `server` goes.

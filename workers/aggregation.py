@@ -6,7 +6,7 @@ file holds one entry per server, sorted by server. A failed request keeps its en
 collections and `aggregation_error`, and the first original exception is handed back so that a
 caller that asks for it can re-raise it once the partial file is saved. A 429 or 503 is retried
 up to `AGGREGATE_RATE_LIMIT_RETRIES` times, each after at least its `Retry-After` (capped at
-`AGGREGATE_MAX_WAIT_S`), else a full-jitter backoff (`workers/backpressure.py`).
+`AGGREGATE_MAX_WAIT_S`), else a full-jitter backoff (`infra/backoff.py`).
 
 Each server's rows are kept as their encoded bytes (stripped of the heavy fields), not as
 dicts, a few MB in memory and the rest in sorted runs on local disk: the request body is
@@ -30,12 +30,12 @@ from typing import Any
 import httpx
 import orjson
 
+from infra.backoff import RATE_LIMIT_STATUSES, next_wait_s, parse_retry_after
 from infra.telemetry import client_span
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.messages import CallPolicy
 from workers.aggregate_file import receive
-from workers.backpressure import RATE_LIMIT_STATUSES, next_wait_s, parse_retry_after
 from workers.health.spool import compact, tagged
 
 AGGREGATE_TIMEOUT_S = 600.0
@@ -148,23 +148,10 @@ def strip_row(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def server_of(row: dict[str, Any], config: ServersConfig) -> str | None:
-    stamp = row.get(F.ENVIRONMENT_SERVER)
-    if isinstance(stamp, str):
-        return stamp
-    agent = F.agent_name(row)
-    if agent is None or agent not in config.agents:
-        return None
-    servers = config.environments_of(agent)
-    if not servers:
-        return agent  # an agent without an environment server is aggregated at its own URL
-    return servers[0] if len(servers) == 1 else None
-
-
 def group_rows(rows: Iterable[dict[str, Any]], config: ServersConfig) -> dict[str, ServerRows]:
     groups: dict[str, ServerRows] = defaultdict(ServerRows)
     for row in rows:
-        server = server_of(row, config)
+        server = config.server_of(row)
         if server is None:
             continue
         group = groups[server]

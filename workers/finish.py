@@ -31,12 +31,11 @@ from workers.aggregation import aggregate, group_rows
 from workers.health.check import FoldedCheck, check_sources_here, write_disabled
 from workers.health.sources import source_for
 from workers.health.summary import blind_checks
-from workers.landing import compact_shard, shard_counts
 from workers.report import write_report
 from workers.report.build import FoldedReport
 from workers.shard.ledger import ShardLedger, count_shard
 from workers.shard.scored import LineWatcher, ScoredRows
-from workers.shard.state import expire_shard_keys
+from workers.shard.state import compact_shard, expire_shard_keys, shard_counts
 from workers.tracing import step
 
 log = logging.getLogger(__name__)

@@ -61,7 +61,7 @@ class CollectTaskMessage:
     group_index: int | None = None
     chord: dict[str, Any] | None = None
     """A Celery chord's callback signature: None in what rollouts publishes (a generation counts
-    its rollouts itself, `workers/leases.py`)."""
+    its rollouts itself, `workers/rollout/leases.py`)."""
     headers: dict[str, Any] | None = None
     """The rollout's trace context (`traceparent`, its publish time), when its run is traced
     (`workers/tracing.py`): a redelivery and a re-publish keep it, so every attempt of the

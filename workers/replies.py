@@ -14,7 +14,7 @@ The engine (`workers/rollout/`) admits, calls `/run`, sorts and lands exactly as
   is replied as the rollout's `result_not_stored` failure, as landing would store it: the caller
   always gets a reply;
 - the delivery holds its rollout's lease until its reply is pushed, in the round trip that
-  settles the lease (`workers/leases.py`): a silent holder's rollout is taken over and published
+  settles the lease (`workers/rollout/leases.py`): a silent holder's rollout is taken over and published
   again, a copy of a live or replied delivery replies nothing, and a holder that was taken over
   replies nothing either.
 """
@@ -34,10 +34,10 @@ from schemas import fields as F
 from schemas.outcomes import VOID_ENDS, Ended
 from schemas.replies import ReplyingCollectRequest, RolloutReply, admission_row
 from workers import tracing
-from workers.admission import with_redis_retry
-from workers.encoding import not_stored_row
-from workers.leases import ReplyPush
 from workers.rollout import Delivery, RolloutContext, Settling, run_rollout_async
+from workers.rollout.admission import with_redis_retry
+from workers.rollout.encoding import not_stored_row
+from workers.rollout.leases import ReplyPush
 
 log = logging.getLogger(__name__)
 

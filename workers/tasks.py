@@ -30,7 +30,8 @@ from workers.health import combine, scan
 from workers.pool import on_loop, take_ran
 from workers.redispatch import CollectTaskMessage
 from workers.replies import collect_and_reply
-from workers.rollout import Delivery, process_context, run_rollout, run_rollout_async
+from workers.rollout import Delivery, run_rollout, run_rollout_async
+from workers.wiring import process_context
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any
     """Run one rollout and land its result exactly once.
 
     A run's delivery takes the rollout's lease, and settling it counts the rollout toward its
-    generation's finish, once (`workers/leases.py`); one that is not the rollout's (a copy, or
+    generation's finish, once (`workers/rollout/leases.py`); one that is not the rollout's (a copy, or
     an attempt taken over) counts nothing and is acknowledged as ignored. A task sent outside a
     run's generation (no group) takes no lease. In the rollout pool the rollout ran on the event
     loop already (`_collect_on_loop`); in a thread pool it runs here.

@@ -9,10 +9,10 @@ attempt of a rollout lands in one trace. The finish callback carries the job spa
 
 On a worker each delivery of a traced rollout (`delivery`) records `rollouts.queue_wait`
 (publish to delivery) and `rollouts.collect` (CONSUMER), under which come
-`rollouts.admission_wait` (`workers/admission.py`), one CLIENT span `HTTP POST` per `/run`
-attempt with its `traceparent` sent to the agent (`workers/agent_call.py`),
+`rollouts.admission_wait` (`workers/rollout/admission.py`), one CLIENT span `HTTP POST` per `/run`
+attempt with its `traceparent` sent to the agent (`workers/rollout/agent_call.py`),
 `rollouts.rate_limit_wait`, `rollouts.capture_merge` and `rollouts.land` with its
-`rollouts.land.lock_wait` and `rollouts.land.write` (`workers/landing.py`). The finish step
+`rollouts.land.lock_wait` and `rollouts.land.write` (`workers/rollout/landing.py`). The finish step
 (`finishing`) records `rollouts.finish`, an `HTTP POST` per `/aggregate_metrics` call and
 `rollouts.health_check`. How a rollout ended is the collect span's `rollouts.ended`, its
 failure class `rollouts.failure_class`, and its status.

@@ -3,7 +3,7 @@
 The rollout tasks and the finish task form the generation's chord, counted by the shard itself:
 its size (`enqueued`) and the finish task's signature go in the generation's hash first
 (`keys.shard_generation`), and the worker that settles the last rollout publishes the finish
-(`workers/leases.py`). Celery's own chord would keep a result and a task id per rollout in
+(`workers/rollout/leases.py`). Celery's own chord would keep a result and a task id per rollout in
 Redis until the callback (~220 bytes each); this keeps a bit. The tasks are published from a
 stream of the materialized inputs, not built in memory, each with the generation's group id and
 its index (what marks a run's rollout, and what Flower shows). `CollectMessages` builds every

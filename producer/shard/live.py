@@ -1,6 +1,6 @@
 """What a shard is doing right now, read from Redis: leases, waiting rollouts, generation counters.
 
-The rollout leases (`workers/leases.py`) say who runs what: each running rollout's holder, stage,
+The rollout leases (`workers/rollout/leases.py`) say who runs what: each running rollout's holder, stage,
 last heartbeat and attempt, the holders that went silent and the rollouts taken over from them.
 
 Files say what happened; Redis says what is happening (and the broker how much is queued).
@@ -19,7 +19,7 @@ from celery import Celery
 
 from infra import keys
 from schemas.messages import QUEUE
-from workers.leases import lease_rows
+from workers.shard.leases import lease_rows
 
 COUNTERS = ("done", "duplicate", "drained", "stopped", "cancelled")
 """The generation's outcome counters; together they are the tasks that reached an end."""

@@ -40,8 +40,8 @@ from schemas.errors import StorageError, UsageError
 from schemas.finish import FinishResult
 from schemas.records import Manifest
 from schemas.settings import DEFAULT_MAX_ATTEMPTS, CollectionSettings
-from workers.landing import open_shard
 from workers.shard.ledger import ShardLedger
+from workers.shard.state import open_shard
 
 MAX_ATTEMPTS_ENV = "NEMO_GYM_MAX_ROLLOUT_ATTEMPTS"
 # Settings that shape the planned rollouts: fixed once the materialized inputs exist.

@@ -18,6 +18,7 @@ import pytest
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from examples.tasks import make_row
+from infra.backoff import MIN_WAIT_S
 from tests.conftest import Workers, write_rows
 from tests.ops_helpers import (
     cli,
@@ -28,8 +29,7 @@ from tests.ops_helpers import (
     rows_by_key,
     wait_for,
 )
-from workers.admission import DEFAULT_WINDOW_CAP
-from workers.backpressure import MIN_WAIT_S
+from workers.rollout.admission import DEFAULT_WINDOW_CAP
 
 pytestmark = pytest.mark.integration
 

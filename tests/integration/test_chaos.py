@@ -33,7 +33,7 @@ from infra.store import RunDir
 from schemas import fields as F
 from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
 from tests.ops_helpers import cli, cli_background, key, manifest, requests_per_key, wait_for
-from workers.leases import lease_rows
+from workers.shard.leases import lease_rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 

@@ -33,7 +33,7 @@ from schemas.messages import COLLECT_TASK, RunRef
 from schemas.records import Generation, utc_now
 from schemas.settings import CollectionSettings
 from tests.conftest import Workers, agent_stats, demo_rows, write_rows
-from workers.landing import open_shard
+from workers.shard.state import open_shard
 
 pytestmark = pytest.mark.integration
 

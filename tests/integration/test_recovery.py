@@ -43,9 +43,10 @@ from tests.ops_helpers import (
     rows_by_key,
     wait_for,
 )
-from workers.admission import Gate
-from workers.leases import Lease, ReplyPush, RolloutLeases, Settled, lease_rows
 from workers.redispatch import CollectTaskMessage, UnackedSweep, publish_collect
+from workers.rollout.admission import Gate
+from workers.rollout.leases import Lease, ReplyPush, RolloutLeases, Settled
+from workers.shard.leases import lease_rows
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import redis
 
 from infra import keys
 from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
-from workers.admission import Gate, p75
+from workers.rollout.admission import Gate, p75
 
 TOKEN = "tok-1"
 URL = "file:///tmp/run-admission"

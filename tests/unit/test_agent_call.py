@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from schemas.messages import CallPolicy
-from workers.agent_call import BACKOFF_CAP_S, CallOutcome, backoff_s, call_run
+from workers.rollout.agent_call import BACKOFF_CAP_S, CallOutcome, backoff_s, call_run
 
 ROW = {"_ng_task_index": 4, "_ng_rollout_index": 1, "agent_ref": {"name": "a"}, "x": 1}
 

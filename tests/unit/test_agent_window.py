@@ -12,7 +12,7 @@ import redis
 
 from infra import keys
 from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
-from workers.admission import INITIAL_WINDOW, WINDOW_DECREASE, Gate, Ticket
+from workers.rollout.admission import INITIAL_WINDOW, WINDOW_DECREASE, Gate, Ticket
 
 TOKEN = "tok-1"
 URL = "file:///tmp/run-window"

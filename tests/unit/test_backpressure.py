@@ -6,15 +6,13 @@ import email.utils
 
 import pytest
 
+from infra.backoff import MIN_WAIT_S, next_wait_s, parse_retry_after
 from schemas.messages import CallPolicy
-from workers.backpressure import (
-    MIN_WAIT_S,
+from workers.rollout.backpressure import (
     RATE_LIMIT_KIND,
     RateLimited,
     RateLimitWaits,
     budget_failure,
-    next_wait_s,
-    parse_retry_after,
 )
 
 NOW = 1_700_000_000.0

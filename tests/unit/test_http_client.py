@@ -15,7 +15,7 @@ from examples.servers import RunningServers, start_servers
 from infra.embedded import free_port
 from infra.http import AiohttpClient
 from schemas.messages import CallPolicy
-from workers.agent_call import CallOutcome, call_run
+from workers.rollout.agent_call import CallOutcome, call_run
 
 ROW = {
     "responses_create_params": {"input": "What is 1 + 1?"},

@@ -12,7 +12,7 @@ from infra import keys
 from infra.locks import held_reading
 from infra.scripts import LANDED_LUA
 from tests.unit.test_admission import SID, TOKEN, request
-from workers.admission import Gate
+from workers.rollout.admission import Gate
 from workers.shard import landed
 
 PLANNED = 100

@@ -25,10 +25,11 @@ from schemas import fields as F
 from schemas.errors import ShardFencedError
 from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
 from schemas.records import Generation, InputSource, Manifest, RateLimitWaits, utc_now
-from workers.admission import Gate, Ticket
-from workers.encoding import RESULT_NOT_STORED
-from workers.landing import Lander, LandReport, compact_shard, open_shard, shard_status
-from workers.leases import Lease
+from workers.rollout.admission import Gate, Ticket
+from workers.rollout.encoding import RESULT_NOT_STORED
+from workers.rollout.landing import Lander, LandReport
+from workers.rollout.leases import Lease
+from workers.shard.state import compact_shard, open_shard, shard_status
 
 FILES = ShardFiles("0")
 

@@ -24,8 +24,6 @@ from schemas import fields as F
 from schemas.errors import StorageError
 from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
 from schemas.outcomes import Ended, RolloutOutcome
-from workers.encoding import RESULT_NOT_STORED
-from workers.leases import Lease, LeaseTicket
 from workers.rollout import (
     RECORDED,
     AgentCaller,
@@ -37,7 +35,9 @@ from workers.rollout import (
     run_rollout_async,
 )
 from workers.rollout.context import WaitingLines
+from workers.rollout.encoding import RESULT_NOT_STORED
 from workers.rollout.fakes import FakeGate, FakeLander, FakeLeases, FakeShard
+from workers.rollout.leases import Lease, LeaseTicket
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 ROW = {F.TASK_INDEX: 3, F.ROLLOUT_INDEX: 1, F.AGENT_REF: {"name": "a"}, "question": "1+1"}

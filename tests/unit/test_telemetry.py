@@ -31,8 +31,8 @@ from tests.otlp_receiver import in_memory_sdk
 from tests.unit.test_redispatch import as_kept
 from tests.unit.test_rollout_engine import Harness, limited, replies
 from workers import tracing
-from workers.agent_call import call_run
 from workers.redispatch import CollectTaskMessage, from_delivered, publisher
+from workers.rollout.agent_call import call_run
 
 PARENT = TraceParent.parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
 ROW = {F.TASK_INDEX: 3, F.ROLLOUT_INDEX: 1, F.RUN_ID: "r1", "agent_ref": {"name": "a"}}

@@ -8,7 +8,6 @@ from workers.rollout.context import (
     RecordLander,
     RolloutContext,
     StopWatch,
-    process_context,
 )
 from workers.rollout.engine import RECORDED, Delivery, Settling, run_rollout, run_rollout_async
 
@@ -23,7 +22,6 @@ __all__ = [
     "RolloutContext",
     "Settling",
     "StopWatch",
-    "process_context",
     "run_rollout",
     "run_rollout_async",
 ]

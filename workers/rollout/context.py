@@ -24,17 +24,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from infra.environment import from_env
-from infra.http import EventLoopThread, PostClient, process_io
-from infra.process import PerProcess
+from infra.http import EventLoopThread, PostClient
 from schemas.messages import CallPolicy, CollectRequest, RunRef
-from workers.admission import Ticket, gate
-from workers.agent_call import CallOutcome, call_run
-from workers.encoding import EncodedRecords
-from workers.landing import LAND_WAIT_S, LandReport, lander
-from workers.leases import Lease, LeaseTicket, ReplyPush, RolloutLeases, Settled, Stage
-from workers.redispatch import publisher, unacked_sweep
-from workers.shard.trust import ManifestCheck
+from workers.rollout.admission import Ticket
+from workers.rollout.agent_call import CallOutcome, call_run
+from workers.rollout.encoding import EncodedRecords
+from workers.rollout.landing import LAND_WAIT_S, LandReport
+from workers.rollout.leases import Lease, LeaseTicket, ReplyPush, Settled, Stage
 
 STOP_POLL_S = 0.5
 
@@ -49,7 +45,7 @@ T = TypeVar("T")
 
 
 class AdmissionGate(Protocol):
-    """Whether a rollout may start, the slots it holds, and the run's stop flags (`workers/admission.py`)."""
+    """Whether a rollout may start, the slots it holds, and the run's stop flags (`workers/rollout/admission.py`)."""
 
     def try_admit(
         self,
@@ -81,7 +77,7 @@ class AdmissionGate(Protocol):
 
 
 class RecordLander(Protocol):
-    """Lands a rollout's records in its shard exactly once (`workers/landing.py`)."""
+    """Lands a rollout's records in its shard exactly once (`workers/rollout/landing.py`)."""
 
     def encode(
         self, result: dict[str, Any] | None, failures: list[dict[str, Any]]
@@ -100,7 +96,7 @@ class RecordLander(Protocol):
 
 
 class LeaseKeeper(Protocol):
-    """Rollout leases: who runs each rollout, and the takeover of silent ones (`workers/leases.py`)."""
+    """Rollout leases: who runs each rollout, and the takeover of silent ones (`workers/rollout/leases.py`)."""
 
     def take(self, sid: str, key: str, token: str, message: dict[str, Any]) -> LeaseTicket: ...
 
@@ -413,51 +409,3 @@ class RolloutContext:
     `workers/shard/trust.py`); None trusts every task (unit tests of the other steps)."""
     lines: WaitingLines = field(default_factory=WaitingLines)
     """Where the rollouts told to wait for a slot take turns asking again."""
-
-
-BLOCKING_THREADS = 4
-"""Threads per process for the engine's blocking steps: each is a Redis round trip or a
-storage read of ~1 ms, a few per rollout; a Redis outage parks them in its retries. More
-threads cost more than they hide: with 16 (and 8 finishing threads) a worker made 85 context
-switches per rollout, 38% of its CPU in the kernel, and ran 0.77x the rate of 4 (and 2)."""
-
-
-def _real_context(redis_url: str) -> RolloutContext:
-    io = process_io()
-    admission = gate(redis_url)
-    blocking = Blocking(StepThreads(BLOCKING_THREADS, "rollouts-step"))
-    return RolloutContext(
-        gate=admission,
-        lander=lander(redis_url),
-        agent=AgentCaller(lambda: io.http, StopWatch(admission.stop_reason, blocking)),
-        loop=io.loop,
-        blocking=blocking,
-        leases=_leases.get(redis_url),
-        runs=ManifestCheck(),
-        # Within a lease TTL, a waiting entry asked again before it expires.
-        lines=WaitingLines(min(WAIT_REFRESH_S, from_env().lease_ttl_s / 3)),
-    )
-
-
-def _real_leases(redis_url: str) -> RolloutLeases:
-    from workers.app import app  # the worker's app publishes the rollouts it takes over
-
-    publish = publisher(app)
-    ttl_s = from_env().lease_ttl_s
-    found = unacked_sweep(app, redis_url, publish, ttl_s)
-    # One round trip per interval renews both kinds of lease the process holds.
-    slots = gate(redis_url).renewer.adopt(ttl_s)
-    return RolloutLeases(
-        redis_url, publish=publish, ttl_s=ttl_s, sweep=found.sweep if found else None, slots=slots
-    )
-
-
-_leases: PerProcess[str, RolloutLeases] = PerProcess(_real_leases)
-
-
-_contexts: PerProcess[str, RolloutContext] = PerProcess(_real_context)
-
-
-def process_context(redis_url: str) -> RolloutContext:
-    """This process's context for the Redis at `redis_url`, made on first use (after any fork)."""
-    return _contexts.get(redis_url)

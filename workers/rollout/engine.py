@@ -1,10 +1,10 @@
 """One rollout, start to finish: admit it, call `/run`, sort the outcome, land it, release its slot.
 
 A 429/503 reply loops back before the sort: the slot is given back (`back_off`), the rollout
-waits (`workers/backpressure.py`), and it is admitted again, keeping its start and its attempt.
+waits (`workers/rollout/backpressure.py`), and it is admitted again, keeping its start and its attempt.
 
 A delivery that carries its task message (a run's or the Python API's) first takes its rollout's lease
-(`workers/leases.py`): a copy of a delivery whose rollout runs elsewhere, or settled already,
+(`workers/rollout/leases.py`): a copy of a delivery whose rollout runs elsewhere, or settled already,
 ends there (`REDELIVERED`); the lease's attempt token fences what lands; and an attempt whose
 lease was taken over while it was silent ends `TAKEN_OVER`, counting nothing.
 
@@ -37,6 +37,7 @@ from typing import Any
 import redis
 
 from infra import keys
+from infra.backoff import next_wait_s
 from schemas import fields as F
 from schemas.errors import ShardFencedError, StorageError, TransientError
 from schemas.messages import CollectRequest
@@ -49,13 +50,10 @@ from schemas.outcomes import (
     run_failure_message,
 )
 from workers import tracing
-from workers.admission import AdmissionWaits, Ticket
-from workers.agent_call import CallOutcome, with_attempt
-from workers.backpressure import RateLimitWaits, budget_failure, next_wait_s
 from workers.capture import clear_for, merge_into
-from workers.encoding import EncodedRecords
-from workers.landing import LandReport
-from workers.leases import Lease, ReplyPush, Settled, Stage
+from workers.rollout.admission import AdmissionWaits, Ticket
+from workers.rollout.agent_call import CallOutcome, with_attempt
+from workers.rollout.backpressure import RateLimitWaits, budget_failure
 from workers.rollout.context import (
     CALL_ENDED,
     FIRST_WAIT_MAX_S,
@@ -63,6 +61,9 @@ from workers.rollout.context import (
     LeaseKeeper,
     RolloutContext,
 )
+from workers.rollout.encoding import EncodedRecords
+from workers.rollout.landing import LandReport
+from workers.rollout.leases import Lease, ReplyPush, Settled, Stage
 from workers.rollout.rows import (
     drained_row,
     not_started_message,

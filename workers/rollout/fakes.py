@@ -22,10 +22,10 @@ import orjson
 
 from schemas.errors import ShardFencedError
 from schemas.messages import CollectRequest, RunRef
-from workers.admission import WINDOW_DECREASE, Ticket
-from workers.encoding import EncodedRecords, encode_records
-from workers.landing import LandReport
-from workers.leases import Lease, LeaseTicket, ReplyPush, Settled, Stage
+from workers.rollout.admission import WINDOW_DECREASE, Ticket
+from workers.rollout.encoding import EncodedRecords, encode_records
+from workers.rollout.landing import LandReport
+from workers.rollout.leases import Lease, LeaseTicket, ReplyPush, Settled, Stage
 from workers.shard.state import key_str
 
 

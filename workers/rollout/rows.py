@@ -8,8 +8,8 @@ from schemas import fields as F
 from schemas.messages import CollectRequest
 from schemas.outcomes import Ended
 from schemas.records import FailureRow
-from workers.admission import Ticket
-from workers.agent_call import CallOutcome, failure_row
+from workers.rollout.admission import Ticket
+from workers.rollout.agent_call import CallOutcome, failure_row
 
 
 def sort_outcome(outcome: CallOutcome) -> tuple[dict[str, Any] | None, list[dict[str, Any]], Ended]:

@@ -23,7 +23,6 @@ from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.finish import Coverage
 from schemas.settings import CollectionSettings
-from workers.aggregation import server_of
 from workers.shard.ledger import Key, ShardLedger, is_drained, iter_rows, rollout_key
 
 log = logging.getLogger(__name__)
@@ -137,7 +136,7 @@ class ScoredRows:
                         landed(offset, row)
             for _, row in rows:
                 if self.imputing:
-                    self._carried[server_of(row, self.config)].update(row)
+                    self._carried[self.config.server_of(row)].update(row)
                 yield row
         if self.imputing:
             yield from self._added()
@@ -222,7 +221,7 @@ class ScoredRows:
                     unroutable += 1
                     continue
                 imputed.add(key)
-            fill_task_fields(added, planned, self._carried[server_of(planned, self.config)])
+            fill_task_fields(added, planned, self._carried[self.config.server_of(planned)])
             yield added
         self.imputed = len(imputed)
         yield from counted.values()  # failures of rollouts the materialized inputs do not name

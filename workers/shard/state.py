@@ -21,9 +21,11 @@ import redis
 
 from infra import keys
 from infra.environment import from_env
+from infra.locks import held
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
+from schemas.records import ShardStatus, rate_limit_waits
 from workers.shard import landed
 from workers.shard.ledger import ShardLedger, failure_class
 
@@ -256,3 +258,53 @@ def refresh_shard_keys(pipe: redis.client.Pipeline, sid: str, token: str | None 
     ttl = from_env().live_key_ttl_s
     for key in _shard_keys(sid, token):
         pipe.expire(key, ttl)
+
+
+def shard_counts(r: redis.Redis, sid: str) -> dict[str, int]:
+    """The shard's Redis counters (`infra/keys.py`: `shard_counts`)."""
+    raw: dict[bytes, bytes] = r.hgetall(keys.shard_counts(sid))  # type: ignore[assignment]
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def shard_status(r: redis.Redis, sid: str, state: dict[str, str]) -> ShardStatus:
+    """The status record from the shard's Redis counters."""
+    counts = shard_counts(r, sid)
+    return ShardStatus(
+        run_id=state.get(RUN_ID, ""),
+        shard=state.get(SHARD, ""),
+        planned=int(state.get(PLANNED, "0")),
+        landed=counts.get("landed", 0),
+        failed={k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("failed:")},
+        drained=counts.get("drained", 0),
+        duplicates=counts.get("duplicates", 0),
+        rate_limit_waits=rate_limit_waits(counts),
+    )
+
+
+def open_shard(r: redis.Redis, rd: RunDir, shard: str) -> dict[str, str]:
+    """Make the manifest's current token the shard's opener, under the lock, from storage.
+
+    For a resume: write the manifest with its new generation first, then call this. Writers of
+    older tokens are refused from then on; a batch already under the lock finishes first.
+    """
+    st = ShardState(r, rd, shard)
+    with held(r, keys.shard_lock(st.sid)):
+        return st.rebuild()
+
+
+def compact_shard(r: redis.Redis, rd: RunDir, shard: str, close: bool = False) -> dict[str, int]:
+    """Rewrite each appended file of the shard as one object; returns segments merged per file.
+
+    Run by the finish step, under the shard lock, with `close`: from then on nothing lands in
+    the shard until a resume opens it again (a late attempt changes no file). A no-op on a
+    local folder (appends go in place) and for a file with no segments.
+    """
+    st = ShardState(r, rd, shard)
+    merged: dict[str, int] = {}
+    with held(r, keys.shard_lock(st.sid)):
+        if close:
+            st.load()
+            r.hset(keys.shard_state(st.sid), CLOSED, "1")
+        for name in (st.files.results, st.files.failures):
+            merged[name] = rd.compact(name)
+    return merged

@@ -3,7 +3,7 @@
 A delivery of a rollout takes the rollout's lease before anything else (`take`): holder (this
 worker process), attempt token, stage, last heartbeat, and the task message that runs it. One
 thread per process renews every lease the process holds, in one round trip per third of the
-lease TTL (`ROLLOUTS_LEASE_TTL_S`), with the process's admission slots (`workers/admission.py`),
+lease TTL (`ROLLOUTS_LEASE_TTL_S`), with the process's admission slots (`workers/rollout/admission.py`),
 and in the same round trip takes over expired leases of the whole cluster: a holder that died,
 froze or lost Redis stops renewing, and the first live process to notice publishes the
 rollout's task again (`workers/redispatch.py`), with no producer and no person, long before the
@@ -46,8 +46,9 @@ from infra import keys
 from infra.environment import from_env
 from infra.redis_client import client
 from infra.scripts import RENEW_ROLLOUTS_LUA, SETTLE_LUA, TAKE_LEASE_LUA
-from workers.admission import with_redis_retry
+from workers.rollout.admission import with_redis_retry
 from workers.shard.landed import settled
+from workers.shard.leases import lease_member
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class RolloutLeases:
         """Runs after each renewal: `workers/redispatch.py`'s sweep of unstarted messages."""
         self._slots = slots
         """The admission slots' leases this process holds, renewed in the same round trip
-        (`workers/admission.py`'s renewer, adopted)."""
+        (`workers/rollout/admission.py`'s renewer, adopted)."""
         self._take = self.r.register_script(TAKE_LEASE_LUA)
         self._renew = self.r.register_script(RENEW_ROLLOUTS_LUA)
         self._settle = self.r.register_script(SETTLE_LUA)
@@ -165,7 +166,7 @@ class RolloutLeases:
 
     def take(self, sid: str, key: str, token: str, message: dict[str, Any]) -> LeaseTicket:
         """Take the rollout's lease for a new attempt of generation `token`, unless it runs or ended."""
-        member = f"{sid}|{key}"
+        member = lease_member(sid, key)
         args: list[str | bytes | float] = [
             key, token, self.holder, self.ttl_s, _encoded(message), member, self.key_ttl_s
         ]  # fmt: skip
@@ -278,22 +279,6 @@ class RolloutLeases:
                     self.republished += self._sweep()
             except Exception:  # the thread must outlive anything one round trip does
                 log.exception("rollout lease renewal failed")
-
-
-def lease_rows(r: redis.Redis, sid: str) -> list[dict[str, Any]]:
-    """The shard's rollout leases as stored, each with its `key` and `expiry` (Redis time)."""
-    raw: dict[bytes, bytes] = r.hgetall(keys.shard_rollout_leases(sid))  # type: ignore[assignment]
-    if not raw:
-        return []
-    members = [f"{sid}|{k.decode()}" for k in raw]
-    expiries = r.zmscore(keys.ROLLOUT_LEASES, members)
-    rows = []
-    for (k, v), expiry in zip(raw.items(), expiries, strict=True):
-        row = json.loads(v)
-        row["key"] = k.decode()
-        row["expiry"] = expiry
-        rows.append(row)
-    return rows
 
 
 def _encoded(message: dict[str, Any]) -> bytes | str:

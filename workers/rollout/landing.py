@@ -8,13 +8,13 @@ commits the landed keys to Redis before any waiting task is released (and then a
 batch elsewhere (`infra/segments.py`); the finish step compacts the segments (`compact_shard`).
 
 Every record handed in is settled, one way or another: each is encoded on its own before it is
-queued (`workers/encoding.py`: one that cannot be becomes its rollout's `result_not_stored`
+queued (`workers/rollout/encoding.py`: one that cannot be becomes its rollout's `result_not_stored`
 failure row, and the rest of the batch lands), and every waiting task is released with its report
 or the batch's exception, also those whose records joined the batch while it waited for the lock.
 The waiting task bounds its own wait (`LAND_WAIT_S`), so a stuck write cannot hold it forever.
 
 Fenced: records of a writer whose generation is not the shard's opener, of an attempt that is
-not its rollout's current one (its lease was taken over, `workers/leases.py`), or for a shard
+not its rollout's current one (its lease was taken over, `workers/rollout/leases.py`), or for a shard
 whose finish step closed it (`CLOSED`), are refused whole: nothing of them is written.
 
 Exactly once: a result whose (task, rollout) key is already in the shard's landed set is not
@@ -40,7 +40,7 @@ import redis
 
 from infra import keys
 from infra.environment import from_env
-from infra.locks import ACQUIRE_TIMEOUT_S, HeldLock, held, held_reading
+from infra.locks import ACQUIRE_TIMEOUT_S, HeldLock, held_reading
 from infra.process import PerProcess
 from infra.redis_client import client
 from infra.runs import write_status
@@ -48,12 +48,11 @@ from infra.scripts import LANDED_LUA
 from infra.store import RunDir, WriteConflictError
 from schemas.errors import ShardFencedError, StorageError
 from schemas.messages import RunRef
-from schemas.records import ShardStatus, rate_limit_waits
 from workers import tracing
-from workers.encoding import EncodedRecords, encode_records
-from workers.leases import Lease
+from workers.rollout.encoding import EncodedRecords, encode_records
+from workers.rollout.leases import Lease
 from workers.shard import landed
-from workers.shard.state import CLOSED, OPENER, PLANNED, RUN_ID, SHARD, ShardState, keep_alive
+from workers.shard.state import CLOSED, OPENER, PLANNED, ShardState, keep_alive, shard_status
 
 log = logging.getLogger(__name__)
 
@@ -407,59 +406,9 @@ class Lander:
             log.warning("could not write status of %s: %s", st.rd.url, exc)
 
 
-def shard_counts(r: redis.Redis, sid: str) -> dict[str, int]:
-    """The shard's Redis counters (`infra/keys.py`: `shard_counts`)."""
-    raw: dict[bytes, bytes] = r.hgetall(keys.shard_counts(sid))  # type: ignore[assignment]
-    return {k.decode(): int(v) for k, v in raw.items()}
-
-
-def shard_status(r: redis.Redis, sid: str, state: dict[str, str]) -> ShardStatus:
-    """The status record from the shard's Redis counters."""
-    counts = shard_counts(r, sid)
-    return ShardStatus(
-        run_id=state.get(RUN_ID, ""),
-        shard=state.get(SHARD, ""),
-        planned=int(state.get(PLANNED, "0")),
-        landed=counts.get("landed", 0),
-        failed={k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("failed:")},
-        drained=counts.get("drained", 0),
-        duplicates=counts.get("duplicates", 0),
-        rate_limit_waits=rate_limit_waits(counts),
-    )
-
-
 _landers: PerProcess[str, Lander] = PerProcess(Lander)
 
 
 def lander(redis_url: str) -> Lander:
     """This process's lander for the Redis at `redis_url`, started on first use (after any fork)."""
     return _landers.get(redis_url)
-
-
-def open_shard(r: redis.Redis, rd: RunDir, shard: str) -> dict[str, str]:
-    """Make the manifest's current token the shard's opener, under the lock, from storage.
-
-    For a resume: write the manifest with its new generation first, then call this. Writers of
-    older tokens are refused from then on; a batch already under the lock finishes first.
-    """
-    st = ShardState(r, rd, shard)
-    with held(r, keys.shard_lock(st.sid)):
-        return st.rebuild()
-
-
-def compact_shard(r: redis.Redis, rd: RunDir, shard: str, close: bool = False) -> dict[str, int]:
-    """Rewrite each appended file of the shard as one object; returns segments merged per file.
-
-    Run by the finish step, under the shard lock, with `close`: from then on nothing lands in
-    the shard until a resume opens it again (a late attempt changes no file). A no-op on a
-    local folder (appends go in place) and for a file with no segments.
-    """
-    st = ShardState(r, rd, shard)
-    merged: dict[str, int] = {}
-    with held(r, keys.shard_lock(st.sid)):
-        if close:
-            st.load()
-            r.hset(keys.shard_state(st.sid), CLOSED, "1")
-        for name in (st.files.results, st.files.failures):
-            merged[name] = rd.compact(name)
-    return merged

@@ -5,7 +5,7 @@ jitter): the agent never saw the request. A request that was sent and then faile
 reset, 502/504) is replayed only with `retry_requests`, up to the attempt limit. Every failed
 attempt becomes a failure row; nothing here raises for an agent's fault. A 429 or 503 is no
 failed attempt: the call ends with `CallOutcome.rate_limited` and the engine waits it out without
-holding a slot (`workers/backpressure.py`).
+holding a slot (`workers/rollout/backpressure.py`).
 
 Replies are bounded: the body is read in chunks and cut as soon as it passes `max_reply_bytes`
 (decompressed), a body silent for `read_idle_timeout_s` fails as a timeout, and a redirect is
@@ -25,12 +25,13 @@ import httpx
 import orjson
 
 from infra import telemetry
+from infra.backoff import RATE_LIMIT_STATUSES, parse_retry_after
 from infra.http import PostClient, StreamedReply
 from infra.telemetry import ROLLOUT_ID, client_span
 from schemas import fields as F
 from schemas.messages import CallPolicy
 from schemas.records import FailureRow
-from workers.backpressure import RATE_LIMIT_STATUSES, RateLimited, parse_retry_after
+from workers.rollout.backpressure import RateLimited
 from workers.tracing import run_latency
 
 GATEWAY_STATUSES = frozenset({429, 502, 503, 504})

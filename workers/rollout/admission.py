@@ -123,7 +123,7 @@ class _LeaseRenewer:
     """Renews every lease this process holds, from one thread, every third of the lease time.
 
     In a worker process the rollout leases' thread adopts it (`adopt`): both kinds of lease are
-    then renewed in one round trip per interval (`workers/leases.py`), and this thread idles.
+    then renewed in one round trip per interval (`workers/rollout/leases.py`), and this thread idles.
     """
 
     def __init__(self, r: redis.Redis, script: Any, ttl_s: float) -> None:

@@ -23,7 +23,7 @@ import orjson
 from infra import jsonl
 from schemas.errors import StorageError
 from schemas.records import FailureRow
-from workers.agent_call import failure_row
+from workers.rollout.agent_call import failure_row
 from workers.shard.state import failure_counter, key_str
 
 RESULT_NOT_STORED = "result_not_stored"
