@@ -18,9 +18,12 @@ it), `s3=BUCKET` (the moto S3 server, the AWS variables, and BUCKET created on i
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
+import os
 import re
 import shlex
+import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,3 +174,34 @@ def page_script(page: Page, scratch: Path) -> str:
         else:
             out.append(s.text)
     return "\n".join(out) + "\n"
+
+
+SCREENSHOTS_DIR = DOCS / "assets" / "screenshots"
+SCREENSHOTS_RECORD = SCREENSHOTS_DIR / "screenshots.json"
+SCREENSHOTS: dict[str, tuple[str, ...]] = {
+    "report.png": ("workers/report/page.py", "workers/report/sections.py", "workers/report/svg.py"),
+    "status-watch.png": ("producer/ops/status.py",),
+    "flower.png": ("workers/redispatch.py", "flower"),
+}
+"""Each screenshot the docs show, and what its look comes from: source files of this checkout, or
+a package (its version). When one changes, the screenshot is stale (`pytest -m screenshots`)."""
+
+
+def screenshot_sources(name: str) -> str:
+    """A digest of what screenshot `name` looks like it does because of."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256()
+    for source in SCREENSHOTS[name]:
+        path = ROOT / source
+        h.update(source.encode() + b"\0")
+        h.update(path.read_bytes() if path.suffix else version(source).encode())
+    return h.hexdigest()
+
+
+def chromium_path() -> str | None:
+    """Debian's chromium (`.ci/run` installs it), never a browser playwright downloads."""
+    found = shutil.which("chromium")
+    if found is None and os.path.exists("/usr/bin/chromium"):
+        found = "/usr/bin/chromium"
+    return found

@@ -64,13 +64,22 @@ def test_the_pages_blocks_run(page: Page, tmp_path: Path, request: pytest.Fixtur
 
 def _s3(bucket: str, endpoint: str, env: dict[str, str]) -> None:
     """The AWS variables of the moto server, and `bucket` on it (created once per session)."""
-    env.update(
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        AWS_DEFAULT_REGION="us-east-1",
+    aws = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    env.update(aws)
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        env.pop(name, None)
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=aws["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=aws["AWS_SECRET_ACCESS_KEY"],
+        region_name=aws["AWS_DEFAULT_REGION"],
     )
-    s3 = boto3.client("s3", endpoint_url=endpoint)
     try:
         if bucket not in {b["Name"] for b in s3.list_buckets()["Buckets"]}:
             s3.create_bucket(Bucket=bucket)
