@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import enum
+import html
 import importlib
 import inspect
 import json
@@ -52,10 +53,10 @@ def _resolve(target: str) -> Any:
 
 
 def _one_line(text: str | None) -> str:
-    """A docstring as one table cell: paragraphs joined, pipes escaped."""
+    """A docstring as one table cell: paragraphs joined, pipes kept out of the table's way."""
     if not text:
         return ""
-    return " ".join(inspect.cleandoc(text).split()).replace("|", "\\|")
+    return _cell(" ".join(inspect.cleandoc(text).split()))
 
 
 def _capitalized(text: str) -> str:
@@ -63,7 +64,22 @@ def _capitalized(text: str) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    """Markdown for a table cell: code spans as `<code>` (a `\\|` inside backticks would show its
+    backslash), other pipes escaped."""
+    parts = text.split("`")
+    if len(parts) % 2 == 0:  # an unpaired backtick: leave the text as it is
+        return text.replace("|", "\\|")
+    out = []
+    for i, part in enumerate(parts):
+        if i % 2:
+            out.append("<code>" + html.escape(part).replace("|", "&#124;") + "</code>")
+        else:
+            out.append(part.replace("|", "\\|"))
+    return "".join(out)
+
+
+def _code(text: str) -> str:
+    return _cell(f"`{text}`")
 
 
 def _attribute_docs(body: list[ast.stmt]) -> dict[str, tuple[str, str]]:
@@ -139,7 +155,7 @@ def _model_table(target: str) -> str:
         else:
             default = _default(field.get_default(call_default_factory=True))
         rows.append(
-            f"| {anchor}{label} | `{_cell(annotation or str(field.annotation))}` | "
+            f"| {anchor}{label} | {_code(annotation or str(field.annotation))} | "
             f"{_cell(default)} | {_one_line(doc)} |"
         )
     return "\n".join(rows) + "\n"
@@ -208,8 +224,7 @@ def _redis_keys(target: str) -> str:
         if not isinstance(key, str):
             continue
         key = _AGENT_DIGEST.sub(":<agent-hash>:", key)
-        key = key.replace("<", "&lt;").replace(">", "&gt;")
-        rows.append(f"| <code>{_cell(key)}</code> | `{name}` | {_one_line(doc)} |")
+        rows.append(f"| {_code(key)} | `{name}` | {_one_line(doc)} |")
     return "\n".join(rows) + "\n"
 
 

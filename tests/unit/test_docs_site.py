@@ -102,6 +102,19 @@ def test_the_cli_reference_lists_every_command_and_option(site: Path) -> None:
         assert not absent, f"rollouts {command}: options missing from the reference: {absent}"
 
 
+def test_the_example_servers_page_has_every_flag(site: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.servers", "--help"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    flags = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", done.stdout)) - {"--help"}
+    assert "--write-config" in flags
+    text = page_text(site, "reference/example-servers")
+    missing = sorted(f for f in flags if not re.search(rf"{f}(?![\w-])", text))
+    assert not missing, f"flags of python -m examples.servers not on its page: {missing}"
+
+
 def _product_sources() -> Iterator[Path]:
     for package in PRODUCT:
         yield from sorted((ROOT / package).rglob("*.py"))
