@@ -246,3 +246,26 @@ def test_the_screenshots_are_there_and_current() -> None:
             f"{name} is stale: {', '.join(SCREENSHOTS[name])} changed since it was made; "
             "run `.venv/bin/python -m pytest -m screenshots -n 0`, look at it, and commit it"
         )
+
+
+def test_every_docs_page_the_code_cites_exists(site: Path) -> None:
+    """Comments and docstrings cite the page that holds a rule (`docs/explanation/contract.md#failures`):
+    the page, and the anchor, must exist."""
+    cited: set[tuple[str, str]] = set()
+    for path in [
+        *_product_sources(),
+        *sorted((ROOT / "tests").rglob("*.py")),
+        *sorted((ROOT / "bench").rglob("*.py")),
+    ]:
+        for page, anchor in re.findall(r"\bdocs/([\w/-]+)\.md(?:#([\w-]+))?", path.read_text()):
+            cited.add((page, anchor))
+    missing = []
+    for page, anchor in sorted(cited):
+        built = site / page / "index.html"
+        if page == "index":
+            built = site / "index.html"
+        if not built.exists():
+            missing.append(f"docs/{page}.md")
+        elif anchor and f'id="{anchor}"' not in built.read_text():
+            missing.append(f"docs/{page}.md#{anchor}")
+    assert not missing, f"cited in the code, not in the docs: {missing}"
