@@ -147,7 +147,9 @@ def latency(
             ]
             for m in results
         ]
-        nemo_note = "" if nemo_python else " (NeMo Gym not installed: see README, bench extra)"
+        nemo_note = (
+            "" if nemo_python else " (NeMo Gym not installed: see docs/explanation/performance.md)"
+        )
         rss_note = (
             f"; RSS: the peak beyond idle over the run per 1,000 in flight, least of {rounds} "
             f"({pad_kb} KB replies; the aiohttp loop: its own process; the others: their workers)"

@@ -94,7 +94,7 @@ class ShardFiles:
 
 
 def _storage_options(protocol: str) -> dict[str, Any]:
-    """Options from the standard environment variables (SPEC §9: AWS_ENDPOINT_URL and friends)."""
+    """Options from the standard environment variables (AWS_ENDPOINT_URL and friends: docs/reference/environment.md)."""
     if protocol in ("s3", "s3a"):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         # Several processes write one prefix: a cached listing would hide their segments.

@@ -1,4 +1,4 @@
-"""Planning, dispatch and the `rollouts` command line; the Python API for trainers (SPEC §10).
+"""Planning, dispatch and the `rollouts` command line; the Python API for trainers (docs/reference/python-api.md).
 
 config/    the servers config (a file, a NeMo Gym head server, NeMo Gym's format), `+key=value`
 planning/  rows in, planned rollouts out: routing, identities, run order, every problem at once

@@ -1,4 +1,4 @@
-"""The servers a run talks to, in the normalised form of SPEC §2."""
+"""The servers a run talks to, in their normalised form (docs/reference/servers-config.md)."""
 
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ class ServersConfig(BaseModel):
     def aggregation_url(self, server: str) -> str:
         """Where `/aggregate_metrics` for rows stamped with `server` goes.
 
-        An agent with no environment server is aggregated at its own URL (SPEC §2).
+        An agent with no environment server is aggregated at its own URL (docs/reference/servers-config.md).
         """
         if server in self.environments:
             return self.environments[server].url

@@ -1,7 +1,7 @@
 """Health-check contracts: check ids, limits, report names, and the payloads of the recheck jobs.
 
 The ids are NeMo Gym 0.7.0's fourteen (in its registry order), then the three that read the
-record's own `response`, then the run-level check of the run accounting (SPEC §8).
+record's own `response`, then the run-level check of the run accounting (docs/reference/health-checks.md).
 """
 
 from __future__ import annotations

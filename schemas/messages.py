@@ -66,7 +66,7 @@ class CallPolicy(BaseModel):
 
 
 class Admission(BaseModel):
-    """When a rollout may start: the cluster-wide caps and the dispatch budget (SPEC §5)."""
+    """When a rollout may start: the cluster-wide caps and the dispatch budget (docs/explanation/contract.md#failures)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -177,7 +177,7 @@ class ShardStatus(BaseModel):
 
 
 class FailureRow(BaseModel):
-    """The failure fields stamped onto the planned row's identity (SPEC §5)."""
+    """The failure fields stamped onto the planned row's identity (docs/reference/failures.md)."""
 
     model_config = ConfigDict(populate_by_name=True)
 

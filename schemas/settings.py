@@ -109,7 +109,7 @@ class CollectionSettings(BaseModel):
     delete_model_call_capture: bool = False
     """Delete a rollout's capture files once merged into its result (NeMo Gym keeps them)."""
     telemetry_enabled: bool = False
-    """Trace the run with OpenTelemetry: a job span, one trace per rollout (README: Telemetry);
+    """Trace the run with OpenTelemetry: a job span, one trace per rollout (docs/how-to/telemetry.md);
     the `OTEL_*` variables say where to export. `ROLLOUTS_OTEL_ENABLED=1` does the same."""
     model_prices: dict[str, ModelPrice] = Field(default_factory=dict)
     """USD per million tokens per model name (`{input, output, cached_input}`): the run's cost."""

@@ -1,4 +1,4 @@
-"""Aggregate metrics per environment server (SPEC §4, §6): group, strip, POST, label, save.
+"""Aggregate metrics per environment server (docs/explanation/contract.md#calling-the-servers): group, strip, POST, label, save.
 
 Rows are grouped by their `_ng_environment_server` stamp (a row without one goes to the server
 that fronts its agent), one `POST /aggregate_metrics` per server runs concurrently, and the

@@ -1,4 +1,4 @@
-"""The Python API for trainers (SPEC §10): `run_examples` and `run_outcomes` over the cluster."""
+"""The Python API for trainers (docs/reference/python-api.md): `run_examples` and `run_outcomes` over the cluster."""
 
 from producer.api.calls import Completions, Outcomes, run_examples, run_outcomes
 

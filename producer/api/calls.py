@@ -1,4 +1,4 @@
-"""The Python API for trainers that drive dispatch themselves (SPEC §10), over the Celery cluster.
+"""The Python API for trainers that drive dispatch themselves (docs/reference/python-api.md), over the Celery cluster.
 
     rows = preprocess_examples(raw_rows, config, settings)
     completions = run_examples(rows, config, max_resident_tasks=64)

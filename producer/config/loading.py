@@ -1,6 +1,6 @@
 """Loading the servers config (`--config` file or `--head-server`) into its normalised form.
 
-Both of SPEC §2's formats are accepted: the normalised one and NeMo Gym's global config
+Both formats of docs/reference/servers-config.md are accepted: the normalised one and NeMo Gym's global config
 (`producer/config/nemo_gym.py`), read from a file or from a running NeMo Gym head server's
 `GET /global_config_dict_yaml`. Messages never quote the config's text: it may hold keys.
 """

@@ -1,4 +1,4 @@
-"""NeMo Gym's global config, normalised to the servers config of SPEC §2.
+"""NeMo Gym's global config, normalised to the servers config of docs/reference/servers-config.md.
 
 NeMo Gym names every server at the top level: `name: {server_type: {impl_name: {host, port,
 ...}}}`. Agents (`responses_api_agents`) become `agents` with their implementation name as

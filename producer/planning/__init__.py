@@ -1,4 +1,4 @@
-"""Planning (SPEC §3): rows in, planned rollouts out, every problem found before dispatch.
+"""Planning (docs/how-to/routing.md): rows in, planned rollouts out, every problem found before dispatch.
 
 planner.py   the streaming planner: `write_plan` for `rollouts run`, `preprocess_examples`
 routing.py   a row's agent and environment server, and the pairing checks

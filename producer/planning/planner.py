@@ -1,4 +1,4 @@
-"""Planning: rows in, planned rollouts out (SPEC §3), with every problem found before dispatch.
+"""Planning: rows in, planned rollouts out (docs/how-to/routing.md), with every problem found before dispatch.
 
 The planner streams: it reads one input line at a time, in bounded chunks
 (`producer/planning/limits.py`: a line past `max_row_bytes` is refused without being held), and
@@ -10,7 +10,7 @@ message (`producer/planning/problems.py`), `task_ids` and explicit rollout ids f
 `producer/planning/identity.py`, and interleaved orders spill to temporary files
 (`producer/planning/ordering.py`).
 
-Steps per row, in SPEC §3's order: size, depth and reserved `_ng_*` fields
+Steps per row, in docs/how-to/routing.md's order: size, depth and reserved `_ng_*` fields
 (`producer/planning/reserved.py`), task number (caller-stamped or by identical line), `task_ids`
 selection (each task once, before repetition), checks, agent resolution, fan-out, repeats,
 stamps. `limit` stops reading after N lines.
@@ -369,9 +369,9 @@ def preprocess_examples(
     task_ids: Iterable[str | int] | None = None,
     on_warning: WarningSink | None = None,
 ) -> list[dict[str, Any]]:
-    """The expanded, stamped copies of `rows` (SPEC §10); the input rows are not mutated.
+    """The expanded, stamped copies of `rows` (docs/reference/python-api.md); the input rows are not mutated.
 
-    `config` is a `ServersConfig` or a mapping in either accepted format (SPEC §2); `task_ids`
+    `config` is a `ServersConfig` or a mapping in either accepted format (docs/reference/servers-config.md); `task_ids`
     keeps only those tasks, each once, before repetition. Raises PlanningError with every
     problem, rows numbered from 1.
     """

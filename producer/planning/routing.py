@@ -1,4 +1,4 @@
-"""Routing a row to its agents and environment server, and checking the pairing (SPEC §3).
+"""Routing a row to its agents and environment server, and checking the pairing (docs/how-to/routing.md).
 
 A row's route depends only on its `agent_ref.name`, its `task_source` and its environment
 stamp, so it is computed once per distinct combination and cached: the per-row cost of routing
@@ -99,7 +99,7 @@ class Router:
     def _single(
         self, named: str | None, source: str | None, problems: list[ProblemText]
     ) -> tuple[str | None, str]:
-        """The one agent a row without fan-out runs on, by SPEC §3's precedence."""
+        """The one agent a row without fan-out runs on, by docs/how-to/routing.md's precedence."""
         amap = self.settings.agent_map
         if named is not None and named in amap:
             return amap[named], f"agent_map[{named!r}]"
@@ -240,7 +240,7 @@ class Router:
     def _environment(
         self, agent: str, source: str | None, stamp: str | None, problems: list[ProblemText]
     ) -> str | None:
-        """The environment server the agent's rows are aggregated under (SPEC §2, §3)."""
+        """The environment server the agent's rows are aggregated under (docs/how-to/routing.md)."""
         config = self.config
         own = config.agents[agent].environment
         if own is not None and own not in config.environments:
@@ -289,7 +289,7 @@ class Router:
         return None
 
     def _pairing(self, agent: str, source: str | None, environment: str | None) -> list[str]:
-        """Refusals by the allowed_agents of everything the row meets (SPEC §3)."""
+        """Refusals by the allowed_agents of everything the row meets (docs/how-to/routing.md#pairings)."""
         config = self.config
         cfg = config.agents[agent]
         checks: dict[str, list[str] | None] = {}

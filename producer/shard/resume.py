@@ -1,4 +1,4 @@
-"""`rollouts resume`: enqueue exactly the planned rollouts that still lack an outcome (SPEC §7).
+"""`rollouts resume`: enqueue exactly the planned rollouts that still lack an outcome (docs/how-to/resume-and-recovery.md).
 
 A planned key is run again when it has no landed result, no terminal failure, fewer failure rows
 (failed attempts) than the attempt limit, and no latest failure of a class the run scores as

@@ -1,4 +1,4 @@
-"""The Python API (SPEC §10) against real `celery worker` processes, Redis and the example agent."""
+"""The Python API (docs/reference/python-api.md) against real `celery worker` processes, Redis and the example agent."""
 
 from __future__ import annotations
 

@@ -235,7 +235,7 @@ def mid_run(
     It yields `settle_s` after a batch landed: 0.2 s is mid-call; 0 is while the workers
     acknowledge what landed and fetch their next messages, where kombu's own transport (a pop,
     then a second round trip recording the message as unacknowledged) would lose a message to a
-    kill; ours pops and records in one script (README: Recovery, *Popped, never recorded*).
+    kill; ours pops and records in one script (docs/explanation/recovery.md, "Popped, never recorded").
     """
     servers = start_servers(knobs=AgentKnobs(latency_ms=400))
     try:

@@ -1,4 +1,4 @@
-"""Fail before dispatch (SPEC §3): one test per validation rule, each through `rollouts run`.
+"""Fail before dispatch (docs/how-to/routing.md): one test per validation rule, each through `rollouts run`.
 
 Every test runs `python -m producer.cli run` as a subprocess against the real example agent and
 environment servers, with a real Redis as the broker (`--no-wait`, no workers). A bad input must

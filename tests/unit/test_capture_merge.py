@@ -1,5 +1,5 @@
 """Golden tests of the capture merge: each capture gap kind gives NeMo Gym 0.7.0's record and,
-through our health check, NeMo Gym's finding (capture reference §1.9-§1.13 and §2)."""
+through our health check, NeMo Gym's finding (docs/how-to/model-call-capture.md)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def line(
     at: float = 100.0,
     error: str | None = None,
 ) -> dict[str, Any]:
-    """One capture line as the proxy writes it (NeMo Gym's fields, §1.6)."""
+    """One capture line as the proxy writes it (NeMo Gym's fields)."""
     rid = f"resp_{uuid.uuid4().hex[:8]}"
     response: dict[str, Any] = {
         "id": rid,

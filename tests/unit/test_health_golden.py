@@ -1,6 +1,6 @@
 """Golden tests: crafted run folders, and every check's findings and verdict exactly as expected.
 
-The expectations are written by hand from the rules (reference §4 and SPEC §8), record by record.
+The expectations are written by hand from the rules (NeMo Gym 0.7.0's, docs/reference/health-checks.md), record by record.
 """
 
 from __future__ import annotations

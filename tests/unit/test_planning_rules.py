@@ -1,4 +1,4 @@
-"""SPEC §3 planning rules, one at a time, through `preprocess_examples` and `plan_file`."""
+"""The planning rules of docs/how-to/routing.md, one at a time, through `preprocess_examples` and `plan_file`."""
 
 from __future__ import annotations
 

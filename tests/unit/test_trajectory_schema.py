@@ -1,5 +1,5 @@
 """Golden tests: each way a trajectory breaks NeMo Gym 0.7.0's `TrajectoryRecord` gives the
-peer's finding (`record_unreadable`, capture reference §1.10 and §2), and our own checks never
+peer's finding (`record_unreadable`, docs/reference/health-checks.md), and our own checks never
 take a healthy verdict away when their evidence does not apply."""
 
 from __future__ import annotations

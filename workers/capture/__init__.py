@@ -1,8 +1,8 @@
 """Model-call capture on the worker: clear a rollout's capture before dispatch, merge it after.
 
 The rollout engine calls `clear_for` before it calls `/run` and `merge_into` on the agent's
-result before it is sorted and landed, as NeMo Gym 0.7.0's collector does (capture reference
-§1.8): `ng_model_call_capture` (metrics, calls, gaps), `ng_trajectory` (a valid
+result before it is sorted and landed, as NeMo Gym 0.7.0's collector does
+(docs/how-to/model-call-capture.md): `ng_model_call_capture` (metrics, calls, gaps), `ng_trajectory` (a valid
 `TrajectoryRecord`) and `ng_perf`. Both do nothing when the request carries no capture dir
 (observability off), and neither raises: a capture that cannot be read is a gap in the record,
 a projection that fails is NeMo Gym's `trajectory_projection_failed`.

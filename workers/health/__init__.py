@@ -1,4 +1,4 @@
-"""Run health (SPEC §8): the rollout, task and run checks, and the reports they write.
+"""Run health (docs/reference/health-checks.md): the rollout, task and run checks, and the reports they write.
 
 check.py          plan the jobs, run them here, write disabled summaries
 sources.py        which files a check reads; merged-shards verification; limits

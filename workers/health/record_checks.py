@@ -1,6 +1,6 @@
 """Every rollout-level check on one record, giving its digest (findings, unobserved checks, stats).
 
-NeMo Gym 0.7.0's rule set (reference §4.1): an unreadable line fires only `record_unreadable`
+NeMo Gym 0.7.0's rule set (docs/reference/health-checks.md): an unreadable line fires only `record_unreadable`
 and leaves every other check unobserved; a check whose evidence is missing is unobserved; a
 check that raises is unobserved and adds a `check_execution_error` finding. The duplicate check
 is judged later, across records (it needs them all).

@@ -1,4 +1,4 @@
-"""Calling an agent's `POST /run`: the retry policy and the failure classes of SPEC §4 and §5.
+"""Calling an agent's `POST /run`: the retry policy and the failure classes (docs/reference/failures.md).
 
 A connection that was never established is always retried (bounded, exponential backoff with
 jitter): the agent never saw the request. A request that was sent and then failed (read timeout,

@@ -1,8 +1,8 @@
 """A rollout's records as the lines the lander appends: each record encoded on its own, up front.
 
 A record that cannot be encoded fails its own rollout and nothing else: it is replaced by a
-`result_not_stored` failure row (SPEC §5: "a rollout whose result could not be stored fails alone,
-with a class that says so"), which carries the record's identity and the cause and goes to the
+`result_not_stored` failure row ("a rollout whose result could not be stored fails alone, with a
+class that says so": docs/explanation/contract.md#failures), which carries the record's identity and the cause and goes to the
 sidecar with the batch; the batch never holds an unencodable record. The case that happens is an
 agent reply nested 255-1,024 levels deep: orjson reads JSON up to 1,024 levels but writes at most
 254, so such a reply parses and cannot be written again.
