@@ -72,6 +72,7 @@ class Call:
     broker_url: str | None = None
     redis_url: str | None = None
     close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S
+    result_timeout_s: float | None = None
 
 
 def _config(config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str]) -> ServersConfig:
@@ -149,8 +150,12 @@ def _converter(
             return Settled(o.kind)
         if o.kind == Ended.FENCED:
             return Settled(o.kind, error=ShardFencedError(o.error or "the shard was fenced"))
+        if o.timed_out:
+            return Settled(o.kind, error=TimeoutError(o.error))
         message = f"rollout {F.rollout_id(row) or o.index} could not be run: {o.error}"
-        return Settled(o.kind, error=RolloutFailedError(message, row))
+        error = RolloutFailedError(message, row)
+        error.__cause__ = o.cause
+        return Settled(o.kind, error=error)
 
     return convert
 
@@ -173,6 +178,7 @@ def run_examples(
     broker_url: str | None = None,
     redis_url: str | None = None,
     close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+    result_timeout_s: float | None = None,
 ) -> Completions:
     """Dispatch each row as one Celery task; returns an iterator of awaitables of `(row, result)`.
 
@@ -204,10 +210,14 @@ def run_examples(
     - `run_id`: the run the rows belong to (stamped on copies as `_ng_run_id`).
     - `broker_url`, `redis_url`: default `ROLLOUTS_BROKER_URL`, `ROLLOUTS_REDIS_URL` (else the
       broker). `close_timeout_s` bounds how long a close waits for running rollouts to stop.
+    - `result_timeout_s`: a row without an outcome that long after it was sent resolves to
+      `TimeoutError` naming its rollout (the rollout is not cancelled; the other rows go on).
+      None (the default): no caller-side deadline; a dead or cut-off worker's rows are taken
+      over within the lease TTL and a third of it.
     """
     call = Call(
         enrich_results or record_output_dir is not None, False, record_output_dir, record_shard,
-        record_overwrite, run_id, broker_url, redis_url, close_timeout_s,
+        record_overwrite, run_id, broker_url, redis_url, close_timeout_s, result_timeout_s,
     )  # fmt: skip
     return _start(rows, config, settings, call, max_resident_tasks, dispatch_budget_s,
                   drain_margin_s, route_failures_to_sidecar, retry_requests)  # fmt: skip
@@ -255,6 +265,7 @@ def _dispatch(
         invocation, prepared.sent, prepared.agents,
         Target(client_app(broker, state_url), state_url, run, servers, settings, deadline, record),
         window=settings.max_resident_tasks, close_timeout_s=call.close_timeout_s,
+        result_timeout_s=call.result_timeout_s,
     )  # fmt: skip
     convert = _converter(given, settings, call, run_id, run.run_id)
     return Completions(len(given), transport, convert, settings.max_resident_tasks is not None)
@@ -303,6 +314,7 @@ def run_outcomes(
     broker_url: str | None = None,
     redis_url: str | None = None,
     close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+    result_timeout_s: float | None = None,
 ) -> Outcomes:
     """Yield `(row, result | RolloutFailureRecord)` in completion order.
 
@@ -315,7 +327,7 @@ def run_outcomes(
     """
     call = Call(
         enrich_results or record_output_dir is not None, True, record_output_dir, record_shard,
-        record_overwrite, run_id, broker_url, redis_url, close_timeout_s,
+        record_overwrite, run_id, broker_url, redis_url, close_timeout_s, result_timeout_s,
     )  # fmt: skip
     return Outcomes(_start(rows, config, settings, call, max_resident_tasks, dispatch_budget_s,
                            drain_margin_s, True, retry_requests))  # fmt: skip

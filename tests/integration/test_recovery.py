@@ -514,7 +514,7 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
     r = redis.Redis.from_url(redis_url)
     frozen = None
     try:
-        env = {**ENV, "ROLLOUTS_VISIBILITY_TIMEOUT_S": "2", "ROLLOUTS_PREFETCH_AHEAD": "0"}
+        env = {**ENV, "ROLLOUTS_VISIBILITY_TIMEOUT_S": "2"}
         workers.start(count=2, concurrency=4, env=env)
         workers.wait_ready()
         frozen = workers.procs[0]

@@ -24,6 +24,8 @@ from schemas import fields as F
 from schemas.errors import StorageError
 from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
 from schemas.outcomes import Ended, RolloutOutcome
+from schemas.replies import RolloutReply, admission_row
+from workers.replies import reply_body
 from workers.rollout import (
     RECORDED,
     AgentCaller,
@@ -70,6 +72,8 @@ class Harness:
         self.land_wait_s = 5.0
         self.refused_because: str | None = None
         self.checked: list[tuple[RunRef, str]] = []
+        self.row: dict[str, Any] = dict(ROW)
+        """The planned row its rollouts run."""
 
     def refusal(self, run: RunRef, agent_url: str) -> str | None:
         """The manifest check (`RunCheck`): records what it was asked."""
@@ -114,11 +118,14 @@ class Harness:
             run=RunRef(run_id="r", output_dir="/tmp/nowhere", shard="0", token=token),
             agent_url="http://agent",
             policy=CallPolicy(backoff_base_s=0.001, **policy),
-            row=dict(ROW),
+            row=dict(self.row),
             admission=admission,
         )
         try:
-            return run_rollout(req, self.context(), delivery)
+            outcome = run_rollout(req, self.context(), delivery)
+            # Whatever path it took, the Python API's reply of it reads back as the outcome.
+            assert replied(outcome) == outcome
+            return outcome
         finally:
             for c in self.clients:
                 self.loop.run(c.aclose())
@@ -127,6 +134,13 @@ class Harness:
     def slots_returned(self) -> bool:
         """Every admitted delivery gave its slot back and ended its delivery count."""
         return len(self.gate.released) == len(self.gate.admitted) and not self.shard.starts
+
+
+def replied(outcome: RolloutOutcome) -> RolloutOutcome:
+    """The outcome as the caller reads it from its reply (`workers/replies.py`'s encoding)."""
+    return RolloutReply.model_validate_json(
+        reply_body(RolloutReply(index=0, outcome=outcome))
+    ).outcome
 
 
 def untimed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -331,6 +345,19 @@ def test_worker_lost_after_the_attempt_limit(h: Harness) -> None:
     assert h.shard.failures == [out.record]
     assert out.record is not None and out.record[F.FAILURE_CLASS] == "worker_lost"
     assert h.shard.run_failed is not None  # not routed: a lost rollout fails the run
+
+
+def test_a_row_without_identity_replies_without_a_rollout_id(h: Harness) -> None:
+    # A row given to run_examples as is: no task or rollout index, so no rollout id. Its reply
+    # leaves the id out, and the caller reads it back whole (it once failed to, and the
+    # caller's only listener died on it).
+    h.row = {F.AGENT_REF: {"name": "a"}, "question": "1+1"}
+    run = RunRef(run_id="r", output_dir="/tmp/nowhere", shard="0", token="token-1")
+    seen = CollectRequest(run=run, agent_url="http://agent",
+                          row=admission_row(h.row, {"invocation": "i", "index": 4}))  # fmt: skip
+    out = h.run(Delivery(record=False, fails_run=False, admission=seen))
+    assert out.rollout is None and out.ended is Ended.LANDED
+    assert '"rollout"' not in reply_body(RolloutReply(index=4, outcome=out))
 
 
 def test_worker_lost_unrecorded_lands_nothing(h: Harness) -> None:
