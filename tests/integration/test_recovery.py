@@ -502,9 +502,9 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
     worker changes no file of the recorded run. Six rows on two workers of four: the worker that
     stays up has a slot free for the copies while it runs what it took over (with eight, the
     copies waited for slots until the attempts they copied had settled, and no copy of a live
-    delivery was seen in about half the runs). No delivery is taken ahead of a slot: with one
-    (the default at four slots), one worker took five of the six, the fifth waiting unleased,
-    and the other one, so that no moment had all six leased (about one run in seven)."""
+    delivery was seen in about half the runs). With the default prefetch one worker may take
+    five of the six, the fifth waiting for a slot: it waits leased, so all six are leased at
+    once all the same (when it waited unleased, about one run in seven never got there)."""
     from producer import preprocess_examples, run_examples
     from schemas.settings import CollectionSettings
 

@@ -36,7 +36,7 @@ from workers.rollout import (
     run_rollout,
     run_rollout_async,
 )
-from workers.rollout.context import WaitingLines
+from workers.rollout.context import SLOT, WaitingLines
 from workers.rollout.encoding import RESULT_NOT_STORED
 from workers.rollout.fakes import FakeGate, FakeLander, FakeLeases, FakeShard
 from workers.rollout.leases import Lease, LeaseTicket
@@ -111,8 +111,13 @@ class Harness:
         )
 
     def run(
-        self, delivery: Delivery = RECORDED, token: str = "token-1", **policy: Any
+        self,
+        delivery: Delivery = RECORDED,
+        token: str = "token-1",
+        slot: Callable[[], Awaitable[bool]] | None = None,
+        **policy: Any,
     ) -> RolloutOutcome:
+        """Run one delivery; `slot`: it was taken ahead of the pool's slots (`SLOT`)."""
         admission = policy.pop("admission", Admission())
         req = CollectRequest(
             run=RunRef(run_id="r", output_dir="/tmp/nowhere", shard="0", token=token),
@@ -122,7 +127,10 @@ class Harness:
             admission=admission,
         )
         try:
-            outcome = run_rollout(req, self.context(), delivery)
+            if slot is None:
+                outcome = run_rollout(req, self.context(), delivery)
+            else:
+                outcome = self.loop.run(_with_slot(slot, req, self.context(), delivery))
             # Whatever path it took, the Python API's reply of it reads back as the outcome.
             assert replied(outcome) == outcome
             return outcome
@@ -134,6 +142,14 @@ class Harness:
     def slots_returned(self) -> bool:
         """Every admitted delivery gave its slot back and ended its delivery count."""
         return len(self.gate.released) == len(self.gate.admitted) and not self.shard.starts
+
+
+async def _with_slot(
+    slot: Callable[[], Awaitable[bool]], req: CollectRequest, ctx: RolloutContext, d: Delivery
+) -> RolloutOutcome:
+    """A delivery the pool took ahead of its slots: the engine awaits `slot` itself."""
+    SLOT.set(slot)
+    return await run_rollout_async(req, ctx, d)
 
 
 def replied(outcome: RolloutOutcome) -> RolloutOutcome:
@@ -854,3 +870,47 @@ def test_a_line_passes_the_turn_in_order_and_rings_its_first(loop: EventLoopThre
         return seen
 
     assert loop.run(scenario()) == ["a", "c left", "b", "d"]
+
+
+class SlotAfter:
+    """A pool slot that is given once `then` ran (it sees the world as the delivery waits)."""
+
+    def __init__(self, then: Callable[[], object] = lambda: None, free: bool = True) -> None:
+        self.then = then
+        self.free = free
+        self.awaited = 0
+
+    async def __call__(self) -> bool:
+        self.awaited += 1
+        self.then()
+        return self.free
+
+
+def test_a_delivery_taken_ahead_waits_for_its_slot_holding_its_lease(h: Harness) -> None:
+    held: list[str] = []
+    slot = SlotAfter(lambda: held.extend(h.leases.held))
+    out = h.run(LEASED, slot=slot)
+    assert out.ended is Ended.LANDED and slot.awaited == 1
+    assert held == ["3:1"] and h.gate.admitted == ["3:1"]  # leased while it waited, then admitted
+    assert h.leases.settled == {"3:1": "token-1"} and h.slots_returned()
+
+
+def test_a_copy_taken_ahead_ends_without_waiting_for_a_slot(h: Harness) -> None:
+    h.leases.take("sid", "3:1", "token-1", MESSAGE)  # the live attempt, elsewhere
+    slot = SlotAfter()
+    out = h.run(LEASED, slot=slot)
+    assert out.ended is Ended.REDELIVERED and slot.awaited == 0 and h.requests == []
+
+
+def test_a_delivery_refused_its_slot_gives_its_lease_back_and_calls_nothing(h: Harness) -> None:
+    out = h.run(LEASED, slot=SlotAfter(free=False))
+    assert out.ended is Ended.REDELIVERED and "stopping" in (out.detail or "")
+    assert h.leases.given_back == ["3:1"] and not h.leases.held and h.leases.settled == {}
+    assert h.requests == [] and h.gate.admitted == []
+
+
+def test_a_delivery_taken_over_while_it_waited_for_its_slot_calls_nothing(h: Harness) -> None:
+    # Its worker froze with it waiting: its lease expired and the rollout runs elsewhere.
+    out = h.run(LEASED, slot=SlotAfter(lambda: h.leases.take_over("3:1")))
+    assert out.ended is Ended.TAKEN_OVER and h.requests == [] and h.gate.admitted == []
+    assert h.shard.results == [] and h.leases.settled == {}

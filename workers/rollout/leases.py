@@ -45,7 +45,7 @@ import redis
 from infra import keys
 from infra.environment import from_env
 from infra.redis_client import client
-from infra.scripts import RENEW_ROLLOUTS_LUA, SETTLE_LUA, TAKE_LEASE_LUA
+from infra.scripts import GIVE_BACK_LUA, RENEW_ROLLOUTS_LUA, SETTLE_LUA, TAKE_LEASE_LUA
 from workers.rollout.admission import with_redis_retry
 from workers.shard.landed import settled
 from workers.shard.leases import lease_member
@@ -146,6 +146,7 @@ class RolloutLeases:
         self._take = self.r.register_script(TAKE_LEASE_LUA)
         self._renew = self.r.register_script(RENEW_ROLLOUTS_LUA)
         self._settle = self.r.register_script(SETTLE_LUA)
+        self._give_back = self.r.register_script(GIVE_BACK_LUA)
         self._held: dict[str, tuple[str, Stage]] = {}
         # Held across a renewal, so a lease settled meanwhile is not renewed after its removal.
         self._lock = threading.Lock()
@@ -227,6 +228,20 @@ class RolloutLeases:
         """Stop renewing the lease without settling it (Redis could not be reached to settle)."""
         with self._lock:
             self._held.pop(lease.member, None)
+
+    def give_back(self, lease: Lease) -> None:
+        """Drop the lease of an attempt that never started (its worker stops before the delivery
+        got a slot), settling nothing: the next delivery of the rollout takes it at once."""
+        with self._lock:
+            self._held.pop(lease.member, None)
+        names = [keys.shard_rollout_leases(lease.sid), keys.shard_attempts(lease.sid),
+                 keys.shard_lease_messages(lease.sid), keys.ROLLOUT_LEASES]  # fmt: skip
+        try:
+            self._give_back(
+                keys=names, args=[lease.key, lease.attempt, lease.member], client=self.r
+            )
+        except redis.RedisError as exc:  # it expires and is taken over instead
+            log.warning("could not give the lease of %s back: %s", lease.member, exc)
 
     def renew_once(self) -> int:
         """Renew the held leases and take over expired ones; returns how many were published again."""
