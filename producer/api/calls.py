@@ -242,12 +242,14 @@ def _dispatch(
     given: list[dict[str, Any]], servers: ServersConfig, settings: CollectionSettings, call: Call
 ) -> Completions:
     record = call.record_output_dir is not None
-    invocation = uuid.uuid4().hex
+    token = new_token()
+    # A recorded call is named by its shard's opener token, which its manifest keeps: a process
+    # that reattaches to it finds its reply list there (`producer/api/reattach.py`).
+    invocation = token if record else uuid.uuid4().hex
     run_id = call.run_id or (new_run_id() if record else None)
     stamp = Stamp(run_id=run_id, shard=call.record_shard if record else None)
     prepared = prepare_rows(given, servers, settings, stamp)
     broker, state_url = _urls(call.broker_url, call.redis_url)
-    token = new_token()
     if record:
         run = open_recorded_shard(
             rows=prepared.sent, output_dir=os.fspath(call.record_output_dir or ""),
