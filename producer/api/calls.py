@@ -33,7 +33,11 @@ from producer.api.completions import Completions, Convert, Pair, Settled
 from producer.api.record import open_recorded_shard
 from producer.api.rows import Stamp, prepare_rows
 from producer.api.transport import Invocation, Outcome, Target
-from producer.config.loading import load_servers_config, parse_servers_config
+from producer.config.loading import (
+    load_head_server_config,
+    load_servers_config,
+    parse_servers_config,
+)
 from producer.config.overrides import resolve_settings
 from producer.planning.materialize import new_run_id
 from producer.shard.celery_client import client_app
@@ -76,8 +80,12 @@ class Call:
 
 
 def _config(config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str]) -> ServersConfig:
+    """The servers: a config, a mapping in either format, a YAML path, or the URL of a NeMo Gym
+    head server (`http://host:port`), whose config is fetched."""
     if isinstance(config, ServersConfig):
         return config
+    if isinstance(config, str) and config.startswith(("http://", "https://")):
+        return load_head_server_config(config)
     if isinstance(config, str | os.PathLike):
         return load_servers_config(Path(config))
     return parse_servers_config(dict(config), "<config>")
@@ -170,6 +178,8 @@ def run_examples(
     route_failures_to_sidecar: bool = False,
     retry_requests: bool = True,
     enrich_results: bool = False,
+    include_model_call_payloads: bool = True,
+    delete_model_call_capture: bool = False,
     record_output_dir: str | os.PathLike[str] | None = None,
     record_shard: str = "0",
     record_overwrite: bool = False,
@@ -184,9 +194,11 @@ def run_examples(
 
     The awaitables resolve in completion order. Rows are sent as given (call
     `preprocess_examples` first for routing and repeats); rows that name only a `task_source`
-    get their agent, and every problem is raised at once (PlanningError) before anything is
-    sent. `row` is the caller's own row object; `result` is the `/run` result with the row's
-    identity fields (as it lands), an agent's own failure row included.
+    get their agent (rows `preprocess_examples` planned without a config among them), and every
+    problem is raised at once (PlanningError) before anything is sent. `config`: a
+    `ServersConfig`, a mapping in either format, a YAML path, or a NeMo Gym head server's URL. `row` is the row as it was sent: a copy the call owns (never the caller's object,
+    which is never modified), with what the call stamped on it; `result` is the `/run` result
+    with the row's identity fields (as it lands), an agent's own failure row included.
 
     - `max_resident_tasks`: at most that many rows running or queued at once; publishing starts
       when the first awaitable is awaited. None: every row is enqueued when iteration starts.
@@ -199,6 +211,11 @@ def run_examples(
       429/502/503/504); connections never established are retried regardless.
     - `enrich_results`: results carry `ng_perf` (`rollout_latency_ms`, `queue_wait_ms`), and
       routed failures come back as `RolloutFailureRecord`s.
+    - `include_model_call_payloads`: with model-call capture on (`observability_enabled`,
+      `model_call_capture_dir` in `settings`), keep the calls' request and response bodies in
+      `ng_trajectory`; off, the trajectory keeps its structure, timings and token counts only.
+      `delete_model_call_capture`: delete each rollout's capture files once merged into its
+      result (needs the payloads kept).
     - `record_output_dir`, `record_shard`: also write shard `record_shard` of that run
       directory as `rollouts run` would (materialized inputs, manifest, results and failure
       rows, status; when the call ends or closes, the aggregate metrics and health summary),
@@ -219,22 +236,20 @@ def run_examples(
         enrich_results or record_output_dir is not None, False, record_output_dir, record_shard,
         record_overwrite, run_id, broker_url, redis_url, close_timeout_s, result_timeout_s,
     )  # fmt: skip
-    return _start(rows, config, settings, call, max_resident_tasks, dispatch_budget_s,
-                  drain_margin_s, route_failures_to_sidecar, retry_requests)  # fmt: skip
+    options = {
+        "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
+        "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": route_failures_to_sidecar,
+        "retry_requests": retry_requests, "include_model_call_payloads": include_model_call_payloads,
+        "delete_model_call_capture": delete_model_call_capture,
+    }  # fmt: skip
+    return _start(rows, config, settings, call, options)
 
 
 def _start(
     rows: Iterable[dict[str, Any]], config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str],
-    settings: CollectionSettings | Mapping[str, Any] | None, call: Call,
-    max_resident_tasks: int | None, dispatch_budget_s: float | None, drain_margin_s: float | None,
-    route_failures_to_sidecar: bool, retry_requests: bool,
+    settings: CollectionSettings | Mapping[str, Any] | None, call: Call, options: dict[str, Any],
 ) -> Completions:  # fmt: skip
     """The call's settings (its options over `settings`), then its dispatch."""
-    options = {
-        "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
-        "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": route_failures_to_sidecar,
-        "retry_requests": retry_requests,
-    }  # fmt: skip
     return _dispatch(list(rows), _config(config), _settings(settings, **options), call)
 
 
@@ -269,7 +284,8 @@ def _dispatch(
         window=settings.max_resident_tasks, close_timeout_s=call.close_timeout_s,
         result_timeout_s=call.result_timeout_s,
     )  # fmt: skip
-    convert = _converter(given, settings, call, run_id, run.run_id)
+    # The caller gets the rows as sent: copies the call owns, never the caller's own objects.
+    convert = _converter(prepared.sent, settings, call, run_id, run.run_id)
     return Completions(len(given), transport, convert, settings.max_resident_tasks is not None)
 
 
@@ -309,6 +325,8 @@ def run_outcomes(
     drain_margin_s: float | None = None,
     retry_requests: bool = True,
     enrich_results: bool = False,
+    include_model_call_payloads: bool = True,
+    delete_model_call_capture: bool = False,
     record_output_dir: str | os.PathLike[str] | None = None,
     record_shard: str = "0",
     record_overwrite: bool = False,
@@ -331,8 +349,13 @@ def run_outcomes(
         enrich_results or record_output_dir is not None, True, record_output_dir, record_shard,
         record_overwrite, run_id, broker_url, redis_url, close_timeout_s, result_timeout_s,
     )  # fmt: skip
-    return Outcomes(_start(rows, config, settings, call, max_resident_tasks, dispatch_budget_s,
-                           drain_margin_s, True, retry_requests))  # fmt: skip
+    options = {
+        "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
+        "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": True,
+        "retry_requests": retry_requests, "include_model_call_payloads": include_model_call_payloads,
+        "delete_model_call_capture": delete_model_call_capture,
+    }  # fmt: skip
+    return Outcomes(_start(rows, config, settings, call, options))
 
 
 __all__ = ["Completions", "Outcomes", "run_examples", "run_outcomes"]

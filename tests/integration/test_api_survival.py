@@ -43,6 +43,7 @@ from tests.api_helpers import (
     liveness_bound_s,
 )
 from tests.conftest import ROOT, Workers, read_jsonl
+from tests.netns_hosts import SERVICE_ADDRESS, TestHosts
 from tests.ops_helpers import key, manifest, requests_per_key, wait_for
 
 pytestmark = pytest.mark.integration
@@ -318,3 +319,50 @@ def test_a_caller_sigkilled_mid_call_is_taken_over_by_reattach_from_another_proc
     assert all(isinstance(v, dict) and "reward" in v for v in got.values)
     results_once(out, rows)
     assert manifest(out)["state"] == "completed" and aggregated == 1
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+def test_a_worker_cut_off_from_redis_mid_call_has_its_rows_resolved_once_within_the_bound(
+    hosts: TestHosts, tmp_path: Path
+) -> None:
+    """Two worker hosts in network namespaces, Redis and the agent on the service address, the
+    caller in the root namespace; host 1's link is cut after 24 `/run` calls of a recorded call
+    of 80 rows of 1 s, for longer than the lease TTL (until the call ended)."""
+    server = EmbeddedRedis(host=SERVICE_ADDRESS)  # a password: it listens beyond loopback
+    server.start()
+    log = tmp_path / "requests.jsonl"
+    servers = start_servers(
+        {"math_agent": "math_env"}, AgentKnobs(1000, request_log=str(log)), host=SERVICE_ADDRESS
+    )
+    workers = Workers(server.url, tmp_path)
+    r = redis.Redis.from_url(server.url)
+    out = tmp_path / "run"
+    try:
+        for i in (1, 2):
+            workers.start(count=1, concurrency=16, env=ENV, prefix=hosts.prefix(i))
+        workers.wait_ready()
+        cut_off = workers.procs[0]
+        rows = planned(servers, 80)
+
+        def cut() -> dict[str, Any]:
+            wait_for(lambda: calls_started(log) >= 24, 60, "24 calls")
+            held = held_by(r, cut_off.pid)
+            hosts.cut(1)
+            return {"at": time.monotonic(), "held": held}
+
+        try:
+            got, cut_at = run_call(
+                rows, servers.config(), server.url, cut, record_output_dir=str(out)
+            )
+        finally:
+            hosts.restore(1)
+    finally:
+        workers.stop(graceful=False)
+        servers.stop()
+        r.close()
+        server.close()
+    once_each(got, rows)
+    assert cut_at["held"], "the cut-off host held no row: the test proves nothing"
+    within_bound(got, cut_at["at"], cut_at["held"], "cut off from Redis")
+    results_once(out, rows)
