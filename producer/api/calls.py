@@ -30,9 +30,10 @@ from infra.environment import Cluster, resolve_cluster
 from infra.reachability import check_cluster
 from infra.redis_client import client
 from producer.api.completions import Completions, Convert, Pair, Settled
+from producer.api.model import Outcome, Target
 from producer.api.record import open_recorded_shard
 from producer.api.rows import Stamp, prepare_rows
-from producer.api.transport import Invocation, Outcome, Target
+from producer.api.transport import Invocation
 from producer.config.loading import (
     load_head_server_config,
     load_servers_config,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
-from producer.api.transport import Outcome
+from producer.api.model import Outcome
 from schemas.errors import RolloutFailedError
 from schemas.outcomes import Ended
 

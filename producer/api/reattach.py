@@ -40,7 +40,8 @@ from producer.api.calls import (
 )
 from producer.api.completions import Completions
 from producer.api.inventory import Inventory, unsettle
-from producer.api.transport import Invocation, Outcome, Target
+from producer.api.model import Outcome, Target
+from producer.api.transport import Invocation
 from producer.config.loading import parse_servers_config
 from producer.shard.celery_client import client_app
 from producer.shard.dispatch import open_generation

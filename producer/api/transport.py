@@ -7,6 +7,13 @@ outcome onto the call's reply list once it is final; one listener thread pops th
 pop, no polling per task) and hands them on. Closing stops publishing, sets the cancel flag (the
 workers' admission then starts nothing more, and running `/run` calls are cancelled, closing
 their connections) and waits, bounded, until nothing of the call runs any more.
+
+No row is left waiting for ever: a reply the listener cannot read resolves its row to that
+failure (`producer/api/replies.py`); a listener that dies anyway resolves every waiting row to
+the error that killed it; a row without an outcome `result_timeout_s` after it was sent raises
+`TimeoutError`; a Redis that lost the call gets its rows again (`producer/api/upkeep.py`). A
+dead, frozen or cut-off worker's rows are taken over by the workers themselves, within the lease
+TTL and a third of it (`workers/rollout/leases.py`).
 """
 
 from __future__ import annotations
@@ -17,25 +24,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import redis
-from celery import Celery
 
 from infra import keys, telemetry
 from infra.environment import from_env
 from infra.redis_client import client
 from infra.scripts import RUNNING_LUA
 from producer.api.inventory import Inventory
+from producer.api.model import Outcome, Target
 from producer.api.replies import read_reply, unreadable_row
-from producer.shard.dispatch import CollectMessages, open_generation
+from producer.api.upkeep import KEY_TTL_S, CallUpkeep
+from producer.shard.dispatch import CollectMessages
 from schemas import fields as F
-from schemas.config import ServersConfig
-from schemas.messages import RunRef
 from schemas.outcomes import FAILURE_ENDS, RESULT_ENDS, Ended, run_failure_message
 from schemas.replies import COLLECT_REPLY_TASK, RolloutReply
-from schemas.settings import CollectionSettings
 from workers.finish import finish_shard
 from workers.shard.state import key_str
 from workers.tracing import NO_JOB, start_job
@@ -45,43 +49,11 @@ log = logging.getLogger(__name__)
 LISTEN_TIMEOUT_S = 0.25
 POP_BATCH = 1000
 IDLE_POLL_S = 0.05
-KEY_TTL_S = 24 * 3600
-WATCH_S = 1.0
-"""How often the listener checks that Redis still holds the call (`keys.api_call`)."""
 PUBLISH_RETRY_S = 60.0
 """How long publishing a row rides out a broker that is away (a restart) before the row fails."""
 
 
-@dataclass
-class Outcome:
-    """One row's final outcome, as the listener received it."""
-
-    index: int
-    kind: Ended
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    perf: dict[str, float] | None = None
-    """`rollout_latency_ms` and `queue_wait_ms`, for rollouts that ran."""
-    cause: BaseException | None = None
-    """What made the call give up on the row (`error`), when it was an exception."""
-    timed_out: bool = False
-    """No outcome came within `result_timeout_s`: the awaitable raises `TimeoutError`."""
-
-
-@dataclass
-class Target:
-    """Where the call's rollouts go and how they are admitted."""
-
-    app: Celery
-    redis_url: str
-    run: RunRef
-    config: ServersConfig
-    settings: CollectionSettings
-    deadline: float | None
-    record: bool
-
-
-class Invocation:
+class Invocation(CallUpkeep):
     """Publishes the rows, listens for their outcomes, and closes the call."""
 
     def __init__(
@@ -394,72 +366,6 @@ class Invocation:
 
     def settled(self, i: int) -> bool:
         return bool(self._settled[i])
-
-    # Consumed outcomes (recorded calls)
-
-    def consumed(self, index: int) -> None:
-        """The caller took row `index`'s outcome (any thread): marked in Redis within
-        LISTEN_TIMEOUT_S, so that a `reattach` after this process died does not yield it again."""
-        if self.target.record:
-            self._consumed.append(index)
-
-    def _flush_consumed(self) -> None:
-        if not self._consumed:
-            return
-        taken: list[int] = []
-        while self._consumed:
-            taken.append(self._consumed.popleft())
-        name = keys.api_consumed(self.invocation)
-        try:
-            pipe = self._r.pipeline(transaction=False)
-            for i in taken:
-                pipe.setbit(name, i, 1)
-            pipe.expire(name, KEY_TTL_S)
-            pipe.execute()
-        except redis.RedisError:
-            self._consumed.extendleft(reversed(taken))
-            raise
-
-    # Redis that lost the call
-
-    def _watch(self) -> None:
-        """Every WATCH_S: renew the call's mark in Redis; a mark that is gone means Redis lost
-        the call's state (restarted without its data), and with it queued rows and replies."""
-        now = time.monotonic()
-        if now < self._next_watch or self._closed:
-            return
-        self._next_watch = now + WATCH_S
-        if not self._r.expire(keys.api_call(self.invocation), KEY_TTL_S):
-            self._recover()
-
-    def _recover(self) -> None:
-        """Send every published row that has no outcome again, after restoring the call's state.
-
-        A rollout still running on a worker from before replies as usual (its settling needs no
-        state); its copy runs it again, and the first reply wins. A recorded row that landed is
-        read back from the shard instead, never run again; the lander keeps every rollout to one
-        line (its landed keys are rebuilt from the shard's files).
-        """
-        self.losses += 1
-        t = self.target
-        self._r.set(keys.api_call(self.invocation), os.getpid(), ex=KEY_TTL_S)
-        remaining = None
-        if t.deadline is not None:
-            sec, usec = self._r.time()
-            remaining = max(0.0, t.deadline - (sec + usec / 1e6))
-        open_generation(self._r, self._sid, t.run.token, self.total, remaining)
-        waiting = [i for i in range(self.total) if self._published_at[i] and not self._settled[i]]
-        log.warning("run_examples %s: Redis lost the call's state (restarted without its data?); "
-                    "sending its %d rows without an outcome again", self.invocation, len(waiting))  # fmt: skip
-        if t.record and waiting:
-            wanted = {key_str(self.sent[i]): i for i in waiting}
-            found = Inventory.read(t.run.output_dir, t.run.shard, set(wanted)).landed
-            for key, row in found.items():
-                self._settle(Outcome(wanted[key], Ended.LANDED, row))
-        with t.app.producer_or_acquire() as producer:
-            for i in waiting:
-                if not self._settled[i]:
-                    self._send(producer, i, again=self.losses)
 
     # Closing
 

@@ -12,7 +12,7 @@ import pytest
 
 from producer.api.calls import Call, _converter
 from producer.api.completions import Completions, Settled
-from producer.api.transport import Outcome
+from producer.api.model import Outcome
 from schemas import fields as F
 from schemas.errors import PlanningError, RolloutFailedError, ShardFencedError
 from schemas.outcomes import Ended, RolloutFailureRecord
