@@ -62,6 +62,7 @@ def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
     ticket = first.take("sid1", "3:0", "gen-1", message)
     assert ticket.verdict == "taken" and ticket.lease is not None and ticket.lost == ""
     lease = ticket.lease
+    assert first.fresh(lease) and not other.fresh(lease)  # known current without a round trip
     # A copy while the lease is fresh: live, whoever receives it.
     assert other.take("sid1", "3:0", "gen-1", message).verdict == "live"
     # A resume's delivery is not held back by an older generation's lease.
@@ -72,6 +73,7 @@ def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
     assert row["stage"] == "calling" and row["holder"] == first.holder and row["n"] == 1
     # The holder goes silent: past the TTL, the next renewal of any process takes it over.
     time.sleep(1.2)
+    assert not first.fresh(lease)  # silent for longer than most of the TTL: ask Redis
     assert other.renew_once() == 1 and published == [message]
     [row] = lease_rows(r, "sid1")
     assert row["stage"] == "redispatched" and row["lost"] == first.holder

@@ -115,6 +115,10 @@ class LeaseKeeper(Protocol):
 
     def current(self, lease: Lease, token: str) -> bool: ...
 
+    def fresh(self, lease: Lease) -> bool:
+        """Known current without a round trip: taken or renewed recently by this process."""
+        ...
+
     def settle(
         self, lease: Lease, token: str, reply: ReplyPush | None = None, count: bool = False
     ) -> Settled: ...

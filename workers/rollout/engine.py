@@ -233,7 +233,8 @@ class _Run:
         the lease was taken over meanwhile (its worker was frozen or cut off, and the rollout
         runs elsewhere): then it calls nothing and ends as the attempt taken over it is."""
         lease, leases = self.lease, self.ctx.leases
-        if lease is not None and leases is not None:
+        if lease is not None and leases is not None and not leases.fresh(lease):
+            # Its worker was silent for most of the lease TTL (frozen, cut off): ask Redis.
             try:
                 current = leases.current(lease, self.req.run.token)
             except redis.RedisError:

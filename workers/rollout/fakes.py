@@ -329,6 +329,9 @@ class FakeLeases:
     def forget(self, lease: Lease) -> None:
         self.held.pop(lease.key, None)
 
+    def fresh(self, lease: Lease) -> bool:
+        return self.held.get(lease.key) == lease
+
     def give_back(self, lease: Lease) -> None:
         if self.shard.attempts.get(lease.key) == lease.attempt:
             self.shard.attempts.pop(lease.key, None)
