@@ -13,6 +13,7 @@ import orjson
 import redis
 
 from infra import keys
+from schemas import fields as F
 from tests.ops_helpers import Key, key
 
 LEASE_TTL_S = 3.0
@@ -51,6 +52,12 @@ class Got:
         return {k: round(when[k] - since, 2) for k in of if k in when}
 
 
+def row_key(row: dict[str, Any]) -> Key:
+    """A row's (task, rollout); for a row given without identity, its `n` (its index in the
+    call), as an unrecorded call's leases key it (`n:0`)."""
+    return key(row) if F.TASK_INDEX in row else (int(row["n"]), 0)
+
+
 async def consume(completions: Any, got: Got, rows: list[dict[str, Any]]) -> None:
     """Await every awaitable, recording each outcome (an exception is an outcome too)."""
     for future in completions:
@@ -62,7 +69,7 @@ async def consume(completions: Any, got: Got, rows: list[dict[str, Any]]) -> Non
             row = getattr(exc, "row", None) or {}
             value = exc
         got.at.append(time.monotonic())
-        got.keys.append(key(row) if row else (-1, -1))
+        got.keys.append(row_key(row) if row else (-1, -1))
         got.values.append(value)
 
 

@@ -41,6 +41,7 @@ from tests.api_helpers import (
     consume,
     held_by,
     liveness_bound_s,
+    row_key,
 )
 from tests.conftest import ROOT, Workers, read_jsonl
 from tests.netns_hosts import SERVICE_ADDRESS, TestHosts
@@ -102,7 +103,7 @@ def run_call(
 
 
 def once_each(got: Got, rows: list[dict[str, Any]]) -> None:
-    assert sorted(got.keys) == sorted(key(r) for r in rows), "a row resolved twice or never"
+    assert sorted(got.keys) == sorted(row_key(r) for r in rows), "a row resolved twice or never"
     failed = [v for v in got.values if not (isinstance(v, dict) and "reward" in v)]
     assert not failed, failed[:3]
 
@@ -122,7 +123,9 @@ def test_a_sigkilled_worker_s_rows_resolve_once_within_the_lease_bound(
     redis_url: str, workers: Workers, tmp_path: Path, recorded: bool
 ) -> None:
     """150 rows of 1 s on two workers of 32 slots (and 8 taken ahead each); one worker SIGKILLed
-    after 60 `/run` calls. Recorded with `max_resident_tasks`, or neither."""
+    after 60 `/run` calls. Recorded with `max_resident_tasks`; or neither, the rows given as a
+    trainer has them (not planned: no identity, so no rollout id in any reply, the case whose
+    replies once killed the caller's listener)."""
     log = tmp_path / "requests.jsonl"
     servers = start_servers({"math_agent": "math_env"}, AgentKnobs(1000, request_log=str(log)))
     r = redis.Redis.from_url(redis_url)
@@ -131,7 +134,10 @@ def test_a_sigkilled_worker_s_rows_resolve_once_within_the_lease_bound(
         workers.start(count=2, concurrency=32, env=ENV)
         workers.wait_ready()
         victim = workers.procs[0]
-        rows = planned(servers, 150)
+        if recorded:
+            rows = planned(servers, 150)
+        else:
+            rows = [{**make_row("arithmetic", i, "math_agent"), "n": i} for i in range(150)]
 
         def kill() -> dict[str, Any]:
             wait_for(lambda: calls_started(log) >= 60, 60, "60 calls")
