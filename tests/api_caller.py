@@ -1,4 +1,4 @@
-"""A trainer process for the reattach test (`python -m tests.api_caller SPEC.json`): a recorded
+"""A trainer process for the reattach test (`python -m tests.api_caller CALL.json`): a recorded
 `run_examples` call whose outcomes it prints as it takes them; after `take` of them it stops
 taking (its listener still pops replies) until the test SIGKILLs it."""
 

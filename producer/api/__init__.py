@@ -1,4 +1,4 @@
-"""The Python API for trainers (SPEC §10): `run_examples`, `run_outcomes` and `reattach` over the cluster."""
+"""The Python API for trainers: `run_examples`, `run_outcomes` and `reattach` over the cluster."""
 
 from producer.api.calls import Completions, Outcomes, run_examples, run_outcomes
 from producer.api.reattach import reattach
