@@ -261,3 +261,22 @@ def api_active(invocation: str) -> str:
     replied yet. Removed in the same MULTI as the reply is pushed; with the shard's leases it
     tells a closing caller when nothing of its invocation is still running."""
     return f"{PREFIX}:api:{invocation}:active"
+
+
+def api_call(invocation: str) -> str:
+    """String: set by the caller when the invocation starts and renewed as it listens; a caller
+    that finds it gone knows Redis lost the call's state (it restarted without its data) and
+    sends the rows still unsettled again (`producer/api/transport.py`)."""
+    return f"{PREFIX}:api:{invocation}:call"
+
+
+def api_consumed(invocation: str) -> str:
+    """Bitmap: bit `index` is set once the caller handed that row's outcome out (a recorded call),
+    so that `reattach` from another process yields only the outcomes not consumed yet."""
+    return f"{PREFIX}:api:{invocation}:consumed"
+
+
+def api_finishing(invocation: str) -> str:
+    """String: taken (SET NX) by the process that runs a recorded call's finish step, so that a
+    caller and a process that reattached to it never both run it."""
+    return f"{PREFIX}:api:{invocation}:finishing"

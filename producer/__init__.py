@@ -3,12 +3,12 @@
 config/    the servers config (a file, a NeMo Gym head server, NeMo Gym's format), `+key=value`
 planning/  rows in, planned rollouts out: routing, identities, run order, every problem at once
 shard/     one shard's lifecycle: open, dispatch, wait, stop on SIGTERM, resume, the final report
-api/       the Python API: `run_examples`, `run_outcomes`
+api/       the Python API: `run_examples`, `run_outcomes`, `reattach`
 ops/       operating on runs: status, cancel, Flower, health-check, aggregate
 cli/       the `rollouts` command line
 """
 
-from producer.api import Completions, Outcomes, run_examples, run_outcomes
+from producer.api import Completions, Outcomes, reattach, run_examples, run_outcomes
 from producer.planning import preprocess_examples
 from schemas.errors import RolloutFailedError
 from schemas.outcomes import RolloutFailureRecord
@@ -19,6 +19,7 @@ __all__ = [
     "RolloutFailedError",
     "RolloutFailureRecord",
     "preprocess_examples",
+    "reattach",
     "run_examples",
     "run_outcomes",
 ]

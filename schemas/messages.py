@@ -91,6 +91,8 @@ class CaptureRef(BaseModel):
     """The `model_call_capture_dir` URL."""
     delete_after_merge: bool = False
     """Delete the rollout's capture files once merged."""
+    include_payloads: bool = True
+    """Keep the calls' request and response bodies in the merged `ng_trajectory`."""
 
 
 class CollectRequest(BaseModel):

@@ -79,9 +79,10 @@ class RolloutOutcome(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rollout: str | None
+    rollout: str | None = None
     """The rollout's id (`_ng_rollout_id`, else `<task>-<rollout>`); None for an API row
-    without identity."""
+    without identity. Every field has a default, so that no encoding of an outcome (a reply
+    leaves its None fields out) parses differently from the outcome it encodes."""
     ended: Ended
     """How it ended."""
     # Not validated again: the engine builds it from a reply it already parsed and checked, and

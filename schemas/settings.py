@@ -107,7 +107,11 @@ class CollectionSettings(BaseModel):
     """Where the capture proxy writes `<key>.capture.jsonl`: an absolute path or an fsspec URL
     (`s3://...`) that the proxies and the workers both reach."""
     delete_model_call_capture: bool = False
-    """Delete a rollout's capture files once merged into its result (NeMo Gym keeps them)."""
+    """Delete a rollout's capture files once merged into its result (NeMo Gym keeps them); needs
+    `include_model_call_payloads`, or the request and response bodies would be lost."""
+    include_model_call_payloads: bool = True
+    """Keep the model calls' request and response bodies in the result's `ng_trajectory` (NeMo
+    Gym's default); off, only the trajectory's structure, timings and token counts are kept."""
     telemetry_enabled: bool = False
     """Trace the run with OpenTelemetry: a job span, one trace per rollout (docs/how-to/telemetry.md);
     the `OTEL_*` variables say where to export. `ROLLOUTS_OTEL_ENABLED=1` does the same."""
@@ -177,6 +181,15 @@ class CollectionSettings(BaseModel):
             raise ValueError("model_call_capture_dir is required when observability_enabled=true")
         if "://" not in url and not url.startswith("/"):
             raise ValueError("model_call_capture_dir must be an absolute path")
+        return self
+
+    @model_validator(mode="after")
+    def _deletion_needs_payloads(self) -> CollectionSettings:
+        if self.delete_model_call_capture and not self.include_model_call_payloads:
+            raise ValueError(
+                "delete_model_call_capture needs include_model_call_payloads: the capture files "
+                "would be deleted and their request and response bodies kept nowhere"
+            )
         return self
 
     @model_validator(mode="after")

@@ -5,7 +5,8 @@ to `preprocess_examples`. What it still does, as NeMo Gym's does, is resolve row
 a `task_source` to their agent and refuse, all at once, rows it cannot send: not an object, no
 `responses_create_params`, no resolvable agent, an agent absent from the config (with a
 did-you-mean), a pairing `allowed_agents` refuses. A recorded shard also needs each row's planned
-identity, unique per shard, since that is what lands and what a resume reads.
+identity, unique per shard, since that is what lands and what a resume reads; its rollout ids
+(and so the keys its model calls are captured under) are prefixed with the shard's run id.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class Prepared:
     """The rows' bodies and agents, by position in the call."""
 
     sent: list[dict[str, Any]] = field(default_factory=list)
-    """The `/run` body of each row: the row itself, or a copy when something was stamped."""
+    """The `/run` body of each row: a copy of the row (the caller's object is never kept, so
+    what the caller does with it later changes nothing sent), with what was stamped."""
     agents: list[str] = field(default_factory=list)
     """The agent each row runs on."""
 
@@ -82,6 +84,20 @@ def _check_identity(
         log.add(f"invalid _ng_rollout_id {explicit!r}", n, F.ROLLOUT_ID)
 
 
+def _recorded_id(row: dict[str, Any], run_id: str) -> str | None:
+    """A recorded row's rollout id: its own (`_ng_rollout_id`, else `<task>-<rollout>`) prefixed
+    with the shard's run id, so that two recorded shards sharing a capture directory never share
+    a capture key; an id that carries the prefix already (a row read back from a shard) keeps it."""
+    explicit = row.get(F.ROLLOUT_ID)
+    if explicit is not None:
+        own = str(explicit)
+    elif F.TASK_INDEX in row and F.ROLLOUT_INDEX in row:
+        own = f"{row[F.TASK_INDEX]}-{row[F.ROLLOUT_INDEX]}"
+    else:
+        return None
+    return own if own.startswith(f"{run_id}-") else f"{run_id}-{own}"
+
+
 def prepare_rows(
     rows: list[Any], config: ServersConfig, settings: CollectionSettings, stamp: Stamp
 ) -> Prepared:
@@ -97,7 +113,7 @@ def prepare_rows(
             log.add(f"a row must be a dict, got {type(row).__name__}", n)
             continue
         try:
-            orjson.dumps(row)
+            encoded = orjson.dumps(row)
         except (orjson.JSONEncodeError, TypeError) as exc:
             log.add(f"the row is not JSON-serializable: {exc}", n)
             continue
@@ -109,19 +125,21 @@ def prepare_rows(
             log.add(message, n, field_)
         if stamp.shard is not None:
             _check_identity(row, n, log, seen)
+            recorded_id = _recorded_id(row, stamp.run_id or "")
+            if recorded_id is not None and not F.valid_rollout_id(recorded_id):
+                log.add(f"the run id cannot prefix the rollout id: {recorded_id!r}", n, F.RUN_ID)
         if log.failed or not route.targets:
             continue
         target = route.targets[0]
-        body = row
-        if named != target.agent or stamp.run_id is not None or stamp.shard is not None:
-            body = dict(row)
-            if named != target.agent:
-                body[F.AGENT_REF] = {"name": target.agent}
-            if stamp.run_id is not None:
-                body[F.RUN_ID] = stamp.run_id
-            if stamp.shard is not None:
-                body[F.ENVIRONMENT_SERVER] = target.environment
-                body[F.SHARD] = stamp.shard
+        body = orjson.loads(encoded)
+        if named != target.agent:
+            body[F.AGENT_REF] = {"name": target.agent}
+        if stamp.run_id is not None:
+            body[F.RUN_ID] = stamp.run_id
+        if stamp.shard is not None:
+            body[F.ENVIRONMENT_SERVER] = target.environment
+            body[F.SHARD] = stamp.shard
+            body[F.ROLLOUT_ID] = _recorded_id(row, stamp.run_id or "")
         out.sent.append(body)
         out.agents.append(target.agent)
     if log:

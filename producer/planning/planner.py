@@ -34,7 +34,7 @@ from producer.planning.limits import MAX_ROW_DEPTH, Line, Oversize, file_lines, 
 from producer.planning.ordering import Planned, in_run_order
 from producer.planning.problems import ProblemLog
 from producer.planning.reserved import check_input_row
-from producer.planning.routing import Router, pairing_bypassed
+from producer.planning.routing import DeferredRouter, Router, pairing_bypassed
 from producer.planning.state import DigestTable, RolloutCounters, digest64
 from schemas import fields as F
 from schemas.config import ServersConfig
@@ -77,7 +77,7 @@ class Planner:
 
     def __init__(
         self,
-        config: ServersConfig,
+        config: ServersConfig | None,
         settings: CollectionSettings,
         context: PlanContext,
         source: str = "<rows>",
@@ -93,7 +93,11 @@ class Planner:
         self.on_warning = on_warning or print_warning
         self.planned = 0
         self.log = ProblemLog(source)
-        self.router = Router(config, settings, bypass_pairing=pairing_bypassed(settings))
+        self.router = (
+            Router(config, settings, bypass_pairing=pairing_bypassed(settings))
+            if config is not None
+            else DeferredRouter(ServersConfig(), settings)
+        )
         # Sized for the rows expected, so the tables do not rehash mid-run.
         self._tasks = DigestTable(capacity=expected_rows)
         self._counters = RolloutCounters(capacity=expected_rows)
@@ -195,12 +199,14 @@ class Planner:
         take = self._counters.take
         for target in route.targets:
             agent = target.agent
-            copy[AGENT_REF] = ref if named == agent else {"name": agent}
+            if agent:  # else left to run_examples (`DeferredRouter`)
+                copy[AGENT_REF] = ref if named == agent else {"name": agent}
             for _ in range(target.repeats):
                 rollout = take(task)
                 copy[TASK_INDEX] = task
                 copy[ROLLOUT_INDEX] = rollout
-                copy[ENVIRONMENT_SERVER] = target.environment
+                if target.environment:
+                    copy[ENVIRONMENT_SERVER] = target.environment
                 copy[RUN_ID] = self._run_id
                 copy[SHARD] = self._shard
                 out.append((rollout, agent, orjson.dumps(copy, option=orjson.OPT_APPEND_NEWLINE)))
@@ -361,7 +367,7 @@ def write_plan(
 
 def preprocess_examples(
     rows: Iterable[dict[str, Any]],
-    config: ServersConfig | Mapping[str, Any],
+    config: ServersConfig | Mapping[str, Any] | None = None,
     settings: CollectionSettings | None = None,
     run_id: str = "direct",
     shard: str = "0",
@@ -373,9 +379,11 @@ def preprocess_examples(
 
     `config` is a `ServersConfig` or a mapping in either accepted format (docs/reference/servers-config.md); `task_ids`
     keeps only those tasks, each once, before repetition. Raises PlanningError with every
-    problem, rows numbered from 1.
+    problem, rows numbered from 1. Without a config, agents are not checked and a row that
+    names only a `task_source` keeps it without an agent: `run_examples` resolves it against
+    its config (a NeMo Gym head server's URL, for one).
     """
-    if not isinstance(config, ServersConfig):
+    if config is not None and not isinstance(config, ServersConfig):
         from producer.config.loading import parse_servers_config
 
         config = parse_servers_config(dict(config), "<config>")

@@ -330,3 +330,38 @@ class Router:
                 f"{', '.join(allowed) or 'nothing'}; {PAIRING_HINT}"
             )
         return refusals
+
+
+DEFERRED = ""
+"""A target's agent or environment left for `run_examples` to resolve (no config to planning)."""
+
+
+@dataclass
+class DeferredRouter(Router):
+    """Routes rows without a config (`preprocess_examples` without one): a row keeps its own
+    agent (or the one `agent_map`/`agent_name`/`fan_out` names) unchecked, and a row that names
+    only a `task_source` is left to `run_examples`, which resolves it against its config (a
+    NeMo Gym head server's, say). Repeats follow the row's agent, else its basis, else
+    `_default`; no environment server is stamped."""
+
+    def _route(self, named: str | None, source: str | None, stamp: str | None) -> Route:
+        problems: list[ProblemText] = []
+        basis = named if named is not None else source
+        fan = self.settings.fan_out.get(basis) if basis is not None else None
+        if fan is not None:
+            agents = list(fan)
+        elif named is None and source is not None and not self._named_by_settings(named, source):
+            agents = [DEFERRED]
+        else:
+            agent, _ = self._single(named, source, problems)
+            agents = [] if agent is None else [agent]
+        targets = []
+        for agent in agents:
+            repeats = self._repeats(agent, basis, problems)
+            if repeats is not None:
+                targets.append(Target(agent, DEFERRED, repeats))
+        return Route(tuple(targets), tuple(dict.fromkeys(problems)))
+
+    def _named_by_settings(self, named: str | None, source: str) -> bool:
+        amap = self.settings.agent_map
+        return source in amap or "_default" in amap or self.settings.agent_name is not None

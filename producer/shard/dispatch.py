@@ -72,8 +72,9 @@ def capture_ref(settings: CollectionSettings) -> dict[str, Any] | None:
     ref = CaptureRef(
         dir=settings.model_call_capture_dir,
         delete_after_merge=settings.delete_model_call_capture,
+        include_payloads=settings.include_model_call_payloads,
     )
-    return ref.model_dump(mode="json")
+    return ref.model_dump(mode="json", exclude_defaults=True)
 
 
 def admissions(

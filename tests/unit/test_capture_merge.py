@@ -268,6 +268,22 @@ def test_delete_after_merge_is_a_setting(store: CaptureStore) -> None:
     assert store.read("3-1") == (None, False)
 
 
+def test_without_payloads_the_trajectory_keeps_no_request_or_response_body(
+    store: CaptureStore,
+) -> None:
+    write(store, "3-1", line())
+    req = request(store).model_copy(
+        update={"capture": CaptureRef(dir=store.url, include_payloads=False)}
+    )
+    merged = merge_into(req, result())
+    [call] = merged["ng_trajectory"]["model_calls"]
+    assert call["request"] is None and call["response"] is None
+    assert call["token_stats"]["completion_tokens"] == 3 and call["duration_ms"] == 10.0
+    assert merged["ng_perf"]["completion_tokens"] == 3
+    with_payloads = merge_into(request(store), result())["ng_trajectory"]["model_calls"][0]
+    assert with_payloads["request"]["input"][0]["content"] == "2+3?"
+
+
 def test_without_a_capture_dir_nothing_is_merged(store: CaptureStore) -> None:
     req = request(store).model_copy(update={"capture": None})
     assert merge_into(req, result()) == result()

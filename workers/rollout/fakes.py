@@ -283,6 +283,8 @@ class FakeLeases:
         finish task's signature."""
         self.counted = 0
         """Rollouts of that generation counted toward its finish."""
+        self.given_back: list[str] = []
+        """Keys whose lease an attempt gave back without starting."""
         self._n = 0
 
     def take(self, sid: str, key: str, token: str, message: dict[str, Any]) -> LeaseTicket:
@@ -326,6 +328,16 @@ class FakeLeases:
 
     def forget(self, lease: Lease) -> None:
         self.held.pop(lease.key, None)
+
+    def fresh(self, lease: Lease) -> bool:
+        return self.held.get(lease.key) == lease
+
+    def give_back(self, lease: Lease) -> None:
+        if self.shard.attempts.get(lease.key) == lease.attempt:
+            self.shard.attempts.pop(lease.key, None)
+            self.held.pop(lease.key, None)
+            self.messages.pop(lease.key, None)
+            self.given_back.append(lease.key)
 
     def expire(self, key: str) -> None:
         """The holder went silent and its lease expired; a takeover fences it and re-publishes
