@@ -6,9 +6,10 @@ record's own `response`, then the run-level check of the run accounting (SPEC §
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.records import RateLimitWaits
 from schemas.usage import TokenUsage
@@ -49,6 +50,90 @@ TASK_CHECKS: tuple[str, ...] = ("task_consistently_unhealthy", "task_no_successf
 ROLLOUT_CHECKS: tuple[str, ...] = tuple(
     c for c in ALL_CHECKS if c not in TASK_CHECKS and c != RUN_CHECK
 )
+
+
+class CheckScope(StrEnum):
+    """What one evaluation of a check judges."""
+
+    ROLLOUT = "rollout"
+    TASK = "task"
+    RUN = "run"
+
+
+class CheckSubject(StrEnum):
+    """What a check's findings point at (their locator)."""
+
+    CHECK_EXECUTION = "check_execution"
+    RECORD = "record"
+    ROLLOUT = "rollout"
+    AGENT_TURN = "agent_turn"
+    MODEL_CALL = "model_call"
+    TRAJECTORY_CAPTURE = "trajectory_capture"
+    TASK = "task"
+    STEP = "step"
+    GROUP = "group"
+
+
+class CheckInput(StrEnum):
+    """Persisted or derived evidence a check reads; without it the check is unobserved."""
+
+    RECORD = "record"
+    """The rollout record itself (a JSON object)."""
+    TRAJECTORY = "trajectory"
+    """An observed `ng_trajectory`."""
+    AGENT_TURNS = "agent_turns"
+    """The trajectory's turns, observed."""
+    BOUND_CALLS = "bound_calls"
+    """Calls bound to turns by their references (turn bindings)."""
+    OWNED_MODEL_CALLS = "owned_model_calls"
+    """Calls bound to turns or invocations (owned bindings)."""
+    OBSERVED_MODEL_CALLS = "observed_model_calls"
+    """Every captured call of the trajectory, observed."""
+    SELECTED_CALLS = "selected_calls"
+    """The model outputs judged for faults: the verified successful raw model responses bound to
+    agent turns of a complete call scope; a record with no captured call has one, its own final
+    `response` (so the fault checks work without capture)."""
+    STEP_USAGE = "step_usage"
+    """The record's `step_usage` (agents that solve a task in sub-steps)."""
+    REPEAT_VERDICTS = "repeat_verdicts"
+    """The verdicts of a task's repeats."""
+    REPEAT_DIGESTS = "repeat_digests"
+    """The call statistics of a task's repeats."""
+    RUN_ACCOUNTING = "run_accounting"
+    """Owed, landed and failed rollouts of the run, per group."""
+
+
+CALL_BINDING_VIEWS = frozenset(
+    {CheckInput.BOUND_CALLS, CheckInput.OWNED_MODEL_CALLS, CheckInput.SELECTED_CALLS}
+)
+"""The views that join references to captured calls; a check reads at most one of them."""
+
+
+class CheckSpec(BaseModel):
+    """A stable, self-describing health-check contract: its id, scope, subject and reads."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    """The check id, as it appears in the summary and the verdict lines."""
+    scope: CheckScope
+    """Per rollout, per task, or once per run."""
+    subject: CheckSubject
+    """What its findings point at."""
+    reads: frozenset[CheckInput]
+    """The evidence it reads: missing any of it leaves the check unobserved."""
+
+    @field_validator("reads")
+    @classmethod
+    def _one_call_binding_view(cls, reads: frozenset[CheckInput]) -> frozenset[CheckInput]:
+        if len(reads & CALL_BINDING_VIEWS) > 1:
+            raise ValueError(
+                "a health check cannot read both turn-bound and invocation-owned call bindings"
+            )
+        if not reads:
+            raise ValueError("a health check reads some evidence")
+        return reads
+
 
 STOPPED_BY_SIGTERM = "stopped by SIGTERM"
 """The stop reason `rollouts run` records for its shard when it receives SIGTERM."""

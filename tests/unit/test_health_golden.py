@@ -190,6 +190,23 @@ OWNED_UNOBSERVED = [
 ]
 FAILED_500 = {"status": 500, "error_category": None}
 DUP = f("rollout_duplicate_identity", {"duplicate_count": 2})
+FAULTS = ["rollout_response_truncated", "rollout_response_empty"]
+
+# The calls judged for faults, and the faulted ones, of each record whose trajectory captured
+# calls and whose call population is known (rollout_verdicts.jsonl's `calls`).
+CALLS: dict[tuple[Any, int], tuple[list[str], list[str]]] = {
+    (0, 0): (["c1"], []),
+    (0, 1): (["c1", "c2"], []),
+    (1, 1): (["c1"], []),  # c2 failed: a trial matter, left out
+    (2, 0): (["c1"], ["c1"]),
+    (2, 1): (["c1"], []),
+    (3, 1): (["c1"], []),
+    (7, 0): (["c1"], []),
+    (7, 1): (["c1"], []),
+    (8, 0): ([], []),
+    (8, 1): ([], []),
+    (20, 0): (["c1"], []),
+}
 
 # (task, rollout, rollout_id, verdict, findings, unobserved), in the order of rollout_verdicts.jsonl.
 EXPECTED: list[tuple[Any, int, str, str, list[dict[str, Any]], list[str]]] = [
@@ -201,7 +218,8 @@ EXPECTED: list[tuple[Any, int, str, str, list[dict[str, Any]], list[str]]] = [
             f("rollout_missing_agent_turns", {"reason": "no agent turn with model activity"}),
             f("agent_turn_hollow", {"reason": "agent turn has no message or tool calls"}, {"turn": 1}),
         ],
-        OWNED_UNOBSERVED,
+        # Its one turn references no call: the calls' population is unknown.
+        [*OWNED_UNOBSERVED, *FAULTS],
     ),
     (
         1, 1, "1-1", "unhealthy",
@@ -220,11 +238,14 @@ EXPECTED: list[tuple[Any, int, str, str, list[dict[str, Any]], list[str]]] = [
         [
             f("model_call_zero_completion_tokens", {"completion_tokens": 0}, {"call_id": "c1"}),
             f("model_call_runaway_generation", {"finish_reason": "length"}, {"call_id": "c1"}),
+            # The one selected call is cut and has no output: both faults name it.
+            f("rollout_response_truncated", {"finish_reason": "length"}, {"call_id": "c1"}),
+            f("rollout_response_empty", {"reason": "empty"}, {"call_id": "c1"}),
         ],
         [],
     ),
     (2, 1, "2-1", "unhealthy", [f("model_call_missing_token_counts", {"missing": ["completion_tokens"]}, {"call_id": "c1"})], ["rollout_token_count_mismatch"]),
-    (3, 0, "3-0", "unhealthy", [f("trajectory_capture_mismatch", {"kind": "missing_captured_call"}, {"call_id": "c9"})], ["rollout_token_count_mismatch"]),
+    (3, 0, "3-0", "unhealthy", [f("trajectory_capture_mismatch", {"kind": "missing_captured_call"}, {"call_id": "c9"})], ["rollout_token_count_mismatch", *FAULTS]),
     (
         3, 1, "3-1", "unhealthy",
         [f("rollout_token_count_mismatch", {"transcript_prompt": 99, "transcript_completion": 5, "capture_prompt": 10, "capture_completion": 5})],
@@ -246,7 +267,7 @@ EXPECTED: list[tuple[Any, int, str, str, list[dict[str, Any]], list[str]]] = [
             f("rollout_ended_on_failed_model_call", {"model_ref": MODEL, **FAILED_500, "observed_calls": 1, "successful_calls": 0}, {"call_id": "c1"}),
             f("model_call_failed", {**FAILED_500, "terminal": True}, {"call_id": "c1"}),
         ],
-        [],
+        FAULTS,  # its one call failed: no call is selected, no output to judge
     ),
     (
         8, 1, "8-1", "unhealthy",
@@ -254,7 +275,7 @@ EXPECTED: list[tuple[Any, int, str, str, list[dict[str, Any]], list[str]]] = [
             f("rollout_ended_on_failed_model_call", {"model_ref": MODEL, **FAILED_500, "observed_calls": 1, "successful_calls": 0}, {"call_id": "c1"}),
             f("model_call_failed", {**FAILED_500, "terminal": True}, {"call_id": "c1"}),
         ],
-        [],
+        FAULTS,  # its one call failed: no call is selected, no output to judge
     ),
     (20, 0, "unnumbered-0", "healthy", [], []),
     (
@@ -300,6 +321,11 @@ def test_every_check_finding_and_verdict(tmp_path: Path) -> None:
             "verdict": verdict,
             "findings": findings,
             "unobserved": unobserved,
+            **(
+                {"calls": dict(zip(("selected", "faulted"), CALLS[(t, r)], strict=True))}
+                if (t, r) in CALLS
+                else {}
+            ),
         }
         for t, r, rid, verdict, findings, unobserved in EXPECTED
     ]
@@ -335,16 +361,18 @@ def test_every_check_finding_and_verdict(tmp_path: Path) -> None:
         "model_call_runaway_generation": 1,
         "task_consistently_unhealthy": 6,
         "task_no_successful_model_calls": 1,
-        "rollout_response_truncated": 1,
-        "rollout_response_empty": 1,
+        "rollout_response_truncated": 2,
+        "rollout_response_empty": 2,
         "rollout_context_window_exceeded": 1,
         "run_excessive_failures": 0,
     }
     coverage = run["artifacts"]["coverage"]
     assert coverage["model_call_failed"] == {"evaluated": 13, "unobserved": 8, "ignored": 0}
+    # Unobserved: the unreadable line, two records whose calls' population is unknown (1-0,
+    # 3-0) and two whose only call failed (8-0, 8-1).
     assert coverage["rollout_response_truncated"] == {
-        "evaluated": 20,
-        "unobserved": 1,
+        "evaluated": 16,
+        "unobserved": 5,
         "ignored": 0,
     }
     assert coverage["task_consistently_unhealthy"] == {

@@ -221,6 +221,9 @@ class Reducer:
             ],
             "unobserved": _unobserved_names(d.unobserved),
         }
+        if d.selected is not None:
+            # Ids only: which calls were judged for faults, and which had one.
+            line["calls"] = {"selected": d.selected, "faulted": d.faulted or []}
         if d.stage is not None:
             line["stage_index"] = d.stage
         if self.labels is not None:
