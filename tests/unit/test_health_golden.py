@@ -394,7 +394,8 @@ def test_every_check_finding_and_verdict(tmp_path: Path) -> None:
     }
 
     # The run accounting and the verdict: no limit set, so the run check is unobserved, but the
-    # missing rollout and the duplicate already make the run unhealthy.
+    # duplicate, observed, already makes the run unhealthy. The missing rollout is counted; it
+    # is no reason either way (the verdict never certifies completeness).
     acc = run["accounting"]
     assert {k: acc[k] for k in ("owed", "landed", "scored", "missing", "drained", "duplicates", "not_owed", "unreadable")} == {
         "owed": 20, "landed": 18, "scored": 18, "missing": 1, "drained": None,
@@ -408,10 +409,7 @@ def test_every_check_finding_and_verdict(tmp_path: Path) -> None:
     }
     assert run["state"] == "complete"
     assert run["healthy"] is False
-    assert run["reasons"] == [
-        "1 of 20 owed rollouts have no outcome",
-        "1 records repeat a rollout identity already recorded",
-    ]
+    assert run["reasons"] == ["1 records repeat a rollout identity already recorded"]
     assert run["sources"] == ["rollouts-0.jsonl"]
     assert run["limits"] == {
         "max_failed_rollouts": None,
@@ -590,7 +588,25 @@ def test_shard_that_landed_nothing_is_still_accounted(tmp_path: Path) -> None:
     acc = run["accounting"]
     assert (acc["owed"], acc["landed"], acc["missing"], acc["failed"]["total"]) == (2, 0, 1, 1)
     assert run["healthy"] is False
-    assert len(run["reasons"]) == 2
+    assert run["reasons"] == [
+        "1 of 2 rollouts of agent math_agent on math_env failed with agent_run_error "
+        "(max_failed_rollouts=1)"
+    ]
+
+
+def test_a_healthy_verdict_does_not_certify_completeness(tmp_path: Path) -> None:
+    """Half the owed rollouts have no outcome and nothing read shows a problem: the run is
+    healthy (within its limit), and its accounting still counts the missing ones."""
+    folder = tmp_path / "half"
+    folder.mkdir()
+    write_lines(folder / "rollouts-0.jsonl", [record(0, 0, traj=healthy_trajectory())])
+    write_lines(folder / "rollouts-0_materialized_inputs.jsonl", owed(1, 2))
+    (folder / "rollouts-0_manifest.json").write_bytes(
+        orjson.dumps({"settings": {"max_failed_rollouts": 1}})
+    )
+    run = check(folder)["run"]
+    assert (run["accounting"]["owed"], run["accounting"]["missing"]) == (2, 1)
+    assert (run["healthy"], run["reasons"]) == (True, [])
 
 
 def test_earlier_summary_limits_are_read_without_its_tasks(tmp_path: Path) -> None:

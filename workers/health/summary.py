@@ -1,10 +1,10 @@
 """The quality summary: NeMo Gym's shape (`run.ignored_checks`, `artifacts`, `verdicts`, `issues`,
 `stats`, `tasks`) plus ours (`state`, `healthy`, `reasons`, `accounting`, `limits`, `sources`).
 
-`healthy` is true only when the run is whole and its failures are within the limits; false when
-the evidence says otherwise (a group over a limit, owed rollouts with no outcome or drained,
-duplicate records); null when it cannot say (no limit set, no inventory, a provisional or
-disabled summary). `reasons` says why.
+`healthy` is true when the evidence read shows no problem (its failure groups are within the
+limits, no record repeats a rollout); false when it shows one; null when it cannot say (no limit
+set, no inventory, a provisional or disabled summary). `reasons` says why. It never certifies
+completeness: owed rollouts without an outcome are counted (`accounting.missing`), not judged.
 """
 
 from __future__ import annotations
@@ -42,18 +42,20 @@ def verdict(
     unobserved_reason: str | None,
     findings: list[dict[str, Any]],
 ) -> tuple[bool | None, list[str]]:
-    """(healthy, reasons) from the accounting and the run-level check."""
+    """(healthy, reasons) from the accounting and the run-level check.
+
+    Only what the evidence read shows counts: failure groups over a limit and records that repeat
+    a rollout, both observed. The verdict never certifies that the run is complete: owed rollouts
+    without an outcome (`missing`) are counted in the accounting but do not make the run healthy
+    or unhealthy; which rollouts are complete is the run's coverage to say.
+    """
+    # Completeness plugs in here from the run's coverage file (issue 39), not from owed minus
+    # outcomes: its incomplete rollouts will add their own reasons.
     unhealthy = [f["reason"] for f in findings]
-    if state == "complete":
-        owed, missing, drained = accounting["owed"], accounting["missing"], accounting["drained"]
-        if missing:
-            unhealthy.append(f"{missing} of {owed} owed rollouts have no outcome")
-        if drained:
-            unhealthy.append(f"{drained} owed rollouts were drained (never started)")
-        if accounting["duplicates"]:
-            unhealthy.append(
-                f"{accounting['duplicates']} records repeat a rollout identity already recorded"
-            )
+    if state == "complete" and accounting["duplicates"]:
+        unhealthy.append(
+            f"{accounting['duplicates']} records repeat a rollout identity already recorded"
+        )
     if unhealthy:
         return False, unhealthy
     unknown = []
@@ -61,8 +63,6 @@ def verdict(
         unknown.append(PROVISIONAL_REASON)
     if coverage == "unobserved" and unobserved_reason:
         unknown.append(f"{RUN_CHECK} is unobserved: {unobserved_reason}")
-    if state == "complete" and accounting["owed"] is None and coverage != "unobserved":
-        unknown.append("no materialized inputs: the owed rollouts are unknown")
     return (None, unknown) if unknown else (True, [])
 
 
