@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.records import RateLimitWaits
+from schemas.run_facts import ConfigFacts
 from schemas.usage import TokenUsage
 
 QUALITY_SUMMARY = "quality_summary.json"
@@ -177,6 +178,11 @@ class Source(BaseModel):
     """Per agent, the 429/503 replies waited out, from its status record; None when unknown."""
     tokens: TokenUsage | None = None
     """Tokens (and cost) of its landed rollouts, from its status record; None when unknown."""
+    config_facts: ConfigFacts | None = None
+    """What its run's config stated as written, from its manifest; None without one."""
+    capture_dir: str | None = None
+    """The model-call capture dir its failed rollouts' calls are read from (the timeouts
+    section); None when capture was off or its dir is not known."""
 
 
 FileKind = Literal["results", "failures", "materialized"]
@@ -213,6 +219,11 @@ class ScanResult(BaseModel):
     """What one job wrote and counted."""
 
     model_config = ConfigDict(extra="forbid")
+
+    sha256: str | None = None
+    """SHA-256 of the whole file, when the job read all of it (None for a byte range)."""
+    size: int | None = None
+    """The file's size in bytes, when the job read all of it."""
 
     job: int
     """The job's number."""

@@ -15,6 +15,7 @@ its line number names it) cannot be keyed by a job that sees only a range; it go
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from types import TracebackType
 from typing import Any
@@ -58,6 +59,40 @@ def _counted(result: ScanResult, line: bytes | memoryview) -> bool:
     return True
 
 
+class FileDigest:
+    """The SHA-256 of a whole file, from its lines as a job reads them (newlines put back): a
+    job over a byte range computes none (the combine step reads that file again)."""
+
+    def __init__(self, job: ScanJob) -> None:
+        whole = job.start == 0 and job.end is None
+        self._hash = hashlib.sha256() if whole else None
+        self._bytes = 0
+        self._pending = False
+
+    def add(self, line: bytes | memoryview) -> None:
+        h = self._hash
+        if h is None:
+            return
+        if self._pending:
+            h.update(b"\n")
+            self._bytes += 1
+        h.update(line)
+        self._bytes += len(line)
+        self._pending = True
+
+    def finish(self, result: ScanResult, size: int) -> None:
+        """Set the file's digest on `result` when its lines add up to its `size` (a last line
+        with no newline is the one that does not end in one)."""
+        h = self._hash
+        if h is None:
+            return
+        if self._pending and self._bytes + 1 == size:
+            h.update(b"\n")
+            self._bytes += 1
+        if self._bytes == size:
+            result.sha256, result.size = h.hexdigest(), size
+
+
 def _int_key(row: dict[str, Any]) -> tuple[int, int] | None:
     task, rollout = row.get(F.TASK_INDEX), row.get(F.ROLLOUT_INDEX)
     if type(task) is int and type(rollout) is int:
@@ -91,6 +126,7 @@ class ResultsScan:
         self._late_name = f"{self._prefix}-late.jsonl"
         self._late_count = 0
         self._stack = contextlib.ExitStack()
+        self._digest = FileDigest(job)
 
     def __enter__(self) -> ResultsScan:
         self._late = self._stack.enter_context(
@@ -107,6 +143,7 @@ class ResultsScan:
         self._stack.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             return
+        self._digest.finish(self.result, RunDir(self.job.dir).size(self.job.name))
         self.result.runs = self._writer.close()
         if self._late_count:
             self.result.late = self._late_name
@@ -115,11 +152,13 @@ class ResultsScan:
 
     def add_line(self, offset: int, line: bytes | memoryview) -> None:
         """One line of the range, as read."""
+        self._digest.add(line)
         if _counted(self.result, line):
             self._add(offset, check_line(line, self.ignored))
 
     def add_parsed(self, offset: int, line: bytes | memoryview, value: Any) -> None:
         """One line of the range and what `jsonl.loads` made of it (`jsonl.UNPARSED`: it raised)."""
+        self._digest.add(line)
         if _counted(self.result, line):
             self._add(offset, check_parsed(value, self.ignored))
 
@@ -163,7 +202,9 @@ def _scan(job: ScanJob) -> ScanResult:
         return results.result
     writer = RunWriter(RunDir(job.scratch), f"job{job.job:05d}", KEY_LEN)
     result = ScanResult(job=job.job)
+    digest = FileDigest(job)
     for offset, line in lines:
+        digest.add(line)
         if not _counted(result, line):
             continue
         try:
@@ -178,5 +219,6 @@ def _scan(job: ScanJob) -> ScanResult:
             writer.add([job.source, 0, key[0], 0, key[1], FAILURE, 0, 0, offset, payload])
         else:
             writer.add([job.source, 0, key[0], 0, key[1], OWED, 0, 0, offset, list(group_of(row))])
+    digest.finish(result, rd.size(job.name))
     result.runs = writer.close()
     return result

@@ -1,5 +1,6 @@
 """The quality summary: NeMo Gym's shape (`run.ignored_checks`, `artifacts`, `verdicts`, `issues`,
-`stats`, `tasks`) plus ours (`state`, `healthy`, `reasons`, `accounting`, `limits`, `sources`).
+`stats`, `tasks`) plus ours (`state`, `healthy`, `reasons`, `accounting`, `limits`, `sources`, `timeouts`,
+`config`, `gate`).
 
 `healthy` is true when the evidence read shows no problem (its failure groups are within the
 limits, no record repeats a rollout); false when it shows one; null when it cannot say (no limit
@@ -15,6 +16,7 @@ from typing import Any
 import orjson
 
 from schemas.health import ALL_CHECKS, RESPONSE_CHECKS, RUN_CHECK, Limits, SummaryState
+from schemas.run_facts import ConfigFacts, InputDigest
 from workers.health.accounting import NO_LIMIT_SET, Accounting
 from workers.health.reduce import VERDICTS, Totals
 
@@ -66,6 +68,32 @@ def verdict(
     return (None, unknown) if unknown else (True, [])
 
 
+def config_section(facts: list[tuple[str, ConfigFacts | None]]) -> dict[str, Any] | None:
+    """`run.config`: the sources' config facts (one set when they agree, else per source);
+    None when no source has a manifest that records them."""
+    known = {label: f.model_dump(mode="json") for label, f in facts if f is not None}
+    if not known:
+        return None
+    distinct = {orjson.dumps(v, option=orjson.OPT_SORT_KEYS) for v in known.values()}
+    if len(distinct) == 1 and len(known) == len(facts):
+        return next(iter(known.values()))
+    return {"by_source": {label: known.get(label) for label, _ in facts}}
+
+
+def gate_section(
+    inputs: list[InputDigest], healthy: bool | None, verdicts: dict[str, Any], failed: Any
+) -> dict[str, Any]:
+    """`run.gate`: what a gate judges (the run verdict, its unhealthy and failed rollouts), bound
+    to the SHA-256 of every saved rollout input it was read from: not to captures, nor to how
+    much of the run was observed."""
+    return {
+        "healthy": healthy,
+        "unhealthy_rollouts": verdicts.get("unhealthy"),
+        "failed_rollouts": failed,
+        "inputs": [i.model_dump(mode="json") for i in inputs],
+    }
+
+
 def run_section(
     *,
     state: SummaryState,
@@ -76,8 +104,12 @@ def run_section(
     sources: list[str],
     ignored: Iterable[str],
     check: tuple[str, str | None, list[dict[str, Any]]] | None,
+    config: dict[str, Any] | None = None,
+    inputs: list[InputDigest] | None = None,
+    timeouts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The `run` object; `totals` None leaves the per-record counts null (records not read)."""
+    """The `run` object; `totals` None leaves the per-record counts null (records not read).
+    `inputs`: the digests of the files read (`gate`, null when records were not read)."""
     if totals is not None:
         coverage: dict[str, Any] = {
             c: {k: totals.coverage[c][k] for k in ("evaluated", "unobserved", "ignored")}
@@ -126,6 +158,9 @@ def run_section(
         healthy, reasons = None, [DISABLED_REASON]
     else:
         healthy, reasons = verdict(state, acc, cov or "unobserved", why, findings)
+    gate = None
+    if inputs is not None:
+        gate = gate_section(inputs, healthy, verdicts, acc["failed"]["total"])
     return {
         "ignored_checks": sorted(ignored),
         "artifacts": artifacts,
@@ -138,6 +173,9 @@ def run_section(
         "accounting": acc,
         "limits": _limits(limits, overrides),
         "sources": sources,
+        "timeouts": timeouts,
+        "config": config,
+        "gate": gate,
     }
 
 
