@@ -21,6 +21,7 @@ from workers.health.digest import Digest
 from workers.health.registry import ROLLOUT_INDEX, checks_in, mask_of
 from workers.health.scan import FAILURE, OWED, RECORD
 from workers.health.spool import untagged
+from workers.health.timeouts import Timeouts, latest_delivery
 
 VERDICTS = ("healthy", "unhealthy", "unobserved")
 
@@ -123,8 +124,10 @@ class Reducer:
         verdicts_out: IO[bytes],
         emit_task: Callable[[int, Any, dict[str, Any]], None],
         multi_source_labels: list[str] | None,
+        timeouts: Timeouts | None = None,
     ) -> None:
         self.acc = accounting
+        self.timeouts = timeouts
         self.totals = totals
         self.out = verdicts_out
         self.emit_task = emit_task
@@ -157,7 +160,10 @@ class Reducer:
         own, all_scored = self._records(source, task, rollout, records) if records else (0, True)
         if group[0][1] == 0 and group[0][3] == 0:
             latest = failures[-1][9] if failures else None
-            self.acc.add_rollout(source, owed, own, all_scored, latest)
+            failed = self.acc.add_rollout(source, owed, own, all_scored, latest)
+            if failed is not None and self.timeouts is not None:
+                rows = latest_delivery([e[9] for e in failures])
+                self.timeouts.add(source, failed[0], failed[1], rows)
         elif own:
             self.acc.sources[source].not_owed += 1
 

@@ -6,7 +6,8 @@ each rollout's inventory row, failure rows and records arrive together, in that 
     [source, task_tag, task, rollout_tag, rollout, kind, stage_tag, stage, offset, payload]
 
 kind 0 is an owed rollout (materialized inputs; payload `[agent, environment]`), 1 a failure row
-(`[class, agent, environment]`), 2 a record (its digest). A record whose identity depends on its
+(`[class, agent, environment, capture key, started_at, run_ms, carries a capture]`), 2 a record
+(its digest). A record whose identity depends on its
 place in the whole input (no `_ng_task_index`: the global ordinal stands in; an unreadable line:
 its line number names it) cannot be keyed by a job that sees only a range; it goes to the job's
 "late" file, in file order, and the combine step keys it.
@@ -98,6 +99,22 @@ def _int_key(row: dict[str, Any]) -> tuple[int, int] | None:
     if type(task) is int and type(rollout) is int:
         return task, rollout
     return None
+
+
+def failure_evidence(row: dict[str, Any]) -> list[Any]:
+    """What the timeouts section joins a failure row with: its capture key (the collector's),
+    when its delivery started, how long its `/run` calls took, whether it carries a capture."""
+    try:
+        key = F.rollout_id(row)
+    except Exception:  # an identity that cannot be read: its capture cannot be found
+        key = None
+    started, run_ms = row.get(F.STARTED_AT), row.get(F.RUN_MS)
+    return [
+        key,
+        started if isinstance(started, int | float) else None,
+        run_ms if isinstance(run_ms, int | float) else None,
+        isinstance(row.get("ng_model_call_capture"), dict),
+    ]
 
 
 def scan(job: ScanJob) -> ScanResult:
@@ -215,7 +232,7 @@ def _scan(job: ScanJob) -> ScanResult:
         if key is None:
             continue
         if job.kind == "failures":
-            payload = [failure_class(row), *group_of(row)]
+            payload = [failure_class(row), *group_of(row), *failure_evidence(row)]
             writer.add([job.source, 0, key[0], 0, key[1], FAILURE, 0, 0, offset, payload])
         else:
             writer.add([job.source, 0, key[0], 0, key[1], OWED, 0, 0, offset, list(group_of(row))])

@@ -236,6 +236,18 @@ def unobserved_note(run: dict[str, Any]) -> str:
     )
 
 
+def timeouts_lines(section: dict[str, Any] | None) -> list[str]:
+    """One line per failure class and agent of an observed timeouts section."""
+    if not section or section.get("state") != "observed":
+        return []
+    return [
+        f"Failed {g['failure_class']} ({g['agent']}): {g['rollouts']} rollouts, {g['measured']} "
+        f"measured: {g['model_calls']} model calls, {g['model_call_s']:.1f}s in calls, "
+        f"{g['other_s']:.1f}s elsewhere"
+        for g in section.get("groups") or []
+    ]
+
+
 RUN_LIMITS_HINT = "+max_failed_fraction=F or +max_failed_rollouts=N"
 """How `rollouts run` and `resume` set a failure limit (the recheck's is `--limit name=value`)."""
 
@@ -254,6 +266,7 @@ def console_line(run: dict[str, Any], path: str, set_limit: str = RUN_LIMITS_HIN
             + (unobserved_note(run) if v["unobserved"] else "")
         )
     lines.append(f"Quality summary: {path}")
+    lines.extend(timeouts_lines(run.get("timeouts")))
     word = {True: "healthy", False: "UNHEALTHY", None: "unknown"}[run["healthy"]]
     lines.append(f"Run health ({run['state']}): {word}")
     lines.extend(f"  - {reason}" for reason in run["reasons"])
