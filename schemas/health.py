@@ -6,6 +6,7 @@ record's own `response`, then the run-level check of the run accounting (SPEC §
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -51,6 +52,55 @@ TASK_CHECKS: tuple[str, ...] = ("task_consistently_unhealthy", "task_no_successf
 ROLLOUT_CHECKS: tuple[str, ...] = tuple(
     c for c in ALL_CHECKS if c not in TASK_CHECKS and c != RUN_CHECK
 )
+
+
+Verdict = Literal["healthy", "unhealthy", "unobserved"]
+VERDICTS: tuple[Verdict, ...] = ("healthy", "unhealthy", "unobserved")
+ISSUES_FIELD = "issues:"
+"""Prefix of the live health hash's per-check fields (`infra/keys.py`: `shard_health`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutVerdict:
+    """One landed record's verdict and the checks of its findings, as the finish step judges it
+    (without the duplicate check, which needs every record): what live health counts."""
+
+    verdict: Verdict
+    findings: tuple[str, ...] = ()
+    """The check id of each finding (a check may find several things in one record)."""
+
+    def counter_fields(self) -> list[str]:
+        """The live health hash's fields this verdict adds one to."""
+        return [self.verdict, *(ISSUES_FIELD + check for check in self.findings)]
+
+    def as_json(self) -> dict[str, Any]:
+        """What the rollout task's result shows (Flower)."""
+        checks: dict[str, int] = {}
+        for check in self.findings:
+            checks[check] = checks.get(check, 0) + 1
+        return {"verdict": self.verdict, "findings": checks}
+
+
+class LiveHealth(BaseModel):
+    """A shard's verdict counts over the records landed so far, from its Redis counters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    verdicts: dict[str, int]
+    """Landed records by verdict: healthy, unhealthy, unobserved."""
+    issues: dict[str, int]
+    """Findings by check id (those with any)."""
+
+    @classmethod
+    def of(cls, fields: dict[str, int]) -> LiveHealth:
+        return cls(
+            verdicts={v: fields.get(v, 0) for v in VERDICTS},
+            issues={
+                k[len(ISSUES_FIELD) :]: n
+                for k, n in sorted(fields.items())
+                if k.startswith(ISSUES_FIELD) and n
+            },
+        )
 
 
 class CheckScope(StrEnum):

@@ -40,9 +40,11 @@ from schemas.messages import (
     CallPolicy,
     CaptureRef,
     FinishRequest,
+    HealthRef,
     RunRef,
 )
 from schemas.settings import CollectionSettings
+from workers.health.registry import normalize_ignored
 from workers.redispatch import CollectTaskMessage, publish_collect
 from workers.shard.state import refresh_shard_keys
 from workers.tracing import NO_JOB, Job, job
@@ -74,6 +76,15 @@ def capture_ref(settings: CollectionSettings) -> dict[str, Any] | None:
         delete_after_merge=settings.delete_model_call_capture,
     )
     return ref.model_dump(mode="json")
+
+
+def health_ref(settings: CollectionSettings) -> dict[str, Any] | None:
+    """What each rollout task is told of live health: judge and count its result's verdict,
+    skipping the run's ignored checks; None when the finish step will not check the run."""
+    if settings.disable_health_check or settings.disable_aggregation:
+        return None
+    ignored = list(normalize_ignored(settings.health_check_ignored_checks))
+    return HealthRef(ignored=ignored).model_dump(mode="json")
 
 
 def admissions(
@@ -109,6 +120,8 @@ class CollectMessages:
     """Each agent's admission payload (`admissions`)."""
     capture: dict[str, Any] | None = None
     """The run's capture dir payload, when observability is on."""
+    health: dict[str, Any] | None = None
+    """The live health payload, when the run's health check is on."""
 
     @classmethod
     def of(
@@ -126,6 +139,7 @@ class CollectMessages:
             urls={name: agent.url for name, agent in config.agents.items()},
             gates=admissions(config, settings, deadline),
             capture=capture_ref(settings),
+            health=health_ref(settings),
         )
 
     def message(
@@ -145,6 +159,8 @@ class CollectMessages:
             payload["admission"] = self.gates[agent]
         if self.capture is not None:
             payload["capture"] = self.capture
+        if self.health is not None and (reply is None or reply.get("record", True)):
+            payload["health"] = self.health  # judged where it lands: not for an unrecorded call
         run = self.run
         return payload, f"run={run.run_id} shard={run.shard} rollout={rid}"
 

@@ -15,15 +15,13 @@ from typing import IO, Any
 
 import orjson
 
-from schemas.health import RESPONSE_CHECKS, ROLLOUT_CHECKS, TASK_CHECKS
+from schemas.health import RESPONSE_CHECKS, ROLLOUT_CHECKS, TASK_CHECKS, Verdict
 from workers.health.accounting import Accounting
 from workers.health.digest import Digest
 from workers.health.registry import ROLLOUT_INDEX, checks_in, mask_of
 from workers.health.scan import FAILURE, OWED, RECORD
 from workers.health.spool import untagged
 from workers.health.timeouts import Timeouts, latest_delivery
-
-VERDICTS = ("healthy", "unhealthy", "unobserved")
 
 
 @dataclass
@@ -108,7 +106,7 @@ checks) add findings, but one whose evidence a record lacks (no `step_usage`, sa
 unobserved in the coverage without taking the record's verdict away from NeMo Gym's."""
 
 
-def verdict_of(findings: list[Any], unobserved_mask: int) -> str:
+def verdict_of(findings: list[Any], unobserved_mask: int) -> Verdict:
     if findings:
         return "unhealthy"
     return "unobserved" if unobserved_mask & VERDICT_MASK else "healthy"

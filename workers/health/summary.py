@@ -15,10 +15,10 @@ from typing import Any
 
 import orjson
 
-from schemas.health import ALL_CHECKS, RESPONSE_CHECKS, RUN_CHECK, Limits, SummaryState
+from schemas.health import ALL_CHECKS, RESPONSE_CHECKS, RUN_CHECK, VERDICTS, Limits, SummaryState
 from schemas.run_facts import ConfigFacts, InputDigest
 from workers.health.accounting import NO_LIMIT_SET, Accounting
-from workers.health.reduce import VERDICTS, Totals
+from workers.health.reduce import Totals
 
 PROVISIONAL_REASON = (
     "provisional: the run was stopped before it finished; this is its accounting only "
