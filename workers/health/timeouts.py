@@ -52,7 +52,7 @@ class Group:
     unmeasured: Counter[str] = field(default_factory=Counter)
 
 
-def _in_calls_s(calls: list[dict[str, Any]]) -> float | None:
+def in_calls_s(calls: list[dict[str, Any]]) -> float | None:
     """Wall time spent in model calls: the union of their spans (parallel calls count once), or
     the sum of their latencies when a span is not known; None when neither is."""
     spans: list[tuple[float, float]] = []
@@ -139,7 +139,7 @@ class Timeouts:
                 return "capture_incomplete"
             calls += found
         run_ms = rows[-1][RUN_MS]
-        in_calls = _in_calls_s(calls)
+        in_calls = in_calls_s(calls)
         if run_ms is None or in_calls is None:
             return "no_timing"
         g.measured += 1

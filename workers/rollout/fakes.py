@@ -14,9 +14,8 @@ new current attempt), and the lander refuses an attempt that is not current.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import concurrent.futures
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
