@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from infra.store import RunDir
 from schemas.health import CheckInput, CheckScope, CheckSpec, CheckSubject
+from tests.conftest import ROOT
 from tests.health_fixtures import call, read_verdicts, record, trajectory, turn, write_lines
 from workers.health import make_plan, run_local
 from workers.health.record_checks import check_record
@@ -197,3 +198,21 @@ def test_the_registry_is_validated() -> None:
     with pytest.raises(ValueError, match="a task check cannot read record"):
         validate_registry((*REGISTRY[:12], task, *REGISTRY[13:]))
     assert all(isinstance(i, CheckInput) for s in REGISTRY for i in s.reads)
+
+
+def test_the_reference_page_lists_every_check_with_what_it_reads() -> None:
+    page = (ROOT / "docs" / "reference" / "health-check-inputs.md").read_text()
+    rows = {}
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`") and cells[1] in ("rollout", "task", "run"):
+            rows[cells[0].strip("`")] = (cells[1], cells[2], cells[3])
+    assert list(rows) == [s.id for s in REGISTRY]
+    for spec in REGISTRY:
+        scope, subject, reads = rows[spec.id]
+        assert (scope, subject) == (spec.scope.value, spec.subject.value), spec.id
+        listed = [r.strip() for r in reads.split(",")]
+        assert set(listed) == {i.value for i in spec.reads}, spec.id
+        assert listed == [i.value for i in CheckInput if i in spec.reads], spec.id
+    for value in CheckInput:  # every input is explained
+        assert f"| `{value.value}` |" in page, value
