@@ -10,6 +10,8 @@ response_checks.py  ours: cut or empty model outputs per selected call, context-
 outputs.py        judging one raw model output in any dialect
 combine.py        merge the runs, one pass (reduce.py), write the reports (summary.py)
 accounting.py     owed / landed / failed / missing, and run_excessive_failures
+timeouts.py       failed rollouts joined with the model calls captured under their ids
+live.py           one landed result's verdict, for the live counts the lander keeps
 provisional.py    the fast summary of a stopped run, from Redis and the sidecar
 """
 
