@@ -7,7 +7,8 @@ bottleneck), ratelimit (N=2,000, agent latency 200 ms, 429 above 8 concurrent ca
 `bench/ratelimit.py`), capture (N=4,000 model calls direct vs through `rollouts capture-proxy`,
 streamed and not, 1 and 64 in flight: added latency and proxy CPU per call; `bench/capture.py`),
 report (100k and 1M synthetic rollouts in 4 shards: `rollouts report`'s time, peak RSS and file
-size; `bench/report.py`), soak (N=1M end to end: memory of every process and of Redis at each
+size; `bench/report.py`), health (100k and 1M synthetic rollouts in 4 shards: `rollouts
+health-check` locally and `--distributed`, time and peak RSS; `bench/health.py`), soak (N=1M end to end: memory of every process and of Redis at each
 100k, the keys left behind, the finish step, status and resume; `bench/soak.py`). Figures are ratios within one invocation; this machine is shared and noisy, so
 absolute numbers vary between runs.
 """
@@ -363,6 +364,7 @@ def main() -> None:
             "ratelimit",
             "capture",
             "report",
+            "health",
             "soak",
         ],
     )
@@ -456,6 +458,10 @@ def main() -> None:
         from bench.report import report_bench
 
         print(report_bench([a.n] if a.n else [100_000, 1_000_000]))
+    elif a.scenario == "health":
+        from bench.health import health_bench
+
+        health_bench([a.n] if a.n else [100_000, 1_000_000], a.workers, None, False)
     elif a.scenario == "soak":
         from bench.soak import main as soak_main
 

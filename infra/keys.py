@@ -63,6 +63,11 @@ shard_counts = _shard_key("counts")
 """Hash of progress counters: `landed`, `duplicates`, `drained`, `failed:<class>`, and per agent
 `rate_limit_waits:<agent>` and `rate_limit_wait_ms:<agent>` (the back-off script's)."""
 
+shard_health = _shard_key("health")
+"""Hash of live verdict counts: landed records by verdict (`healthy`, `unhealthy`, `unobserved`)
+and findings by check (`issues:<check>`), added by the worker that lands each result, in the
+MULTI that commits its landed key (so a redelivered result counts once)."""
+
 shard_lock = _shard_key("lock")
 """Lock protecting the shard's files: opening, tail repair and every append batch.
 
@@ -235,6 +240,7 @@ def all_shard_keys(sid: str) -> list[str]:
         shard_landed(sid),
         *(shard_landed_bits(sid, rollout) for rollout in range(LANDED_BITS_ROLLOUTS)),
         shard_counts(sid),
+        shard_health(sid),
         shard_run_failed(sid),
         shard_cancel(sid),
         shard_leases(sid),

@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from schemas import fields as F
+from schemas.run_facts import ConfigFacts
 
 # Key, header and query-parameter names whose values are secrets, matched case-insensitively
 # anywhere in the name: `api_key`, `X-Api-Key`, `openai_key`, `hf_access_key`, `private_key`,
@@ -100,6 +101,18 @@ class ServersConfig(BaseModel):
     """Environment server instances by name."""
     resources_servers: dict[str, ResourcesServerConfig] = Field(default_factory=dict)
     """Resources server instances by name."""
+    _written: ConfigFacts | None = PrivateAttr(default=None)
+
+    @property
+    def written_facts(self) -> ConfigFacts | None:
+        """What the config document stated as written (`producer/config/facts.py`), when this
+        config was read from one; None when it was built in code."""
+        return self._written
+
+    def with_written_facts(self, facts: ConfigFacts) -> ServersConfig:
+        """This config, carrying the facts of the document it was read from."""
+        self._written = facts
+        return self
 
     @model_validator(mode="after")
     def _unique_instance_names(self) -> ServersConfig:

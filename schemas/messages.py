@@ -95,6 +95,15 @@ class CaptureRef(BaseModel):
     """Keep the calls' request and response bodies in the merged `ng_trajectory`."""
 
 
+class HealthRef(BaseModel):
+    """That the worker landing a rollout judges it and counts its verdict (live health)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ignored: list[str] = []
+    """The check ids the run's health check skips (`health_check_ignored_checks`)."""
+
+
 class CollectRequest(BaseModel):
     """One rollout: the planned row and where its agent listens."""
 
@@ -112,6 +121,8 @@ class CollectRequest(BaseModel):
     """Caps and budget that decide when the rollout may start."""
     capture: CaptureRef | None = None
     """The run's capture dir; None when observability is off."""
+    health: HealthRef | None = None
+    """Count the landed result's verdict live; None when the run's health check is off."""
 
 
 class FinishRequest(BaseModel):

@@ -98,6 +98,9 @@ class RolloutOutcome(BaseModel):
     """Duration of the `/run` call(s), retries included; None when nothing was called."""
     after_ms: float = 0.0
     """From the end of the call until the outcome was final (sorting and landing)."""
+    health: dict[str, Any] | None = None
+    """The landed result's live verdict and its findings by check (`RolloutVerdict.as_json`);
+    None when it was not judged or did not land."""
 
     def chord_summary(self) -> dict[str, Any]:
         """The small JSON dict the chord task returns."""
@@ -110,6 +113,8 @@ class RolloutOutcome(BaseModel):
             summary["error"] = self.detail
         if self.run_ms is not None:
             summary["requests"] = self.requests
+        if self.health is not None:
+            summary["health"] = self.health
         return summary
 
 

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.finish import FinishResult
+from schemas.run_facts import ConfigFacts
 from schemas.usage import TokenUsage
 
 RunState = Literal["running", "completed", "failed", "cancelled"]
@@ -97,6 +98,9 @@ class Manifest(BaseModel):
     finished: Finished | None = None
     """The last finish step's reading and result; None until one ran, and again once a new
     generation opens."""
+    config_facts: ConfigFacts | None = None
+    """What the config and settings stated as written (names and flags only), for the quality
+    summary; None in a manifest written before it was recorded."""
 
     @property
     def token(self) -> str:

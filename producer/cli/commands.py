@@ -417,6 +417,13 @@ def capture_proxy(upstream: str, capture_dir: str, port: int, host: str, model_n
 @click.option(
     "--distributed", is_flag=True, help="Run the recheck as Celery jobs on the cluster's workers."
 )
+@click.option(
+    "--model-call-capture-dir",
+    "capture_dir",
+    default=None,
+    metavar="URL",
+    help="Read failed rollouts' model calls here (timeouts section); default: the run's own.",
+)
 @result_backend_options
 @fail_on_unhealthy_option
 @reports(RolloutsError)
@@ -427,6 +434,7 @@ def health_check(
     ignore: str | None,
     as_json: bool,
     distributed: bool,
+    capture_dir: str | None,
     broker: str | None,
     redis_url: str | None,
     fail_on_unhealthy: bool,
@@ -448,6 +456,7 @@ def health_check(
             redis_url=cluster.redis_url if cluster else None,
             console=_console,
             fail_on_unhealthy=fail_on_unhealthy,
+            capture_dir=capture_dir,
         )
     )
 

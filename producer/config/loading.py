@@ -14,6 +14,7 @@ import httpx
 import yaml
 from pydantic import ValidationError
 
+from producer.config.facts import config_facts
 from producer.config.nemo_gym import is_nemo_gym_config, normalise
 from schemas.config import ServersConfig, redact_url
 from schemas.errors import PlanningError, Problem, UsageError
@@ -36,14 +37,16 @@ def parse_servers_config(data: Any, source: str) -> ServersConfig:
         raise PlanningError(
             [Problem("the config must be a mapping", file=source)], header="invalid servers config"
         )
+    facts = config_facts(data)
     if is_nemo_gym_config(data):
         data, problems = normalise(data, source)
         if problems:
             raise PlanningError(problems, header=f"invalid servers config {source}")
     try:
-        return ServersConfig.model_validate(data)
+        config = ServersConfig.model_validate(data)
     except ValidationError as exc:
         raise _located(exc, source) from None
+    return config.with_written_facts(facts)
 
 
 def _parse_yaml(text: str, source: str) -> Any:

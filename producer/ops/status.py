@@ -35,7 +35,8 @@ from infra.redis_client import client
 from infra.runs import read_manifest, read_status
 from infra.store import RunDir, ShardFiles
 from producer.ops.pressure import add_backpressure, backpressure_line
-from producer.shard.live import LiveSnapshot, RunningRollout, snapshot
+from producer.shard.live import LiveSnapshot, RunningRollout, live_health, snapshot
+from schemas.health import LiveHealth
 from schemas.records import Manifest
 from schemas.usage import ModelPrice
 from workers.shard.ledger import ShardLedger
@@ -183,7 +184,24 @@ class StatusReader:
             self._add_final(report, manifest)
         elif snap is not None:
             self._add_live(report, manifest, snap, current)
+        report["health"] = self._health(manifest, snap)
         return report
+
+    def _health(self, manifest: Manifest, snap: LiveSnapshot | None) -> dict[str, Any]:
+        """The live verdict counts (the workers', from Redis, while its keys live) and, once
+        the shard finished, its finish step's."""
+        fields = snap.health if snap is not None else None
+        if fields is None and self.redis_url is not None:
+            try:
+                fields = live_health(client(self.redis_url), keys.shard_id(self.rd.url, self.shard))
+            except (redis.RedisError, OSError):
+                fields = None
+        finished = manifest.finished.result.health if manifest.finished is not None else None
+        summary = finished.get("verdicts") if isinstance(finished, dict) else None
+        return {
+            "live": LiveHealth.of(fields).model_dump() if fields else None,
+            "summary": summary,
+        }
 
     def _add_final(self, report: dict[str, Any], manifest: Manifest) -> None:
         """A finished shard's counts from its status file; nothing runs, waits or is queued."""
@@ -373,12 +391,27 @@ def tokens_line(report: dict[str, Any]) -> str:
     return line
 
 
+def health_line(report: dict[str, Any]) -> str:
+    """The live verdict counts of the landed results, with the checks that found something."""
+    live = (report.get("health") or {}).get("live")
+    if not live:
+        return ""
+    v = live["verdicts"]
+    issues = ", ".join(f"{c} {n}" for c, n in live["issues"].items())
+    return (
+        f"\nhealth (live): healthy {v['healthy']} · unhealthy {v['unhealthy']}"
+        + (f" ({issues})" if issues else "")
+        + f" · unobserved {v['unobserved']}"
+    )
+
+
 def summary_line(report: dict[str, Any]) -> str:
     """The outcome and activity lines (each fits 80 columns), then the error if any."""
     line = f"{outcome_line(report)}\n{activity_line(report)}"
     line += holders_lines(report)
     line += backpressure_line(report)
     line += tokens_line(report)
+    line += health_line(report)
     if report.get("error"):
         line += f"\nerror: {report['error']}"
     return line

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 
 from infra.runs import maybe_manifest
 from infra.store import RunDir, ShardFiles
+from producer.config.facts import run_facts
 from producer.planning.labels import shard_label_problem
 from producer.planning.planner import PlanContext, WarningSink, write_plan
 from schemas.config import ServersConfig
@@ -71,6 +72,7 @@ def new_manifest(
         settings=settings.model_dump(mode="json"),
         planned=planned,
         materialized_sha256=materialized_sha256,
+        config_facts=run_facts(config, settings),
     )
 
 

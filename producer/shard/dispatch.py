@@ -40,9 +40,11 @@ from schemas.messages import (
     CallPolicy,
     CaptureRef,
     FinishRequest,
+    HealthRef,
     RunRef,
 )
 from schemas.settings import CollectionSettings
+from workers.health.registry import normalize_ignored
 from workers.redispatch import CollectTaskMessage, publish_collect
 from workers.shard.state import refresh_shard_keys
 from workers.tracing import NO_JOB, Job, job
@@ -75,6 +77,15 @@ def capture_ref(settings: CollectionSettings) -> dict[str, Any] | None:
         include_payloads=settings.include_model_call_payloads,
     )
     return ref.model_dump(mode="json", exclude_defaults=True)
+
+
+def health_ref(settings: CollectionSettings) -> dict[str, Any] | None:
+    """What each rollout task is told of live health: judge and count its result's verdict,
+    skipping the run's ignored checks; None when the finish step will not check the run."""
+    if settings.disable_health_check or settings.disable_aggregation:
+        return None
+    ignored = list(normalize_ignored(settings.health_check_ignored_checks))
+    return HealthRef(ignored=ignored).model_dump(mode="json")
 
 
 def admissions(
@@ -110,6 +121,8 @@ class CollectMessages:
     """Each agent's admission payload (`admissions`)."""
     capture: dict[str, Any] | None = None
     """The run's capture dir payload, when observability is on."""
+    health: dict[str, Any] | None = None
+    """The live health payload, when the run's health check is on."""
 
     @classmethod
     def of(
@@ -127,6 +140,7 @@ class CollectMessages:
             urls={name: agent.url for name, agent in config.agents.items()},
             gates=admissions(config, settings, deadline),
             capture=capture_ref(settings),
+            health=health_ref(settings),
         )
 
     def message(
@@ -146,6 +160,8 @@ class CollectMessages:
             payload["admission"] = self.gates[agent]
         if self.capture is not None:
             payload["capture"] = self.capture
+        if self.health is not None and (reply is None or reply.get("record", True)):
+            payload["health"] = self.health  # judged where it lands: not for an unrecorded call
         run = self.run
         return payload, f"run={run.run_id} shard={run.shard} rollout={rid}"
 

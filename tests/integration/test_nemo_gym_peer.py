@@ -1,6 +1,7 @@
 """A real peer reads our records: NeMo Gym 0.7.0's `gym eval health-check` on the demo's shard
 gives the same `run.verdicts` and the same counts for the fourteen shared checks (issue 18,
-acceptance 2).
+acceptance 2), and on a run of multi-call rollouts with faulty intermediate calls the same
+findings, call by call (issue 40, acceptance 2).
 
 NeMo Gym 0.7.0 needs Python 3.13, so the test builds its own venv (once, under
 `ROLLOUTS_PEER_VENV`, default `~/.cache/rollouts/nemo-gym-0.7.0`) with that Python
@@ -22,6 +23,8 @@ import pytest
 
 from examples.demo import run_demo
 from schemas.health import NEMO_CHECKS
+from tests.conftest import Workers
+from tests.evidence_run import run_evidence
 
 pytestmark = [pytest.mark.integration, pytest.mark.peer]
 
@@ -75,3 +78,75 @@ def test_nemo_gym_judges_the_demo_shard_as_we_do(tmp_path: Path) -> None:
         assert ours["artifacts"]["coverage"][check] == theirs["artifacts"]["coverage"][check]
     assert ours["stats"]["tokens"] == theirs["stats"]["tokens"]
     print(sys.version, theirs["verdicts"])
+
+
+def _by_record(folder: Path) -> dict[tuple[int, int], dict[str, Any]]:
+    lines = [orjson.loads(x) for x in (folder / "rollout_verdicts.jsonl").read_bytes().splitlines()]
+    return {(v["_ng_task_index"], v["_ng_rollout_index"]): v for v in lines}
+
+
+def _task_flags(folder: Path) -> dict[str, list[str]]:
+    tasks: dict[str, Any] = orjson.loads((folder / "quality_summary.json").read_bytes())["tasks"]
+    return {t: entry["flags"] for t, entry in tasks.items()}
+
+
+def _nemo_findings(line: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [(f["check"], f.get("locator")) for f in line["findings"] if f["check"] in NEMO_CHECKS]
+
+
+@pytest.mark.timeout(2400)
+def test_nemo_gym_sees_the_intermediate_call_faults_its_checks_read(
+    redis_url: str, workers: Workers, tmp_path: Path
+) -> None:
+    """Issue 40, acceptance 2: a run whose rollouts make 3-8 model calls, some intermediate
+    ones cut or empty: NeMo Gym 0.7.0's own health check on a copy of its rollouts agrees with
+    ours on every check both have, call by call."""
+    gym = peer_venv()
+    run = run_evidence(redis_url, workers, tmp_path)
+    assert run.code == 0
+    peer_dir = tmp_path / "peer"
+    peer_dir.mkdir()
+    shutil.copy(run.out / "rollouts-0.jsonl", peer_dir / "rollouts.jsonl")
+    proc = subprocess.run(
+        [str(gym), "eval", "health-check", str(peer_dir)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+    ours, theirs = summary(run.out), summary(peer_dir)
+    # A task check reads its repeats' verdicts, and task 1's two repeats are unhealthy by our
+    # truncation check alone (a cut call with half its text): the one flag NeMo Gym cannot raise.
+    tasks = {"ours": _task_flags(run.out), "theirs": _task_flags(peer_dir)}
+    differ = {t for t in tasks["ours"] if tasks["ours"][t] != tasks["theirs"].get(t)}
+    assert differ == {"1"} and tasks["ours"]["1"] == ["task_consistently_unhealthy"], tasks
+    assert tasks["theirs"]["1"] == []
+    issues = {c: ours["issues"][c] for c in NEMO_CHECKS}
+    issues["task_consistently_unhealthy"] -= 1
+    assert issues == theirs["issues"]
+    for check in NEMO_CHECKS:
+        if check != "task_consistently_unhealthy":
+            assert ours["artifacts"]["coverage"][check] == theirs["artifacts"]["coverage"][check]
+    assert ours["stats"]["tokens"] == theirs["stats"]["tokens"]
+    mine, peer = _by_record(run.out), _by_record(peer_dir)
+    assert mine.keys() == peer.keys()
+    for key, line in mine.items():
+        assert _nemo_findings(line) == _nemo_findings(peer[key]), key
+        ours_only = {f["check"] for f in line["findings"]} - set(NEMO_CHECKS)
+        if not ours_only or _nemo_findings(line):
+            assert line["verdict"] == peer[key]["verdict"], key
+        else:  # a cut call with half its text: a fault only our check reads
+            assert (line["verdict"], peer[key]["verdict"]) == ("unhealthy", "healthy"), key
+    # The empty and cut-empty intermediate calls: both name the same calls.
+    for (task, rollout), line in mine.items():
+        empties = {f["locator"]["call_id"] for f in line["findings"]
+                   if f["check"] == "rollout_response_empty"}  # fmt: skip
+        if task in (2, 3, 4):
+            assert empties
+            seen = {
+                loc["call_id"]
+                for _, loc in _nemo_findings(peer[(task, rollout)])
+                if loc and "call_id" in loc
+            }
+            assert empties <= seen, (task, rollout)
+            assert peer[(task, rollout)]["verdict"] == "unhealthy"
+    print(sys.version, theirs["verdicts"], ours["verdicts"])

@@ -22,7 +22,7 @@ import redis
 from infra.http import EventLoopThread
 from schemas import fields as F
 from schemas.errors import StorageError
-from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
+from schemas.messages import Admission, CallPolicy, CollectRequest, HealthRef, RunRef
 from schemas.outcomes import Ended, RolloutOutcome
 from schemas.replies import RolloutReply, admission_row
 from workers.replies import reply_body
@@ -119,12 +119,14 @@ class Harness:
     ) -> RolloutOutcome:
         """Run one delivery; `slot`: it was taken ahead of the pool's slots (`SLOT`)."""
         admission = policy.pop("admission", Admission())
+        health = policy.pop("health", None)
         req = CollectRequest(
             run=RunRef(run_id="r", output_dir="/tmp/nowhere", shard="0", token=token),
             agent_url="http://agent",
             policy=CallPolicy(backoff_base_s=0.001, **policy),
             row=dict(self.row),
             admission=admission,
+            health=health,
         )
         try:
             if slot is None:
@@ -182,6 +184,25 @@ def test_landed(h: Harness) -> None:
     assert h.gate.freed == ["3:1"] and h.slots_returned()
     assert h.gate.released[0].duration_s is None  # no budget: no duration kept
     assert out.chord_summary() == {"rollout": "3-1", "outcome": "landed", "requests": 1}
+
+
+def test_a_landed_result_is_judged_and_counted_once(h: Harness) -> None:
+    empty = {"reward": 0.0, "response": {"id": "r", "status": "completed", "output": []}}
+    h.handler = h.reply(200, empty)
+    out = h.run(health=HealthRef())
+    # Its final response has no output (no call was captured): our empty check's finding.
+    health = {"verdict": "unhealthy", "findings": {"rollout_response_empty": 1}}
+    assert out.health == health
+    assert out.chord_summary()["health"] == health  # the task's result (Flower)
+    assert h.shard.health == {"unhealthy": 1, "issues:rollout_response_empty": 1}
+    again = h.run(health=HealthRef())  # a redelivery lands nothing new: counted nothing
+    assert again.ended is Ended.DUPLICATE and again.health is None
+    assert h.shard.health == {"unhealthy": 1, "issues:rollout_response_empty": 1}
+
+
+def test_no_live_verdict_without_the_runs_health_check(h: Harness) -> None:
+    out = h.run()
+    assert out.health is None and "health" not in out.chord_summary() and not h.shard.health
 
 
 def test_landed_with_a_budget_records_its_duration(h: Harness) -> None:

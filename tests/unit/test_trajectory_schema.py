@@ -139,9 +139,9 @@ def test_no_step_usage_does_not_make_a_healthy_record_unobserved() -> None:
 
 def test_our_checks_still_add_findings_without_step_usage() -> None:
     row = _record(steps=None)
-    row["response"]["output"] = []
+    row["ng_trajectory"]["model_calls"][0]["response"] = {"output": []}
     d = check_record(row, frozenset())
-    assert [f[0] for f in d.findings] == ["rollout_response_empty"]
+    assert [(f[0], f[1]) for f in d.findings] == [("rollout_response_empty", {"call_id": "c1"})]
 
 
 def test_a_nemo_check_without_evidence_still_makes_the_record_unobserved() -> None:

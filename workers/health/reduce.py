@@ -15,14 +15,13 @@ from typing import IO, Any
 
 import orjson
 
-from schemas.health import RESPONSE_CHECKS, ROLLOUT_CHECKS, TASK_CHECKS
+from schemas.health import RESPONSE_CHECKS, ROLLOUT_CHECKS, TASK_CHECKS, Verdict
 from workers.health.accounting import Accounting
 from workers.health.digest import Digest
 from workers.health.registry import ROLLOUT_INDEX, checks_in, mask_of
 from workers.health.scan import FAILURE, OWED, RECORD
 from workers.health.spool import untagged
-
-VERDICTS = ("healthy", "unhealthy", "unobserved")
+from workers.health.timeouts import Timeouts, latest_delivery
 
 
 @dataclass
@@ -107,7 +106,7 @@ checks) add findings, but one whose evidence a record lacks (no `step_usage`, sa
 unobserved in the coverage without taking the record's verdict away from NeMo Gym's."""
 
 
-def verdict_of(findings: list[Any], unobserved_mask: int) -> str:
+def verdict_of(findings: list[Any], unobserved_mask: int) -> Verdict:
     if findings:
         return "unhealthy"
     return "unobserved" if unobserved_mask & VERDICT_MASK else "healthy"
@@ -123,8 +122,10 @@ class Reducer:
         verdicts_out: IO[bytes],
         emit_task: Callable[[int, Any, dict[str, Any]], None],
         multi_source_labels: list[str] | None,
+        timeouts: Timeouts | None = None,
     ) -> None:
         self.acc = accounting
+        self.timeouts = timeouts
         self.totals = totals
         self.out = verdicts_out
         self.emit_task = emit_task
@@ -157,7 +158,10 @@ class Reducer:
         own, all_scored = self._records(source, task, rollout, records) if records else (0, True)
         if group[0][1] == 0 and group[0][3] == 0:
             latest = failures[-1][9] if failures else None
-            self.acc.add_rollout(source, owed, own, all_scored, latest)
+            failed = self.acc.add_rollout(source, owed, own, all_scored, latest)
+            if failed is not None and self.timeouts is not None:
+                rows = latest_delivery([e[9] for e in failures])
+                self.timeouts.add(source, failed[0], failed[1], rows)
         elif own:
             self.acc.sources[source].not_owed += 1
 
@@ -221,6 +225,9 @@ class Reducer:
             ],
             "unobserved": _unobserved_names(d.unobserved),
         }
+        if d.selected is not None:
+            # Ids only: which calls were judged for faults, and which had one.
+            line["calls"] = {"selected": d.selected, "faulted": d.faulted or []}
         if d.stage is not None:
             line["stage_index"] = d.stage
         if self.labels is not None:

@@ -216,6 +216,12 @@ class Offender:
     rollout: str
     locator: str
     detail: Any
+    call: str | None = None
+    """The model call the finding names (its call id), when it names one."""
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 @dataclass
@@ -299,7 +305,10 @@ class RunDigest:
                     (label, task, rollout), f"{label or ''}#{task}-{rollout}"
                 )
                 detail = finding.get("detail") if isinstance(finding, dict) else None
-                listed.append(Offender(check, str(row.get("rollout_id")), where, detail))
+                found = finding.get("locator") if isinstance(finding, dict) else None
+                call = found.get("call_id") if isinstance(found, dict) else None
+                rollout_id = str(row.get("rollout_id"))
+                listed.append(Offender(check, rollout_id, where, detail, _str_or_none(call)))
 
     def read_documents(self, rd: RunDir, stem: str) -> bool:
         """Read the source's manifest and aggregate metrics; whether it had a manifest."""

@@ -22,6 +22,7 @@ import orjson
 
 from infra import jsonl
 from schemas.errors import StorageError
+from schemas.health import RolloutVerdict
 from schemas.records import FailureRow
 from workers.rollout.agent_call import failure_row
 from workers.shard.state import failure_counter, key_str
@@ -48,6 +49,8 @@ class EncodedRecords:
     not_stored: dict[str, Any] | None = None
     """The `result_not_stored` row that replaced the rollout's last record (its result, else its
     final failure row); None when that record was stored as it is."""
+    health: RolloutVerdict | None = None
+    """The result's live verdict, counted when its key lands new (None: not counted)."""
 
     @property
     def key(self) -> str | None:

@@ -40,6 +40,7 @@ from infra import keys
 from infra.backoff import next_wait_s
 from schemas import fields as F
 from schemas.errors import ShardFencedError, StorageError, TransientError
+from schemas.health import RolloutVerdict
 from schemas.messages import CollectRequest
 from schemas.outcomes import (
     FAILURE_ENDS,
@@ -51,6 +52,7 @@ from schemas.outcomes import (
 )
 from workers import tracing
 from workers.capture import clear_for, merge_into
+from workers.health.live import judge
 from workers.rollout.admission import AdmissionWaits, Ticket
 from workers.rollout.agent_call import CallOutcome, with_attempt
 from workers.rollout.backpressure import RateLimitWaits, budget_failure
@@ -180,6 +182,8 @@ class _Run:
         """The pool's slot of this delivery, given back once `/run` ended (`CALL_ENDED`)."""
         self.line = (self.sid, req.agent_url)
         """Its line of rollouts waiting for a slot in this process (`WaitingLines`)."""
+        self.verdict: RolloutVerdict | None = None
+        """The result's live verdict (`workers/health/live.py`), when it is judged."""
 
     def end(self, ended: Ended, **fields: Any) -> RolloutOutcome:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
@@ -430,6 +434,9 @@ class _Run:
             requests=outcome.requests_sent,
             run_ms=(ended_call - started) * 1000,
             after_ms=(ctx.monotonic() - ended_call) * 1000,
+            health=self.verdict.as_json()
+            if self.verdict is not None and ended is Ended.LANDED
+            else None,
         )
 
     def after_call(
@@ -451,6 +458,7 @@ class _Run:
             return result, failures, ended, None
         at, ms = time.time() - (ctx.monotonic() - started), (ended_call - started) * 1000
         stamp_timing([*failures, *([] if result is None else [result])], at, ms)
+        self.verdict = judge(self.req.health, result)
         queued: Queued
         try:
             queued = self.queue_landing(result, failures)
@@ -646,4 +654,6 @@ class _Run:
         lander = self.ctx.lander
         if self.encoded is None:
             self.encoded = lander.encode(result, failures)  # StorageError: nothing to land
+            if self.encoded.result_key is not None:
+                self.encoded.health = self.verdict
         return lander.enqueue(self.req.run, self.encoded, self.lease)

@@ -15,6 +15,7 @@ new current attempt), and the lander refuses an attempt that is not current.
 from __future__ import annotations
 
 import concurrent.futures
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,8 @@ class FakeShard:
     """What `rollouts-S.jsonl` holds."""
     failures: list[dict[str, Any]] = field(default_factory=list)
     """What the failures sidecar holds."""
+    health: Counter[str] = field(default_factory=Counter)
+    """The live verdict counts (what `keys.shard_health` holds)."""
     run_failed: str | None = None
     """The run's first error, once the run was flagged failed."""
     cancel: str | None = None
@@ -253,6 +256,8 @@ class FakeLander:
                 s.landed.add(key)
                 s.results.append(orjson.loads(line))  # what landed: the encoded line
                 report.landed = True
+                if records.health is not None:
+                    s.health.update(records.health.counter_fields())
         s.failures.extend(records.failures)
         return report
 

@@ -32,7 +32,7 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,6 +313,7 @@ class Lander:
             new_keys: list[str] = []
             seen: set[str] = set()
             lines: list[bytes] = []
+            verdicts: Counter[str] = Counter()
             for p, (k, line) in with_result:
                 report = reports[id(p)]
                 report.landed = report.duplicate = False
@@ -323,6 +324,8 @@ class Lander:
                 new_keys.append(k)
                 lines.append(line)
                 report.landed = True
+                if p.records.health is not None:
+                    verdicts.update(p.records.health.counter_fields())
             # Not joined: on a local folder the lines go down as they are (`writev`); a batch
             # of 300 lines of 64 KB joined was another 20 MB at a worker's memory peak.
             if lines and not self._append(st, state, st.files.results, lines):
@@ -332,6 +335,8 @@ class Lander:
                 planned = int(state.get(PLANNED, "0"))
                 landed.add(pipe, st.sid, planned, new_keys, from_env().live_key_ttl_s)
                 pipe.hincrby(keys.shard_counts(st.sid), "landed", len(new_keys))
+                for name, n in verdicts.items():  # live health: each new result counted once
+                    pipe.hincrby(keys.shard_health(st.sid), name, n)
                 st.commit_size(pipe, st.files.results, state)
             dups = len(with_result) - len(new_keys)
             if dups:
