@@ -323,13 +323,18 @@ class AgentServer:
         return self._pad
 
     async def model_result(
-        self, row: dict[str, Any], model_url: str, traceparent: str | None = None
+        self,
+        row: dict[str, Any],
+        model_url: str,
+        traceparent: str | None = None,
+        key: str | None = None,
     ) -> dict[str, Any]:
-        """The result of one call to the model, under the rollout's capture key (and in the
-        rollout's trace: the `traceparent` of its `/run` is passed on, as NeMo Gym's relay does)."""
+        """The result of one call to the model, under the rollout's capture key (`key`, else the
+        row's rollout id) and in the rollout's trace (the `traceparent` of its `/run` is passed
+        on, as NeMo Gym's relay does)."""
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        key = F.rollout_id(row)
+        key = key if key is not None else F.rollout_id(row)
         invocation = f"inv-{uuid.uuid4().hex[:12]}"
         params = dict(row.get("responses_create_params") or {})
         hints = {

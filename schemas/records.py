@@ -106,6 +106,24 @@ class Manifest(BaseModel):
         """Agent name -> URL (secrets redacted, as the config is)."""
         return agent_urls(self.config)
 
+    def call_urls(self) -> set[str]:
+        """Every URL its tasks may call `/run` at (secrets redacted, as the config is)."""
+        return call_urls(self.config)
+
+
+def call_urls(config: dict[str, Any]) -> set[str]:
+    """Every URL a task of the run may call `/run` at: its agents', and its environment servers'
+    (task rows' episodes), from a servers config as a manifest holds it."""
+    envs = config.get("environments")
+    found = set(agent_urls(config).values())
+    if isinstance(envs, dict):
+        found.update(
+            str(env["url"])
+            for env in envs.values()
+            if isinstance(env, dict) and isinstance(env.get("url"), str)
+        )
+    return found
+
 
 def agent_urls(config: dict[str, Any]) -> dict[str, str]:
     """Agent name -> URL, from a servers config as a manifest holds it."""

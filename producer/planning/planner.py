@@ -19,6 +19,7 @@ stamps. `limit` stops reading after N lines.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from collections import Counter
@@ -34,8 +35,16 @@ from producer.planning.limits import MAX_ROW_DEPTH, Line, Oversize, file_lines, 
 from producer.planning.ordering import Planned, in_run_order
 from producer.planning.problems import ProblemLog
 from producer.planning.reserved import check_input_row
-from producer.planning.routing import Router, pairing_bypassed
+from producer.planning.routing import Route, Router, pairing_bypassed
 from producer.planning.state import DigestTable, RolloutCounters, digest64
+from producer.planning.tasksets import (
+    ADD_SEED_REFUSED,
+    FLAT_ROW_IN_TASKSET_MODE,
+    EnvironmentRouter,
+    environment_routing,
+    routing_problems,
+    task_row_problems,
+)
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem
@@ -48,6 +57,9 @@ RESPONSES_CREATE_PARAMS = F.RESPONSES_CREATE_PARAMS
 AGENT_REF, TASK_SOURCE, ROLLOUT_ID = F.AGENT_REF, F.TASK_SOURCE, F.ROLLOUT_ID
 TASK_INDEX, ROLLOUT_INDEX, ENVIRONMENT_SERVER = F.TASK_INDEX, F.ROLLOUT_INDEX, F.ENVIRONMENT_SERVER
 RUN_ID, SHARD = F.RUN_ID, F.SHARD
+TASK_ID, TASK_INPUT = F.TASK_ID, F.TASK_INPUT
+_TASK_IDENTITY = b"\x00task\x00"
+"""Prefix of a materialized task's identity (its `task_id`), apart from any raw line's."""
 DEPTH_MESSAGE = f"the row nests objects and arrays more than {MAX_ROW_DEPTH} levels deep"
 
 
@@ -94,6 +106,11 @@ class Planner:
         self.planned = 0
         self.log = ProblemLog(source)
         self.router = Router(config, settings, bypass_pairing=pairing_bypassed(settings))
+        self.routing = environment_routing(config, settings)
+        self.by_environment = EnvironmentRouter(self.router, self.routing)
+        for problem in routing_problems(self.routing, config):
+            self.log.add_problem(problem)
+        self._environment_routed = 0
         # Sized for the rows expected, so the tables do not rehash mid-run.
         self._tasks = DigestTable(capacity=expected_rows)
         self._counters = RolloutCounters(capacity=expected_rows)
@@ -147,10 +164,13 @@ class Planner:
         if identity is None or b'"_ng_' in identity or b"\\u" in identity:
             check_input_row(row, line_no, self.log)
         get = row.get
+        task_row = type(get(TASK_ID)) is dict and TASK_INPUT in row
         stamped = get(TASK_INDEX)
         if stamped is None:
             self._numbered_tasks += 1
-            if identity is None:
+            if task_row:  # a materialized task is numbered by its task_id, not its line
+                identity = _TASK_IDENTITY + orjson.dumps(get(TASK_ID), option=orjson.OPT_SORT_KEYS)
+            elif identity is None:
                 identity = orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
             task: int | None = self._tasks.setdefault(digest64(identity), self._tasks.count)
         else:
@@ -163,18 +183,20 @@ class Planner:
         source = get(TASK_SOURCE)
         named = ref.get("name") if type(ref) is dict else None
         well_formed = (
-            type(get(RESPONSES_CREATE_PARAMS)) is dict
+            (task_row or type(get(RESPONSES_CREATE_PARAMS)) is dict)
             and (ref is None or (type(named) is str and named != ""))
             and (source is None or type(source) is str)
         )
         if not well_formed:
-            self._shape_problems(row, line_no)
+            self._shape_problems(row, line_no, task_row)
             if type(source) is not str:
                 source = None
             if type(named) is not str or not named:
                 named = None
-        stamp = get(ENVIRONMENT_SERVER)
-        route = self.router.route(named, source, stamp if type(stamp) is str else None)
+        route = self._route(row, line_no, task_row, named, source)
+        if route is None:
+            well_formed = False
+            route = Route(())
         log = self.log
         for message, field_ in route.problems:
             log.add(message, line_no, field_)
@@ -193,9 +215,11 @@ class Planner:
         out: list[Planned] = []
         copy = dict(row)
         take = self._counters.take
+        seeded = self.settings.num_repeats_add_seed
         for target in route.targets:
             agent = target.agent
-            copy[AGENT_REF] = ref if named == agent else {"name": agent}
+            if not target.episode:  # a task row names no agent: its environment server runs it
+                copy[AGENT_REF] = ref if named == agent else {"name": agent}
             for _ in range(target.repeats):
                 rollout = take(task)
                 copy[TASK_INDEX] = task
@@ -203,13 +227,56 @@ class Planner:
                 copy[ENVIRONMENT_SERVER] = target.environment
                 copy[RUN_ID] = self._run_id
                 copy[SHARD] = self._shard
+                if seeded:
+                    copy[RESPONSES_CREATE_PARAMS] = with_seed(row[RESPONSES_CREATE_PARAMS], rollout)
                 out.append((rollout, agent, orjson.dumps(copy, option=orjson.OPT_APPEND_NEWLINE)))
         self.planned += len(out)
         return out
 
-    def _shape_problems(self, row: dict[str, Any], line_no: int) -> None:
+    def _route(
+        self,
+        row: dict[str, Any],
+        line_no: int,
+        task_row: bool,
+        named: str | None,
+        source: str | None,
+    ) -> Route | None:
+        """The row's route by NeMo Gym's `environment_routing_mode`; None when the row itself
+        is refused (its problems logged)."""
         log = self.log
-        if RESPONSES_CREATE_PARAMS not in row:
+        mode = self.routing.mode
+        if task_row:
+            refused = task_row_problems(row)
+            if self.settings.num_repeats_add_seed:
+                refused.append((ADD_SEED_REFUSED, "num_repeats_add_seed"))
+            for message, field_ in refused:
+                log.add(message, line_no, field_)
+            if refused:
+                return None
+            self._environment_routed += 1
+            return self.by_environment.route_task(row[TASK_ID]["taskset"], named, source)
+        if mode == "taskset":
+            log.add(FLAT_ROW_IN_TASKSET_MODE, line_no, TASK_ID)
+            return None
+        if self.settings.num_repeats_add_seed and not _seedable(row):
+            log.add(
+                "num_repeats_add_seed needs responses_create_params.metadata.extra_body to be "
+                "a JSON object string when present",
+                line_no,
+                RESPONSES_CREATE_PARAMS,
+            )
+            return None
+        if mode == "legacy":
+            self._environment_routed += 1
+            return self.by_environment.route_legacy(named, source)
+        stamp = row.get(ENVIRONMENT_SERVER)
+        return self.router.route(named, source, stamp if type(stamp) is str else None)
+
+    def _shape_problems(self, row: dict[str, Any], line_no: int, task_row: bool = False) -> None:
+        log = self.log
+        if task_row:
+            pass  # a task row's own problems are `task_row_problems`
+        elif RESPONSES_CREATE_PARAMS not in row:
             log.add("missing responses_create_params", line_no, RESPONSES_CREATE_PARAMS)
         elif not isinstance(row[RESPONSES_CREATE_PARAMS], dict):
             log.add(
@@ -265,6 +332,13 @@ class Planner:
                 f" and {len(missing) - 20} more" if len(missing) > 20 else ""
             )
             self.on_warning(f"task_ids matched no row: {shown}")
+        settings = self.settings
+        if self._environment_routed and (settings.agent_map or settings.fan_out):
+            self.on_warning(
+                f"agent_map and fan_out do not apply to the {self._environment_routed} rows "
+                "routed by environment server (materialized task rows, and flat rows in legacy "
+                "mode)"
+            )
         if self._stamped_tasks and self._numbered_tasks:
             self.on_warning(
                 f"{self._stamped_tasks} rows carry _ng_task_index and {self._numbered_tasks} do "
@@ -275,6 +349,32 @@ class Planner:
         self.finish()
         if self.log:
             raise self.log.error()
+
+
+def with_seed(params: dict[str, Any], rollout: int) -> dict[str, Any]:
+    """`responses_create_params` whose `metadata.extra_body` (a JSON string, as NeMo Gym writes
+    it) carries the rollout index as `seed`; the row's own dicts are not touched."""
+    metadata = dict(params.get("metadata") or {})
+    extra = json.loads(metadata.get("extra_body", "{}"))
+    extra["seed"] = rollout
+    metadata["extra_body"] = json.dumps(extra)
+    return {**params, "metadata": metadata}
+
+
+def _seedable(row: dict[str, Any]) -> bool:
+    params = row.get(RESPONSES_CREATE_PARAMS)
+    if not isinstance(params, dict):
+        return True  # its own problem
+    metadata = params.get("metadata")
+    if metadata is None:
+        return True
+    if not isinstance(metadata, dict):
+        return False
+    extra = metadata.get("extra_body", "{}")
+    try:
+        return isinstance(extra, str) and isinstance(json.loads(extra), dict)
+    except ValueError:
+        return False
 
 
 def oversize_message(limit: int) -> str:

@@ -251,12 +251,15 @@ def _check_agents(rd: RunDir, shard: str, outcomes: ShardOutcomes, max_attempts:
                   config: ServersConfig) -> None:  # fmt: skip
     missing: Counter[str] = Counter()
     for row in rows_to_run(rd, shard, outcomes, max_attempts):
-        agent = F.agent_name(row) or ""
-        if agent not in config.agents:
-            missing[agent] += 1
+        target = F.dispatch_target(row) or ""
+        servers = config.environments if F.is_task_row(row) else config.agents
+        if target not in servers:
+            missing[target] += 1
     if missing:
         names = ", ".join(f"{a!r} ({n} rollouts)" for a, n in sorted(missing.items()))
-        raise UsageError(f"the config has no agent {names}; pass --config with those agents")
+        raise UsageError(
+            f"the config has no agent or environment server {names}; pass --config with them"
+        )
 
 
 def saved_config(rd: RunDir, saved: dict[str, Any]) -> ServersConfig:

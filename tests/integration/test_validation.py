@@ -319,7 +319,8 @@ def test_agent_without_an_environment_server(
     proc, data, out = run_cli(config, demo_rows(4), tmp_path, redis_url)
     assert_refused(
         proc, data, out, servers, redis_url, {2, 4},
-        "agent 'count_agent' names environment 'count_envv', which is not in the config",
+        "Agent 'count_agent' has no environment server, so collection cannot reach it: it names "
+        "environment 'count_envv', which is not in the config",
     )  # fmt: skip
 
 
@@ -333,7 +334,8 @@ def test_agent_with_several_environment_servers(
     proc, data, out = run_cli(config, demo_rows(5), tmp_path, redis_url)
     assert_refused(
         proc, data, out, servers, redis_url, {1, 3, 5},
-        "agent 'math_agent' is fronted by several environment servers (count_env, math_env)",
+        "Agent 'math_agent' is fronted by several environment servers: ['count_env', 'math_env']. "
+        "Rows that route by agent cannot choose between them.",
     )  # fmt: skip
 
 
