@@ -173,3 +173,13 @@ def test_a_large_group_is_spilled_to_sorted_runs_and_streamed_in_order(
     assert scratch is not None and os.path.isdir(scratch)
     spilled.close()
     assert not os.path.exists(scratch)
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3000])
+def test_the_body_is_sized_before_it_is_sent(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    monkeypatch.setattr(aggregation, "SPILL_BYTES", 4096)
+    rows = [{"_ng_task_index": t, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}, "v": "é" * t}
+            for t in range(count)]  # fmt: skip
+    group = group_rows(rows, CONFIG).get("e1") or aggregation.ServerRows()
+    assert group.body_size == len(group.body())
+    group.close()
