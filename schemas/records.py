@@ -22,7 +22,7 @@ class InputSource(BaseModel):
     """Where the planned rows came from."""
 
     path: str
-    """The input file as given."""
+    """The input file: its absolute path, or its URL (`s3://...`, secrets redacted)."""
     sha256: str
     """SHA-256 of the input file's bytes."""
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -31,7 +30,8 @@ import orjson
 
 from infra import jsonl
 from producer.planning.identity import ExplicitRolloutIds, TaskSelection
-from producer.planning.limits import MAX_ROW_DEPTH, Line, Oversize, file_lines, too_deep
+from producer.planning.inputs import InputFile
+from producer.planning.limits import MAX_ROW_DEPTH, Line, Oversize, bounded_lines, too_deep
 from producer.planning.ordering import Planned, in_run_order
 from producer.planning.problems import ProblemLog
 from producer.planning.reserved import check_input_row
@@ -390,19 +390,9 @@ def _json_type(value: Any) -> str:
     )
 
 
-def estimate_lines(path: str, sample_bytes: int = 1 << 20, cap: int = 100_000_000) -> int:
-    """Lines in a local file, estimated from the first `sample_bytes` (for sizing the tables)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        sample = f.read(sample_bytes)
-    if not sample:
-        return 0
-    return min(cap, int(size * max(1, sample.count(b"\n")) / len(sample)) + 1)
-
-
 def plan_lines(planner: Planner, lines: Iterable[Line]) -> Iterator[bytes]:
-    """The planned lines of `lines` (`file_lines`) in run order; raises PlanningError once every
-    line was read."""
+    """The planned lines of `lines` (`bounded_lines`) in run order; raises PlanningError once
+    every line was read."""
     limit = planner.settings.limit or None
 
     def planned() -> Iterator[Planned]:
@@ -420,21 +410,24 @@ def plan_lines(planner: Planner, lines: Iterable[Line]) -> Iterator[bytes]:
 
 
 def plan_file(
-    path: str,
+    path: str | InputFile,
     config: ServersConfig,
     settings: CollectionSettings,
     context: PlanContext,
     *,
     on_warning: WarningSink | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Stream the planned rows of an input file; raises PlanningError at the end if any line was bad."""
-    planner = Planner(config, settings, context, source=path, on_warning=on_warning)
-    for line in plan_lines(planner, file_lines(path, settings.max_row_bytes)):
+    """Stream the planned rows of an input file (a path or any fsspec URL); raises
+    PlanningError at the end if any line was bad."""
+    source = path if isinstance(path, InputFile) else InputFile(path)
+    planner = Planner(config, settings, context, source=source.name, on_warning=on_warning)
+    lines = bounded_lines(source.chunks(), settings.max_row_bytes)
+    for line in plan_lines(planner, lines):
         yield jsonl.loads(line)
 
 
 def write_plan(
-    path: str,
+    path: str | InputFile,
     out_path: str,
     config: ServersConfig,
     settings: CollectionSettings,
@@ -442,17 +435,20 @@ def write_plan(
     *,
     on_warning: WarningSink | None = None,
 ) -> PlanSummary:
-    """Plan `path` into the local file `out_path` (the materialized inputs); raises PlanningError."""
-    expected = estimate_lines(path)
+    """Plan the input (a path or any fsspec URL, read once: `InputFile.sha256` after) into the
+    local file `out_path` (the materialized inputs); raises PlanningError."""
+    source = path if isinstance(path, InputFile) else InputFile(path)
+    expected = source.estimate_lines()
     if settings.limit:
         expected = min(expected, settings.limit)
     planner = Planner(
-        config, settings, context, source=path, on_warning=on_warning, expected_rows=expected
+        config, settings, context, source=source.name, on_warning=on_warning, expected_rows=expected
     )
     digest = hashlib.sha256()
     count = 0
     with open(out_path, "wb") as out:
-        for line in plan_lines(planner, file_lines(path, settings.max_row_bytes)):
+        lines = bounded_lines(source.chunks(), settings.max_row_bytes)
+        for line in plan_lines(planner, lines):
             digest.update(line)
             out.write(line)
             count += 1
