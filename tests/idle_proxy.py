@@ -21,6 +21,7 @@ class IdleDroppingProxy:
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     @property
@@ -37,17 +38,26 @@ class IdleDroppingProxy:
         async def stop() -> None:
             if self._server is not None:
                 self._server.close()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self._server is not None:
                 await self._server.wait_closed()
 
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
 
     async def _start(self) -> asyncio.Server:
         return await asyncio.start_server(self._serve, "127.0.0.1", 0)
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.connections += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         up_r, up_w = await asyncio.open_connection(*self.upstream)
         last = [time.monotonic()]
 
@@ -71,5 +81,6 @@ class IdleDroppingProxy:
         finally:
             for p in pumps:
                 p.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
             for w in (client_w, up_w):
                 w.close()
