@@ -43,7 +43,12 @@ def mixed_rows(latency_ms: float = 0) -> list[dict[str, Any]]:
 
 
 def task_servers(latency_ms: float = 0) -> RunningServers:
-    return start_servers(knobs=AgentKnobs(latency_ms=latency_ms), tasksets=TASKSETS)
+    """The demo servers and the two task sets' environment servers, every one of them answering
+    HTTP 411 to a request body without a Content-Length."""
+    servers = start_servers(knobs=AgentKnobs(latency_ms=latency_ms), tasksets=TASKSETS)
+    for env in servers.environments.values():
+        env.require_content_length = True
+    return servers
 
 
 def episodes(servers: RunningServers, env: str) -> list[dict[str, Any]]:
@@ -97,6 +102,7 @@ def test_a_run_mixing_flat_rows_and_two_task_sets_survives_a_producer_sigkill(
         merged = tmp_path / "merged" / "all.jsonl"
         aggregated = cli("aggregate", "-i", str(results), "-o", str(merged))
         bodies = {env: episodes(servers, env) for env in TASKSETS.values()}
+        refused = sum(env.refused_chunked for env in servers.environments.values())
     finally:
         servers.stop()
         if "again" in locals():
@@ -150,6 +156,7 @@ def test_a_run_mixing_flat_rows_and_two_task_sets_survives_a_producer_sigkill(
     counts = {e["_ng_environment_server"]: len(e["group_level_metrics"]) for e in entries}
     assert counts == {"arith_tasks": 5, "count_env": 3, "count_tasks": 3, "math_env": 3}
     assert all("aggregation_error" not in e for e in entries)
+    assert refused == 0  # every request to an environment server had a Content-Length
 
     assert status["planned"] == 30 and status["landed"] == 28
     assert status["failed"] == {"environment_server_failed": 2}

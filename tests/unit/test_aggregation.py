@@ -183,3 +183,28 @@ def test_the_body_is_sized_before_it_is_sent(monkeypatch: pytest.MonkeyPatch, co
     group = group_rows(rows, CONFIG).get("e1") or aggregation.ServerRows()
     assert group.body_size == len(group.body())
     group.close()
+
+
+def test_the_request_carries_a_content_length_and_no_chunked_encoding(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: list[httpx.Headers] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers)
+        if request.headers.get("content-length") != str(len(request.content)):
+            return httpx.Response(411, text="Length Required")
+        return httpx.Response(200, json={"agent_metrics": {}})
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(
+        httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(handler), **kw)
+    )
+    monkeypatch.setattr(aggregation, "BODY_CHUNK", 100)  # the body streams in many chunks
+    rows = [{"_ng_task_index": t, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}, "v": "é"}
+            for t in range(50)]  # fmt: skip
+    entries, error = asyncio.run(
+        aggregation.aggregate(group_rows(rows, CONFIG), CONFIG, str(tmp_path))
+    )
+    assert error is None and "aggregation_error" not in entries[0]
+    assert [h.get("transfer-encoding") for h in seen] == [None]
