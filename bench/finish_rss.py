@@ -4,8 +4,8 @@ chunked request bodies and ones that answer them HTTP 411 (as some servers and p
 
 The shard is written as a run leaves it (manifest, materialized inputs, results); the finish step
 (`workers.finish.finish_shard`: count, aggregate per environment server, health, report) then runs
-alone in a child process, which prints its time, peak RSS (`ru_maxrss`) and each aggregate
-entry's error. `--baseline DIR` also runs it with the code of another checkout (e.g. `git archive
+alone in a child process, which prints its time, peak RSS (`VmHWM`) and each aggregate entry's
+error. `--baseline DIR` also runs it with the code of another checkout (e.g. `git archive
 90a3f52 | tar -x -C DIR`: the commit before `/aggregate_metrics` bodies got a Content-Length), so
 the two are compared in one invocation, on the same shard and servers.
 """
@@ -96,7 +96,16 @@ def write_shard(folder: str, n: int, urls: dict[str, str]) -> None:
 
 
 CHILD = """
-import json, os, resource, time
+import json, os, time
+
+
+def peak_mb():
+    # VmHWM, not ru_maxrss: Linux carries the forked parent's peak into ru_maxrss across exec.
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def _child(folder, redis_url):
@@ -109,7 +118,7 @@ def _child(folder, redis_url):
     with open(os.path.join(folder, "rollouts-0_aggregate_metrics.json")) as f:
         entries = json.load(f)
     print(json.dumps({
-        "seconds": seconds, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "seconds": seconds, "rss_mb": peak_mb(),
         "state": result.state,
         "errors": [e.get("aggregation_error") for e in entries],
         "tasks": [len(e.get("group_level_metrics") or []) for e in entries],

@@ -214,3 +214,24 @@ def test_the_python_api_runs_task_rows_beside_flat_rows(
     assert failed[F.NG_TASK_ID] == row[F.TASK_ID]
     first = {"rollout_id": f"{rows[-1][F.TASK_INDEX]}-0", "attempt": 0}
     assert first in [b["episode_id"] for b in bodies]
+
+
+@pytest.mark.timeout(300)
+def test_rollouts_demo_runs_its_task_set_and_finishes_all_green(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    proc = cli(
+        "demo", "--tasks", "12", "--repeats", "2", "--workers", "1", "--output-dir", str(out)
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "task set demo:word-counts on word_tasks_env" in proc.stdout
+    assert "environment word_tasks_env\n" in proc.stdout  # labelled by itself: it has no agent
+    landed = read_jsonl(out / "rollouts-0.jsonl")
+    episodes_landed = [r for r in landed if F.NG_TASK_ID in r]
+    assert len(landed) == 30 and len(episodes_landed) == 6  # 12 flat tasks, 3 task rows, x2
+    assert {r[F.NG_TASK_ID]["taskset"] for r in episodes_landed} == {"demo:word-counts"}
+    assert not (out / "rollouts-0_failures.jsonl").exists()
+    run = orjson.loads((out / "quality_summary.json").read_bytes())["run"]
+    assert run["healthy"] is True and run["verdicts"]["healthy"] == 30
+    entries = orjson.loads((out / "rollouts-0_aggregate_metrics.json").read_bytes())
+    assert [e["_ng_environment_server"] for e in entries] == ["count_env", "math_env",
+                                                              "word_tasks_env"]  # fmt: skip
