@@ -168,7 +168,8 @@ def group_rows(rows: Iterable[dict[str, Any]], config: ServersConfig) -> dict[st
         group = groups[server]
         key = (tagged(row.get(F.TASK_INDEX, 0)), tagged(row.get(F.ROLLOUT_INDEX, 0)))
         group.add(key, compact(orjson.dumps(strip_row(row))))
-        agent = F.agent_name(row)
+        # A task row names no agent: the server's own binding (its agent_server) labels it.
+        agent = F.agent_name(row) or config.attributed_agent(server)
         if agent is not None and agent not in group.agents:
             group.agents.append(agent)
     return dict(groups)

@@ -208,3 +208,21 @@ def test_the_request_carries_a_content_length_and_no_chunked_encoding(
     )
     assert error is None and "aggregation_error" not in entries[0]
     assert [h.get("transfer-encoding") for h in seen] == [None]
+
+
+def test_task_rows_are_labelled_by_their_servers_attributed_agent() -> None:
+    config = ServersConfig.model_validate(
+        {"agents": {"t": {"url": "http://t"}},
+         "environments": {"tb": {"url": "http://tb", "agent_server": "t"},
+                          "puzzles": {"url": "http://p"}}}
+    )  # fmt: skip
+    rows = [
+        {"_ng_task_index": 0, "_ng_rollout_index": 0, "_ng_environment_server": "tb"},
+        {"_ng_task_index": 1, "_ng_rollout_index": 0, "_ng_environment_server": "puzzles"},
+    ]
+    groups = group_rows(rows, config)
+    assert groups["tb"].agents == ["t"] and groups["puzzles"].agents == []
+    assert label_servers({s: (g.agents[0] if g.agents else None) for s, g in groups.items()}) == {
+        "tb": "t",
+        "puzzles": "puzzles",
+    }
