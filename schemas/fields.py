@@ -15,6 +15,8 @@ ATTEMPT_INDEX = "_ng_attempt_index"
 ENVIRONMENT_SERVER = "_ng_environment_server"
 RUN_ID = "_ng_run_id"
 SHARD = "_ng_shard"
+SKILLS_REF = "skills_ref"
+"""The run-level skills a flat row was planned with (`{"path", "hash", "skills"}`)."""
 TASK_ID = "task_id"
 """A materialized task row's `{"taskset", "task_id"}` (or a flat row's own task id)."""
 TASK_INPUT = "task_input"
@@ -50,6 +52,7 @@ IDENTITY_FIELDS = (
     ENVIRONMENT_SERVER,
     RUN_ID,
     SHARD,
+    SKILLS_REF,
 )
 
 # Heavy fields left out of what /aggregate_metrics receives.

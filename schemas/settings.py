@@ -18,6 +18,15 @@ DEFAULT_RATE_LIMIT_BUDGET_S = 900.0
 DEFAULT_RATE_LIMIT_MAX_WAIT_S = 120.0
 
 
+class SkillsSetting(BaseModel):
+    """Run-level skills: a directory of Agent Skills made available to the agent (NeMo Gym's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    """A directory of skill directories, each with a `SKILL.md`."""
+
+
 class CollectionSettings(BaseModel):
     """Every knob of a run that is not a server address; stored in the manifest."""
 
@@ -45,6 +54,8 @@ class CollectionSettings(BaseModel):
     """Round-robin the planned rollouts across agents."""
     allow_unsupported_pairing: bool = False
     """Skip the allowed_agents checks."""
+    skills: SkillsSetting | None = None
+    """Run-level skills (`+skills.path=DIR`): every flat row is stamped with their `skills_ref`."""
     num_repeats_add_seed: bool = False
     """Give each repeat of a flat row its rollout index as sampling seed
     (`responses_create_params.metadata.extra_body`, a JSON string `{"seed": n}`)."""

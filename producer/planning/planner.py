@@ -36,6 +36,7 @@ from producer.planning.ordering import Planned, in_run_order
 from producer.planning.problems import ProblemLog
 from producer.planning.reserved import check_input_row
 from producer.planning.routing import Route, Router, pairing_bypassed
+from producer.planning.skills import SKILLS_REFUSED, SkillsError, skills_ref
 from producer.planning.state import DigestTable, RolloutCounters, digest64
 from producer.planning.tasksets import (
     ADD_SEED_REFUSED,
@@ -56,7 +57,7 @@ _BOM = b"\xef\xbb\xbf"
 RESPONSES_CREATE_PARAMS = F.RESPONSES_CREATE_PARAMS
 AGENT_REF, TASK_SOURCE, ROLLOUT_ID = F.AGENT_REF, F.TASK_SOURCE, F.ROLLOUT_ID
 TASK_INDEX, ROLLOUT_INDEX, ENVIRONMENT_SERVER = F.TASK_INDEX, F.ROLLOUT_INDEX, F.ENVIRONMENT_SERVER
-RUN_ID, SHARD = F.RUN_ID, F.SHARD
+RUN_ID, SHARD, SKILLS_REF = F.RUN_ID, F.SHARD, F.SKILLS_REF
 TASK_ID, TASK_INPUT = F.TASK_ID, F.TASK_INPUT
 _TASK_IDENTITY = b"\x00task\x00"
 """Prefix of a materialized task's identity (its `task_id`), apart from any raw line's."""
@@ -110,6 +111,12 @@ class Planner:
         self.by_environment = EnvironmentRouter(self.router, self.routing)
         for problem in routing_problems(self.routing, config):
             self.log.add_problem(problem)
+        self._skills: dict[str, Any] | None = None
+        if settings.skills is not None:
+            try:
+                self._skills = skills_ref(settings.skills.path)
+            except (SkillsError, OSError) as exc:
+                self.log.add_problem(Problem(str(exc), field="skills.path"))
         self._environment_routed = 0
         # Sized for the rows expected, so the tables do not rehash mid-run.
         self._tasks = DigestTable(capacity=expected_rows)
@@ -220,6 +227,8 @@ class Planner:
             agent = target.agent
             if not target.episode:  # a task row names no agent: its environment server runs it
                 copy[AGENT_REF] = ref if named == agent else {"name": agent}
+                if self._skills is not None:
+                    copy[SKILLS_REF] = self._skills
             for _ in range(target.repeats):
                 rollout = take(task)
                 copy[TASK_INDEX] = task
@@ -249,6 +258,8 @@ class Planner:
             refused = task_row_problems(row)
             if self.settings.num_repeats_add_seed:
                 refused.append((ADD_SEED_REFUSED, "num_repeats_add_seed"))
+            if self.settings.skills is not None:
+                refused.append((SKILLS_REFUSED, "skills"))
             for message, field_ in refused:
                 log.add(message, line_no, field_)
             if refused:

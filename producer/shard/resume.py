@@ -51,7 +51,8 @@ PLANNING_SETTINGS = frozenset(
     {
         "agent_name", "agent_map", "fan_out", "num_repeats", "task_ids", "limit",
         "interleave_repeats", "interleave_by_agent", "allow_unsupported_pairing",
-        "num_shards", "shard_index",
+        "num_shards", "shard_index", "skills", "num_repeats_add_seed",
+        "environment_routing_mode", "environment_server_name", "environment_server_routes",
     }
 )  # fmt: skip
 

@@ -295,3 +295,25 @@ def test_nemo_gym_config_carries_routes_tasksets_and_agent_server() -> None:
     assert cfg.attributed_agent("harbor_env") == "harbor_agent"
     assert cfg.environments["harbor_env"].datasets[0].taskset == "harbor:tb"
     assert plan([task("harbor:tb", "1")], cfg)[0][F.ENVIRONMENT_SERVER] == "harbor_env"
+
+
+def test_run_level_skills_stamp_flat_rows_and_are_refused_for_task_rows(tmp_path: Path) -> None:
+    skills = tmp_path / "skills"
+    (skills / "grep").mkdir(parents=True)
+    (skills / "grep" / "SKILL.md").write_text(
+        "---\nname: grep\ndescription: search files\nmetadata: {version: 2}\n---\nUse grep.\n"
+    )
+    out = plan([flat()], skills={"path": str(skills)}, num_repeats=2)
+    ref = out[0][F.SKILLS_REF]
+    assert ref["path"] == str(skills) and len(ref["hash"]) == 12
+    assert ref["skills"] == [{"name": "grep", "description": "search files", "version": "2"}]
+    assert out[1][F.SKILLS_REF] == ref
+    # A skill changed in place is another skills_ref.
+    (skills / "grep" / "helper.sh").write_text("#!/bin/sh\n")
+    assert plan([flat()], skills={"path": str(skills)})[0][F.SKILLS_REF]["hash"] != ref["hash"]
+    text = problems([flat(), task("puzzles", "1")], skills={"path": str(skills)})
+    assert (
+        "<rows>:2, field 'skills': run-level skills are not supported for materialized task rows"
+    ) in text
+    text = problems([flat()], skills={"path": str(tmp_path / "nowhere")})
+    assert "field 'skills.path': the skills path" in text and "does not exist" in text
