@@ -405,7 +405,8 @@ def main() -> None:
         "--rounds",
         type=int,
         default=3,
-        help="latency, overhead, workers: interleaved rounds; each collector's best is shown",
+        help="latency, overhead, workers, finish-rss: interleaved rounds (latency, overhead,"
+        " workers: each collector's best is shown; finish-rss: the least and the most)",
     )
     parser.add_argument(
         "--telemetry",
@@ -465,7 +466,7 @@ def main() -> None:
     elif a.scenario == "finish-rss":
         from bench.finish_rss import finish_rss
 
-        print(finish_rss(a.n or 100_000, a.baseline))
+        print(finish_rss(a.n or 100_000, a.baseline, a.rounds))
     elif a.scenario == "soak":
         from bench.soak import main as soak_main
 

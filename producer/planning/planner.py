@@ -19,7 +19,6 @@ stamps. `limit` stops reading after N lines.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -36,6 +35,7 @@ from producer.planning.ordering import Planned, in_run_order
 from producer.planning.problems import ProblemLog
 from producer.planning.reserved import check_input_row
 from producer.planning.routing import Route, Router, pairing_bypassed
+from producer.planning.seeds import SEED_NEEDS_JSON, seedable, with_seed
 from producer.planning.skills import SKILLS_REFUSED, SkillsError, skills_ref
 from producer.planning.state import DigestTable, RolloutCounters, digest64
 from producer.planning.tasksets import (
@@ -269,13 +269,8 @@ class Planner:
         if mode == "taskset":
             log.add(FLAT_ROW_IN_TASKSET_MODE, line_no, TASK_ID)
             return None
-        if self.settings.num_repeats_add_seed and not _seedable(row):
-            log.add(
-                "num_repeats_add_seed needs responses_create_params.metadata.extra_body to be "
-                "a JSON object string when present",
-                line_no,
-                RESPONSES_CREATE_PARAMS,
-            )
+        if self.settings.num_repeats_add_seed and not seedable(row):
+            log.add(SEED_NEEDS_JSON, line_no, RESPONSES_CREATE_PARAMS)
             return None
         if mode == "legacy":
             self._environment_routed += 1
@@ -360,32 +355,6 @@ class Planner:
         self.finish()
         if self.log:
             raise self.log.error()
-
-
-def with_seed(params: dict[str, Any], rollout: int) -> dict[str, Any]:
-    """`responses_create_params` whose `metadata.extra_body` (a JSON string, as NeMo Gym writes
-    it) carries the rollout index as `seed`; the row's own dicts are not touched."""
-    metadata = dict(params.get("metadata") or {})
-    extra = json.loads(metadata.get("extra_body", "{}"))
-    extra["seed"] = rollout
-    metadata["extra_body"] = json.dumps(extra)
-    return {**params, "metadata": metadata}
-
-
-def _seedable(row: dict[str, Any]) -> bool:
-    params = row.get(RESPONSES_CREATE_PARAMS)
-    if not isinstance(params, dict):
-        return True  # its own problem
-    metadata = params.get("metadata")
-    if metadata is None:
-        return True
-    if not isinstance(metadata, dict):
-        return False
-    extra = metadata.get("extra_body", "{}")
-    try:
-        return isinstance(extra, str) and isinstance(json.loads(extra), dict)
-    except ValueError:
-        return False
 
 
 def oversize_message(limit: int) -> str:

@@ -160,6 +160,10 @@ def test_a_run_mixing_flat_rows_and_two_task_sets_survives_a_producer_sigkill(
 
     assert status["planned"] == 30 and status["landed"] == 28
     assert status["failed"] == {"environment_server_failed": 2}
+    # Task rows are counted under their environment server (they name no agent).
+    assert sorted(status["by_agent"]) == ["count_agent", "math_agent"]
+    assert status["by_environment"]["arith_tasks"]["landed"] == 10
+    assert status["by_environment"]["count_tasks"]["planned"] == 8
     assert report.returncode == 0, report.stdout + report.stderr
     assert (tmp_path / "report.html").stat().st_size > 0
     summary = orjson.loads((out / "quality_summary.json").read_bytes())["run"]
