@@ -109,7 +109,7 @@ def test_nemo_gym_aggregates_and_checks_a_task_set_run_as_we_do(tmp_path: Path) 
                 [str(gym), "eval", "aggregate", f"+input_glob={out}/rollouts-0.jsonl",
                  f"+output_jsonl_fpath={peer_dir}/rollouts.jsonl",
                  f"+head_server.host={host}", f"+head_server.port={port}"],
-                capture_output=True, text=True, timeout=900, check=False,
+                capture_output=True, text=True, timeout=900, check=False, cwd=tmp_path,
             )  # fmt: skip
     finally:
         servers.stop()
