@@ -329,10 +329,15 @@ class AgentServer:
         return self._pad
 
     async def model_result(
-        self, row: dict[str, Any], model_url: str, traceparent: str | None = None
+        self,
+        row: dict[str, Any],
+        model_url: str,
+        traceparent: str | None = None,
+        key: str | None = None,
     ) -> dict[str, Any]:
-        """The result of the rollout's calls to the model, under its capture key (and in the
-        rollout's trace: the `traceparent` of its `/run` is passed on, as NeMo Gym's relay does).
+        """The result of the rollout's calls to the model, under its capture key (`key`, else the
+        row's rollout id) and in the rollout's trace (the `traceparent` of its `/run` is passed on,
+        as NeMo Gym's relay does).
 
         A row's `model_calls` (else the knob) is how many calls it makes, each given the
         conversation so far; `model_call_faults` ({"<i>": "truncated" | "empty" |
@@ -342,7 +347,7 @@ class AgentServer:
         """
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        key = F.rollout_id(row)
+        key = key if key is not None else F.rollout_id(row)
         invocation = f"inv-{uuid.uuid4().hex[:12]}"
         params = dict(row.get("responses_create_params") or {})
         hints = {

@@ -107,6 +107,14 @@ def _storage_options(protocol: str) -> dict[str, Any]:
     return {}
 
 
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem of `url` (a path or any fsspec URL) and the path on it, with the storage
+    options of the standard environment variables."""
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    fs, path = fsspec.core.url_to_fs(url, **_storage_options(protocol))
+    return fs, path
+
+
 class WriteConflictError(StorageError):
     """Raised when bytes already exist where a writer meant to append: another writer got there.
 
@@ -147,8 +155,7 @@ class RunDir:
     """
 
     def __init__(self, url: str) -> None:
-        protocol = url.split("://", 1)[0] if "://" in url else "file"
-        fs, root = fsspec.core.url_to_fs(url, **_storage_options(protocol))
+        fs, root = filesystem(url)
         self.fs: fsspec.AbstractFileSystem = fs
         self.root: str = root.rstrip("/") if root != "/" else root
         self.url: str = fs.unstrip_protocol(self.root)

@@ -49,6 +49,8 @@ class CallPolicy(BaseModel):
     """Largest reply body, in decompressed bytes; reading stops as soon as it is passed."""
     read_idle_timeout_s: float = DEFAULT_READ_IDLE_TIMEOUT_S
     """Longest silence within a reply body before the attempt fails as a timeout."""
+    heartbeat_s: float | None = None
+    """Write CRLF on the connection this often until the reply begins (None: never)."""
     retry_requests: bool = True
     """Replay a request that failed after it was sent."""
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
@@ -112,7 +114,8 @@ class CollectRequest(BaseModel):
     run: RunRef
     """The run and shard the result lands in."""
     agent_url: str
-    """Base URL of the agent; `/run` is appended."""
+    """Base URL of the agent (or, for a materialized task row, of its environment server);
+    `/run` is appended."""
     policy: CallPolicy = CallPolicy()
     """Timeouts and retries."""
     row: dict[str, Any]

@@ -23,7 +23,7 @@ class InputSource(BaseModel):
     """Where the planned rows came from."""
 
     path: str
-    """The input file as given."""
+    """The input file: its absolute path, or its URL (`s3://...`, secrets redacted)."""
     sha256: str
     """SHA-256 of the input file's bytes."""
 
@@ -109,6 +109,24 @@ class Manifest(BaseModel):
     def agent_urls(self) -> dict[str, str]:
         """Agent name -> URL (secrets redacted, as the config is)."""
         return agent_urls(self.config)
+
+    def call_urls(self) -> set[str]:
+        """Every URL its tasks may call `/run` at (secrets redacted, as the config is)."""
+        return call_urls(self.config)
+
+
+def call_urls(config: dict[str, Any]) -> set[str]:
+    """Every URL a task of the run may call `/run` at: its agents', and its environment servers'
+    (task rows' episodes), from a servers config as a manifest holds it."""
+    envs = config.get("environments")
+    found = set(agent_urls(config).values())
+    if isinstance(envs, dict):
+        found.update(
+            str(env["url"])
+            for env in envs.values()
+            if isinstance(env, dict) and isinstance(env.get("url"), str)
+        )
+    return found
 
 
 def agent_urls(config: dict[str, Any]) -> dict[str, str]:

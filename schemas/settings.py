@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from schemas.config import RoutingMode
 from schemas.usage import ModelPrice
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 3600.0
@@ -15,6 +16,15 @@ DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
 DEFAULT_READ_IDLE_TIMEOUT_S = 300.0
 DEFAULT_RATE_LIMIT_BUDGET_S = 900.0
 DEFAULT_RATE_LIMIT_MAX_WAIT_S = 120.0
+
+
+class SkillsSetting(BaseModel):
+    """Run-level skills: a directory of Agent Skills made available to the agent (NeMo Gym's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    """A directory of skill directories, each with a `SKILL.md`."""
 
 
 class CollectionSettings(BaseModel):
@@ -44,6 +54,20 @@ class CollectionSettings(BaseModel):
     """Round-robin the planned rollouts across agents."""
     allow_unsupported_pairing: bool = False
     """Skip the allowed_agents checks."""
+    skills: SkillsSetting | None = None
+    """Run-level skills (`+skills.path=DIR`): every flat row is stamped with their `skills_ref`."""
+    num_repeats_add_seed: bool = False
+    """Give each repeat of a flat row its rollout index as sampling seed
+    (`responses_create_params.metadata.extra_body`, a JSON string `{"seed": n}`)."""
+    environment_routing_mode: RoutingMode | None = None
+    """How flat rows reach an environment server: `agent` (by their agent; the default), `legacy`
+    (all to `environment_server_name`) or `taskset` (none: only materialized task rows); unset
+    takes the servers config's."""
+    environment_server_name: str | None = None
+    """The environment server of every flat row in `legacy` mode; unset takes the config's."""
+    environment_server_routes: dict[str, str] | None = None
+    """Taskset -> the environment server that runs its materialized task rows; unset takes the
+    config's."""
     max_row_bytes: int = Field(default=DEFAULT_MAX_ROW_BYTES, ge=1)
     """Largest input line (or row, encoded) planning accepts, in bytes; a larger one is refused."""
 
@@ -57,6 +81,10 @@ class CollectionSettings(BaseModel):
     """Largest /run reply body in decompressed bytes: a larger one is cut off and fails."""
     read_idle_timeout_s: float = Field(default=DEFAULT_READ_IDLE_TIMEOUT_S, gt=0)
     """A /run reply body that stops arriving for this long fails the attempt (a timeout)."""
+    http_heartbeat_s: float | None = Field(default=None, gt=0)
+    """Write an empty line (CRLF) on a `/run` connection every this many seconds while its reply
+    has not begun, so that intermediaries with a fixed idle timeout keep a long call open; off
+    when unset."""
     max_attempts: int = Field(default=DEFAULT_MAX_ATTEMPTS, ge=1)
     """Attempts per rollout, counted across deliveries and resumes."""
     max_resident_tasks: int | None = Field(

@@ -44,7 +44,9 @@ def main() -> None:
 @click.option(
     "--config", "config_path", default=None, help="Servers config (YAML; normalised or NeMo Gym's)."
 )
-@click.option("--input", "input_path", default=None, help="Rows to run (JSONL).")
+@click.option(
+    "--input", "input_path", default=None, help="Rows to run (JSONL): a path or an fsspec URL."
+)
 @click.option("--output-dir", default=None, help="Run directory: a folder or an fsspec URL.")
 @click.option("--shard", default=None, help="Shard label.  [default: 0]")
 @click.option("--agent", default=None, help="Agent for rows that name none.")

@@ -103,15 +103,28 @@ class FileTally:
         return self._groups(1)
 
     def _groups(self, part: int) -> dict[str, GroupCounts]:
-        """Counts per agent (`part` 0) or environment server (1); `?` where a row names none."""
+        """Counts per agent (`part` 0) or environment server (1); `?` where a row names none.
+
+        A materialized task row names no agent by design: it is counted under its environment
+        server only."""
         groups: dict[str, GroupCounts] = defaultdict(GroupCounts)
         ledger = self.ledger
+
+        def name(group: tuple[str | None, str | None]) -> str | None:
+            agent, env = group
+            if part == 0 and agent is None and env is not None:
+                return None
+            return group[part] or "?"
+
         for group, n in ledger.planned_by.items():
-            groups[group[part] or "?"].planned += n
+            if (key := name(group)) is not None:
+                groups[key].planned += n
         for group, n in ledger.landed_by.items():
-            groups[group[part] or "?"].landed += n
+            if (key := name(group)) is not None:
+                groups[key].landed += n
         for failure, n in ledger.failed_by.items():
-            groups[(failure.agent, failure.env)[part] or "?"].failed[failure.cls] += n
+            if (key := name((failure.agent, failure.env))) is not None:
+                groups[key].failed[failure.cls] += n
         return groups
 
 
@@ -228,8 +241,11 @@ class StatusReader:
         report["waiting"] = snap.waiting
         report["stop"] = snap.stop
         add_holders(report, snap.rollouts)
+        environments = manifest.config.get("environments") or {}
         for agent, n in snap.in_flight_by_agent.items():
-            report["by_agent"].setdefault(agent, GroupCounts().as_json())["in_flight"] = n
+            # A task row's episode runs on its environment server, named where its agent would be.
+            kind = "by_environment" if agent in environments else "by_agent"
+            report[kind].setdefault(agent, GroupCounts().as_json())["in_flight"] = n
         add_backpressure(report, client(self.redis_url or ""), manifest.config, snap)
         if not current:
             report["queued"] = 0 if manifest.state in FINAL_STATES else None

@@ -30,8 +30,11 @@ class Target:
     """One agent a row runs on, the environment server it is aggregated under, and how often."""
 
     agent: str
+    """The agent that runs the row; for an episode, the environment server that does."""
     environment: str
     repeats: int
+    episode: bool = False
+    """A materialized task row: its environment server's `/run` runs it, and it names no agent."""
 
 
 @dataclass(frozen=True)
@@ -215,27 +218,29 @@ class Router:
         stamp: str | None,
         problems: list[ProblemText],
     ) -> Target | None:
-        config = self.config
-        row_field = "agent_ref" if origin == "agent_ref" else None
-        if agent not in config.agents:
-            other = config.kind_of(agent)
-            article = "an" if other and other[0] in "aeiou" else "a"
-            why = (
-                f"; {agent!r} is {article} {other}, not an agent"
-                if other
-                else did_you_mean(agent, list(config.agents))
-            )
-            problems.append(
-                (f"agent {agent!r} (from {origin}) is not in the config{why}", row_field)
-            )
+        if agent not in self.config.agents:
+            problems.append(self.unknown_agent(agent, origin))
             return None
         environment = self._environment(agent, source, stamp, problems)
-        repeats = self._repeats(agent, basis, problems)
+        repeats = self.repeats_of(agent, basis, problems)
         if not self.bypass_pairing:
-            problems.extend((p, None) for p in self._pairing(agent, source, environment))
+            problems.extend((p, None) for p in self.pairing(agent, source, environment))
         if environment is None or repeats is None:
             return None
         return Target(agent, environment, repeats)
+
+    def unknown_agent(self, agent: str, origin: str) -> ProblemText:
+        """The problem of a row sent to `agent` (named by `origin`), which is no agent of the config."""
+        config = self.config
+        other = config.kind_of(agent)
+        article = "an" if other and other[0] in "aeiou" else "a"
+        why = (
+            f"; {agent!r} is {article} {other}, not an agent"
+            if other
+            else did_you_mean(agent, list(config.agents))
+        )
+        row_field = "agent_ref" if origin == "agent_ref" else None
+        return f"agent {agent!r} (from {origin}) is not in the config{why}", row_field
 
     def _environment(
         self, agent: str, source: str | None, stamp: str | None, problems: list[ProblemText]
@@ -247,7 +252,8 @@ class Router:
             known = did_you_mean(own, list(config.environments))
             problems.append(
                 (
-                    f"agent {agent!r} names environment {own!r}, which is not in the config{known}",
+                    f"Agent {agent!r} has no environment server, so collection cannot reach it: "
+                    f"it names environment {own!r}, which is not in the config{known}",
                     None,
                 )
             )
@@ -262,15 +268,21 @@ class Router:
                 return hint
         problems.append(
             (
-                f"agent {agent!r} is fronted by several environment servers "
-                f"({', '.join(servers)}); rows routed by agent cannot choose between them: give "
-                "the agent one `environment`, or set the rows' task_source to one of them",
+                f"Agent {agent!r} is fronted by several environment servers: {servers}. Rows "
+                "that route by agent cannot choose between them. Set "
+                "environment_routing_mode=legacy with environment_server_name, or route these "
+                "rows by taskset (or give the agent one `environment`, or set the rows' "
+                "task_source to one of them)",
                 None,
             )
         )
         return None
 
-    def _repeats(self, agent: str, basis: str | None, problems: list[ProblemText]) -> int | None:
+    def repeats_of(
+        self, agent: str | None, basis: str | None, problems: list[ProblemText]
+    ) -> int | None:
+        """`num_repeats` of a row sent to `agent` (None: to an environment server) whose routing
+        basis is `basis`: by the agent, then the basis, then `_default`."""
         n = self.settings.num_repeats
         if isinstance(n, int):
             return n
@@ -278,7 +290,7 @@ class Router:
             if key is not None and key in n:
                 self.used_repeat_keys.add(key)
                 return n[key]
-        keys = agent if basis in (None, agent) else f"{agent} / {basis}"
+        keys = " / ".join(k for k in dict.fromkeys((agent, basis)) if k is not None)
         problems.append(
             (
                 f"num_repeats has no entry for {keys} and no '_default'; listed keys: "
@@ -288,8 +300,12 @@ class Router:
         )
         return None
 
-    def _pairing(self, agent: str, source: str | None, environment: str | None) -> list[str]:
-        """Refusals by the allowed_agents of everything the row meets (docs/how-to/routing.md#pairings)."""
+    def pairing(
+        self, agent: str, source: str | None, environment: str | None, own_datasets: bool = True
+    ) -> list[str]:
+        """Refusals by the allowed_agents of everything the row meets
+        (docs/how-to/routing.md#pairings); `own_datasets`: also those of the dataset entries the
+        agent declares (its flat rows')."""
         config = self.config
         cfg = config.agents[agent]
         checks: dict[str, list[str] | None] = {}
@@ -314,7 +330,7 @@ class Router:
                 checks[f"resources server {rs!r}, which agent {agent!r} binds"] = (
                     config.resources_servers[rs].allowed_agents
                 )
-        for d in cfg.datasets:
+        for d in cfg.datasets if own_datasets else ():
             checks[f"dataset {d.name or '?'!r} declared by agent {agent!r}"] = d.allowed_agents
         if source is not None and source != agent:
             for d in self._datasets_of(source):
@@ -357,7 +373,7 @@ class DeferredRouter(Router):
             agents = [] if agent is None else [agent]
         targets = []
         for agent in agents:
-            repeats = self._repeats(agent, basis, problems)
+            repeats = self.repeats_of(agent, basis, problems)
             if repeats is not None:
                 targets.append(Target(agent, DEFERRED, repeats))
         return Route(tuple(targets), tuple(dict.fromkeys(problems)))

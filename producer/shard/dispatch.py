@@ -57,6 +57,7 @@ def call_policy(settings: CollectionSettings) -> CallPolicy:
         timeout_s=settings.rollout_timeout_s,
         max_reply_bytes=settings.max_reply_bytes,
         read_idle_timeout_s=settings.read_idle_timeout_s,
+        heartbeat_s=settings.http_heartbeat_s,
         retry_requests=settings.retry_requests,
         max_attempts=settings.max_attempts,
         route_failures_to_sidecar=settings.route_failures_to_sidecar,
@@ -92,15 +93,18 @@ def admissions(
     config: ServersConfig, settings: CollectionSettings, deadline: float | None
 ) -> dict[str, dict[str, Any]]:
     """The admission payload of each agent's rollouts: the run's caps, its agent's cap, the budget."""
+    caps = {name: agent.max_concurrency for name, agent in config.agents.items()}
+    # A task row's `/run` goes to its environment server, under the same run-wide caps.
+    caps.update({name: None for name in config.environments})
     return {
         name: Admission(
             max_resident_tasks=settings.max_resident_tasks,
-            agent_max_concurrency=agent.max_concurrency,
+            agent_max_concurrency=cap,
             dispatch_deadline=deadline,
             dispatch_budget_s=settings.dispatch_budget_s if deadline is not None else None,
             drain_margin_s=settings.drain_margin_s,
         ).model_dump(mode="json", exclude_defaults=True)
-        for name, agent in config.agents.items()
+        for name, cap in caps.items()
     }
 
 
@@ -116,9 +120,9 @@ class CollectMessages:
     run_payload: dict[str, Any]
     policy: dict[str, Any]
     urls: dict[str, str]
-    """Each agent's URL."""
+    """Each agent's URL, and each environment server's (where task rows' episodes go)."""
     gates: dict[str, dict[str, Any]]
-    """Each agent's admission payload (`admissions`)."""
+    """Each agent's and environment server's admission payload (`admissions`)."""
     capture: dict[str, Any] | None = None
     """The run's capture dir payload, when observability is on."""
     health: dict[str, Any] | None = None
@@ -137,7 +141,7 @@ class CollectMessages:
             run=run,
             run_payload=run.model_dump(mode="json"),
             policy=call_policy(settings).model_dump(mode="json"),
-            urls={name: agent.url for name, agent in config.agents.items()},
+            urls=call_urls(config),
             gates=admissions(config, settings, deadline),
             capture=capture_ref(settings),
             health=health_ref(settings),
@@ -146,7 +150,7 @@ class CollectMessages:
     def message(
         self, row: dict[str, Any], rid: str | None, agent: str, reply: dict[str, Any] | None = None
     ) -> tuple[dict[str, Any], str]:
-        """(payload, argsrepr) of one row's task to `agent`.
+        """(payload, argsrepr) of one row's task to `agent` (a task row's: its environment server).
 
         The task keeps its fixed name (Celery counts a worker's tasks by name: one name per
         rollout would grow `inspect stats` and Flower's worker stats by a key per rollout); the
@@ -164,6 +168,15 @@ class CollectMessages:
             payload["health"] = self.health  # judged where it lands: not for an unrecorded call
         run = self.run
         return payload, f"run={run.run_id} shard={run.shard} rollout={rid}"
+
+
+def call_urls(config: ServersConfig) -> dict[str, str]:
+    """Where each server's `/run` listens: every agent's URL, and every environment server's
+    (a task row's episode is run there)."""
+    return {
+        **{name: env.url for name, env in config.environments.items()},
+        **{name: agent.url for name, agent in config.agents.items()},
+    }
 
 
 def enqueue(
@@ -207,7 +220,7 @@ def enqueue(
         with producer.batch(PUBLISH_BATCH):
             for index, row in enumerate(rows):
                 rid = F.rollout_id(row)
-                payload, argsrepr = messages.message(row, rid, F.agent_name(row) or "")
+                payload, argsrepr = messages.message(row, rid, F.dispatch_target(row) or "")
                 task_id = f"{prefix}.{rid}"
                 traced = job.enqueued(row, messages.run_payload, task_id) if job.span else None
                 m = CollectTaskMessage(task_id, payload, argsrepr, group_id, index, None, traced)

@@ -21,10 +21,13 @@ from typing import Any
 import orjson
 import pytest
 
-from examples.demo import run_demo
+from examples.demo import run_demo, write_dataset
+from examples.servers import DEMO_TASKSETS, start_servers
+from producer.shard.runner import RunOptions, execute_run
 from schemas.health import NEMO_CHECKS
 from tests.conftest import Workers
 from tests.evidence_run import run_evidence
+from tests.nemo_gym_head import StandInHeadServer, as_nemo_gym
 
 pytestmark = [pytest.mark.integration, pytest.mark.peer]
 
@@ -72,7 +75,8 @@ def test_nemo_gym_judges_the_demo_shard_as_we_do(tmp_path: Path) -> None:
 
     ours, theirs = summary(run_dir), summary(peer_dir)
     assert ours["verdicts"] == theirs["verdicts"]
-    assert ours["verdicts"]["healthy"] == 40
+    # 20 flat tasks and 5 materialized task rows of the demo's task set, 2 repeats each.
+    assert ours["verdicts"]["healthy"] == 50
     assert {c: ours["issues"][c] for c in NEMO_CHECKS} == theirs["issues"]
     for check in NEMO_CHECKS:
         assert ours["artifacts"]["coverage"][check] == theirs["artifacts"]["coverage"][check]
@@ -150,3 +154,56 @@ def test_nemo_gym_sees_the_intermediate_call_faults_its_checks_read(
             assert empties <= seen, (task, rollout)
             assert peer[(task, rollout)]["verdict"] == "unhealthy"
     print(sys.version, theirs["verdicts"], ours["verdicts"])
+
+
+@pytest.mark.timeout(2400)
+def test_nemo_gym_aggregates_and_checks_a_task_set_run_as_we_do(tmp_path: Path) -> None:
+    """`gym eval aggregate` over our shard of flat rows and task rows, against the same running
+    environment servers (found through a stand-in head server): the same entries per server, and
+    its health check of the merged file agrees with ours (issue 38, acceptance 3)."""
+    gym = peer_venv()
+    capture = tmp_path / "run" / "model-calls"
+    servers = start_servers(capture_dir=str(capture), tasksets=DEMO_TASKSETS)
+    try:
+        data = tmp_path / "rows.jsonl"
+        write_dataset(str(data), 16)
+        out = tmp_path / "run"
+        settings = {"num_repeats": 2, "observability_enabled": True,
+                    "model_call_capture_dir": str(capture)}  # fmt: skip
+        code = execute_run(
+            RunOptions(config_path=servers.write_config(str(tmp_path / "servers.yaml")),
+                       input_path=str(data), output_dir=str(out), settings=settings, workers=1,
+                       concurrency=16)
+        )  # fmt: skip
+        assert code == 0
+        peer_dir = tmp_path / "peer"
+        peer_dir.mkdir()
+        with StandInHeadServer(as_nemo_gym(servers.config(), "secret")) as head:
+            host, port = head.url.removeprefix("http://").split(":")
+            proc = subprocess.run(
+                [str(gym), "eval", "aggregate", f"+input_glob={out}/rollouts-0.jsonl",
+                 f"+output_jsonl_fpath={peer_dir}/rollouts.jsonl",
+                 f"+head_server.host={host}", f"+head_server.port={port}"],
+                capture_output=True, text=True, timeout=900, check=False, cwd=tmp_path,
+            )  # fmt: skip
+    finally:
+        servers.stop()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    landed = [orjson.loads(line) for line in (out / "rollouts-0.jsonl").read_bytes().splitlines()]
+    assert sum("_ng_task_id" in r for r in landed) == 8  # 4 task rows x 2 repeats
+
+    def by_server(path: Path) -> dict[str, dict[str, Any]]:
+        entries = orjson.loads(path.read_bytes())
+        return {e["_ng_environment_server"]: e for e in entries}
+
+    ours = by_server(out / "rollouts-0_aggregate_metrics.json")
+    theirs = by_server(peer_dir / "rollouts_aggregate_metrics.json")
+    assert sorted(ours) == sorted(theirs) == ["count_env", "math_env", "word_tasks_env"]
+    for server, entry in ours.items():
+        other = theirs[server]
+        assert entry["agent_ref"] == other["agent_ref"], server
+        for field in ("agent_metrics", "key_metrics", "group_level_metrics"):
+            assert entry[field] == other[field], (server, field)
+    mine, peer = summary(out), summary(peer_dir)
+    assert mine["verdicts"] == peer["verdicts"] and mine["verdicts"]["healthy"] == 40
+    assert {c: mine["issues"][c] for c in NEMO_CHECKS} == peer["issues"]

@@ -144,12 +144,20 @@ def _content_text(content: Any) -> str:
 
 
 def input_text(row: dict[str, Any]) -> str:
-    """The row's prompt: its messages as `role: text` lines."""
+    """The row's prompt: its messages as `role: text` lines. A task set's episode record carries
+    no request: its task, and the question of its trajectory's first turn when it has one."""
     params = row.get(F.RESPONSES_CREATE_PARAMS)
     messages = params.get("input") if isinstance(params, dict) else None
-    if isinstance(messages, str):
-        return _clip(messages)
     lines = []
+    task = row.get(F.NG_TASK_ID)
+    if messages is None and isinstance(task, dict):
+        lines.append(f"task: {task.get('taskset')} {task.get('task_id')}")
+        trajectory = row.get("ng_trajectory")
+        turns = trajectory.get("turns") if isinstance(trajectory, dict) else None
+        if isinstance(turns, list) and turns and isinstance(turns[0], dict):
+            messages = turns[0].get("question")
+    if isinstance(messages, str):
+        return _clip("\n".join([*lines, messages]))
     for m in messages if isinstance(messages, list) else []:
         if isinstance(m, dict):
             lines.append(f"{m.get('role', m.get('type', '?'))}: {_content_text(m.get('content'))}")
