@@ -18,7 +18,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from examples.servers import start_servers
+from examples.servers import DEMO_TASKSETS, start_servers
 from tests.conftest import Workers
 from tests.docs_helpers import ROOT, Page, page_script, pages
 
@@ -42,7 +42,8 @@ def test_the_pages_blocks_run(page: Page, tmp_path: Path, request: pytest.Fixtur
     stops = []
     try:
         if "servers" in page.needs:
-            servers = start_servers()
+            # As `python -m examples.servers` starts them: the demo's task set too.
+            servers = start_servers(tasksets=DEMO_TASKSETS)
             stops.append(servers.stop)
             servers.write_config(str(work / "servers.yaml"))
         if "redis" in page.needs or "cluster" in page.needs:
