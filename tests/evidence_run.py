@@ -17,7 +17,8 @@ import orjson
 
 from examples.servers import RunningServers, free_port, start_servers
 from producer.shard.runner import RunOptions, execute_run
-from tests.conftest import ROOT, Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import ROOT, demo_rows, read_jsonl, write_rows
 from tests.ops_helpers import cli
 
 # Task index -> {call index: fault} (faults the example model server answers with).

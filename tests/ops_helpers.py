@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from schemas import fields as F
-from tests.conftest import ROOT, read_jsonl
+from tests.helpers import ROOT, read_jsonl
 
 Key = tuple[int, int]
 

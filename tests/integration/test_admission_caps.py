@@ -17,7 +17,8 @@ from examples.servers import start_servers
 from examples.tasks import make_row
 from infra import keys
 from infra.store import RunDir
-from tests.conftest import Workers, write_rows
+from tests.cluster import Workers
+from tests.helpers import write_rows
 from tests.ops_helpers import cli, cli_background, manifest, rows_by_key, wait_for
 
 pytestmark = pytest.mark.integration

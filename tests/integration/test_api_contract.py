@@ -18,7 +18,8 @@ from producer import preprocess_examples, run_examples, run_outcomes
 from schemas import fields as F
 from schemas.errors import PlanningError
 from schemas.settings import CollectionSettings
-from tests.conftest import Workers, read_jsonl
+from tests.cluster import Workers
+from tests.helpers import read_jsonl
 from tests.nemo_gym_head import StandInHeadServer, as_nemo_gym
 from tests.ops_helpers import manifest
 

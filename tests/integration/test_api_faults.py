@@ -23,7 +23,7 @@ from producer.api.replies import UNREADABLE
 from producer.api.transport import Invocation
 from schemas import fields as F
 from tests.api_helpers import ENV, Got, consume, the_call
-from tests.conftest import Workers
+from tests.cluster import Workers
 from tests.ops_helpers import wait_for
 
 pytestmark = pytest.mark.integration

@@ -43,7 +43,8 @@ from tests.api_helpers import (
     liveness_bound_s,
     row_key,
 )
-from tests.conftest import ROOT, Workers, read_jsonl
+from tests.cluster import Workers
+from tests.helpers import ROOT, read_jsonl
 from tests.netns_hosts import SERVICE_ADDRESS, TestHosts
 from tests.ops_helpers import key, manifest, requests_per_key, wait_for
 

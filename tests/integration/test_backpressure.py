@@ -19,7 +19,8 @@ from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from examples.tasks import make_row
 from infra.backoff import MIN_WAIT_S
-from tests.conftest import Workers, write_rows
+from tests.cluster import Workers
+from tests.helpers import write_rows
 from tests.ops_helpers import (
     cli,
     cli_background,

@@ -14,7 +14,8 @@ import pytest
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from producer.shard.runner import RunOptions, execute_run
-from tests.conftest import Workers, demo_rows, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, write_rows
 from tests.ops_helpers import manifest, requests_per_key, rows_by_key
 
 pytestmark = pytest.mark.integration

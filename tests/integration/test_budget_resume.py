@@ -11,7 +11,8 @@ from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from examples.tasks import make_row
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, read_jsonl, write_rows
 from tests.ops_helpers import cli, manifest, request_log, requests_per_key, rows_by_key
 
 pytestmark = pytest.mark.integration

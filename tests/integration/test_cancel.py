@@ -11,7 +11,8 @@ import pytest
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from examples.tasks import make_row
-from tests.conftest import Workers, write_rows
+from tests.cluster import Workers
+from tests.helpers import write_rows
 from tests.ops_helpers import cli, cli_background, manifest, rows_by_key, wait_for
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,9 @@ from infra.store import RunDir
 from producer.shard.resume import ResumeOptions, execute_resume
 from producer.shard.runner import RunOptions, execute_run
 from schemas.trajectory import TrajectoryRecord
-from tests.conftest import Workers, demo_rows, read_object_jsonl, write_rows
+from tests.cluster import Workers
 from tests.health_fixtures import TRAJECTORY_CHECKS
+from tests.helpers import demo_rows, read_object_jsonl, write_rows
 
 pytestmark = pytest.mark.integration
 

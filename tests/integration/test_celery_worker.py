@@ -20,7 +20,8 @@ from producer.shard.opening import iter_materialized, open_run, reset_shard_stat
 from producer.shard.runner import RunOptions, execute_run
 from schemas.messages import COLLECT_TASK, QUEUE
 from schemas.settings import CollectionSettings
-from tests.conftest import Workers, agent_stats, demo_rows, read_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import agent_stats, demo_rows, read_jsonl, write_rows
 
 pytestmark = pytest.mark.integration
 

@@ -31,7 +31,8 @@ from infra import keys
 from infra.embedded import EmbeddedRedis
 from infra.store import RunDir
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, read_jsonl, write_rows
 from tests.ops_helpers import cli, cli_background, key, manifest, requests_per_key, wait_for
 from workers.shard.leases import lease_rows
 

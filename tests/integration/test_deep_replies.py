@@ -17,7 +17,8 @@ from examples.servers import start_servers
 from infra import keys
 from infra.store import RunDir
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, write_rows
 from tests.ops_helpers import cli, manifest, rows_by_key, wait_for
 
 pytestmark = pytest.mark.integration

@@ -30,7 +30,7 @@ import pytest
 from examples.agent_server import AgentKnobs
 from examples.demo import run_demo
 from examples.servers import free_port, start_servers
-from tests.conftest import Workers, demo_rows, write_rows
+from tests.cluster import Workers
 from tests.docs_helpers import (
     SCREENSHOTS,
     SCREENSHOTS_DIR,
@@ -38,6 +38,7 @@ from tests.docs_helpers import (
     chromium_path,
     screenshot_sources,
 )
+from tests.helpers import demo_rows, write_rows
 from tests.ops_helpers import cli, cli_background, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.screenshots]

@@ -19,7 +19,7 @@ import boto3
 import pytest
 
 from examples.servers import DEMO_TASKSETS, start_servers
-from tests.conftest import Workers
+from tests.cluster import Workers
 from tests.docs_helpers import ROOT, Page, page_script, pages
 
 RUNNABLE = [p for p in pages() if p.runnable]

@@ -15,7 +15,8 @@ from examples.servers import RunningServers
 from infra.store import RunDir
 from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
-from tests.conftest import Workers, agent_stats, demo_rows, read_object_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import agent_stats, demo_rows, read_object_jsonl, write_rows
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,8 @@ from examples.servers import start_servers
 from infra.embedded import EmbeddedRedis
 from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, write_rows
 from tests.ops_helpers import Key, manifest, requests_per_key, rows_by_key
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,8 @@ from infra.embedded import free_port
 from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
 from schemas.errors import RunFailedError
-from tests.conftest import Workers, agent_stats, demo_rows, write_rows
+from tests.cluster import Workers
+from tests.helpers import agent_stats, demo_rows, write_rows
 from tests.ops_helpers import cli, cli_background, manifest, requests_per_key, rows_by_key, wait_for
 
 pytestmark = pytest.mark.integration

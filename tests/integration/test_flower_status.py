@@ -16,7 +16,8 @@ from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from infra.embedded import free_port
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, read_jsonl, write_rows
 from tests.ops_helpers import cli, cli_background, manifest, wait_for
 
 pytestmark = pytest.mark.integration

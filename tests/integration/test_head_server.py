@@ -11,7 +11,8 @@ import pytest
 
 from examples.servers import RunningServers
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, read_jsonl, write_rows
 from tests.nemo_gym_head import StandInHeadServer, as_nemo_gym
 
 pytestmark = pytest.mark.integration

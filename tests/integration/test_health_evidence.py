@@ -19,8 +19,9 @@ import orjson
 import pytest
 
 from schemas import fields as F
-from tests.conftest import Workers, read_jsonl
+from tests.cluster import Workers
 from tests.evidence_run import FAULTS, HANGS, REPEATS, TASKS, EvidenceRun, calls_of, run_evidence
+from tests.helpers import read_jsonl
 from tests.ops_helpers import cli
 from workers.health.timeouts import in_calls_s
 

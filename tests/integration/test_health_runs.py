@@ -20,8 +20,9 @@ from examples.agent_server import AgentKnobs
 from examples.servers import RunningServers, start_servers
 from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
-from tests.conftest import ROOT, Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import Workers
 from tests.health_fixtures import crafted_folder
+from tests.helpers import ROOT, demo_rows, read_jsonl, write_rows
 from workers.health import plan_recheck, run_local
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from examples.servers import RunningServers
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, read_jsonl, write_rows
 from tests.idle_proxy import IdleDroppingProxy
 from tests.ops_helpers import cli_background
 

@@ -12,7 +12,8 @@ import redis
 from examples.servers import RunningServers
 from infra import keys
 from infra.store import RunDir
-from tests.conftest import Workers, demo_rows, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, write_rows
 from tests.ops_helpers import cli, cli_background, wait_for
 
 pytestmark = pytest.mark.integration

@@ -32,7 +32,8 @@ from schemas import fields as F
 from schemas.messages import COLLECT_TASK, RunRef
 from schemas.records import Generation, utc_now
 from schemas.settings import CollectionSettings
-from tests.conftest import Workers, agent_stats, demo_rows, write_rows
+from tests.cluster import Workers
+from tests.helpers import agent_stats, demo_rows, write_rows
 from workers.shard.state import open_shard
 
 pytestmark = pytest.mark.integration

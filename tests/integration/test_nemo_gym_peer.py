@@ -25,7 +25,7 @@ from examples.demo import run_demo, write_dataset
 from examples.servers import DEMO_TASKSETS, start_servers
 from producer.shard.runner import RunOptions, execute_run
 from schemas.health import NEMO_CHECKS
-from tests.conftest import Workers
+from tests.cluster import Workers
 from tests.evidence_run import run_evidence
 from tests.nemo_gym_head import StandInHeadServer, as_nemo_gym
 

@@ -30,7 +30,8 @@ from examples.servers import RunningServers, start_servers
 from examples.tasks import make_row
 from infra.embedded import EmbeddedRedis, free_port
 from producer.shard.celery_client import client_app
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, read_jsonl, write_rows
 
 pytestmark = pytest.mark.integration
 

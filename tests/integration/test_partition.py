@@ -16,7 +16,8 @@ import pytest
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from infra.embedded import EmbeddedRedis
-from tests.conftest import Workers, demo_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows
 from tests.integration.test_recovery import (
     ENV,
     LEASE_TTL_S,

@@ -32,7 +32,8 @@ from schemas import fields as F
 from schemas.errors import PlanningError, UsageError
 from schemas.messages import QUEUE
 from schemas.settings import CollectionSettings
-from tests.conftest import ROOT, Workers, agent_stats, read_object_jsonl
+from tests.cluster import Workers
+from tests.helpers import ROOT, agent_stats, read_object_jsonl
 from tests.ops_helpers import cli, manifest, request_log, wait_for
 
 pytestmark = pytest.mark.integration

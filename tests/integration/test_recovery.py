@@ -33,7 +33,8 @@ from infra import keys
 from infra.store import RunDir
 from schemas import fields as F
 from schemas.messages import QUEUE
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, read_jsonl, write_rows
 from tests.ops_helpers import (
     cli,
     cli_background,

@@ -16,7 +16,8 @@ import redis
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from examples.tasks import make_row
-from tests.conftest import Workers, write_rows
+from tests.cluster import Workers
+from tests.helpers import write_rows
 from tests.ops_helpers import cli_background, wait_for
 
 pytestmark = pytest.mark.integration

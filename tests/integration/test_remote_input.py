@@ -12,7 +12,8 @@ import orjson
 import pytest
 
 from examples.servers import RunningServers
-from tests.conftest import Workers, demo_rows, read_jsonl
+from tests.cluster import Workers
+from tests.helpers import demo_rows, read_jsonl
 from tests.ops_helpers import cli, manifest
 
 pytestmark = pytest.mark.integration

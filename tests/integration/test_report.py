@@ -22,7 +22,8 @@ from infra.store import RunDir
 from producer.ops.compare import compare_runs, text
 from producer.shard.resume import ResumeOptions, execute_resume
 from producer.shard.runner import RunOptions, execute_run
-from tests.conftest import Workers, demo_rows, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, write_rows
 from workers.health.sources import discover
 from workers.report import write_report
 from workers.report.page import SECTIONS

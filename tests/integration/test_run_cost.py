@@ -16,7 +16,8 @@ from infra.store import RunDir
 from producer.ops.status import StatusReader, tokens_line
 from producer.shard.runner import RunOptions, execute_run
 from schemas.errors import RunFailedError
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, read_jsonl, write_rows
 
 pytestmark = pytest.mark.integration
 

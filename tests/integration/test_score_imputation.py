@@ -10,7 +10,8 @@ import pytest
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from examples.tasks import make_row
-from tests.conftest import Workers, read_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import read_jsonl, write_rows
 from tests.ops_helpers import cli, requests_per_key, rows_by_key
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from examples.servers import RunningServers
-from tests.conftest import Workers, demo_rows, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, write_rows
 from tests.ops_helpers import cli
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,8 @@ from examples.servers import RunningServers, start_servers
 from examples.tasks import task_row
 from producer import RolloutFailureRecord, preprocess_examples, run_examples, run_outcomes
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, read_jsonl, write_rows
 from tests.ops_helpers import cli, cli_background, key, manifest, rows_by_key, wait_for
 
 pytestmark = pytest.mark.integration

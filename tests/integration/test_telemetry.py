@@ -31,7 +31,8 @@ from infra.capture import CaptureStore
 from infra.capture_proxy import CaptureProxy
 from infra.telemetry import TraceParent
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows, read_jsonl, write_rows
 from tests.integration.test_capture_proxy import _start
 from tests.ops_helpers import cli, cli_background, key, request_log, wait_for
 from tests.otlp_receiver import CLIENT, CONSUMER, PRODUCER, OtlpReceiver, Span, in_memory_sdk

@@ -23,7 +23,7 @@ import yaml
 
 from examples.servers import RunningServers
 from examples.tasks import task_row
-from tests.conftest import agent_stats, demo_rows
+from tests.helpers import agent_stats, demo_rows
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from infra.store import RunDir
 from schemas.health import CheckInput, CheckScope, CheckSpec, CheckSubject
-from tests.conftest import ROOT
 from tests.health_fixtures import call, read_verdicts, record, trajectory, turn, write_lines
+from tests.helpers import ROOT
 from workers.health import make_plan, run_local
 from workers.health.record_checks import check_record
 from workers.health.reduce import verdict_of

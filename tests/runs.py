@@ -1,0 +1,111 @@
+"""The run builder: example servers, worker processes, rows and `rollouts run` in a test's folder.
+
+`make_run(...)` (a fixture of `tests/conftest.py`) starts the servers and the workers a run needs
+and hands out a `Run`; the test writes its rows and runs them as a user does (`run.cli`, or
+`run.start` in the background), or in its own process (`run.execute`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from examples.agent_server import AgentKnobs
+from examples.servers import RunningServers
+from producer.shard.runner import RunOptions, execute_run
+from tests.cluster import ExampleServers, StartWorkers, Workers
+from tests.helpers import write_rows
+from tests.ops_helpers import cli, cli_background
+
+
+class Run:
+    """A run of example servers in `folder`: its servers config, its input rows, its run
+    directory `out`, and `rollouts run` on them against `broker`."""
+
+    def __init__(
+        self, servers: RunningServers, broker: str, folder: Path, workers: Workers
+    ) -> None:
+        self.servers = servers
+        self.broker = broker
+        self.folder = folder
+        self.workers = workers
+        self.out = folder / "run"
+        self.log_path = folder / "run.log"
+        """Where the output of `start` goes."""
+
+    @cached_property
+    def config(self) -> str:
+        """The servers config, written to `servers.yaml` on first use."""
+        return self.servers.write_config(str(self.folder / "servers.yaml"))
+
+    def input(self, rows: list[Any]) -> str:
+        """`rows` written as the run's input, `rows.jsonl`."""
+        return write_rows(self.folder / "rows.jsonl", rows)
+
+    def args(self, rows: list[Any], *extra: str) -> list[str]:
+        """`rollouts run` of `rows` into `out` on the broker, then `extra`."""
+        return [
+            "run", "--config", self.config, "--input", self.input(rows),
+            "--output-dir", str(self.out), "--broker", self.broker, *extra,
+        ]  # fmt: skip
+
+    def cli(
+        self, rows: list[Any], *extra: str, env: dict[str, str] | None = None, timeout: float = 300
+    ) -> subprocess.CompletedProcess[str]:
+        """`rollouts run` in a subprocess, waited for."""
+        return cli(*self.args(rows, *extra), env=env, timeout=timeout)
+
+    def start(
+        self, rows: list[Any], *extra: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """`rollouts run` in a subprocess left running, its output to `log_path`."""
+        return cli_background(*self.args(rows, *extra), log=self.log_path, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def execute(
+        self, rows: list[Any], settings: dict[str, Any] | None = None, **options: Any
+    ) -> int:
+        """`rollouts run` in this process (`execute_run`); `options` are `RunOptions` fields,
+        and `console` the console it prints to."""
+        console = options.pop("console", None)
+        opts = RunOptions(
+            config_path=self.config,
+            input_path=self.input(rows),
+            output_dir=options.pop("output_dir", str(self.out)),
+            settings=settings or {},
+            broker_url=self.broker,
+            **options,
+        )
+        return execute_run(opts, console)
+
+
+class MakeRun:
+    """The `make_run` fixture: a `Run` on new example servers (the arguments of
+    `examples.servers.start_servers`), with `workers` worker processes of `concurrency` slots
+    already started (none with `workers=0`)."""
+
+    def __init__(
+        self, servers: ExampleServers, start_workers: StartWorkers, broker: str, folder: Path
+    ) -> None:
+        self._servers = servers
+        self._start_workers = start_workers
+        self._broker = broker
+        self._folder = folder
+
+    def __call__(
+        self,
+        topology: dict[str, str] | None = None,
+        knobs: AgentKnobs | None = None,
+        *,
+        workers: int = 1,
+        concurrency: int = 8,
+        env: dict[str, str] | None = None,
+        **server_options: Any,
+    ) -> Run:
+        servers = self._servers(topology, knobs, **server_options)
+        started = self._start_workers(workers, concurrency, env=env)
+        return Run(servers, self._broker, self._folder, started)
