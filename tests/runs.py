@@ -8,6 +8,7 @@ and hands out a `Run`; the test writes its rows and runs them as a user does (`r
 from __future__ import annotations
 
 import subprocess
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -20,20 +21,25 @@ from tests.helpers import write_rows
 from tests.ops_helpers import cli, cli_background
 
 
+@dataclass
 class Run:
     """A run of example servers in `folder`: its servers config, its input rows, its run
     directory `out`, and `rollouts run` on them against `broker`."""
 
-    def __init__(
-        self, servers: RunningServers, broker: str, folder: Path, workers: Workers
-    ) -> None:
-        self.servers = servers
-        self.broker = broker
-        self.folder = folder
-        self.workers = workers
-        self.out = folder / "run"
-        self.log_path = folder / "run.log"
+    servers: RunningServers
+    broker: str
+    folder: Path
+    workers: Workers
+    """The test's worker processes (`start_workers`)."""
+
+    @property
+    def out(self) -> Path:
+        return self.folder / "run"
+
+    @property
+    def log_path(self) -> Path:
         """Where the output of `start` goes."""
+        return self.folder / "run.log"
 
     @cached_property
     def config(self) -> str:
@@ -83,18 +89,16 @@ class Run:
         return execute_run(opts, console)
 
 
+@dataclass
 class MakeRun:
     """The `make_run` fixture: a `Run` on new example servers (the arguments of
     `examples.servers.start_servers`), with `workers` worker processes of `concurrency` slots
     already started (none with `workers=0`)."""
 
-    def __init__(
-        self, servers: ExampleServers, start_workers: StartWorkers, broker: str, folder: Path
-    ) -> None:
-        self._servers = servers
-        self._start_workers = start_workers
-        self._broker = broker
-        self._folder = folder
+    example_servers: ExampleServers
+    start_workers: StartWorkers
+    broker: str
+    folder: Path
 
     def __call__(
         self,
@@ -106,6 +110,6 @@ class MakeRun:
         env: dict[str, str] | None = None,
         **server_options: Any,
     ) -> Run:
-        servers = self._servers(topology, knobs, **server_options)
-        started = self._start_workers(workers, concurrency, env=env)
-        return Run(servers, self._broker, self._folder, started)
+        servers = self.example_servers(topology, knobs, **server_options)
+        started = self.start_workers(workers, concurrency, env=env)
+        return Run(servers, self.broker, self.folder, started)
