@@ -13,6 +13,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from examples.agent_server import AgentKnobs
 from examples.servers import RunningServers
 from producer.shard.runner import RunOptions, execute_run
@@ -43,8 +45,15 @@ class Run:
 
     @cached_property
     def config(self) -> str:
-        """The servers config, written to `servers.yaml` on first use."""
-        return self.servers.write_config(str(self.folder / "servers.yaml"))
+        """The servers config: the servers' own, written to `servers.yaml` on first use."""
+        return self.write_config(self.servers.config())
+
+    def write_config(self, config: dict[str, Any]) -> str:
+        """`config` (the servers' own, edited) written as the run's servers config."""
+        path = self.folder / "servers.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        self.__dict__["config"] = str(path)
+        return str(path)
 
     def input(self, rows: list[Any]) -> str:
         """`rows` written as the run's input, `rows.jsonl`."""
