@@ -32,6 +32,11 @@ def demo_rows(n: int) -> list[dict[str, Any]]:
     return [make_row(agents[i % 2][1], i, agents[i % 2][0]) for i in range(n)]
 
 
+def math_rows(n: int) -> list[dict[str, Any]]:
+    """n rows for the demo's math agent alone."""
+    return [make_row("arithmetic", i, "math_agent") for i in range(n)]
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     out = []
     with open(path, "rb") as f:
