@@ -14,12 +14,7 @@ import redis
 
 from infra import keys
 from schemas import fields as F
-from tests.ops_helpers import Key, key
-
-LEASE_TTL_S = 3.0
-ENV = {"ROLLOUTS_LEASE_TTL_S": str(LEASE_TTL_S)}
-"""Short leases, so that a takeover takes seconds; every other setting is the default (the
-prefetch included: each worker takes a quarter of its slots ahead)."""
+from tests.ops_helpers import LEASE_TTL_S, Key, key
 
 
 def liveness_bound_s(rollout_s: float) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -17,6 +18,11 @@ from schemas import fields as F
 from tests.helpers import ROOT, read_jsonl
 
 Key = tuple[int, int]
+
+LEASE_TTL_S = 3.0
+ENV = {"ROLLOUTS_LEASE_TTL_S": str(LEASE_TTL_S)}
+"""Short leases for workers, so that a takeover takes seconds; every other setting is the
+default (the prefetch included: each worker takes a quarter of its slots ahead)."""
 
 
 def cli(
@@ -86,6 +92,28 @@ def wait_for(
             return
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def landed_lines(out: Path) -> int:
+    """The lines of shard 0's results file so far."""
+    path = out / "rollouts-0.jsonl"
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def results_once(out: Path, planned: int) -> None:
+    """Each of the `planned` rollouts of shard 0 landed, and once."""
+    landed = Counter(key(r) for r in read_jsonl(out / "rollouts-0.jsonl"))
+    assert len(landed) == planned, f"{planned - len(landed)} rollouts did not land"
+    assert max(landed.values()) == 1, "a rollout landed twice"
+
+
+def snapshot(out: Path) -> dict[str, str]:
+    """Every file of the run directory and its hash: what a late worker must not change."""
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file()
+    }
 
 
 def manifest(out: Path, shard: str = "0") -> dict[str, Any]:
