@@ -48,6 +48,7 @@ class Workers:
         base_env = dict(os.environ)
         base_env.update(ROLLOUTS_BROKER_URL=self.redis_url, ROLLOUTS_REDIS_URL=self.redis_url)
         base_env.update(options.get("env") or {})
+        first = len(self.procs)
         for _ in range(count):
             i = len(self.procs)
             cmd = options.get("command") or [
@@ -69,18 +70,21 @@ class Workers:
             )
             out.close()
         if options.get("wait", True):
-            self.wait_ready(options.get("timeout", 30.0))
+            self.wait_ready(options.get("timeout", 30.0), since=first)
         return self
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 30.0, since: int = 0) -> None:
+        """Wait until the workers started `since`-th and after say they are ready (a worker the
+        test killed before stays dead)."""
+        started = list(zip(self.procs[since:], self.logs[since:], strict=True))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if all(
                 p.poll() is None and "ready." in log.read_text(errors="replace")
-                for p, log in zip(self.procs, self.logs, strict=True)
+                for p, log in started
             ):
                 return
-            for p, log in zip(self.procs, self.logs, strict=True):
+            for p, log in started:
                 if p.poll() is not None:
                     raise RuntimeError(f"worker exited: {log.read_text(errors='replace')[-3000:]}")
             time.sleep(0.1)
