@@ -40,6 +40,9 @@ class Workers:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
+        """Each worker's output, in the order of `procs`."""
+        self.started = 0
+        """Workers started so far: the next one's number, in its log's and its node's name."""
 
     def start(
         self, count: int = 1, concurrency: int = 8, **options: Unpack[WorkerOptions]
@@ -50,7 +53,7 @@ class Workers:
         base_env.update(options.get("env") or {})
         first = len(self.procs)
         for _ in range(count):
-            i = len(self.procs)
+            i, self.started = self.started, self.started + 1
             cmd = options.get("command") or [
                 sys.executable, "-m", "celery", "-A", "workers.app", "worker",
                 "-c", str(concurrency), "-n", f"test{i}-{os.getpid()}@%h",
@@ -74,8 +77,8 @@ class Workers:
         return self
 
     def wait_ready(self, timeout: float = 30.0, since: int = 0) -> None:
-        """Wait until the workers started `since`-th and after say they are ready (a worker the
-        test killed before stays dead)."""
+        """Wait until the workers from `procs[since]` on say they are ready (a worker the test
+        killed before them stays dead)."""
         started = list(zip(self.procs[since:], self.logs[since:], strict=True))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -95,7 +98,8 @@ class Workers:
 
     def stop(self, graceful: bool = True) -> None:
         """SIGTERM (Celery's warm shutdown: running tasks finish) and wait; `graceful=False`
-        SIGKILLs them, for a test that is over and whose Redis is flushed next."""
+        SIGKILLs them, for a test that is over and whose Redis is flushed next. Workers started
+        after are a group of their own (their logs are new files)."""
         for p in self.procs:
             if p.poll() is None:
                 if graceful:
@@ -109,6 +113,7 @@ class Workers:
                 p.kill()
                 p.wait()
         self.procs = []
+        self.logs = []
 
 
 class StartWorkers(Protocol):
