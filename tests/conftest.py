@@ -106,14 +106,6 @@ def make_run(
     return MakeRun(example_servers, start_workers, redis_url, tmp_path)
 
 
-@pytest.fixture
-def workers(redis_url: str, tmp_path: Path) -> Iterator[Workers]:
-    """Being replaced by `start_workers`."""
-    w = Workers(redis_url, tmp_path)
-    yield w
-    w.stop(graceful=False)
-
-
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real local S3 endpoint (moto's server in its own process); yields its URL.
