@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import redis
 
 from examples.servers import RunningServers, free_port
 from infra.embedded import EmbeddedRedis
+from infra.store import RunDir
 from tests.cluster import ExampleServers, StartWorkers, Workers
 from tests.helpers import ROOT
 from tests.netns_hosts import TestHosts, available
@@ -60,7 +62,7 @@ def config_file(servers: RunningServers, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+def r(redis_url: str) -> Iterator[redis.Redis]:
     """A client of the session Redis (flushed before and after the test)."""
     client = redis.Redis.from_url(redis_url)
     yield client
@@ -168,6 +170,19 @@ def run_dir_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return str(tmp_path / "run")
     bucket: str = request.getfixturevalue("s3_bucket")
     return f"{bucket}/runs/run"
+
+
+@pytest.fixture(params=["local", "memory"])
+def rd(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunDir]:
+    """A run directory made for the test: a local folder, then in fsspec's memory filesystem."""
+    if request.param == "local":
+        run = RunDir(str(tmp_path / "run"))
+    else:
+        run = RunDir(f"memory://run-{uuid.uuid4().hex}")
+    run.makedirs()
+    yield run
+    if not run.is_local:
+        run.fs.rm(run.root, recursive=True)
 
 
 @pytest.fixture

@@ -45,9 +45,8 @@ class InFlightSampler:
 
 
 def test_max_resident_tasks_caps_the_cluster_and_recovers_after_a_worker_dies(
-    make_run: MakeRun, redis_client: redis.Redis
+    make_run: MakeRun, r: redis.Redis
 ) -> None:
-    r = redis_client
     run = make_run(
         {"math_agent": "math_env"}, AgentKnobs(latency_ms=300),
         workers=3, concurrency=16, env={"ROLLOUTS_LEASE_TTL_S": "3"},
@@ -118,7 +117,7 @@ def test_agent_max_concurrency_caps_calls_to_that_agent(make_run: MakeRun) -> No
 
 
 def test_rollouts_waiting_in_line_stay_listed_as_waiting_past_a_lease_ttl(
-    make_run: MakeRun, redis_client: redis.Redis
+    make_run: MakeRun, r: redis.Redis
 ) -> None:
     """Only the first of a worker's waiting rollouts polls (`WaitingLines`); the others still
     ask within a lease TTL, so `rollouts status` and the stall check keep seeing them wait."""
@@ -131,8 +130,8 @@ def test_rollouts_waiting_in_line_stay_listed_as_waiting_past_a_lease_ttl(
     sid = keys.shard_id(RunDir(str(run.out)).url, "0")
     # Past a lease TTL from the first call, three or four of the six are still waiting.
     time.sleep(4.0)
-    now = float(redis_client.time()[0])
-    waiting = redis_client.zcount(keys.shard_waiting(sid), now, "+inf")
+    now = float(r.time()[0])
+    waiting = r.zcount(keys.shard_waiting(sid), now, "+inf")
     started = agent_stats(run.servers, "math_agent")["requests"]
     assert producer.wait(120) == 0, run.log()
     assert started <= 3

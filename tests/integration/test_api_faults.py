@@ -41,9 +41,8 @@ def call_config(make_run: MakeRun) -> dict[str, Any]:
 
 @pytest.mark.timeout(120)
 def test_a_reply_of_the_wrong_shape_fails_its_row_alone(
-    make_run: MakeRun, redis_url: str, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+    make_run: MakeRun, redis_url: str, r: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    r = redis_client
     config = call_config(make_run)
     rows = rows_of(config, 6, [2000] * 6)
     got = Got()

@@ -118,7 +118,7 @@ def within_bound(got: Got, since: float, held: set[tuple[int, int]], what: str) 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("recorded", [False, True], ids=["unrecorded", "recorded-window"])
 def test_a_sigkilled_worker_s_rows_resolve_once_within_the_lease_bound(
-    make_run: MakeRun, redis_url: str, redis_client: redis.Redis, tmp_path: Path, recorded: bool
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path, recorded: bool
 ) -> None:
     """150 rows of 1 s on two workers of 32 slots (and 8 taken ahead each); one worker SIGKILLed
     after 60 `/run` calls. Recorded with `max_resident_tasks`; or neither, the rows given as a
@@ -126,7 +126,7 @@ def test_a_sigkilled_worker_s_rows_resolve_once_within_the_lease_bound(
     replies once killed the caller's listener)."""
     log = tmp_path / "requests.jsonl"
     run = make_run(*slow_agent(tmp_path), workers=2, concurrency=32, env=ENV)
-    servers, r, out = run.servers, redis_client, run.out
+    servers, out = run.servers, run.out
     victim = run.workers.procs[0]
     if recorded:
         rows = planned(servers, 150)
@@ -154,14 +154,14 @@ def test_a_sigkilled_worker_s_rows_resolve_once_within_the_lease_bound(
 
 @pytest.mark.timeout(240)
 def test_a_sigstopped_worker_s_rows_resolve_once_and_its_late_work_changes_nothing(
-    make_run: MakeRun, redis_url: str, redis_client: redis.Redis, tmp_path: Path
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     """A worker SIGSTOPped mid-call on a recorded shard, then SIGCONTed after the call ended:
     every row resolved once within the bound; the woken worker's attempts were taken over, so
     it replies nothing (the call's reply list is never written again) and lands nothing."""
     log = tmp_path / "requests.jsonl"
     run = make_run(*slow_agent(tmp_path), workers=2, concurrency=16, env=ENV)
-    servers, workers, r, out = run.servers, run.workers, redis_client, run.out
+    servers, workers, out = run.servers, run.workers, run.out
     frozen = workers.procs[0]
     try:
         rows = planned(servers, 80)

@@ -25,7 +25,7 @@ EVERY = 5
 
 
 def test_deep_replies_fail_alone_and_every_rollout_has_an_outcome(
-    make_run: MakeRun, redis_client: redis.Redis
+    make_run: MakeRun, r: redis.Redis
 ) -> None:
     knobs = AgentKnobs(deep_reply_every=EVERY, deep_reply_depth=300)
     run = make_run(knobs=knobs, workers=2, concurrency=16)
@@ -49,7 +49,6 @@ def test_deep_replies_fail_alone_and_every_rollout_has_an_outcome(
         assert "nested" not in row and "response" not in row  # identity and cause only
 
     # No task outlives the run: every delivery ended, no slot is held, no message is unacked.
-    r = redis_client
     sid = keys.shard_id(RunDir(str(out)).url, "0")
     assert r.hlen(keys.shard_starts(sid)) == 0
     assert r.zcard(keys.shard_leases(sid)) == 0

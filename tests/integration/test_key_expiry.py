@@ -36,13 +36,12 @@ def start_slow_run(make_run: MakeRun, *settings: str) -> tuple[Run, subprocess.P
 
 
 def test_every_key_of_a_finished_run_or_resume_expires(
-    make_run: MakeRun, redis_url: str, redis_client: redis.Redis
+    make_run: MakeRun, redis_url: str, r: redis.Redis
 ) -> None:
     run = make_run()
     out = run.out
     proc = run.cli(demo_rows(12), "+redis_key_ttl_s=3600")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    r = redis_client
     left = shard_keys(r, out)
     assert left and all(0 < ttl <= 3600 for ttl in left.values()), left
     assert not any(k.endswith((":leases", ":waiting")) for k in left)
@@ -56,11 +55,10 @@ def test_every_key_of_a_finished_run_or_resume_expires(
     assert min(after.values()) <= 1800, after
 
 
-def test_every_key_of_a_stalled_run_expires(make_run: MakeRun, redis_client: redis.Redis) -> None:
+def test_every_key_of_a_stalled_run_expires(make_run: MakeRun, r: redis.Redis) -> None:
     """The producer and its only worker are SIGKILLed mid-run: no finish step will ever run, and
     still no key of the shard (landed set, leases, attempts, settled, counters, ...) is permanent."""
     run, producer, sid = start_slow_run(make_run)
-    r = redis_client
     try:
         wait_for(lambda: int(r.hget(keys.shard_counts(sid), "landed") or 0) >= 8, 120, "8 landed")
     finally:
@@ -75,10 +73,9 @@ def test_every_key_of_a_stalled_run_expires(make_run: MakeRun, redis_client: red
 
 
 def test_every_key_of_a_cancelled_run_expires(
-    make_run: MakeRun, redis_url: str, redis_client: redis.Redis
+    make_run: MakeRun, redis_url: str, r: redis.Redis
 ) -> None:
     run, producer, sid = start_slow_run(make_run, "+redis_key_ttl_s=3600")
-    r = redis_client
     wait_for(lambda: int(r.hget(keys.shard_counts(sid), "landed") or 0) >= 4, 120, "4 landed")
     proc = cli("cancel", str(run.out), "--broker", redis_url)
     assert proc.returncode == 0, proc.stdout + proc.stderr

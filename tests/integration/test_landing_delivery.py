@@ -150,7 +150,7 @@ def test_a_task_delivered_twice_lands_once(
 
 @pytest.mark.parametrize("point", ["mid", "after"])
 def test_redelivery_after_sigkill_mid_write_leaves_one_whole_line(
-    shard: Shard, start_workers: StartWorkers, redis_client: redis.Redis, tmp_path: Path, point: str
+    shard: Shard, start_workers: StartWorkers, r: redis.Redis, tmp_path: Path, point: str
 ) -> None:
     marker = tmp_path / "stalled"
     # Short lock and lease expiries: the killed worker's lock and rollout come back in seconds
@@ -198,14 +198,14 @@ def test_redelivery_after_sigkill_mid_write_leaves_one_whole_line(
         # found it landed (at admission, or at landing if it was admitted before the adoption).
         assert "adopted" in log
         sid = keys.shard_id(rd.url, "0")
-        generation_dups = int(redis_client.hget(keys.shard_generation(sid), "duplicate") or 0)
+        generation_dups = int(r.hget(keys.shard_generation(sid), "duplicate") or 0)
         assert counters(shard.redis_url, shard.out).get("duplicates", 0) + generation_dups >= 1
     elif rd.can_append:
         assert "cutting a torn last line" in log
 
 
 def test_a_writer_superseded_by_a_resume_is_fenced_and_writes_nothing(
-    shard: Shard, start_workers: StartWorkers, redis_client: redis.Redis
+    shard: Shard, start_workers: StartWorkers, r: redis.Redis
 ) -> None:
     workers = start_workers(concurrency=4)
     opened = shard.open(4, route_failures_to_sidecar=True)
@@ -222,7 +222,7 @@ def test_a_writer_superseded_by_a_resume_is_fenced_and_writes_nothing(
         Generation(token="resumed-token", kind="resume", started_at=utc_now(), enqueued=3)
     )
     write_manifest(rd, manifest)
-    open_shard(redis_client, rd, "0")
+    open_shard(r, rd, "0")
     size = rd.size(FILES.results)
     resumed = opened.run.model_copy(update={"token": "resumed-token"})
 

@@ -104,11 +104,10 @@ def test_results_arrive_in_completion_order(
 
 
 def test_aclose_after_10_of_100_closes_running_calls_and_starts_nothing_more(
-    make_run: MakeRun, redis_url: str, redis_client: redis.Redis, tmp_path: Path
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     servers = math_agent(make_run, tmp_path)
     agent = servers.urls["math_agent"]
-    r = redis_client
     rows = planned(servers, 100)
     with_latency(rows, fast=10)
 

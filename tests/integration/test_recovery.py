@@ -314,12 +314,12 @@ def one_waiting_ahead(
 
 @pytest.mark.timeout(120)
 def test_a_delivery_taken_ahead_waits_for_its_slot_without_being_swept_as_a_frozen_worker_s(
-    make_run: MakeRun, redis_client: redis.Redis
+    make_run: MakeRun, r: redis.Redis
 ) -> None:
     """The delivery taken ahead waits 6 s for a slot with no lease: twice the lease TTL after
     which the sweep publishes again a message a silent worker took and never started. The
     worker keeps marking it held, so it is not published again; each rollout is requested once."""
-    with one_waiting_ahead(make_run, redis_client, 6000) as (run, producer, log):
+    with one_waiting_ahead(make_run, r, 6000) as (run, producer, log):
         code = producer.wait(90)
     assert code == 0, run.log()
     results_once(run.out, 3)
@@ -330,11 +330,11 @@ def test_a_delivery_taken_ahead_waits_for_its_slot_without_being_swept_as_a_froz
 
 @pytest.mark.timeout(120)
 def test_a_warm_shutdown_leaves_a_delivery_taken_ahead_to_another_worker(
-    make_run: MakeRun, redis_client: redis.Redis
+    make_run: MakeRun, r: redis.Redis
 ) -> None:
     """A worker stopped with SIGTERM (warm) finishes the rollouts in its slots and does not
     start the one it took ahead: that one runs on the worker started after, once."""
-    with one_waiting_ahead(make_run, redis_client, 4000) as (run, producer, log):
+    with one_waiting_ahead(make_run, r, 4000) as (run, producer, log):
         first = run.workers.procs[0]
         first.send_signal(signal.SIGTERM)
         assert first.wait(30) == 0
@@ -348,13 +348,13 @@ def test_a_warm_shutdown_leaves_a_delivery_taken_ahead_to_another_worker(
 
 @pytest.mark.timeout(180)
 def test_a_rollout_that_kills_every_worker_running_it_ends_worker_lost_without_its_producer(
-    make_run: MakeRun, redis_client: redis.Redis, tmp_path: Path
+    make_run: MakeRun, r: redis.Redis, tmp_path: Path
 ) -> None:
     """The producer is killed once it enqueued: `status` shows who holds what, and `status
     --watch`, re-attached, ends with the run's exit code."""
     log = tmp_path / "requests.jsonl"
     run = make_run(knobs=AgentKnobs(request_log=str(log)), workers=2, concurrency=2, env=ENV)
-    out, workers, r = run.out, run.workers, redis_client
+    out, workers = run.out, run.workers
     rows = demo_rows(4)
     rows[1]["fault"] = {"kind": "hang", "times": 99}
     try:
@@ -450,7 +450,7 @@ def test_a_frozen_worker_woken_mid_run_is_fenced_attempt_by_attempt(make_run: Ma
 
 @pytest.mark.timeout(120)
 def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
-    make_run: MakeRun, redis_url: str, redis_client: redis.Redis, tmp_path: Path
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     """`run_examples` on two workers, one frozen mid-call. Its rollouts are taken over and run
     by the other; every row replies once and lands once; and with a visibility timeout shorter
@@ -471,7 +471,7 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
         {"math_agent": "math_env"}, AgentKnobs(4000, request_log=str(log)),
         workers=2, concurrency=4, env=env,
     )  # fmt: skip
-    servers, workers, out, r = run.servers, run.workers, run.out, redis_client
+    servers, workers, out = run.servers, run.workers, run.out
     frozen = workers.procs[0]
     try:
         rows = preprocess_examples(math_rows(6), servers.config(), CollectionSettings())

@@ -29,9 +29,8 @@ def clients(r: redis.Redis) -> int:
 
 
 def test_a_busy_worker_holds_a_bounded_number_of_connections_and_lets_them_go_when_idle(
-    make_run: MakeRun, redis_client: redis.Redis
+    make_run: MakeRun, r: redis.Redis
 ) -> None:
-    r = redis_client
     env = {"ROLLOUTS_REDIS_MAX_CONNECTIONS": str(CAP), "ROLLOUTS_REDIS_IDLE_S": "2"}
     knobs = AgentKnobs(latency_ms=400)
     run = make_run({"math_agent": "math_env"}, knobs, concurrency=THREADS, env=env)

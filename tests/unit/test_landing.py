@@ -9,7 +9,6 @@ import concurrent.futures
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,25 +31,6 @@ from workers.rollout.leases import Lease
 from workers.shard.state import compact_shard, open_shard, shard_status
 
 FILES = ShardFiles("0")
-
-
-@pytest.fixture(params=["local", "memory"])
-def rd(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunDir]:
-    if request.param == "local":
-        run = RunDir(str(tmp_path / "run"))
-    else:
-        run = RunDir(f"memory://landing-{uuid.uuid4().hex}")
-    run.makedirs()
-    yield run
-    if not run.is_local:
-        run.fs.rm(run.root, recursive=True)
-
-
-@pytest.fixture
-def r(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
 
 
 @pytest.fixture

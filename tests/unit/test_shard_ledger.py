@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,13 +140,6 @@ def test_an_absent_shard_is_empty(tmp_path: Path) -> None:
         0,
         {},
     )
-
-
-@pytest.fixture
-def r(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
 
 
 def test_the_state_is_rebuilt_from_the_ledger_and_a_torn_tail_is_cut(
