@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from infra import keys
-from tests.admission_helpers import SID, TOKEN, open_generation, request
+from tests.shard_helpers import SID, TOKEN, open_generation, request
 from workers.rollout.admission import Gate, p75
 
 

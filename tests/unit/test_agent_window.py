@@ -12,8 +12,8 @@ import redis
 
 from infra import keys
 from schemas.messages import CollectRequest
-from tests.admission_helpers import SID, TOKEN, open_generation
-from tests.admission_helpers import request as shard_request
+from tests.shard_helpers import SID, TOKEN, open_generation
+from tests.shard_helpers import request as shard_request
 from workers.rollout.admission import INITIAL_WINDOW, WINDOW_DECREASE, Gate, Ticket
 
 AGENT = "http://127.0.0.1:9"

@@ -9,7 +9,7 @@ import redis
 from infra import keys
 from infra.locks import held_reading
 from infra.scripts import LANDED_LUA
-from tests.admission_helpers import SID, open_generation, request
+from tests.shard_helpers import SID, open_generation, request
 from workers.rollout.admission import Gate
 from workers.shard import landed
 

@@ -23,7 +23,8 @@ from infra.store import RunDir, ShardFiles
 from schemas import fields as F
 from schemas.errors import ShardFencedError
 from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
-from schemas.records import Generation, InputSource, Manifest, RateLimitWaits, utc_now
+from schemas.records import Generation, RateLimitWaits, utc_now
+from tests.shard_helpers import open_run
 from workers.rollout.admission import Gate, Ticket
 from workers.rollout.encoding import RESULT_NOT_STORED
 from workers.rollout.landing import Lander, LandReport
@@ -36,24 +37,6 @@ FILES = ShardFiles("0")
 @pytest.fixture
 def lander(redis_url: str) -> Lander:
     return Lander(redis_url)
-
-
-def open_run(r: redis.Redis, rd: RunDir, planned: int = 100) -> RunRef:
-    token = uuid.uuid4().hex
-    manifest = Manifest(
-        run_id="run-test",
-        shard="0",
-        created_at=utc_now(),
-        input=InputSource(path="rows.jsonl", sha256="0"),
-        config={},
-        settings={},
-        planned=planned,
-        materialized_sha256="0",
-        generations=[Generation(token=token, kind="run", started_at=utc_now(), enqueued=planned)],
-    )
-    write_manifest(rd, manifest)
-    open_shard(r, rd, "0")
-    return RunRef(run_id="run-test", output_dir=rd.url, shard="0", token=token)
 
 
 def resume(r: redis.Redis, rd: RunDir) -> RunRef:
