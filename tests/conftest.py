@@ -27,7 +27,7 @@ from tests.helpers import ROOT
 from tests.netns_hosts import TestHosts, available
 from tests.runs import MakeRun
 
-__all__ = ["Workers"]  # imported from here by pages' snippet tests
+__all__ = ["Workers"]  # importable from here as before; new code imports tests.cluster
 
 
 @pytest.fixture(scope="session")
