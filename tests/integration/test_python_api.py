@@ -56,6 +56,16 @@ def key(row: dict[str, Any]) -> tuple[int, int]:
     return F.rollout_key(row)
 
 
+async def first(completions: Any, n: int) -> list[Any]:
+    """The first `n` outcomes of a call, in the order they complete; the others are left."""
+    got = []
+    for future in completions:
+        got.append(await future)
+        if len(got) == n:
+            break
+    return got
+
+
 def math_agent(
     make_run: MakeRun,
     tmp_path: Path,
@@ -113,11 +123,7 @@ def test_aclose_after_10_of_100_closes_running_calls_and_starts_nothing_more(
 
     async def go() -> tuple[list[Any], float]:
         completions = run_examples(rows, servers.config(), broker_url=redis_url)
-        got = []
-        for future in completions:
-            got.append(await future)
-            if len(got) == 10:
-                break
+        got = await first(completions, 10)
         # Every worker thread now holds a slow /run call.
         await asyncio.to_thread(
             wait_for, lambda: agent_stats(servers, "math_agent")["in_flight"] == 8, 30, "8"
@@ -157,11 +163,7 @@ def test_aclose_and_drain_returns_the_completed_unconsumed_outcomes_once(
 
     async def go() -> tuple[list[Any], list[Any], list[Any]]:
         completions = run_examples(rows, servers.config(), broker_url=redis_url)
-        consumed = []
-        for future in completions:
-            consumed.append(await future)
-            if len(consumed) == 10:
-                break
+        consumed = await first(completions, 10)
         await asyncio.to_thread(wait_for, settled, 30, "14 completed and 8 running")
         await asyncio.sleep(0.3)  # the 4 completed outcomes reach the caller
         drained = [await f for f in await completions.aclose_and_drain()]
@@ -222,12 +224,8 @@ def test_recorded_shard_passes_health_check_and_resume_runs_only_what_it_lacks(
             rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
             record_shard="step1", settings={"max_failed_fraction": 0.1},
         )  # fmt: skip
-        got = []
         try:
-            for future in completions:
-                got.append(await future)
-                if len(got) == 8:
-                    break
+            got = await first(completions, 8)
         finally:
             await completions.aclose()
         return got, completions.finished
