@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -12,16 +13,23 @@ from examples.tasks import make_row
 from schemas import fields as F
 from tests.helpers import demo_rows, read_jsonl
 from tests.ops_helpers import cli, manifest, request_log, requests_per_key, rows_by_key
-from tests.runs import MakeRun
+from tests.runs import MakeRun, Run
 
 pytestmark = pytest.mark.integration
 
 
+def logged(
+    make_run: MakeRun, topology: dict[str, str] | None = None, **knobs: Any
+) -> tuple[Run, Path]:
+    """A run of one worker whose agents log every request: the run and the agents' log."""
+    log = make_run.folder / "requests.jsonl"
+    return make_run(topology, AgentKnobs(**knobs, request_log=str(log))), log
+
+
 def test_rows_not_started_within_the_budget_are_drained_and_resume_runs_exactly_them(
-    make_run: MakeRun, redis_url: str, tmp_path: Path
+    make_run: MakeRun, redis_url: str
 ) -> None:
-    log = tmp_path / "requests.jsonl"
-    run = make_run({"math_agent": "math_env"}, AgentKnobs(latency_ms=1000, request_log=str(log)))
+    run, log = logged(make_run, {"math_agent": "math_env"}, latency_ms=1000)
     out = run.out
     rows = [make_row("arithmetic", i, "math_agent") for i in range(30)]
     proc = run.cli(rows, "--max-resident-tasks", "3", "+dispatch_budget_s=2.5")
@@ -56,10 +64,9 @@ def test_rows_not_started_within_the_budget_are_drained_and_resume_runs_exactly_
 
 
 def test_nemo_gym_resume_counts_attempts_and_never_retries_terminal_failures(
-    make_run: MakeRun, redis_url: str, tmp_path: Path
+    make_run: MakeRun, redis_url: str
 ) -> None:
-    log = tmp_path / "requests.jsonl"
-    run = make_run(knobs=AgentKnobs(request_log=str(log)))
+    run, log = logged(make_run)
     servers, out = run.servers, run.out
     rows = demo_rows(10)
     rows[0]["fault"] = {"kind": "http500", "times": 1}  # fails once, then works
@@ -154,10 +161,9 @@ def test_resume_and_status_on_any_store(
 
 
 def test_a_resume_with_nothing_to_run_keeps_the_last_finish_while_its_inputs_stand(
-    make_run: MakeRun, redis_url: str, tmp_path: Path
+    make_run: MakeRun, redis_url: str
 ) -> None:
-    log = tmp_path / "requests.jsonl"
-    run = make_run(knobs=AgentKnobs(request_log=str(log)))
+    run, log = logged(make_run)
     servers, out = run.servers, run.out
 
     def aggregations() -> int:
