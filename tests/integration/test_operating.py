@@ -52,6 +52,13 @@ def run_args(config_file: str, tmp_path: Path, n: int = 6, out: str = "run") -> 
     return ["run", "--config", config_file, "--input", rows, "--output-dir", str(tmp_path / out)]
 
 
+def no_wait_run(
+    config_file: str, tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`rollouts run` of 6 demo rows into `run` with `args`, without waiting for the run."""
+    return cli(*run_args(config_file, tmp_path), *args, "--no-wait", env=env)
+
+
 def one_line_refusal(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -72,8 +79,7 @@ def test_run_refuses_a_broker_nobody_listens_on(
     config_file: str, tmp_path: Path, servers: RunningServers
 ) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
-    proc = cli(*run_args(config_file, tmp_path), "--broker", url, "--no-wait")
-    one_line_refusal(proc, "--broker", url)
+    one_line_refusal(no_wait_run(config_file, tmp_path, "--broker", url), "--broker", url)
     assert not (tmp_path / "run").exists()
 
 
@@ -81,19 +87,16 @@ def test_run_refuses_a_wrong_password_masked(
     config_file: str, tmp_path: Path, password_redis: str, servers: RunningServers
 ) -> None:
     url = f"redis://:wrong-secret@127.0.0.1:{password_redis}/0"
-    proc = cli(*run_args(config_file, tmp_path), "--broker", url, "--no-wait")
+    proc = no_wait_run(config_file, tmp_path, "--broker", url)
     one_line_refusal(proc, "--broker", f"redis://:***@127.0.0.1:{password_redis}/0")
     assert "wrong-secret" not in proc.stdout + proc.stderr
     assert not (tmp_path / "run").exists()
     # A wrong Redis given with --redis is named as --redis; so is one from the environment.
     good = f"redis://:right@127.0.0.1:{password_redis}/0"
-    proc = cli(*run_args(config_file, tmp_path), "--broker", good, "--redis", url, "--no-wait")
+    proc = no_wait_run(config_file, tmp_path, "--broker", good, "--redis", url)
     one_line_refusal(proc, "--redis", "***")
-    proc = cli(
-        *run_args(config_file, tmp_path), "--no-wait",
-        env={"ROLLOUTS_BROKER_URL": good, "ROLLOUTS_REDIS_URL": url},
-    )  # fmt: skip
-    one_line_refusal(proc, "ROLLOUTS_REDIS_URL", "***")
+    env = {"ROLLOUTS_BROKER_URL": good, "ROLLOUTS_REDIS_URL": url}
+    one_line_refusal(no_wait_run(config_file, tmp_path, env=env), "ROLLOUTS_REDIS_URL", "***")
     assert not (tmp_path / "run").exists()
 
 
@@ -101,12 +104,10 @@ def test_an_amqp_broker_without_redis_says_to_pass_redis(
     config_file: str, tmp_path: Path, redis_url: str, servers: RunningServers
 ) -> None:
     amqp = f"amqp://guest:guest@127.0.0.1:{free_port()}//"
-    proc = cli(*run_args(config_file, tmp_path), "--broker", amqp, "--no-wait")
+    proc = no_wait_run(config_file, tmp_path, "--broker", amqp)
     one_line_refusal(proc, "--broker", "amqp://guest:***@", "--redis URL")
     # With a Redis that answers, the AMQP broker itself is checked: nothing listens there.
-    proc = cli(
-        *run_args(config_file, tmp_path), "--broker", amqp, "--redis", redis_url, "--no-wait"
-    )
+    proc = no_wait_run(config_file, tmp_path, "--broker", amqp, "--redis", redis_url)
     one_line_refusal(proc, "--broker", "cannot reach this broker")
     assert not (tmp_path / "run").exists()
 
@@ -114,7 +115,7 @@ def test_an_amqp_broker_without_redis_says_to_pass_redis(
 def test_resume_refuses_an_unusable_cluster_and_writes_nothing(
     config_file: str, tmp_path: Path, redis_url: str, servers: RunningServers
 ) -> None:
-    proc = cli(*run_args(config_file, tmp_path), "--broker", redis_url, "--no-wait")
+    proc = no_wait_run(config_file, tmp_path, "--broker", redis_url)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = tmp_path / "run"
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
@@ -249,7 +250,7 @@ def test_a_masked_recorded_redis_asks_for_the_flags(
 ) -> None:
     url = f"redis://:right@127.0.0.1:{password_redis}/0"
     run_dir = tmp_path / "run"
-    proc = cli(*run_args(config_file, tmp_path), "--broker", url, "--no-wait")
+    proc = no_wait_run(config_file, tmp_path, "--broker", url)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     before = (run_dir / "rollouts-0_manifest.json").read_bytes()
     assert b"right" not in before
