@@ -1,8 +1,10 @@
 """Helpers every kind of test uses: the checkout's root, rows written and read as JSONL, the
-example agent's counters, an aiohttp app served on a free port."""
+example agent's counters, an aiohttp app or a stand-in HTTP server served on a free port."""
 
 from __future__ import annotations
 
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +69,27 @@ async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port, backlog=4096).start()
     return runner, f"http://127.0.0.1:{port}"
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """A handler of a test's stand-in HTTP server: it logs nothing and replies in one call."""
+
+    def reply(self, status: int, body: bytes = b"", content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def serve_in_thread(
+    handler: type[BaseHTTPRequestHandler],
+) -> tuple[ThreadingHTTPServer, threading.Thread, str]:
+    """`handler` on a free loopback port, served by a daemon thread the caller starts: the
+    server, the thread and the server's URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    return server, thread, f"http://127.0.0.1:{server.server_address[1]}"

@@ -8,11 +8,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -34,7 +32,7 @@ from schemas.messages import COLLECT_TASK, RunRef
 from schemas.records import Generation, utc_now
 from schemas.settings import CollectionSettings
 from tests.cluster import StartWorkers
-from tests.helpers import agent_stats, demo_rows, write_rows
+from tests.helpers import QuietHandler, agent_stats, demo_rows, serve_in_thread, write_rows
 from workers.shard.state import open_shard
 
 pytestmark = pytest.mark.integration
@@ -253,20 +251,14 @@ def test_eight_worker_processes_append_to_one_shard(
     assert len(took_part) == 8
 
 
-class _Recorder(BaseHTTPRequestHandler):
+class _Recorder(QuietHandler):
     """An HTTP server that only records who called it (a forged task's chosen target)."""
 
     hits: ClassVar[list[str]] = []
 
     def do_POST(self) -> None:
         self.hits.append(self.path)
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+        self.reply(200, b"{}")
 
 
 def test_a_forged_task_is_refused_before_anything_is_called_or_written(
@@ -275,8 +267,8 @@ def test_a_forged_task_is_refused_before_anything_is_called_or_written(
     workers = start_workers(concurrency=4)
     opened = shard.open(2, route_failures_to_sidecar=True)
     rows = list(iter_materialized(opened.rd, "0"))
-    target = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    threading.Thread(target=target.serve_forever, daemon=True).start()
+    target, serving, target_url = serve_in_thread(_Recorder)
+    serving.start()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
 
@@ -289,8 +281,7 @@ def test_a_forged_task_is_refused_before_anything_is_called_or_written(
         assert shard.collect(forged(rows[0], output_dir=str(elsewhere))) == "fenced"
         assert shard.collect(forged(rows[0], run_id="someone-elses-run")) == "fenced"
         assert shard.collect(forged(rows[0], token="forged-token")) == "fenced"
-        port = target.server_address[1]
-        assert shard.collect(forged(rows[0], agent_url=f"http://127.0.0.1:{port}")) == "fenced"
+        assert shard.collect(forged(rows[0], agent_url=target_url)) == "fenced"
         assert _Recorder.hits == []
         assert list(elsewhere.iterdir()) == []
         assert not opened.rd.exists(FILES.results)
@@ -304,4 +295,4 @@ def test_a_forged_task_is_refused_before_anything_is_called_or_written(
     assert "has no readable manifest" in out
     assert "is not the run of shard 0" in out
     assert "none of the dispatch generations" in out
-    assert f"agent URL http://127.0.0.1:{port} is not an agent of shard 0" in out
+    assert f"agent URL {target_url} is not an agent of shard 0" in out
