@@ -36,6 +36,8 @@ class RunRef(BaseModel):
     """The shard label."""
     token: str
     """The opener token of the dispatch generation; a stale token is fenced out."""
+    generation: int = 0
+    """That generation's index in the manifest: the first half of each record's execution."""
 
 
 class CallPolicy(BaseModel):

@@ -1,7 +1,9 @@
-"""Stopping `rollouts run` on SIGTERM: stop the shard's rollouts, write the provisional summary.
+"""Stopping `rollouts run` on SIGTERM: stop the shard's rollouts, write the provisional summary
+and coverage, and end with exit 75 when a resume can complete what was saved.
 
 A cluster scheduler sends SIGTERM and kills the job a little later; the summary must be on
-storage before that, so it is the accounting alone (see workers/health/provisional.py).
+storage before that, so it is the accounting alone (see workers/health/provisional.py), and so
+is the coverage (`stopped_coverage`: Redis and the sidecar, no result row read).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import logging
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -20,13 +22,15 @@ from rich.console import Console
 from infra import keys
 from infra.environment import from_env
 from infra.redis_client import client
+from infra.runs import read_manifest
 from producer.shard.opening import OpenedRun
 from schemas import fields as F
-from schemas.errors import RunFailedError
+from schemas.errors import RunFailedError, RunPartialError
 from schemas.health import QUALITY_SUMMARY, STOPPED_BY_SIGTERM
 from schemas.settings import CollectionSettings
 from workers.finish import settings_limits
 from workers.health.provisional import write_provisional
+from workers.shard.coverage import RecoveryPolicy, stopped_coverage, write_coverage
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +54,18 @@ def stop_on_sigterm() -> Iterator[None]:
 
 
 def counted(
-    rows: Iterator[dict[str, Any]], groups: Counter[tuple[str | None, str | None]]
+    rows: Iterator[dict[str, Any]],
+    groups: Counter[tuple[str | None, str | None]],
+    on_end: Callable[[Counter[tuple[str | None, str | None]]], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Count the rollouts per (agent, environment server) as they are enqueued."""
+    """Count the rollouts per (agent, environment server) as they are enqueued; `on_end` gets
+    the counts once every row was."""
     for row in rows:
         env = row.get(F.ENVIRONMENT_SERVER)
         groups[(F.agent_name(row), env if isinstance(env, str) else None)] += 1
         yield row
+    if on_end is not None:
+        on_end(groups)
 
 
 SETTLE_S = 2.5
@@ -108,4 +117,22 @@ def stop_run(
         f"stopped by SIGTERM: landed {acc['landed']}/{acc['owed']}, failed "
         f"{acc['failed']['total']}; provisional quality summary: {where}"
     )
-    return RunFailedError(f"the run was stopped by SIGTERM; provisional summary at {where}")
+    message = f"the run was stopped by SIGTERM; provisional summary at {where}"
+    try:
+        coverage = stopped_coverage(
+            r,
+            opened.rd,
+            read_manifest(opened.rd, opened.manifest.shard),
+            RecoveryPolicy.of(settings),
+        )
+        write_coverage(opened.rd, coverage)
+    except Exception:  # the coverage must not hide the stop itself
+        log.exception("could not write the coverage of %s", opened.rd.url)
+        return RunFailedError(message)
+    done = int(r.hget(keys.shard_generation(sid), "done") or 0)
+    if coverage.runnable and done:
+        return RunPartialError(
+            f"{message}; {coverage.runnable} rollouts can still run: `rollouts resume "
+            f"{opened.rd.url} --shard {opened.manifest.shard}` completes it (exit 75: requeue it)"
+        )
+    return RunFailedError(message)

@@ -52,6 +52,8 @@ class Accounting:
     duplicates: int = 0
     unreadable: int = 0
     failures_not_owed: int = 0
+    omitted: int = 0
+    """Rollouts whose latest sidecar row is an intentional omission (`_ng_omitted`): not failed."""
 
     def add_rollout(
         self,
@@ -77,7 +79,10 @@ class Accounting:
             if s.has_inventory and owed is None:
                 self.failures_not_owed += 1
                 return
-            cls, agent, env = latest_failure
+            cls, agent, env, *rest = latest_failure
+            if rest and rest[0]:
+                self.omitted += 1
+                return
             if owed is not None:
                 agent, env = agent if agent is not None else owed[0], env or owed[1]
             self.add_failed(cls, agent, env)
@@ -144,6 +149,7 @@ class Accounting:
                 "by_class": dict(sorted(self.failed.items())),
             },
             "missing": missing,
+            "omitted": self.omitted,
             "drained": drained,
             "rate_limit_waits": self.rate_limit_waits(),
             "tokens": self.tokens(),

@@ -68,7 +68,11 @@ def provisional_accounting(
         for key, present in zip(batch, landed.present(r, sid, members), strict=True):
             if present:
                 continue
-            acc.add_failed(*latest[key])
+            failure = latest[key]
+            if failure.omitted:
+                acc.omitted += 1
+            else:
+                acc.add_failed(failure.cls, failure.agent, failure.env)
     source.no_outcome = max(0, planned - source.landed - sum(acc.failed.values()))
     return acc
 

@@ -174,7 +174,7 @@ def _scan(job: ScanJob) -> ScanResult:
         if key is None:
             continue
         if job.kind == "failures":
-            payload = [failure_class(row), *group_of(row)]
+            payload = [failure_class(row), *group_of(row), bool(row.get(F.OMITTED))]
             writer.add([job.source, 0, key[0], 0, key[1], FAILURE, 0, 0, offset, payload])
         else:
             writer.add([job.source, 0, key[0], 0, key[1], OWED, 0, 0, offset, list(group_of(row))])
