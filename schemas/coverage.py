@@ -8,8 +8,8 @@ recovery states, decided from what is on storage alone (`workers/shard/coverage.
 | `scored` | a result (with or without a reward), not masked |
 | `masked` | a result with `mask_sample` set: completed, not measured |
 | `model_final` | a failure settled as a scored zero (`count_failure_classes_as_zero`, `_ng_failure_counts_as_zero`) |
-| `judge_recoverable` | a judge's failure that kept the agent's answer: it can be judged again without a rollout |
 | `terminal` | a failure marked `_ng_failure_terminal`: the run cannot become complete through it |
+| `judge_recoverable` | a judge's failure that kept the agent's answer: it can be judged again without a rollout |
 | `exhausted` | a failure at its attempt limit; only `--extend-retries` gives it a new budget |
 | `retryable` | a failure below its attempt limit |
 | `omitted` | an intentional omission (`_ng_omitted`) |

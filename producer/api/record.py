@@ -14,6 +14,8 @@ import hashlib
 from collections import Counter
 from typing import Any
 
+from celery import Celery
+
 from infra import jsonl, keys
 from infra.redis_client import client
 from infra.store import RunDir, ShardFiles
@@ -27,7 +29,7 @@ from producer.shard.opening import record_opening, reset_shard_state
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, RunExistsError
-from schemas.messages import RunRef
+from schemas.messages import OMIT_TASK, QUEUE, OmitRequest, RunRef
 from schemas.records import InputSource
 from schemas.settings import CollectionSettings
 from workers.shard.state import set_planned_by_agent
@@ -83,3 +85,19 @@ def open_recorded_shard(
     by_agent = Counter(F.agent_name(row) for row in rows)
     set_planned_by_agent(r, keys.shard_id(rd.url, shard), dict(by_agent))
     return opened.run
+
+
+OMIT_WAIT_S = 120.0
+"""How long a close waits for the omissions to be written."""
+
+
+def record_omissions(app: Celery, run: RunRef, rows: list[dict[str, Any]]) -> None:
+    """Have a worker write an `_ng_omitted` row for each of `rows` in the recorded shard
+    (`record_omitted_rollouts`): the call was closed before they ran, so they are intentional
+    omissions, not missing rollouts. Waits until they are written."""
+    if not rows:
+        return
+    why = "omitted: the call was closed before this rollout ran (record_omitted_rollouts)"
+    payload = OmitRequest(run=run, rows=rows, why=why).model_dump(mode="json")
+    sent = app.send_task(OMIT_TASK, args=[payload], queue=QUEUE)
+    sent.get(timeout=OMIT_WAIT_S, disable_sync_subtasks=False)

@@ -26,6 +26,7 @@ from infra.environment import from_env
 from infra.redis_client import client
 from infra.scripts import RUNNING_LUA
 from infra.store import RunDir, ShardFiles
+from producer.api.record import record_omissions
 from producer.shard.dispatch import CollectMessages
 from schemas import fields as F
 from schemas.config import ServersConfig
@@ -67,6 +68,8 @@ class Target:
     settings: CollectionSettings
     deadline: float | None
     record: bool
+    record_omitted: bool = False
+    """Write `_ng_omitted` rows for the rows a close left without an outcome."""
 
 
 class Invocation:
@@ -98,6 +101,8 @@ class Invocation:
         self._published_at = [0.0] * self.total
         self._settled = bytearray(self.total)
         self._settled_count = 0
+        self._unrun: set[int] = set()
+        """Rows that ended without running: stopped by the close, or cancelled in flight."""
         self._lock = threading.Lock()
         self._stop_publishing = threading.Event()
         self._stop_listening = threading.Event()
@@ -258,6 +263,8 @@ class Invocation:
                 return
             self._settled[outcome.index] = 1
             self._settled_count += 1
+            if outcome.kind in (Ended.STOPPED, Ended.CANCELLED):
+                self._unrun.add(outcome.index)
         if self._window is not None:
             self._window.release()
         self.on_outcome(outcome)
@@ -329,6 +336,9 @@ class Invocation:
                 nx=True,
                 ex=from_env().live_key_ttl_s,
             )
+        if self.target.record_omitted:
+            unrun = [i for i in range(self.total) if not self._settled[i] or i in self._unrun]
+            record_omissions(self.target.app, self.target.run, [self.sent[i] for i in unrun])
         self.finished = finish_shard(self.target.run, self.target.redis_url).model_dump(mode="json")
 
     def _drop_keys(self) -> None:

@@ -56,10 +56,10 @@ def state_of(ledger: ShardLedger, key: Key, policy: RecoveryPolicy) -> RecoveryS
         return "omitted"
     if failure.zero or failure.cls in policy.zero_classes:
         return "model_final"
-    if failure.judge:
-        return "judge_recoverable"
     if failure.terminal or key in ledger.terminal:
         return "terminal"
+    if failure.judge:
+        return "judge_recoverable"
     if ledger.attempts[key] >= policy.max_attempts:
         return "exhausted"
     return "retryable"
