@@ -44,7 +44,9 @@ def test_cancel_stops_the_run_and_resume_finishes_it(
         # A drain saved a partial result a resume completes: 75 (requeue); a cancel ends it: 1.
         assert run.wait(60) == (75 if drain else 1)
         text = (tmp_path / "run.log").read_text()
-        assert ("drained by `rollouts cancel --drain`" if drain else "the run was cancelled") in text
+        assert (
+            "drained by `rollouts cancel --drain`" if drain else "the run was cancelled"
+        ) in text
         stats = httpx.get(agent + "/stats").json()
         m = manifest(out)
         status = orjson.loads((out / "rollouts-0_status.json").read_bytes())
