@@ -305,7 +305,7 @@ def resume(
         fail_on_unhealthy=fail_on_unhealthy, as_json=as_json, extend_retries=extend_retries,
     )  # fmt: skip
     if plan_only:
-        sys.exit(execute_plan(opts, _console, [shard] if shard is not None else []))
+        sys.exit(execute_plan(opts, _console, shard))
     sys.exit(execute_resume(opts, _console))
 
 

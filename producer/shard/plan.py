@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,12 +20,15 @@ import orjson
 from rich.console import Console
 from rich.markup import escape
 
+from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
 from producer.shard.opening import iter_materialized
 from schemas import fields as F
 from schemas.coverage import RECOVERY_STATES, RUNNABLE, RecoveryState, RunCoverage
-from schemas.errors import UsageError
+from schemas.errors import StorageError, UsageError
 from schemas.records import Manifest
+from workers.health.sources import SHARD_FILE as SHARD_NAME
+from workers.health.sources import merged_records, verify_merged
 from workers.shard.coverage import (
     RecoveryPolicy,
     ShardAccount,
@@ -109,6 +112,27 @@ def shards_in(rd: RunDir) -> list[str]:
     return sorted(found)
 
 
+def plan_targets(rd: RunDir, shard: str | None) -> list[tuple[RunDir, str]]:
+    """The shards `--plan` reads: the one named, else every shard of the folder, else (a folder
+    `rollouts aggregate` merged shards into) each shard its merged-shards record lists, in its
+    own folder, verified byte for byte as a recheck verifies them."""
+    if shard is not None:
+        return [(rd, shard)]
+    found = shards_in(rd)
+    if found:
+        return [(rd, s) for s in found]
+    records = merged_records(rd)
+    targets = []
+    for record in records:
+        for source in verify_merged(rd, record):
+            match = SHARD_NAME.match(source.name)
+            if match:
+                targets.append((RunDir(source.dir), match.group(1)))
+    if not targets:
+        raise UsageError(f"{rd.url}: no shard manifest here (is this a run directory?)")
+    return targets
+
+
 def states_by_key(plan: ResumePlan) -> dict[RecoveryState, list[Key]]:
     """Every expected rollout's key under its state."""
     ledger, policy = plan.account.ledger, plan.account.policy
@@ -122,18 +146,14 @@ def states_by_key(plan: ResumePlan) -> dict[RecoveryState, list[Key]]:
 
 def show_plan(
     console: Console,
-    rd: RunDir,
-    shards: list[str],
-    policy_of: Any,
+    targets: list[tuple[RunDir, str]],
+    policy_of: Callable[[Manifest], RecoveryPolicy],
     as_json: bool,
 ) -> int:
-    """`rollouts resume --plan`: each shard's states and coverage, printed and written; nothing
-    is dispatched. `policy_of(manifest)` gives the policy a shard is judged by."""
-    from infra.runs import read_manifest
-    from schemas.errors import StorageError
-
+    """`rollouts resume --plan`: each shard's states and coverage, printed and written beside
+    it; nothing is dispatched. `policy_of(manifest)` gives the policy a shard is judged by."""
     out: list[dict[str, Any]] = []
-    for shard in shards:
+    for rd, shard in targets:
         try:
             manifest = read_manifest(rd, shard)
         except StorageError as exc:
@@ -145,6 +165,7 @@ def show_plan(
             keys = states_by_key(plan)
             out.append(
                 {
+                    "run_dir": rd.url,
                     "shard": shard,
                     "coverage": plan.coverage.model_dump(mode="json"),
                     "rollouts": {s: [list(k) for k in keys[s]] for s in RECOVERY_STATES},

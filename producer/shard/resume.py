@@ -35,7 +35,7 @@ from producer.shard.cluster import RECORDED_BROKER, recorded_cluster
 from producer.shard.dispatch import ShardDispatch, dispatch_generation
 from producer.shard.local_cluster import LocalCluster
 from producer.shard.opening import OpenedRun, record_opening
-from producer.shard.plan import ResumePlan, plan_resume, rows_to_run, shards_in, show_plan
+from producer.shard.plan import ResumePlan, plan_resume, plan_targets, rows_to_run, show_plan
 from producer.shard.report import print_counts, print_health, print_metrics, raise_if_unhealthy
 from producer.shard.supervise import raise_for_outcome
 from schemas import fields as F
@@ -213,19 +213,16 @@ def resume_policy(
     return settings, max_attempts
 
 
-def execute_plan(opts: ResumeOptions, console: Console, shards: list[str]) -> int:
-    """`rollouts resume --plan`: the states and coverage of each shard; nothing is dispatched."""
-    rd = RunDir(opts.output_dir)
-    if not shards:
-        shards = shards_in(rd)
-        if not shards:
-            raise UsageError(f"{rd.url}: no shard manifest here (is this a run directory?)")
+def execute_plan(opts: ResumeOptions, console: Console, shard: str | None) -> int:
+    """`rollouts resume --plan`: the states and coverage of the shard, else of every shard of
+    the folder (or of the shards a merged folder's record lists); nothing is dispatched."""
+    targets = plan_targets(RunDir(opts.output_dir), shard)
 
     def judged_by(manifest: Manifest) -> RecoveryPolicy:
         settings, _ = resume_settings(manifest, opts.overrides, Console(quiet=True))
         return RecoveryPolicy.of(resume_policy(opts, settings, console)[0])
 
-    return show_plan(console, rd, shards, judged_by, opts.as_json)
+    return show_plan(console, targets, judged_by, opts.as_json)
 
 
 def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
