@@ -25,6 +25,20 @@ from workers.health.spool import untagged
 VERDICTS = ("healthy", "unhealthy", "unobserved")
 
 
+def standing(failures: list[list[Any]]) -> list[Any] | None:
+    """The failure payload that stands for a rollout: the last of its newest generation
+    (`workers/shard/ledger.py`'s rule; a payload without a generation is the first's)."""
+    if not failures:
+        return None
+    newest = max(_generation(e[9]) for e in failures)
+    payload: list[Any] = [e[9] for e in failures if _generation(e[9]) == newest][-1]
+    return payload
+
+
+def _generation(payload: list[Any]) -> int:
+    return int(payload[4]) if len(payload) > 4 and isinstance(payload[4], int) else 0
+
+
 @dataclass
 class Totals:
     """The additive counts of the rollout-level part of the quality summary."""
@@ -156,7 +170,7 @@ class Reducer:
         records = [e for e in group if e[5] == RECORD]
         own, all_scored = self._records(source, task, rollout, records) if records else (0, True)
         if group[0][1] == 0 and group[0][3] == 0:
-            latest = failures[-1][9] if failures else None
+            latest = standing(failures)
             self.acc.add_rollout(source, owed, own, all_scored, latest)
         elif own:
             self.acc.sources[source].not_owed += 1

@@ -29,7 +29,7 @@ from workers.health.digest import Digest
 from workers.health.io import iter_range_views, open_writer, tail
 from workers.health.record_checks import check_line, check_parsed
 from workers.health.spool import RunWriter, tagged
-from workers.shard.ledger import failure_class, group_of
+from workers.shard.ledger import execution_of, failure_class, group_of
 
 KEY_LEN = 9
 OWED, FAILURE, RECORD = 0, 1, 2
@@ -174,7 +174,8 @@ def _scan(job: ScanJob) -> ScanResult:
         if key is None:
             continue
         if job.kind == "failures":
-            payload = [failure_class(row), *group_of(row), bool(row.get(F.OMITTED))]
+            omitted, generation = bool(row.get(F.OMITTED)), execution_of(row)[0]
+            payload = [failure_class(row), *group_of(row), omitted, generation]
             writer.add([job.source, 0, key[0], 0, key[1], FAILURE, 0, 0, offset, payload])
         else:
             writer.add([job.source, 0, key[0], 0, key[1], OWED, 0, 0, offset, list(group_of(row))])
