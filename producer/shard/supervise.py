@@ -36,6 +36,7 @@ from schemas.finish import FinishResult
 from schemas.health import STOPPED_BY_SIGTERM
 from schemas.settings import CollectionSettings
 from workers.shard.ledger import count_shard
+from workers.shard.reservations import Reservations
 from workers.shard.state import refresh_shard_keys
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def stalled(
     """Mark a stalled run failed (with its counts from storage) and say how to resume it;
     `silent`: the worker processes whose rollout leases expired."""
     rd, shard = opened.rd, opened.manifest.shard
-    counts = count_shard(rd, shard)
+    counts = count_shard(rd, shard, Reservations(opened.manifest.generations))
     failed = sum(counts.failed.values())
     missing = max(0, counts.planned - counts.landed - failed)
     message = (
