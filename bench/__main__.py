@@ -7,7 +7,11 @@ bottleneck), ratelimit (N=2,000, agent latency 200 ms, 429 above 8 concurrent ca
 `bench/ratelimit.py`), capture (N=4,000 model calls direct vs through `rollouts capture-proxy`,
 streamed and not, 1 and 64 in flight: added latency and proxy CPU per call; `bench/capture.py`),
 report (100k and 1M synthetic rollouts in 4 shards: `rollouts report`'s time, peak RSS and file
-size; `bench/report.py`), soak (N=1M end to end: memory of every process and of Redis at each
+size; `bench/report.py`), health (100k and 1M synthetic rollouts in 4 shards: `rollouts
+health-check` locally and `--distributed`, time and peak RSS; `bench/health.py`), finish-rss (the
+finish step of 100k synthetic rollouts against environment servers that take chunked bodies and
+ones that answer 411, its time and peak RSS, `--baseline DIR` also with another checkout's code;
+`bench/finish_rss.py`), soak (N=1M end to end: memory of every process and of Redis at each
 100k, the keys left behind, the finish step, status and resume; `bench/soak.py`). Figures are ratios within one invocation; this machine is shared and noisy, so
 absolute numbers vary between runs.
 """
@@ -147,7 +151,9 @@ def latency(
             ]
             for m in results
         ]
-        nemo_note = "" if nemo_python else " (NeMo Gym not installed: see README, bench extra)"
+        nemo_note = (
+            "" if nemo_python else " (NeMo Gym not installed: see docs/explanation/performance.md)"
+        )
         rss_note = (
             f"; RSS: the peak beyond idle over the run per 1,000 in flight, least of {rounds} "
             f"({pad_kb} KB replies; the aiohttp loop: its own process; the others: their workers)"
@@ -361,8 +367,15 @@ def main() -> None:
             "ratelimit",
             "capture",
             "report",
+            "health",
+            "finish-rss",
             "soak",
         ],
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="finish-rss: another checkout whose finish step to measure too (its root folder)",
     )
     parser.add_argument(
         "--preset",
@@ -397,7 +410,8 @@ def main() -> None:
         "--rounds",
         type=int,
         default=3,
-        help="latency, overhead, workers: interleaved rounds; each collector's best is shown",
+        help="latency, overhead, workers, finish-rss: interleaved rounds (latency, overhead,"
+        " workers: each collector's best is shown; finish-rss: the least and the most)",
     )
     parser.add_argument(
         "--telemetry",
@@ -454,6 +468,14 @@ def main() -> None:
         from bench.report import report_bench
 
         print(report_bench([a.n] if a.n else [100_000, 1_000_000]))
+    elif a.scenario == "health":
+        from bench.health import health_bench
+
+        health_bench([a.n] if a.n else [100_000, 1_000_000], a.workers, None, False)
+    elif a.scenario == "finish-rss":
+        from bench.finish_rss import finish_rss
+
+        print(finish_rss(a.n or 100_000, a.baseline, a.rounds))
     elif a.scenario == "soak":
         from bench.soak import main as soak_main
 

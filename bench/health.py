@@ -201,10 +201,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--keep", action="store_true", help="Keep the run folders.")
     a = parser.parse_args()
-    base = Path(a.dir or tempfile.mkdtemp(prefix="bench-health-"))
+    health_bench([int(s) for s in a.sizes.split(",")], a.workers, a.dir, a.keep)
+
+
+def health_bench(sizes: list[int], workers: int, where: str | None, keep: bool) -> None:
+    """Write, recheck locally and distributed, and print the table (`python -m bench health`)."""
+    base = Path(where or tempfile.mkdtemp(prefix="bench-health-"))
     rows = []
     try:
-        for size in (int(s) for s in a.sizes.split(",")):
+        for size in sizes:
             folder = base / f"run-{size}"
             started = time.monotonic()
             data = write_folder(folder, size)
@@ -214,15 +219,15 @@ def main() -> None:
             )
             local, local_sha = measure_local(folder)
             print(f"  local: {local.wall_s:.1f}s, peak RSS {local.cli_rss_mb:.0f} MB", flush=True)
-            dist, dist_sha = measure_distributed(folder, a.workers)
+            dist, dist_sha = measure_distributed(folder, workers)
             print(f"  distributed: {dist.wall_s:.1f}s, workers {dist.worker_rss_mb}", flush=True)
             if local_sha != dist_sha:
                 raise SystemExit("local and distributed reports differ")
             rows.append((size, data, local, dist))
-            if not a.keep:
+            if not keep:
                 shutil.rmtree(folder, ignore_errors=True)
     finally:
-        if not a.keep and a.dir is None:
+        if not keep and where is None:
             shutil.rmtree(base, ignore_errors=True)
     print()
     print(

@@ -1,6 +1,6 @@
 """Run NeMo Gym 0.7.0's in-process collector over a rows file, timed; prints one JSON line.
 
-It runs under an interpreter that has nemo-gym installed (Python >= 3.13, see README), as its own
+It runs under an interpreter that has nemo-gym installed (Python >= 3.13, docs/explanation/performance.md), as its own
 process: `python bench/nemo_gym_driver.py --agent-url URL --rows rows.jsonl --out out.jsonl
 --concurrency 512`. A stand-in head server (serving `/global_config_dict_yaml`) names one agent
 and one environment server that fronts it, both at the agent's URL, so NeMo Gym POSTs `/run`

@@ -72,7 +72,9 @@ def ratelimit(
                         os.path.join(tmp, "nemo.jsonl"),
                     )
                 )
-        nemo_note = "" if nemo_python else " (NeMo Gym not installed: see README, bench extra)"
+        nemo_note = (
+            "" if nemo_python else " (NeMo Gym not installed: see docs/explanation/performance.md)"
+        )
         return (
             f"ratelimit: N={n}, agent latency {latency_ms:g} ms, 429 above {limit} concurrent "
             f"calls with Retry-After {retry_after_s:g}s, {workers} workers x {concurrency}, "

@@ -16,10 +16,14 @@ whose index is a multiple of N nested `deep_reply_depth` levels deep (valid JSON
 with a higher depth limit than its encoder reads but cannot write again).
 
 A model (`--model-url URL`, e.g. a capture proxy in front of `examples/model_server.py`): each
-rollout calls `URL/ng-rollout/<rollout id>/v1/responses` once (the capture key: the rollout id,
+rollout calls `URL/ng-rollout/<rollout id>/v1/responses` (the capture key: the rollout id,
 `-a<n>` for attempts after the first, as NeMo Gym's agents do) with `x-session-id` set to its
-invocation id, streamed with `--model-stream`; the result carries the model's response and an
-`ng_agent_observations` bundle naming that invocation. Without it, the stand-in answers in-process.
+invocation id, streamed with `--model-stream`; `--model-calls N` (or a row's `model_calls`) makes
+it N calls, each given the conversation so far (a multi-turn rollout); a row's
+`model_call_faults` asks the model for a truncated or empty reply to chosen calls, and its
+`hang_after_calls` stops the agent after that many calls. The result carries the last call's
+response (with the usage of all) and an `ng_agent_observations` bundle naming that invocation.
+Without it, the stand-in answers in-process.
 
 A rate limit (`--rate-limit-above K --retry-after S`): a call that would be the agent's
 (K+1)-th concurrent one is answered at once with HTTP 429 and `Retry-After: S` (K = 0: every
@@ -93,6 +97,8 @@ class AgentKnobs:
     model_url: str | None = None
     # Ask the model for a streamed (SSE) response.
     model_stream: bool = False
+    # Calls to the model per rollout (a row's `model_calls` overrides it).
+    model_calls: int = 1
     # Another draw of the stand-in model's samples (0: the demo's), and the fraction of its right
     # answers turned wrong: two agents of known different accuracy (`rollouts compare`).
     sample_seed: int = 0
@@ -323,13 +329,25 @@ class AgentServer:
         return self._pad
 
     async def model_result(
-        self, row: dict[str, Any], model_url: str, traceparent: str | None = None
+        self,
+        row: dict[str, Any],
+        model_url: str,
+        traceparent: str | None = None,
+        key: str | None = None,
     ) -> dict[str, Any]:
-        """The result of one call to the model, under the rollout's capture key (and in the
-        rollout's trace: the `traceparent` of its `/run` is passed on, as NeMo Gym's relay does)."""
+        """The result of the rollout's calls to the model, under its capture key (`key`, else the
+        row's rollout id) and in the rollout's trace (the `traceparent` of its `/run` is passed on,
+        as NeMo Gym's relay does).
+
+        A row's `model_calls` (else the knob) is how many calls it makes, each given the
+        conversation so far; `model_call_faults` ({"<i>": "truncated" | "empty" |
+        "truncated_empty"}) asks the model for a faulty reply to call i (0-based), and
+        `hang_after_calls` k makes the agent stop answering after k calls (the rollout is cut by
+        its time limit). The result's response is the last call's, with the usage of all.
+        """
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        key = F.rollout_id(row)
+        key = key if key is not None else F.rollout_id(row)
         invocation = f"inv-{uuid.uuid4().hex[:12]}"
         params = dict(row.get("responses_create_params") or {})
         hints = {
@@ -337,21 +355,6 @@ class AgentServer:
             "difficulty": str(row.get("difficulty", 0.3)),
             "rollout_index": str(row.get("_ng_rollout_index", 0)),
         }
-        body = {
-            **params,
-            "model": "stand-in-1",
-            "metadata": hints,
-            "stream": self.knobs.model_stream,
-        }
-        prefix = f"/ng-rollout/{key}" if key is not None else ""
-        headers = {"content-type": "application/json", "x-session-id": invocation}
-        if traceparent:
-            headers["traceparent"] = traceparent
-        url = f"{model_url.rstrip('/')}{prefix}/v1/responses"
-        async with self._session.post(url, data=orjson.dumps(body), headers=headers) as reply:
-            reply.raise_for_status()
-            raw = await reply.read()
-        response = _streamed_response(raw) if self.knobs.model_stream else orjson.loads(raw)
         items = params.get("input")
         asked = (
             [{"type": "message", "role": "user", "content": items}]
@@ -361,6 +364,39 @@ class AgentServer:
                 for i in items or []
             ]
         )
+        calls = max(1, int(row.get("model_calls") or self.knobs.model_calls))
+        faults = row.get("model_call_faults")
+        faults = faults if isinstance(faults, dict) else {}
+        hang_after = row.get("hang_after_calls")
+        prefix = f"/ng-rollout/{key}" if key is not None else ""
+        headers = {"content-type": "application/json", "x-session-id": invocation}
+        if traceparent:
+            headers["traceparent"] = traceparent
+        url = f"{model_url.rstrip('/')}{prefix}/v1/responses"
+        conversation: list[Any] = list(asked)
+        usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+        response: dict[str, Any] = {}
+        for i in range(calls):
+            if isinstance(hang_after, int) and i >= hang_after:
+                await asyncio.sleep(10**6)  # cut by the rollout's time limit
+            fault = faults.get(str(i))
+            metadata = {**hints, **({"fault": str(fault)} if fault else {})}
+            body = {
+                **params,
+                "input": conversation,
+                "model": "stand-in-1",
+                "metadata": metadata,
+                "stream": self.knobs.model_stream,
+            }
+            async with self._session.post(url, data=orjson.dumps(body), headers=headers) as reply:
+                reply.raise_for_status()
+                raw = await reply.read()
+            response = _streamed_response(raw) if self.knobs.model_stream else orjson.loads(raw)
+            conversation += response.get("output") or []
+            for name in usage:
+                usage[name] += int((response.get("usage") or {}).get(name) or 0)
+        if isinstance(hang_after, int) and hang_after >= calls:
+            await asyncio.sleep(10**6)
         observations = {
             "source": "example_agent",
             "records": [
@@ -368,11 +404,12 @@ class AgentServer:
                     "kind": "agent_invocation",
                     "invocation_id": invocation,
                     "status": "completed",
-                    "conversation": [*asked, *response.get("output", [])],
+                    "conversation": conversation,
                 }
             ],
         }
-        return {**self.result(row, response), "ng_agent_observations": observations}
+        final = {**response, "usage": usage} if calls > 1 else response
+        return {**self.result(row, final), "ng_agent_observations": observations}
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -487,6 +524,7 @@ def main() -> None:
     )
     parser.add_argument("--model-url", default=None, help="A Responses API model (or proxy).")
     parser.add_argument("--model-stream", action="store_true", help="Stream the model's replies.")
+    parser.add_argument("--model-calls", type=int, default=1, help="Model calls per rollout.")
     a = parser.parse_args()
     knobs = AgentKnobs(
         latency_ms=a.latency_ms,
@@ -502,6 +540,7 @@ def main() -> None:
         retry_after_s=a.retry_after,
         model_url=a.model_url,
         model_stream=a.model_stream,
+        model_calls=a.model_calls,
     )
     web.run_app(
         AgentServer(a.name, knobs).app(), host=a.host, port=a.port, handler_cancellation=True

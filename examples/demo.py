@@ -1,6 +1,8 @@
 """`rollouts demo`: the example servers, a generated dataset, an embedded cluster, one run.
 
-The agents call the example model server through a capture proxy, into `<run dir>/model-calls`
+The dataset mixes flat rows for the two agents with materialized task rows of a task set, whose
+episodes an environment server runs (NeMo Gym's `environment_server_routes`). The agents and
+the episodes call the example model server through a capture proxy, into `<run dir>/model-calls`
 (NeMo Gym's default place), and the run merges each rollout's capture into its result, so the
 health check judges observed model calls.
 """
@@ -14,19 +16,25 @@ from datetime import UTC, datetime
 import orjson
 from rich.console import Console
 
-from examples.servers import DEMO_FAMILIES, start_servers
-from examples.tasks import make_row
+from examples.servers import DEMO_FAMILIES, DEMO_TASKSETS, start_servers
+from examples.tasks import make_row, task_row
 from producer.shard.runner import RunOptions, execute_run
 
 
 def write_dataset(path: str, tasks: int) -> int:
-    """Half arithmetic rows for math_agent, half counting rows for count_agent."""
+    """Flat rows, half arithmetic for math_agent and half counting for count_agent, then a
+    quarter as many materialized task rows of the demo's task set (counting words' letters),
+    whose episodes its environment server runs."""
     agents = list(DEMO_FAMILIES)
+    [taskset] = DEMO_TASKSETS
+    episodes = max(1, tasks // 4)
     with open(path, "wb") as f:
         for i in range(tasks):
             agent = agents[i % len(agents)]
             f.write(orjson.dumps(make_row(DEMO_FAMILIES[agent], i, agent)) + b"\n")
-    return tasks
+        for i in range(episodes):
+            f.write(orjson.dumps(task_row(taskset, "counting", 1000 + i)) + b"\n")
+    return tasks + episodes
 
 
 def run_demo(
@@ -41,15 +49,16 @@ def run_demo(
         "demo-runs", datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     )
     capture_dir = os.path.abspath(os.path.join(output_dir, "model-calls"))
-    servers = start_servers(capture_dir=capture_dir)
+    servers = start_servers(capture_dir=capture_dir, tasksets=DEMO_TASKSETS)
     try:
         with tempfile.TemporaryDirectory(prefix="rollouts-demo-") as tmp:
             config = servers.write_config(os.path.join(tmp, "servers.yaml"))
             dataset = os.path.join(tmp, "tasks.jsonl")
-            write_dataset(dataset, tasks)
+            written = write_dataset(dataset, tasks)
             console.print(
-                f"demo: {tasks} tasks x {repeats} repeats on {workers} worker processes, "
-                f"agents {', '.join(servers.agents)}"
+                f"demo: {written} tasks x {repeats} repeats on {workers} worker processes, "
+                f"agents {', '.join(servers.agents)}, task set {', '.join(servers.routes)} on "
+                f"{', '.join(servers.routes.values())}"
             )
             return execute_run(
                 RunOptions(

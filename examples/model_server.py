@@ -7,6 +7,10 @@ request's `metadata` (`expected_answer`, `difficulty`, `rollout_index`), so runs
 per word, `response.completed`). `POST /v1/chat/completions` answers the same in the chat
 dialect, streamed too. `--latency-ms` delays each reply; `GET /stats` counts the calls.
 
+A request can ask for a faulty reply in its `metadata` (`"fault"`, for tests of the health
+checks): `truncated` (cut by its output limit: `incomplete`, `max_output_tokens`, half of its
+text), `empty` (no output, no output tokens), `truncated_empty` (cut with no output at all).
+
     python -m examples.model_server --port 9301
 """
 
@@ -41,13 +45,29 @@ def _usage(body: dict[str, Any], out_tokens: int) -> tuple[int, int]:
     return 12 + len(orjson.dumps(body.get("input", body.get("messages")))) // 8, out_tokens
 
 
+FAULTS = ("truncated", "empty", "truncated_empty")
+
+
 def response_object(body: dict[str, Any]) -> dict[str, Any]:
-    """The Responses API object answering `body`."""
+    """The Responses API object answering `body` (faulty when its metadata asks)."""
     answer, out_tokens = stand_in_answer(_row(body))
     in_tokens, out_tokens = _usage(body, out_tokens)
     rid = uuid.uuid4().hex[:16]
     model = str(body.get("model") or "stand-in-1")
-    return stand_in_response(rid, answer, (in_tokens, out_tokens), model, details=True)
+    hints = body.get("metadata")
+    fault = hints.get("fault") if isinstance(hints, dict) else None
+    if fault in ("empty", "truncated_empty"):
+        out_tokens = 0 if fault == "empty" else out_tokens
+    response = stand_in_response(rid, answer, (in_tokens, out_tokens), model, details=True)
+    if fault == "truncated":
+        text = response["output"][0]["content"][0]
+        text["text"] = text["text"][: max(1, len(text["text"]) // 2)]
+    if fault in ("empty", "truncated_empty"):
+        response["output"] = []
+    if fault in ("truncated", "truncated_empty"):
+        response["status"] = "incomplete"
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+    return response
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
@@ -88,13 +108,16 @@ class ModelServer:
         await reply.write(
             _sse("response.created", {"type": "response.created", "response": started})
         )
-        text = final["output"][0]["content"][0]["text"]
-        for n, word in enumerate(text.split(" ")):
+        parts = final["output"][0]["content"] if final["output"] else []
+        text = parts[0]["text"] if parts else ""
+        for n, word in enumerate(text.split(" ") if text else []):
             delta = {"type": "response.output_text.delta", "output_index": 0, "content_index": 0,
                      "delta": word if n == 0 else " " + word}  # fmt: skip
             await reply.write(_sse("response.output_text.delta", delta))
-        done = {"type": "response.completed", "response": final}
-        await reply.write(_sse("response.completed", done))
+        terminal = (
+            "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        )
+        await reply.write(_sse(terminal, {"type": terminal, "response": final}))
         await reply.write_eof()
         return reply
 
@@ -103,7 +126,7 @@ class ModelServer:
         if isinstance(body, web.Response):
             return body
         final = response_object(body)
-        text = final["output"][0]["content"][0]["text"]
+        text = final["output"][0]["content"][0]["text"] if final["output"] else ""
         usage = final["usage"]
         tokens = {
             "prompt_tokens": usage["input_tokens"],

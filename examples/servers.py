@@ -2,8 +2,9 @@
 
     python -m examples.servers --write-config servers.yaml [--latency-ms 200 --fault-rate 0.1]
 
-starts the demo topology (math_agent behind math_env, count_agent behind count_env) on free
-ports, writes the matching servers config, and serves until interrupted. With `--capture-dir
+starts the demo topology (math_agent behind math_env, count_agent behind count_env, and
+word_tasks_env running the episodes of the task set `demo:word-counts`) on free ports, writes the
+matching servers config, and serves until interrupted. With `--capture-dir
 URL` the agents call the example model server through a capture proxy (`infra/capture_proxy.py`)
 that captures each call into URL; run with `+observability_enabled=true
 +model_call_capture_dir=URL` to merge the captures into the results.
@@ -29,6 +30,8 @@ from infra.capture_proxy import CaptureProxy
 
 DEMO_TOPOLOGY = {"math_agent": "math_env", "count_agent": "count_env"}
 DEMO_FAMILIES = {"math_agent": "arithmetic", "count_agent": "counting"}
+DEMO_TASKSETS = {"demo:word-counts": "word_tasks_env"}
+"""The demo's task set (taskset -> the environment server that runs its episodes)."""
 
 
 def free_port() -> int:
@@ -46,6 +49,8 @@ class RunningServers:
     agents: dict[str, AgentServer] = field(default_factory=dict)
     environments: dict[str, EnvironmentServer] = field(default_factory=dict)
     agent_env: dict[str, str] = field(default_factory=dict)
+    routes: dict[str, str] = field(default_factory=dict)
+    """Taskset -> the environment server that runs its episodes."""
     urls: dict[str, str] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop | None = None
     thread: threading.Thread | None = None
@@ -57,7 +62,9 @@ class RunningServers:
 
     def config(self) -> dict[str, Any]:
         """The normalised servers config for these servers."""
+        routes = {"environment_server_routes": dict(self.routes)} if self.routes else {}
         return {
+            **routes,
             "agents": {
                 name: {
                     "url": self.urls[name],
@@ -93,6 +100,8 @@ class RunningServers:
         loop.close()
         for agent in self.agents.values():
             agent.close()
+        for env in self.environments.values():
+            env.runner.close()
 
 
 async def _serve(servers: RunningServers, apps: dict[str, web.Application], host: str) -> None:
@@ -111,15 +120,17 @@ def start_servers(
     failing_environments: tuple[str, ...] = (),
     host: str = "127.0.0.1",
     capture_dir: str | None = None,
+    tasksets: dict[str, str] | None = None,
 ) -> RunningServers:
     """Start one agent per key of `topology` (agent -> environment) and each environment once,
-    listening on `host`; with `capture_dir`, also the example model server and a capture proxy
-    the agents call."""
+    listening on `host`; `tasksets` (taskset -> environment) adds the environments that run
+    those task sets' episodes, and their routes to the config. With `capture_dir`, also the
+    example model server and a capture proxy the agents and episodes call."""
     topology = topology or DEMO_TOPOLOGY
-    servers = RunningServers(agent_env=dict(topology))
+    servers = RunningServers(agent_env=dict(topology), routes=dict(tasksets or {}))
     for agent in topology:
         servers.agents[agent] = AgentServer(agent, AgentKnobs(**vars(knobs)) if knobs else None)
-    for env in dict.fromkeys(topology.values()):
+    for env in dict.fromkeys([*topology.values(), *servers.routes.values()]):
         servers.environments[env] = EnvironmentServer(env, fail=env in failing_environments)
     apps: dict[str, web.Application] = {}
     if capture_dir is not None:
@@ -153,6 +164,8 @@ def start_servers(
         servers.proxy.upstream = servers.urls["model_server"]
         for server in servers.agents.values():
             server.knobs.model_url = servers.urls["capture_proxy"]
+        for environment in servers.environments.values():
+            environment.runner.knobs.model_url = servers.urls["capture_proxy"]
     return servers
 
 
@@ -198,7 +211,7 @@ def main() -> None:
         retry_after_s=a.retry_after,
         model_stream=a.model_stream,
     )
-    servers = start_servers(topology, knobs, capture_dir=a.capture_dir)
+    servers = start_servers(topology, knobs, capture_dir=a.capture_dir, tasksets=DEMO_TASKSETS)
     servers.write_config(a.write_config)
     print(f"serving; config written to {a.write_config}", flush=True)
     stop = threading.Event()

@@ -71,6 +71,21 @@ def make_row(family: str, i: int, agent: str | None = None) -> dict[str, Any]:
     return row
 
 
+def task_row(taskset: str, family: str, i: int, **task_input: Any) -> dict[str, Any]:
+    """A materialized task row of `taskset`: task `i` of `family` as an environment server's
+    episode input (NeMo Gym's `{"task_id": {"taskset", "task_id"}, "task_input": {...}}`)."""
+    task = FAMILIES[family](i)
+    return {
+        "task_id": {"taskset": taskset, "task_id": task["task_id"]},
+        "task_input": {
+            "question": task["question"],
+            "expected_answer": task["expected_answer"],
+            "difficulty": task["difficulty"],
+            **task_input,
+        },
+    }
+
+
 def question_of(row: dict[str, Any]) -> str:
     params = row.get("responses_create_params") or {}
     messages = params.get("input")

@@ -2,7 +2,7 @@
 
 One `<key>.capture.jsonl` per rollout attempt (the key is the rollout id, `-a<n>` for attempts
 after the first), one JSON line per model call in append order, and an empty
-`<key>.capture.incomplete` marker when a write for that key failed (capture reference §1.5). The
+`<key>.capture.incomplete` marker when a write for that key failed (as NeMo Gym 0.7.0 marks it). The
 capture proxy (`infra/capture_proxy.py`) appends; the worker clears a rollout's keys before it
 is dispatched and reads them back to merge into its result (`workers/capture`).
 

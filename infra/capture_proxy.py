@@ -3,7 +3,7 @@
 Put it in front of any OpenAI-compatible model server (vLLM, SGLang, a hosted API, the example
 model server) and point agents at `http://proxy/ng-rollout/<key>/v1`: the proxy strips the
 prefix (and NeMo Gym's `/training-token-capture` segment), forwards the call and appends one
-line for it to `<key>.capture.jsonl` in the capture dir (capture reference §1.4-§1.7). Only
+line for it to `<key>.capture.jsonl` in the capture dir, in NeMo Gym 0.7.0's format. Only
 `/v1/responses`, `/v1/chat/completions` and `/v1/messages` are captured; other prefixed paths
 and unprefixed calls pass through uncaptured.
 
@@ -106,7 +106,7 @@ class Exchange:
             self.latency_ms = round((time.perf_counter() - self.t0) * 1000, 2)
 
     def line(self, exc: BaseException | None = None) -> bytes:
-        """The capture line, NeMo Gym's fields in its order (§1.6, §1.7)."""
+        """The capture line, NeMo Gym's fields in its order."""
         self.finish()
         out: dict[str, Any] = {
             "model_call_id": uuid.uuid4().hex,

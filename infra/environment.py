@@ -30,7 +30,7 @@ def redis_url(url: object) -> str | None:
 
 @dataclass(frozen=True)
 class Environment:
-    """The process's settings from `ROLLOUTS_*` variables (README: environment variables)."""
+    """The process's settings from `ROLLOUTS_*` variables (docs/reference/environment.md)."""
 
     broker_url: str | None = None
     """`ROLLOUTS_BROKER_URL`: the cluster's Celery broker."""

@@ -12,9 +12,10 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import contextvars
 import os
 import threading
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
 from typing import Any, Protocol, TypeVar
 
 import aiohttp
@@ -25,6 +26,56 @@ from infra.process import PerProcess
 T = TypeVar("T")
 
 CONNECT_TIMEOUT_S = 10.0
+HEARTBEAT_S: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "rollouts_http_heartbeat_s", default=None
+)
+"""Set around a request (`heartbeat`): write CRLF on its connection this often until the reply
+begins. Read by `AiohttpClient`'s responses; other clients ignore it."""
+HEARTBEAT = b"\r\n"
+
+
+@contextlib.contextmanager
+def heartbeat(every_s: float | None) -> Iterator[None]:
+    """Requests sent inside this block keep their connection busy while they wait for a reply."""
+    token = HEARTBEAT_S.set(every_s)
+    try:
+        yield
+    finally:
+        HEARTBEAT_S.reset(token)
+
+
+class HeartbeatResponse(aiohttp.ClientResponse):
+    """A response that, while its status line has not arrived, writes an empty line (CRLF) on its
+    connection every `HEARTBEAT_S` seconds once the request is sent.
+
+    An intermediary that closes connections idle for a fixed time (a cloud load balancer's 340 s)
+    would otherwise cut a `/run` that produces no byte for longer. HTTP/1.1 servers ignore empty
+    lines before a request line (RFC 9112, section 2.2), which is what these bytes are to them:
+    the request before them is complete. The beat stops before the reply's head is handed over, so
+    it never runs while the connection could carry another request.
+    """
+
+    async def start(self, connection: aiohttp.connector.Connection) -> aiohttp.ClientResponse:
+        every = HEARTBEAT_S.get()
+        if not every:
+            return await super().start(connection)
+        beat = asyncio.ensure_future(self._beat(connection, every))
+        try:
+            return await super().start(connection)
+        finally:
+            beat.cancel()
+
+    async def _beat(self, connection: aiohttp.connector.Connection, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            # The request's body is written by a task of its own: an empty line in the middle of
+            # it would corrupt it. (`_writer` is aiohttp's handle on that task; None once done.)
+            if self._writer is not None:
+                continue
+            transport = connection.transport
+            if transport is None or transport.is_closing():
+                return
+            transport.write(HEARTBEAT)
 
 
 class StreamedReply(Protocol):
@@ -86,6 +137,7 @@ class AiohttpClient:
             timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),
             skip_auto_headers=("User-Agent",),
             auto_decompress=True,
+            response_class=HeartbeatResponse,
         )
 
     @contextlib.asynccontextmanager

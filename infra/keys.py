@@ -63,6 +63,11 @@ shard_counts = _shard_key("counts")
 """Hash of progress counters: `landed`, `duplicates`, `drained`, `failed:<class>`, and per agent
 `rate_limit_waits:<agent>` and `rate_limit_wait_ms:<agent>` (the back-off script's)."""
 
+shard_health = _shard_key("health")
+"""Hash of live verdict counts: landed records by verdict (`healthy`, `unhealthy`, `unobserved`)
+and findings by check (`issues:<check>`), added by the worker that lands each result, in the
+MULTI that commits its landed key (so a redelivered result counts once)."""
+
 shard_lock = _shard_key("lock")
 """Lock protecting the shard's files: opening, tail repair and every append batch.
 
@@ -235,6 +240,7 @@ def all_shard_keys(sid: str) -> list[str]:
         shard_landed(sid),
         *(shard_landed_bits(sid, rollout) for rollout in range(LANDED_BITS_ROLLOUTS)),
         shard_counts(sid),
+        shard_health(sid),
         shard_run_failed(sid),
         shard_cancel(sid),
         shard_leases(sid),
@@ -261,3 +267,22 @@ def api_active(invocation: str) -> str:
     replied yet. Removed in the same MULTI as the reply is pushed; with the shard's leases it
     tells a closing caller when nothing of its invocation is still running."""
     return f"{PREFIX}:api:{invocation}:active"
+
+
+def api_call(invocation: str) -> str:
+    """String: set by the caller when the invocation starts and renewed as it listens; a caller
+    that finds it gone knows Redis lost the call's state (it restarted without its data) and
+    sends the rows still unsettled again (`producer/api/transport.py`)."""
+    return f"{PREFIX}:api:{invocation}:call"
+
+
+def api_consumed(invocation: str) -> str:
+    """Bitmap: bit `index` is set once the caller handed that row's outcome out (a recorded call),
+    so that `reattach` from another process yields only the outcomes not consumed yet."""
+    return f"{PREFIX}:api:{invocation}:consumed"
+
+
+def api_finishing(invocation: str) -> str:
+    """String: taken (SET NX) by the process that runs a recorded call's finish step, so that a
+    caller and a process that reattached to it never both run it."""
+    return f"{PREFIX}:api:{invocation}:finishing"

@@ -8,8 +8,9 @@ layouts are `infra/keys.py`'s. Callers register them with `redis.Redis.register_
 - `BEGIN_LUA`, `END_LUA`, `RENEW_LUA`, `BACK_OFF_LUA`: a rollout's admission (with its agent's
   adaptive window), slot release (growing the window), lease renewal, and a 429/503 reply
   (shrinking the window) (`workers/rollout/admission.py`).
-- `TAKE_LEASE_LUA`, `RENEW_ROLLOUTS_LUA`, `SETTLE_LUA`: a rollout's lease (holder, attempt,
-  stage), its renewal with the takeover of expired leases, and its settling (`workers/rollout/leases.py`).
+- `TAKE_LEASE_LUA`, `RENEW_ROLLOUTS_LUA`, `SETTLE_LUA`, `GIVE_BACK_LUA`: a rollout's lease
+  (holder, attempt, stage), its renewal with the takeover of expired leases, its settling, and
+  its return by an attempt that never started (`workers/rollout/leases.py`).
 - `ACQUIRE_READING_LUA`, `RELEASE_LUA`, `EXTEND_LUA`: the shard lock (`infra/locks.py`).
 - `LANDED_LUA`: which keys of a batch landed, in the landed bitmaps or set
   (`workers/shard/landed.py`); `BEGIN_LUA` and `ACQUIRE_READING_LUA` start with the same function.
@@ -498,6 +499,21 @@ end
 return present
 """
 )
+
+GIVE_BACK_LUA = """
+-- An attempt that never started gives its rollout's lease back (its worker stopped while the
+-- delivery waited for a slot): the lease, its attempt and its message go if they are still this
+-- attempt's, so that the next delivery takes the lease at once instead of after its expiry.
+-- Nothing is settled or counted. Returns 1 if it gave the lease back, 0 if it was not its own.
+local lease_key, attempts_key, messages_key, all_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local key, attempt, member = ARGV[1], ARGV[2], ARGV[3]
+if redis.call('HGET', attempts_key, key) ~= attempt then return 0 end
+redis.call('HDEL', lease_key, key)
+redis.call('HDEL', attempts_key, key)
+redis.call('HDEL', messages_key, key)
+redis.call('ZREM', all_key, member)
+return 1
+"""
 
 RELEASE_LUA = """
 -- Release the lock if this holder (token) still has it; a lock that expired and was taken by

@@ -1,7 +1,7 @@
 """Server-Sent Event streams of the three model dialects, as NeMo Gym's capture reads them.
 
 `sse_events` splits a stream into (event name, data) pairs, `terminal` finds how it ended
-(capture reference §1.4: `responses` on `response.completed|incomplete|failed`, `chat` on
+(as NeMo Gym 0.7.0's capture: `responses` on `response.completed|incomplete|failed`, `chat` on
 `data: [DONE]` or an error chunk, `messages` on `message_stop`; `event: error` in any), and
 `reassemble` rebuilds the one object a non-streamed call would have returned.
 """
@@ -57,7 +57,7 @@ def terminal(dialect: str, events: list[tuple[str | None, Any]]) -> str | None:
 
 
 def reassemble(dialect: str, events: list[tuple[str | None, Any]]) -> dict[str, Any] | None:
-    """The final object of a streamed reply (§1.4)."""
+    """The final object of a streamed reply."""
     objects = [d for _, d in events if isinstance(d, dict)]
     if dialect == "responses":
         final = [

@@ -106,7 +106,7 @@ class ShardFiles:
 
 
 def _storage_options(protocol: str) -> dict[str, Any]:
-    """Options from the standard environment variables (SPEC §9: AWS_ENDPOINT_URL and friends)."""
+    """Options from the standard environment variables (AWS_ENDPOINT_URL and friends: docs/reference/environment.md)."""
     if protocol in ("s3", "s3a"):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         # Several processes write one prefix: a cached listing would hide their segments.
@@ -117,6 +117,14 @@ def _storage_options(protocol: str) -> dict[str, Any]:
     if protocol in ("gs", "gcs"):
         return {"use_listings_cache": False}
     return {}
+
+
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem of `url` (a path or any fsspec URL) and the path on it, with the storage
+    options of the standard environment variables."""
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    fs, path = fsspec.core.url_to_fs(url, **_storage_options(protocol))
+    return fs, path
 
 
 class WriteConflictError(StorageError):
@@ -159,8 +167,7 @@ class RunDir:
     """
 
     def __init__(self, url: str) -> None:
-        protocol = url.split("://", 1)[0] if "://" in url else "file"
-        fs, root = fsspec.core.url_to_fs(url, **_storage_options(protocol))
+        fs, root = filesystem(url)
         self.fs: fsspec.AbstractFileSystem = fs
         self.root: str = root.rstrip("/") if root != "/" else root
         self.url: str = fs.unstrip_protocol(self.root)

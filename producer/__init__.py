@@ -1,9 +1,9 @@
-"""Planning, dispatch and the `rollouts` command line; the Python API for trainers (SPEC §10).
+"""Planning, dispatch and the `rollouts` command line; the Python API for trainers (docs/reference/python-api.md).
 
 config/    the servers config (a file, a NeMo Gym head server, NeMo Gym's format), `+key=value`
 planning/  rows in, planned rollouts out: routing, identities, run order, every problem at once
 shard/     one shard's lifecycle: open, dispatch, wait, stop on SIGTERM, resume, the final report
-api/       the Python API: `run_examples`, `run_outcomes`
+api/       the Python API: `run_examples`, `run_outcomes`, `reattach`
 ops/       operating on runs: status, cancel, Flower, health-check, aggregate
 cli/       the `rollouts` command line
 """
@@ -13,6 +13,7 @@ from producer.api import (
     Outcomes,
     completion_rejection,
     raise_for_completion,
+    reattach,
     run_examples,
     run_outcomes,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "completion_rejection",
     "preprocess_examples",
     "raise_for_completion",
+    "reattach",
     "run_examples",
     "run_outcomes",
 ]

@@ -1,13 +1,14 @@
-"""The servers a run talks to, in the normalised form of SPEC §2."""
+"""The servers a run talks to, in their normalised form (docs/reference/servers-config.md)."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from schemas import fields as F
+from schemas.run_facts import ConfigFacts
 
 # Key, header and query-parameter names whose values are secrets, matched case-insensitively
 # anywhere in the name: `api_key`, `X-Api-Key`, `openai_key`, `hf_access_key`, `private_key`,
@@ -26,6 +27,10 @@ _QUERY_PARAM = re.compile(r"(?P<head>[?&#;](?P<name>[^=&#\s]+)=)(?P<value>[^&#\s
 _AUTH_SCHEME = re.compile(r"^\s*(?:bearer|basic|token|digest)\s+\S", re.IGNORECASE)
 REDACTED = "***"
 
+RoutingMode = Literal["agent", "legacy", "taskset"]
+"""NeMo Gym's `environment_routing_mode`: how flat rows reach an environment server."""
+ROUTING_KEYS = ("environment_routing_mode", "environment_server_name", "environment_server_routes")
+
 
 class DatasetEntry(BaseModel):
     """A dataset an environment or resources server declares; rows naming it as `task_source` come from it."""
@@ -38,6 +43,8 @@ class DatasetEntry(BaseModel):
     """The agent the dataset pins its rows to, if any."""
     allowed_agents: list[str] | None = None
     """Harness types the dataset admits; None admits any."""
+    taskset: str | None = None
+    """The taskset of the dataset's materialized task rows (rows whose `task_id.taskset` it is)."""
 
 
 class AgentConfig(BaseModel):
@@ -74,6 +81,9 @@ class EnvironmentConfig(BaseModel):
     """Datasets whose rows say `task_source: <this environment>`."""
     agents: list[str] = Field(default_factory=list)
     """Agents this environment fronts besides those naming it as their `environment`."""
+    agent_server: str | None = None
+    """The agent its results are attributed to (NeMo Gym's `agent_server`); else the only agent
+    it fronts."""
 
 
 class ResourcesServerConfig(BaseModel):
@@ -100,6 +110,36 @@ class ServersConfig(BaseModel):
     """Environment server instances by name."""
     resources_servers: dict[str, ResourcesServerConfig] = Field(default_factory=dict)
     """Resources server instances by name."""
+    environment_routing_mode: RoutingMode | None = None
+    """How flat rows reach an environment server (`agent` when unset); a run's
+    `+environment_routing_mode` overrides it."""
+    environment_server_name: str | None = None
+    """The environment server of every flat row in `legacy` mode."""
+    environment_server_routes: dict[str, str] | None = None
+    """The environment server of each taskset's materialized task rows."""
+    _source: str | None = PrivateAttr(default=None)
+    _lines: dict[str, int] = PrivateAttr(default_factory=dict)
+    _written: ConfigFacts | None = PrivateAttr(default=None)
+
+    def located(self, source: str | None, lines: dict[str, int]) -> ServersConfig:
+        """This config, remembering the file it was read from and the line of each top-level key."""
+        self._source, self._lines = source, dict(lines)
+        return self
+
+    def where(self, key: str) -> tuple[str | None, int | None]:
+        """The file this config was read from and the line of its top-level `key`, when known."""
+        return self._source, self._lines.get(key)
+
+    @property
+    def written_facts(self) -> ConfigFacts | None:
+        """What the config document stated as written (`producer/config/facts.py`), when this
+        config was read from one; None when it was built in code."""
+        return self._written
+
+    def with_written_facts(self, facts: ConfigFacts) -> ServersConfig:
+        """This config, carrying the facts of the document it was read from."""
+        self._written = facts
+        return self
 
     @model_validator(mode="after")
     def _unique_instance_names(self) -> ServersConfig:
@@ -132,8 +172,8 @@ class ServersConfig(BaseModel):
     def environments_of(self, agent: str) -> list[str]:
         """The environment servers that front `agent`.
 
-        Its own `environment` when set; else every environment listing it in `agents` or pinning
-        it in a dataset entry.
+        Its own `environment` when set; else every environment naming it as `agent_server`, listing
+        it in `agents` or pinning it in a dataset entry.
         """
         cfg = self.agents[agent]
         if cfg.environment is not None:
@@ -141,8 +181,25 @@ class ServersConfig(BaseModel):
         return sorted(
             name
             for name, env in self.environments.items()
-            if agent in env.agents or any(d.agent == agent for d in env.datasets)
+            if agent in env.agents
+            or env.agent_server == agent
+            or any(d.agent == agent for d in env.datasets)
         )
+
+    def fronted_by(self, environment: str) -> list[str]:
+        """The agents `environment` fronts, sorted."""
+        return sorted(a for a in self.agents if environment in self.environments_of(a))
+
+    def attributed_agent(self, environment: str) -> str | None:
+        """The agent `environment`'s results are attributed to: its `agent_server`, else the only
+        agent it fronts; None when it fronts none or several without an `agent_server`."""
+        env = self.environments.get(environment)
+        if env is None:
+            return None
+        if env.agent_server is not None:
+            return env.agent_server
+        fronted = self.fronted_by(environment)
+        return fronted[0] if len(fronted) == 1 else None
 
     def server_of(self, row: dict[str, Any]) -> str | None:
         """The environment server `row` is aggregated under: its `_ng_environment_server` stamp,
@@ -162,7 +219,7 @@ class ServersConfig(BaseModel):
     def aggregation_url(self, server: str) -> str:
         """Where `/aggregate_metrics` for rows stamped with `server` goes.
 
-        An agent with no environment server is aggregated at its own URL (SPEC §2).
+        An agent with no environment server is aggregated at its own URL (docs/reference/servers-config.md).
         """
         if server in self.environments:
             return self.environments[server].url

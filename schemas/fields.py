@@ -15,6 +15,14 @@ ATTEMPT_INDEX = "_ng_attempt_index"
 ENVIRONMENT_SERVER = "_ng_environment_server"
 RUN_ID = "_ng_run_id"
 SHARD = "_ng_shard"
+SKILLS_REF = "skills_ref"
+"""The run-level skills a flat row was planned with (`{"path", "hash", "skills"}`)."""
+TASK_ID = "task_id"
+"""A materialized task row's `{"taskset", "task_id"}` (or a flat row's own task id)."""
+TASK_INPUT = "task_input"
+"""A materialized task row's input, sent to its environment server as the episode's task."""
+NG_TASK_ID = "_ng_task_id"
+"""A materialized task's `{"taskset", "task_id"}`, stamped on each of its records."""
 
 FAILURE_CLASS = "_ng_failure_class"
 FAILURE_TYPE = "_ng_failure_type"
@@ -59,6 +67,7 @@ IDENTITY_FIELDS = (
     ENVIRONMENT_SERVER,
     RUN_ID,
     SHARD,
+    SKILLS_REF,
 )
 
 # Heavy fields left out of what /aggregate_metrics receives.
@@ -87,6 +96,28 @@ def agent_name(row: dict[str, Any]) -> str | None:
         name = ref.get("name")
         return name if isinstance(name, str) else None
     return None
+
+
+def is_task_row(row: dict[str, Any]) -> bool:
+    """Whether `row` is a materialized task (`task_id` an object, and a `task_input`): an episode
+    for an environment server's `/run`, whatever else it holds."""
+    return isinstance(row.get(TASK_ID), dict) and TASK_INPUT in row
+
+
+def taskset_of(row: dict[str, Any]) -> str | None:
+    """A materialized task row's taskset (None for a flat row or a taskset that is no string)."""
+    if not is_task_row(row):
+        return None
+    taskset = row[TASK_ID].get("taskset")
+    return taskset if isinstance(taskset, str) and taskset else None
+
+
+def dispatch_target(row: dict[str, Any]) -> str | None:
+    """The server a planned row's `/run` goes to: a task row's environment server, else its agent."""
+    if is_task_row(row):
+        server = row.get(ENVIRONMENT_SERVER)
+        return server if isinstance(server, str) else None
+    return agent_name(row)
 
 
 def rollout_id(row: dict[str, Any]) -> str | None:

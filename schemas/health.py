@@ -1,16 +1,19 @@
 """Health-check contracts: check ids, limits, report names, and the payloads of the recheck jobs.
 
 The ids are NeMo Gym 0.7.0's fourteen (in its registry order), then the three that read the
-record's own `response`, then the run-level check of the run accounting (SPEC §8).
+record's own `response`, then the run-level check of the run accounting (docs/reference/health-checks.md).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.records import RateLimitWaits
+from schemas.run_facts import ConfigFacts
 from schemas.usage import TokenUsage
 
 QUALITY_SUMMARY = "quality_summary.json"
@@ -49,6 +52,139 @@ TASK_CHECKS: tuple[str, ...] = ("task_consistently_unhealthy", "task_no_successf
 ROLLOUT_CHECKS: tuple[str, ...] = tuple(
     c for c in ALL_CHECKS if c not in TASK_CHECKS and c != RUN_CHECK
 )
+
+
+Verdict = Literal["healthy", "unhealthy", "unobserved"]
+VERDICTS: tuple[Verdict, ...] = ("healthy", "unhealthy", "unobserved")
+ISSUES_FIELD = "issues:"
+"""Prefix of the live health hash's per-check fields (`infra/keys.py`: `shard_health`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutVerdict:
+    """One landed record's verdict and the checks of its findings, as the finish step judges it
+    (without the duplicate check, which needs every record): what live health counts."""
+
+    verdict: Verdict
+    findings: tuple[str, ...] = ()
+    """The check id of each finding (a check may find several things in one record)."""
+
+    def counter_fields(self) -> list[str]:
+        """The live health hash's fields this verdict adds one to."""
+        return [self.verdict, *(ISSUES_FIELD + check for check in self.findings)]
+
+    def as_json(self) -> dict[str, Any]:
+        """What the rollout task's result shows (Flower)."""
+        checks: dict[str, int] = {}
+        for check in self.findings:
+            checks[check] = checks.get(check, 0) + 1
+        return {"verdict": self.verdict, "findings": checks}
+
+
+class LiveHealth(BaseModel):
+    """A shard's verdict counts over the records landed so far, from its Redis counters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    verdicts: dict[str, int]
+    """Landed records by verdict: healthy, unhealthy, unobserved."""
+    issues: dict[str, int]
+    """Findings by check id (those with any)."""
+
+    @classmethod
+    def of(cls, fields: dict[str, int]) -> LiveHealth:
+        return cls(
+            verdicts={v: fields.get(v, 0) for v in VERDICTS},
+            issues={
+                k[len(ISSUES_FIELD) :]: n
+                for k, n in sorted(fields.items())
+                if k.startswith(ISSUES_FIELD) and n
+            },
+        )
+
+
+class CheckScope(StrEnum):
+    """What one evaluation of a check judges."""
+
+    ROLLOUT = "rollout"
+    TASK = "task"
+    RUN = "run"
+
+
+class CheckSubject(StrEnum):
+    """What a check's findings point at (their locator)."""
+
+    CHECK_EXECUTION = "check_execution"
+    RECORD = "record"
+    ROLLOUT = "rollout"
+    AGENT_TURN = "agent_turn"
+    MODEL_CALL = "model_call"
+    TRAJECTORY_CAPTURE = "trajectory_capture"
+    TASK = "task"
+    STEP = "step"
+    GROUP = "group"
+
+
+class CheckInput(StrEnum):
+    """Persisted or derived evidence a check reads; without it the check is unobserved."""
+
+    RECORD = "record"
+    """The rollout record itself (a JSON object)."""
+    TRAJECTORY = "trajectory"
+    """An observed `ng_trajectory`."""
+    AGENT_TURNS = "agent_turns"
+    """The trajectory's turns, observed."""
+    BOUND_CALLS = "bound_calls"
+    """Calls bound to turns by their references (turn bindings)."""
+    OWNED_MODEL_CALLS = "owned_model_calls"
+    """Calls bound to turns or invocations (owned bindings)."""
+    OBSERVED_MODEL_CALLS = "observed_model_calls"
+    """Every captured call of the trajectory, observed."""
+    SELECTED_CALLS = "selected_calls"
+    """The model outputs judged for faults: the verified successful raw model responses bound to
+    agent turns of a complete call scope; a record with no captured call has one, its own final
+    `response` (so the fault checks work without capture)."""
+    STEP_USAGE = "step_usage"
+    """The record's `step_usage` (agents that solve a task in sub-steps)."""
+    REPEAT_VERDICTS = "repeat_verdicts"
+    """The verdicts of a task's repeats."""
+    REPEAT_DIGESTS = "repeat_digests"
+    """The call statistics of a task's repeats."""
+    RUN_ACCOUNTING = "run_accounting"
+    """Owed, landed and failed rollouts of the run, per group."""
+
+
+CALL_BINDING_VIEWS = frozenset(
+    {CheckInput.BOUND_CALLS, CheckInput.OWNED_MODEL_CALLS, CheckInput.SELECTED_CALLS}
+)
+"""The views that join references to captured calls; a check reads at most one of them."""
+
+
+class CheckSpec(BaseModel):
+    """A stable, self-describing health-check contract: its id, scope, subject and reads."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    """The check id, as it appears in the summary and the verdict lines."""
+    scope: CheckScope
+    """Per rollout, per task, or once per run."""
+    subject: CheckSubject
+    """What its findings point at."""
+    reads: frozenset[CheckInput]
+    """The evidence it reads: missing any of it leaves the check unobserved."""
+
+    @field_validator("reads")
+    @classmethod
+    def _one_call_binding_view(cls, reads: frozenset[CheckInput]) -> frozenset[CheckInput]:
+        if len(reads & CALL_BINDING_VIEWS) > 1:
+            raise ValueError(
+                "a health check cannot read both turn-bound and invocation-owned call bindings"
+            )
+        if not reads:
+            raise ValueError("a health check reads some evidence")
+        return reads
+
 
 STOPPED_BY_SIGTERM = "stopped by SIGTERM"
 """The stop reason `rollouts run` records for its shard when it receives SIGTERM."""
@@ -92,6 +228,11 @@ class Source(BaseModel):
     """Per agent, the 429/503 replies waited out, from its status record; None when unknown."""
     tokens: TokenUsage | None = None
     """Tokens (and cost) of its landed rollouts, from its status record; None when unknown."""
+    config_facts: ConfigFacts | None = None
+    """What its run's config stated as written, from its manifest; None without one."""
+    capture_dir: str | None = None
+    """The model-call capture dir its failed rollouts' calls are read from (the timeouts
+    section); None when capture was off or its dir is not known."""
 
 
 FileKind = Literal["results", "failures", "materialized"]
@@ -128,6 +269,11 @@ class ScanResult(BaseModel):
     """What one job wrote and counted."""
 
     model_config = ConfigDict(extra="forbid")
+
+    sha256: str | None = None
+    """SHA-256 of the whole file, when the job read all of it (None for a byte range)."""
+    size: int | None = None
+    """The file's size in bytes, when the job read all of it."""
 
     job: int
     """The job's number."""

@@ -53,6 +53,8 @@ class CallPolicy(BaseModel):
     """Largest reply body, in decompressed bytes; reading stops as soon as it is passed."""
     read_idle_timeout_s: float = DEFAULT_READ_IDLE_TIMEOUT_S
     """Longest silence within a reply body before the attempt fails as a timeout."""
+    heartbeat_s: float | None = None
+    """Write CRLF on the connection this often until the reply begins (None: never)."""
     retry_requests: bool = True
     """Replay a request that failed after it was sent."""
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
@@ -70,7 +72,7 @@ class CallPolicy(BaseModel):
 
 
 class Admission(BaseModel):
-    """When a rollout may start: the cluster-wide caps and the dispatch budget (SPEC §5)."""
+    """When a rollout may start: the cluster-wide caps and the dispatch budget (docs/explanation/contract.md#failures)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -95,6 +97,17 @@ class CaptureRef(BaseModel):
     """The `model_call_capture_dir` URL."""
     delete_after_merge: bool = False
     """Delete the rollout's capture files once merged."""
+    include_payloads: bool = True
+    """Keep the calls' request and response bodies in the merged `ng_trajectory`."""
+
+
+class HealthRef(BaseModel):
+    """That the worker landing a rollout judges it and counts its verdict (live health)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ignored: list[str] = []
+    """The check ids the run's health check skips (`health_check_ignored_checks`)."""
 
 
 class CollectRequest(BaseModel):
@@ -105,7 +118,8 @@ class CollectRequest(BaseModel):
     run: RunRef
     """The run and shard the result lands in."""
     agent_url: str
-    """Base URL of the agent; `/run` is appended."""
+    """Base URL of the agent (or, for a materialized task row, of its environment server);
+    `/run` is appended."""
     policy: CallPolicy = CallPolicy()
     """Timeouts and retries."""
     row: dict[str, Any]
@@ -114,6 +128,8 @@ class CollectRequest(BaseModel):
     """Caps and budget that decide when the rollout may start."""
     capture: CaptureRef | None = None
     """The run's capture dir; None when observability is off."""
+    health: HealthRef | None = None
+    """Count the landed result's verdict live; None when the run's health check is off."""
 
 
 class FinishRequest(BaseModel):

@@ -79,9 +79,10 @@ class RolloutOutcome(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rollout: str | None
+    rollout: str | None = None
     """The rollout's id (`_ng_rollout_id`, else `<task>-<rollout>`); None for an API row
-    without identity."""
+    without identity. Every field has a default, so that no encoding of an outcome (a reply
+    leaves its None fields out) parses differently from the outcome it encodes."""
     ended: Ended
     """How it ended."""
     # Not validated again: the engine builds it from a reply it already parsed and checked, and
@@ -97,6 +98,9 @@ class RolloutOutcome(BaseModel):
     """Duration of the `/run` call(s), retries included; None when nothing was called."""
     after_ms: float = 0.0
     """From the end of the call until the outcome was final (sorting and landing)."""
+    health: dict[str, Any] | None = None
+    """The landed result's live verdict and its findings by check (`RolloutVerdict.as_json`);
+    None when it was not judged or did not land."""
 
     def chord_summary(self) -> dict[str, Any]:
         """The small JSON dict the chord task returns."""
@@ -109,6 +113,8 @@ class RolloutOutcome(BaseModel):
             summary["error"] = self.detail
         if self.run_ms is not None:
             summary["requests"] = self.requests
+        if self.health is not None:
+            summary["health"] = self.health
         return summary
 
 

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.finish import FinishResult
+from schemas.run_facts import ConfigFacts
 from schemas.usage import TokenUsage
 
 RunState = Literal["running", "completed", "failed", "cancelled"]
@@ -22,7 +23,7 @@ class InputSource(BaseModel):
     """Where the planned rows came from."""
 
     path: str
-    """The input file as given."""
+    """The input file: its absolute path, or its URL (`s3://...`, secrets redacted)."""
     sha256: str
     """SHA-256 of the input file's bytes."""
 
@@ -100,6 +101,9 @@ class Manifest(BaseModel):
     finished: Finished | None = None
     """The last finish step's reading and result; None until one ran, and again once a new
     generation opens."""
+    config_facts: ConfigFacts | None = None
+    """What the config and settings stated as written (names and flags only), for the quality
+    summary; None in a manifest written before it was recorded."""
 
     @property
     def token(self) -> str:
@@ -108,6 +112,24 @@ class Manifest(BaseModel):
     def agent_urls(self) -> dict[str, str]:
         """Agent name -> URL (secrets redacted, as the config is)."""
         return agent_urls(self.config)
+
+    def call_urls(self) -> set[str]:
+        """Every URL its tasks may call `/run` at (secrets redacted, as the config is)."""
+        return call_urls(self.config)
+
+
+def call_urls(config: dict[str, Any]) -> set[str]:
+    """Every URL a task of the run may call `/run` at: its agents', and its environment servers'
+    (task rows' episodes), from a servers config as a manifest holds it."""
+    envs = config.get("environments")
+    found = set(agent_urls(config).values())
+    if isinstance(envs, dict):
+        found.update(
+            str(env["url"])
+            for env in envs.values()
+            if isinstance(env, dict) and isinstance(env.get("url"), str)
+        )
+    return found
 
 
 def agent_urls(config: dict[str, Any]) -> dict[str, str]:
@@ -220,7 +242,7 @@ class ShardStatus(BaseModel):
 
 
 class FailureRow(BaseModel):
-    """The failure fields stamped onto the planned row's identity (SPEC §5)."""
+    """The failure fields stamped onto the planned row's identity (docs/reference/failures.md)."""
 
     model_config = ConfigDict(populate_by_name=True)
 

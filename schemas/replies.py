@@ -1,4 +1,4 @@
-"""Payload and reply of a rollout started through the Python API (`run_examples`, SPEC §10).
+"""Payload and reply of a rollout started through the Python API (docs/reference/python-api.md).
 
 The task is a sibling of `rollouts.collect`: the same `CollectRequest` plus where to reply. The
 worker pushes one `RolloutReply` per rollout onto its invocation's Redis list once the outcome

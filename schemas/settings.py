@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from schemas.config import RoutingMode
 from schemas.usage import ModelPrice
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 3600.0
@@ -15,6 +16,15 @@ DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
 DEFAULT_READ_IDLE_TIMEOUT_S = 300.0
 DEFAULT_RATE_LIMIT_BUDGET_S = 900.0
 DEFAULT_RATE_LIMIT_MAX_WAIT_S = 120.0
+
+
+class SkillsSetting(BaseModel):
+    """Run-level skills: a directory of Agent Skills made available to the agent (NeMo Gym's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    """A directory of skill directories, each with a `SKILL.md`."""
 
 
 class CollectionSettings(BaseModel):
@@ -44,6 +54,20 @@ class CollectionSettings(BaseModel):
     """Round-robin the planned rollouts across agents."""
     allow_unsupported_pairing: bool = False
     """Skip the allowed_agents checks."""
+    skills: SkillsSetting | None = None
+    """Run-level skills (`+skills.path=DIR`): every flat row is stamped with their `skills_ref`."""
+    num_repeats_add_seed: bool = False
+    """Give each repeat of a flat row its rollout index as sampling seed
+    (`responses_create_params.metadata.extra_body`, a JSON string `{"seed": n}`)."""
+    environment_routing_mode: RoutingMode | None = None
+    """How flat rows reach an environment server: `agent` (by their agent; the default), `legacy`
+    (all to `environment_server_name`) or `taskset` (none: only materialized task rows); unset
+    takes the servers config's."""
+    environment_server_name: str | None = None
+    """The environment server of every flat row in `legacy` mode; unset takes the config's."""
+    environment_server_routes: dict[str, str] | None = None
+    """Taskset -> the environment server that runs its materialized task rows; unset takes the
+    config's."""
     max_row_bytes: int = Field(default=DEFAULT_MAX_ROW_BYTES, ge=1)
     """Largest input line (or row, encoded) planning accepts, in bytes; a larger one is refused."""
 
@@ -57,6 +81,10 @@ class CollectionSettings(BaseModel):
     """Largest /run reply body in decompressed bytes: a larger one is cut off and fails."""
     read_idle_timeout_s: float = Field(default=DEFAULT_READ_IDLE_TIMEOUT_S, gt=0)
     """A /run reply body that stops arriving for this long fails the attempt (a timeout)."""
+    http_heartbeat_s: float | None = Field(default=None, gt=0)
+    """Write an empty line (CRLF) on a `/run` connection every this many seconds while its reply
+    has not begun, so that intermediaries with a fixed idle timeout keep a long call open; off
+    when unset."""
     max_attempts: int = Field(default=DEFAULT_MAX_ATTEMPTS, ge=1)
     """Attempts per rollout, counted across deliveries and resumes."""
     max_resident_tasks: int | None = Field(
@@ -107,9 +135,13 @@ class CollectionSettings(BaseModel):
     """Where the capture proxy writes `<key>.capture.jsonl`: an absolute path or an fsspec URL
     (`s3://...`) that the proxies and the workers both reach."""
     delete_model_call_capture: bool = False
-    """Delete a rollout's capture files once merged into its result (NeMo Gym keeps them)."""
+    """Delete a rollout's capture files once merged into its result (NeMo Gym keeps them); needs
+    `include_model_call_payloads`, or the request and response bodies would be lost."""
+    include_model_call_payloads: bool = True
+    """Keep the model calls' request and response bodies in the result's `ng_trajectory` (NeMo
+    Gym's default); off, only the trajectory's structure, timings and token counts are kept."""
     telemetry_enabled: bool = False
-    """Trace the run with OpenTelemetry: a job span, one trace per rollout (README: Telemetry);
+    """Trace the run with OpenTelemetry: a job span, one trace per rollout (docs/how-to/telemetry.md);
     the `OTEL_*` variables say where to export. `ROLLOUTS_OTEL_ENABLED=1` does the same."""
     model_prices: dict[str, ModelPrice] = Field(default_factory=dict)
     """USD per million tokens per model name (`{input, output, cached_input}`): the run's cost."""
@@ -177,6 +209,15 @@ class CollectionSettings(BaseModel):
             raise ValueError("model_call_capture_dir is required when observability_enabled=true")
         if "://" not in url and not url.startswith("/"):
             raise ValueError("model_call_capture_dir must be an absolute path")
+        return self
+
+    @model_validator(mode="after")
+    def _deletion_needs_payloads(self) -> CollectionSettings:
+        if self.delete_model_call_capture and not self.include_model_call_payloads:
+            raise ValueError(
+                "delete_model_call_capture needs include_model_call_payloads: the capture files "
+                "would be deleted and their request and response bodies kept nowhere"
+            )
         return self
 
     @model_validator(mode="after")

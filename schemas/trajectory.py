@@ -1,7 +1,7 @@
 """NeMo Gym 0.7.0's `TrajectoryRecord` (`ng_trajectory`), as strict as its own models.
 
 Every model forbids extra keys (NeMo Gym's `ObservationModel`), except `ModelServerRef`, which
-ignores them (capture reference §1.10). Health re-validates a record's `ng_trajectory` with
+ignores them, as NeMo Gym's does. Health re-validates a record's `ng_trajectory` with
 `TrajectoryRecord`; what fails here NeMo Gym's health check finds `record_unreadable` too. The
 capture merge (`workers/capture`) builds its trajectories through the same models.
 """
@@ -89,7 +89,7 @@ class TrajectoryResponseMetadata(_Observation):
     local_response_reason: str | None = None
     """Why a local response was synthesised."""
     error_category: str | None = None
-    """The capture's error category (capture reference §1.7)."""
+    """The capture's error category (NeMo Gym 0.7.0's)."""
     latency_ttft_ms: NonNegativeFloat | None = None
     """Time to the first body chunk."""
 
@@ -210,7 +210,7 @@ class ObservationGap(_Observation):
     """Evidence that is missing, and why."""
 
     code: str
-    """The gap kind (capture reference §1.12)."""
+    """The gap kind (NeMo Gym 0.7.0's)."""
     invocation_id: str | None = None
     """The invocation it concerns."""
     detail: str | None = None

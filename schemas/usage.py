@@ -1,6 +1,6 @@
 """Token and cost contracts: the prices a run may set and the token totals it reports.
 
-Token counts are NeMo Gym's (capture reference §4): per captured call `tokens_in`, `tokens_out`,
+Token counts are NeMo Gym's (its capture's metrics): per captured call `tokens_in`, `tokens_out`,
 `tokens_reasoning` and `cached_tokens` of `ng_model_call_capture.calls[]`; without a capture,
 the record's own `response.usage`. Prices are per million tokens, per model name (the call's
 `model`, else the configured model server name); cost is only ever what the prices give.

@@ -23,6 +23,7 @@ import redis
 from examples.servers import RunningServers, start_servers
 from examples.tasks import make_row
 from infra.embedded import EmbeddedRedis
+from tests.netns_hosts import TestHosts, available
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -257,3 +258,18 @@ def read_object_jsonl(run_dir: str, name: str) -> list[dict[str, Any]]:
     rd = RunDir(run_dir)
     data: bytes = rd.fs.cat_file(rd.path(name))
     return [orjson.loads(line) for line in data.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def hosts() -> Iterator[TestHosts]:
+    """Three worker hosts in network namespaces (`tests/netns_hosts.py`); skipped, saying why,
+    where namespaces cannot be made (no root, no `ip netns`)."""
+    why = available()
+    if why is not None:
+        pytest.skip(why)
+    made = TestHosts(3)
+    try:
+        made.up()
+        yield made
+    finally:
+        made.down()

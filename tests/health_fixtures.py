@@ -193,3 +193,141 @@ def read_verdicts(folder: Path) -> list[dict[str, Any]]:
 def read_summary(folder: Path) -> dict[str, Any]:
     summary: dict[str, Any] = orjson.loads((folder / "quality_summary.json").read_bytes())
     return summary
+
+
+def crafted_records() -> list[Any]:
+    """One record per check (mostly), in file order; line numbers matter (see comments)."""
+    return [
+        record(0, 0, traj=healthy_trajectory()),  # line 1
+        record(
+            0,
+            1,
+            traj=trajectory(
+                [turn(0, "", ("c1",)), turn(1, "done", ("c2",))], [call("c1"), call("c2")]
+            ),
+            resp=response(usage=(20, 10)),
+        ),
+        record(1, 0, traj=trajectory([turn(0, "", ())], [call("c1")])),
+        record(
+            1,
+            1,
+            traj=trajectory(
+                [turn(0, "x", ("c1",)), turn(1, "y", ("c2",))],
+                [
+                    call("c1", started_at=1.0),
+                    call(
+                        "c2",
+                        status=500,
+                        error="server_error",
+                        started_at=2.0,
+                        tokens={"prompt_tokens": 10, "completion_tokens": 1},
+                    ),
+                ],
+            ),
+            resp=response(usage=(20, 6)),
+        ),
+        record(
+            2,
+            0,
+            traj=trajectory(
+                [turn(0, "cut", ("c1",))],
+                [
+                    call(
+                        "c1",
+                        finish="length",
+                        tokens={"prompt_tokens": 10, "completion_tokens": 0},
+                        raw={"output": []},
+                    )
+                ],
+            ),
+            resp=response(usage=(10, 0)),
+        ),
+        record(
+            2,
+            1,
+            traj=trajectory([turn(0, "a", ("c1",))], [call("c1", tokens={"prompt_tokens": 10})]),
+        ),
+        record(3, 0, traj=trajectory([turn(0, "a", ("c1", "c9"))], [call("c1")])),
+        record(3, 1, traj=healthy_trajectory(), resp=response(usage=(99, 5))),
+        record(4, 0, traj={"turns": "nope"}),  # line 9
+        record(
+            4,
+            1,
+            traj=trajectory(
+                [turn(0, "a", ("c1",)), turn(1, "b", ("c2",))],
+                [call("c1", started_at="a"), call("c2", started_at=1)],
+            ),
+            resp=response(usage=(20, 10)),
+        ),
+        record(5, 0, resp=response("partial", status="incomplete", reason="max_output_tokens")),
+        record(
+            5,
+            1,
+            resp=response(
+                output=[{"type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]}]
+            ),
+        ),
+        record(
+            6,
+            0,
+            steps=[
+                {"step_number": 1, "status": "generated"},
+                {"step_number": 2, "status": "context_window_exceeded"},
+            ],
+        ),
+        record(
+            6,
+            1,
+            resp=response(
+                status="incomplete",
+                reason="max_output_tokens",
+                output=[
+                    {
+                        "type": "message",
+                        "role": "assistant",
+                        "content": [{"type": "refusal", "refusal": "I can't help with that"}],
+                    }
+                ],
+            ),
+        ),
+        record(7, 0, traj=healthy_trajectory()),  # line 15
+        b'{"_ng_task_index": 7, "_ng_rollout_index": ',  # line 16: unreadable
+        record(7, 0, traj=healthy_trajectory()),  # line 17: the same rollout again
+        record(7, 1, traj=healthy_trajectory()),
+        b"",  # line 19: blank
+        record(
+            8,
+            0,
+            traj=trajectory(
+                [turn(0, "a", ("c1",))],
+                [call("c1", status=500, tokens={"prompt_tokens": 10, "completion_tokens": 1})],
+            ),
+            resp=response(usage=(10, 1)),
+        ),
+        record(
+            8,
+            1,
+            traj=trajectory(
+                [turn(0, "a", ("c1",))],
+                [call("c1", status=500, tokens={"prompt_tokens": 10, "completion_tokens": 1})],
+            ),
+            resp=response(usage=(10, 1)),
+        ),
+        record(None, 0, traj=healthy_trajectory()),  # line 22: no task index; ordinal 20
+    ]
+
+
+def crafted_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    write_lines(folder / "rollouts-0.jsonl", crafted_records())
+    write_lines(folder / "rollouts-0_materialized_inputs.jsonl", owed(10, 2))
+    write_lines(
+        folder / "rollouts-0_failures.jsonl",
+        [
+            failure(0, 0, "agent_request_failed"),  # landed later: not failed
+            failure(9, 0, "agent_request_failed"),
+            failure(9, 0, "agent_run_error"),  # the latest attempt stands
+        ],
+    )
+    return folder

@@ -1,4 +1,4 @@
-"""Aggregate metrics per environment server (SPEC §4, §6): group, strip, POST, label, save.
+"""Aggregate metrics per environment server (docs/explanation/contract.md#calling-the-servers): group, strip, POST, label, save.
 
 Rows are grouped by their `_ng_environment_server` stamp (a row without one goes to the server
 that fronts its agent), one `POST /aggregate_metrics` per server runs concurrently, and the
@@ -10,7 +10,8 @@ up to `AGGREGATE_RATE_LIMIT_RETRIES` times, each after at least its `Retry-After
 
 Each server's rows are kept as their encoded bytes (stripped of the heavy fields), not as
 dicts, a few MB in memory and the rest in sorted runs on local disk: the request body is
-streamed from their merge (`ServerRows.chunks`), and the answer (an entry per task) is streamed
+streamed from their merge (`ServerRows.chunks`) with a `Content-Length` counted as the rows were
+added (`ServerRows.body_size`), and the answer (an entry per task) is streamed
 to a local file and read a piece at a time (`workers/aggregate_file.py`), so memory does not
 grow with the shard.
 """
@@ -49,6 +50,8 @@ SPILL_BYTES = 8 << 20
 """Encoded rows a server keeps in memory before it writes them to a sorted run on local disk."""
 BODY_CHUNK = 1 << 20
 """Bytes of request body handed to the HTTP client at a time."""
+BODY_HEAD = b'{"verify_responses":['
+BODY_TAIL = b"]}"
 
 
 @dataclass
@@ -63,6 +66,8 @@ class ServerRows:
     rows: list[tuple[Any, bytes]] = field(default_factory=list)
     agents: list[str] = field(default_factory=list)
     count: int = 0
+    row_bytes: int = 0
+    """The encoded rows' bytes in all (what sizes the request body before it is sent)."""
     _bytes: int = 0
     _runs: list[str] = field(default_factory=list)
     _scratch: str | None = None
@@ -70,6 +75,7 @@ class ServerRows:
     def add(self, key: Any, data: bytes) -> None:
         self.rows.append((key, data))
         self.count += 1
+        self.row_bytes += len(data)
         self._bytes += len(data) + 16
         if self._bytes >= SPILL_BYTES:
             self._spill()
@@ -100,9 +106,14 @@ class ServerRows:
         for _, data in heapq.merge(*readers, key=lambda item: item[0]):
             yield data
 
+    @property
+    def body_size(self) -> int:
+        """The length of the body `chunks` gives, known before it is made: its `Content-Length`."""
+        return len(BODY_HEAD) + self.row_bytes + max(self.count - 1, 0) + len(BODY_TAIL)
+
     def chunks(self) -> Iterator[bytes]:
         """`{"verify_responses": [...]}` with the rows in (task, rollout) order, a chunk at a time."""
-        out = bytearray(b'{"verify_responses":[')
+        out = bytearray(BODY_HEAD)
         first = True
         for data in self._sorted():
             if not first:
@@ -112,7 +123,7 @@ class ServerRows:
             if len(out) >= BODY_CHUNK:
                 yield bytes(out)
                 out.clear()
-        out += b"]}"
+        out += BODY_TAIL
         yield bytes(out)
 
     def body(self) -> bytes:
@@ -158,7 +169,8 @@ def group_rows(rows: Iterable[dict[str, Any]], config: ServersConfig) -> dict[st
         group = groups[server]
         key = (tagged(row.get(F.TASK_INDEX, 0)), tagged(row.get(F.ROLLOUT_INDEX, 0)))
         group.add(key, compact(orjson.dumps(strip_row(row))))
-        agent = F.agent_name(row)
+        # A task row names no agent: the server's own binding (its agent_server) labels it.
+        agent = F.agent_name(row) or config.attributed_agent(server)
         if agent is not None and agent not in group.agents:
             group.agents.append(agent)
     return dict(groups)
@@ -213,7 +225,11 @@ async def _request(
     for retry in range(AGGREGATE_RATE_LIMIT_RETRIES + 1):
         attrs = {"rollouts.environment_server": server}
         with client_span("POST", url, attrs) as span:  # the finish step's trace, if traced
-            headers = span.headers({"content-type": "application/json"})
+            # Sized up front, so the body streams with a Content-Length: servers and proxies
+            # that refuse chunked request bodies (HTTP 411) exist.
+            headers = span.headers(
+                {"content-type": "application/json", "content-length": str(rows.body_size)}
+            )
             async with client.stream("POST", url, content=_stream(rows), headers=headers) as got:
                 span.status(got.status_code)
                 limited = got.status_code in RATE_LIMIT_STATUSES

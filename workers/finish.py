@@ -58,10 +58,12 @@ def settings_limits(settings: CollectionSettings) -> Limits:
 
 
 def health_brief(run: dict[str, Any], path: str) -> dict[str, Any]:
-    """The part of a summary a caller prints: state, verdict, reasons, verdict counts, and the
-    checks no record had the evidence for (what the unobserved count means)."""
-    keys_ = ("state", "healthy", "reasons", "verdicts", "ignored_checks")
-    return {**{k: run[k] for k in keys_}, "path": path, "blind_checks": blind_checks(run)}
+    """The part of a summary a caller prints: state, verdict, reasons, verdict counts, the
+    timeouts section, and the checks no record had the evidence for (what the unobserved count
+    means)."""
+    keys_ = ("state", "healthy", "reasons", "verdicts", "ignored_checks", "timeouts")
+    brief = {k: run.get(k) for k in keys_}
+    return {**brief, "path": path, "blind_checks": blind_checks(run)}
 
 
 def check_shard_health(

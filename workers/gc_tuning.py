@@ -4,8 +4,8 @@ CPython's collector walks every object of the generations it collects. A worker 
 thousands of rollouts (each its coroutine, futures, request, connection, parsed reply) has a
 large, long-lived heap, and the default thresholds (700, 10, 10) collect it often: at the
 `inflight-4k` preset (2 workers x 2,048 in flight) a worker spent about 9 s of its 35 s of
-CPU in the collector, 15 full collections of about 400 ms each among them (README,
-Performance). Reference counting frees almost everything a rollout leaves behind, so:
+CPU in the collector, 15 full collections of about 400 ms each among them
+(docs/explanation/performance.md). Reference counting frees almost everything a rollout leaves behind, so:
 
 - the objects alive once the worker is ready (modules, the app, the rollout context) are
   frozen (`gc.freeze`): no collection walks them again;

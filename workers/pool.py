@@ -48,7 +48,7 @@ from infra.environment import from_env, redis_url
 from infra.http import process_io
 from infra.redis_client import client
 from workers.gc_tuning import gc_state
-from workers.rollout.context import CALL_ENDED, StepThreads
+from workers.rollout.context import CALL_ENDED, SLOT, StepThreads
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +76,18 @@ def prefetch_ahead(limit: int) -> int:
 R = TypeVar("R", bound=Runner)
 
 
-def on_loop(name: str) -> Callable[[R], R]:
-    """Register `name`'s coroutine: the rollout pool runs a delivery of the task with it first."""
+OWN_SLOT = "rollouts_own_slot"
+"""Set on a coroutine registered with `on_loop(own_slot=True)`."""
+
+
+def on_loop(name: str, own_slot: bool = False) -> Callable[[R], R]:
+    """Register `name`'s coroutine: the rollout pool runs a delivery of the task with it first.
+    `own_slot`: a delivery taken ahead of the slots starts at once, and its coroutine awaits its
+    slot (`SLOT`) itself; else the pool waits for the slot before starting it."""
 
     def register(runner: R) -> R:
+        if own_slot:
+            setattr(runner, OWN_SLOT, True)
         _runners[name] = runner
         return runner
 
@@ -236,7 +244,12 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         callback: Callable[..., Any] | None,
         accept_callback: Callable[..., Any] | None,
     ) -> None:
-        """Run the task's coroutine, then Celery's tracer with its value on a finishing thread."""
+        """Run the task's coroutine, then Celery's tracer with its value on a finishing thread.
+
+        A delivery waits for one of the `limit` slots before its coroutine starts, unless its
+        task's coroutine takes the slot itself (`on_loop(own_slot=True)`, the rollout tasks):
+        then a delivery taken ahead starts at once and awaits `SLOT` after its first step (its
+        rollout's lease), so that it waits for its slot leased."""
         loop = asyncio.get_running_loop()
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.limit)
@@ -244,31 +257,13 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         request = {**args[2], DELIVERY: number}
         args = (args[0], args[1], request, *args[3:])
         body, content_type, content_encoding = args[3:6]
-        swept = self._swept_broker is not None
-        tag = _delivery_tag(request) if swept and self._slots.locked() else None
-        if tag is not None:  # taken ahead: it waits for a slot, holding no lease yet
-            self._waiting[number] = tag
-            if self._keeper is None or self._keeper.done():
-                self._keeper = loop.create_task(self._keep_held())
+        slot = _Slot(self, loop, self._slots, number, request, accept_callback)
+        own = getattr(runner, OWN_SLOT, False) and self._slots.locked()
+        if not own and not await slot.take():
+            return  # taken ahead and still waiting when the warm stop began
+        ended = CALL_ENDED.set(slot.release)
+        waits = SLOT.set(slot.take if own else None)
         try:
-            await self._slots.acquire()
-        finally:
-            self._waiting.pop(number, None)
-        if self._stopping:  # taken ahead and still waiting when the warm stop began
-            self._slots.release()
-            return
-        call_ended = _SlotRelease(self._slots, loop)
-        token = CALL_ENDED.set(call_ended)
-        try:
-            if accept_callback is not None:
-                accepted = time.monotonic()
-                if _sends_events(accept_callback):
-                    # The task-started event goes out before the task's own, off the loop.
-                    await self._finishing.submit(
-                        loop, lambda: accept_callback(os.getpid(), accepted)
-                    )
-                else:  # bookkeeping only: no hop for it
-                    accept_callback(os.getpid(), accepted)
             try:
                 decoded = _decoded_body(accept_callback, body, content_type)
                 if decoded is None:
@@ -285,8 +280,13 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
             except Exception as exc:
                 _ran[number] = _Raised(exc)
         finally:
-            CALL_ENDED.reset(token)
-            call_ended()
+            SLOT.reset(waits)
+            CALL_ENDED.reset(ended)
+            slot.release()
+        if slot.refused:  # not started: left unacknowledged for another worker
+            _ran.pop(number, None)
+            return
+        await slot.accept()  # a delivery that ended before it needed a slot (a copy)
         # The tracer's own steps (result, after_return, acknowledgement, events).
         try:
             await self._finishing.submit(
@@ -374,15 +374,72 @@ def _sends_events(accept_callback: Callable[..., Any]) -> bool:
     return bool(eventer is not None and eventer.enabled and request.task.send_events)
 
 
-class _SlotRelease:
-    """Gives a delivery's slot back once, on the loop, whichever thread calls it first."""
+class _Slot:
+    """One delivery's slot: taken once (waiting while none is free, marked held meanwhile),
+    accepted once (Celery's bookkeeping and Flower's task-started event), given back once, on the
+    loop, whichever thread gives it back first."""
 
-    def __init__(self, slots: asyncio.Semaphore, loop: asyncio.AbstractEventLoop) -> None:
-        self._slots = slots
+    def __init__(
+        self,
+        pool: RolloutPool,
+        loop: asyncio.AbstractEventLoop,
+        slots: asyncio.Semaphore,
+        number: int,
+        request: dict[str, Any],
+        accept_callback: Callable[..., Any] | None,
+    ) -> None:
+        self._pool = pool
         self._loop = loop
+        self._slots = slots
+        self._number = number
+        self._request = request
+        self._accept_callback = accept_callback
+        self._held = False
         self._done = False  # read and set on the loop only
+        self._accepted = False
+        self.refused = False
+        """The worker began its warm stop before the slot was free: the delivery must not start."""
 
-    def __call__(self) -> None:
+    async def take(self) -> bool:
+        """Wait for a free slot, then accept the delivery; False if the warm stop came first."""
+        pool = self._pool
+        tag = None
+        if pool._swept_broker is not None and self._slots.locked():
+            tag = _delivery_tag(self._request)
+        if tag is not None:  # taken ahead: it waits for a slot
+            pool._waiting[self._number] = tag
+            if pool._keeper is None or pool._keeper.done():
+                pool._keeper = self._loop.create_task(pool._keep_held())
+        try:
+            await self._slots.acquire()
+        finally:
+            pool._waiting.pop(self._number, None)
+        if pool._stopping:
+            self._slots.release()
+            self.refused = True
+            return False
+        self._held = True
+        await self.accept()
+        return True
+
+    async def accept(self) -> None:
+        """Run the delivery's accept callback, once."""
+        accept_callback = self._accept_callback
+        if self._accepted or accept_callback is None:
+            self._accepted = True
+            return
+        self._accepted = True
+        accepted = time.monotonic()
+        if _sends_events(accept_callback):
+            # The task-started event goes out before the task's own, off the loop.
+            await self._pool._finishing.submit(
+                self._loop, lambda: accept_callback(os.getpid(), accepted)
+            )
+        else:  # bookkeeping only: no hop for it
+            accept_callback(os.getpid(), accepted)
+
+    def release(self) -> None:
+        """Give the slot back (if taken), once; from any thread."""
         try:
             on_loop = asyncio.get_running_loop() is self._loop
         except RuntimeError:
@@ -393,7 +450,7 @@ class _SlotRelease:
             self._loop.call_soon_threadsafe(self._release)
 
     def _release(self) -> None:
-        if not self._done:
+        if self._held and not self._done:
             self._done = True
             self._slots.release()
 

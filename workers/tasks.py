@@ -69,7 +69,7 @@ def _collect(request: Any, payload: dict[str, Any]) -> tuple[CollectRequest, Del
     return req, Delivery(message=message, finish=publish_finish, returns_record=False)
 
 
-@on_loop(COLLECT_TASK)
+@on_loop(COLLECT_TASK, own_slot=True)
 async def _collect_on_loop(request: Any, payload: dict[str, Any]) -> RolloutOutcome:
     req, delivery = _collect(request, payload)
     with tracing.delivery(request, payload) as traced:
@@ -127,7 +127,7 @@ def health_combine_task(results: list[dict[str, Any]], plan: dict[str, Any]) -> 
     return health_brief(run, RunDir(checked.report_dir).path(QUALITY_SUMMARY))
 
 
-@on_loop(COLLECT_REPLY_TASK)
+@on_loop(COLLECT_REPLY_TASK, own_slot=True)
 async def _reply_on_loop(request: Any, payload: dict[str, Any]) -> dict[str, Any]:
     url = state_redis_url()
     req = ReplyingCollectRequest.model_validate(payload)

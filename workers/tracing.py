@@ -180,6 +180,9 @@ class Delivered:
         bad = outcome.ended in _ERROR_ENDS
         _status(span, not bad, f"{outcome.ended.value}: {failure or outcome.detail or ''}")
         _count_ended(outcome.ended.value, failure)
+        if outcome.health is not None:
+            span.set_attribute("rollouts.health.verdict", str(outcome.health.get("verdict")))
+            _count_health(outcome.health)
 
 
 _NO_DELIVERY = Delivered(None)
@@ -401,6 +404,14 @@ class _Instruments:
             "rollouts.rate_limit.waits", unit="{wait}",
             description="Rate-limit waits (a 429/503 from the agent)",
         )  # fmt: skip
+        self.verdicts = meter.create_counter(
+            "rollouts.health.verdicts", unit="{rollout}",
+            description="Landed results by live health verdict",
+        )  # fmt: skip
+        self.findings = meter.create_counter(
+            "rollouts.health.findings", unit="{finding}",
+            description="Live health findings of landed results, by check",
+        )  # fmt: skip
         self.queue_depth = meter.create_observable_gauge(
             "rollouts.queue.depth", callbacks=[_queue_depth], unit="{message}",
             description="Tasks waiting in the rollouts queue (a Redis broker's), at each export",
@@ -442,6 +453,16 @@ def _count_ended(ended: str, failure: Any) -> None:
         if failure is not None:
             attrs["rollouts.failure_class"] = str(failure)
         made.ended.add(1, attrs)
+
+
+def _count_health(health: Mapping[str, Any]) -> None:
+    """A landed result's live verdict and findings (`RolloutVerdict.as_json`), into the counters."""
+    made = _made()
+    if made is None:
+        return
+    made.verdicts.add(1, {"rollouts.health.verdict": str(health.get("verdict"))})
+    for check, n in (health.get("findings") or {}).items():
+        made.findings.add(n, {"rollouts.health.check": str(check)})
 
 
 def _in_flight(delta: int) -> None:

@@ -1,8 +1,9 @@
-"""The Python API for trainers: `run_examples` and `run_outcomes` over the cluster,
-and the strict-completion check a driver applies to what it collected (`completion_rejection`,
-`raise_for_completion`)."""
+"""The Python API for trainers (docs/reference/python-api.md): `run_examples`, `run_outcomes` and
+`reattach` over the cluster, and the strict-completion check a driver applies to what it
+collected (`completion_rejection`, `raise_for_completion`)."""
 
 from producer.api.calls import Completions, Outcomes, run_examples, run_outcomes
+from producer.api.reattach import reattach
 from schemas.coverage import RunCoverage, completion_rejection, raise_for_completion
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "RunCoverage",
     "completion_rejection",
     "raise_for_completion",
+    "reattach",
     "run_examples",
     "run_outcomes",
 ]

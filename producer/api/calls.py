@@ -1,4 +1,4 @@
-"""The Python API for trainers that drive dispatch themselves (SPEC §10), over the Celery cluster.
+"""The Python API for trainers that drive dispatch themselves (docs/reference/python-api.md), over the Celery cluster.
 
     rows = preprocess_examples(raw_rows, config, settings)
     completions = run_examples(rows, config, max_resident_tasks=64)
@@ -30,10 +30,15 @@ from infra.environment import Cluster, resolve_cluster
 from infra.reachability import check_cluster
 from infra.redis_client import client
 from producer.api.completions import Completions, Convert, Pair, Settled
+from producer.api.model import Outcome, Target
 from producer.api.record import open_recorded_shard
 from producer.api.rows import Stamp, prepare_rows
-from producer.api.transport import Invocation, Outcome, Target
-from producer.config.loading import load_servers_config, parse_servers_config
+from producer.api.transport import Invocation
+from producer.config.loading import (
+    load_head_server_config,
+    load_servers_config,
+    parse_servers_config,
+)
 from producer.config.overrides import resolve_settings
 from producer.planning.materialize import new_run_id
 from producer.shard.celery_client import client_app
@@ -74,6 +79,7 @@ class Call:
     broker_url: str | None = None
     redis_url: str | None = None
     close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S
+    result_timeout_s: float | None = None
     record_unrouted_failures: bool = False
     """A failed `/run` not routed to the sidecar resolves to its failure row holding the error
     as `run_error`, instead of raising it."""
@@ -82,8 +88,12 @@ class Call:
 
 
 def _config(config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str]) -> ServersConfig:
+    """The servers: a config, a mapping in either format, a YAML path, or the URL of a NeMo Gym
+    head server (`http://host:port`), whose config is fetched."""
     if isinstance(config, ServersConfig):
         return config
+    if isinstance(config, str) and config.startswith(("http://", "https://")):
+        return load_head_server_config(config)
     if isinstance(config, str | os.PathLike):
         return load_servers_config(Path(config))
     return parse_servers_config(dict(config), "<config>")
@@ -160,8 +170,12 @@ def _converter(
             return Settled(o.kind)
         if o.kind == Ended.FENCED:
             return Settled(o.kind, error=ShardFencedError(o.error or "the shard was fenced"))
+        if o.timed_out:
+            return Settled(o.kind, error=TimeoutError(o.error))
         message = f"rollout {F.rollout_id(row) or o.index} could not be run: {o.error}"
-        return Settled(o.kind, error=RolloutFailedError(message, row))
+        error = RolloutFailedError(message, row)
+        error.__cause__ = o.cause
+        return Settled(o.kind, error=error)
 
     return convert
 
@@ -176,6 +190,8 @@ def run_examples(
     route_failures_to_sidecar: bool = False,
     retry_requests: bool = True,
     enrich_results: bool = False,
+    include_model_call_payloads: bool = True,
+    delete_model_call_capture: bool = False,
     record_output_dir: str | os.PathLike[str] | None = None,
     record_shard: str = "0",
     record_overwrite: bool = False,
@@ -184,6 +200,7 @@ def run_examples(
     broker_url: str | None = None,
     redis_url: str | None = None,
     close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+    result_timeout_s: float | None = None,
     record_unrouted_failures: bool = False,
     record_omitted_rollouts: bool = False,
 ) -> Completions:
@@ -191,9 +208,11 @@ def run_examples(
 
     The awaitables resolve in completion order. Rows are sent as given (call
     `preprocess_examples` first for routing and repeats); rows that name only a `task_source`
-    get their agent, and every problem is raised at once (PlanningError) before anything is
-    sent. `row` is the caller's own row object; `result` is the `/run` result with the row's
-    identity fields (as it lands), an agent's own failure row included.
+    get their agent (rows `preprocess_examples` planned without a config among them), and every
+    problem is raised at once (PlanningError) before anything is sent. `config`: a
+    `ServersConfig`, a mapping in either format, a YAML path, or a NeMo Gym head server's URL. `row` is the row as it was sent: a copy the call owns (never the caller's object,
+    which is never modified), with what the call stamped on it; `result` is the `/run` result
+    with the row's identity fields (as it lands), an agent's own failure row included.
 
     - `max_resident_tasks`: at most that many rows running or queued at once; publishing starts
       when the first awaitable is awaited. None: every row is enqueued when iteration starts.
@@ -206,6 +225,11 @@ def run_examples(
       429/502/503/504); connections never established are retried regardless.
     - `enrich_results`: results carry `ng_perf` (`rollout_latency_ms`, `queue_wait_ms`), and
       routed failures come back as `RolloutFailureRecord`s.
+    - `include_model_call_payloads`: with model-call capture on (`observability_enabled`,
+      `model_call_capture_dir` in `settings`), keep the calls' request and response bodies in
+      `ng_trajectory`; off, the trajectory keeps its structure, timings and token counts only.
+      `delete_model_call_capture`: delete each rollout's capture files once merged into its
+      result (needs the payloads kept).
     - `record_output_dir`, `record_shard`: also write shard `record_shard` of that run
       directory as `rollouts run` would (materialized inputs, manifest, results and failure
       rows, status; when the call ends or closes, the aggregate metrics and health summary),
@@ -217,6 +241,10 @@ def run_examples(
     - `run_id`: the run the rows belong to (stamped on copies as `_ng_run_id`).
     - `broker_url`, `redis_url`: default `ROLLOUTS_BROKER_URL`, `ROLLOUTS_REDIS_URL` (else the
       broker). `close_timeout_s` bounds how long a close waits for running rollouts to stop.
+    - `result_timeout_s`: a row without an outcome that long after it was sent resolves to
+      `TimeoutError` naming its rollout (the rollout is not cancelled; the other rows go on).
+      None (the default): no caller-side deadline; a dead or cut-off worker's rows are taken
+      over within the lease TTL and a third of it.
     - `record_unrouted_failures`: with `route_failures_to_sidecar` off, a failed `/run` resolves
       to its failure row with the `RolloutFailedError` it would raise under `run_error`, so the
       caller keeps the evidence before it raises; without it the awaitable raises.
@@ -226,25 +254,23 @@ def run_examples(
     """
     call = Call(
         enrich_results or record_output_dir is not None, False, record_output_dir, record_shard,
-        record_overwrite, run_id, broker_url, redis_url, close_timeout_s,
+        record_overwrite, run_id, broker_url, redis_url, close_timeout_s, result_timeout_s,
         record_unrouted_failures, record_omitted_rollouts,
     )  # fmt: skip
-    return _start(rows, config, settings, call, max_resident_tasks, dispatch_budget_s,
-                  drain_margin_s, route_failures_to_sidecar, retry_requests)  # fmt: skip
+    options = {
+        "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
+        "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": route_failures_to_sidecar,
+        "retry_requests": retry_requests, "include_model_call_payloads": include_model_call_payloads,
+        "delete_model_call_capture": delete_model_call_capture,
+    }  # fmt: skip
+    return _start(rows, config, settings, call, options)
 
 
 def _start(
     rows: Iterable[dict[str, Any]], config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str],
-    settings: CollectionSettings | Mapping[str, Any] | None, call: Call,
-    max_resident_tasks: int | None, dispatch_budget_s: float | None, drain_margin_s: float | None,
-    route_failures_to_sidecar: bool, retry_requests: bool,
+    settings: CollectionSettings | Mapping[str, Any] | None, call: Call, options: dict[str, Any],
 ) -> Completions:  # fmt: skip
     """The call's settings (its options over `settings`), then its dispatch."""
-    options = {
-        "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
-        "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": route_failures_to_sidecar,
-        "retry_requests": retry_requests,
-    }  # fmt: skip
     return _dispatch(list(rows), _config(config), _settings(settings, **options), call)
 
 
@@ -252,12 +278,14 @@ def _dispatch(
     given: list[dict[str, Any]], servers: ServersConfig, settings: CollectionSettings, call: Call
 ) -> Completions:
     record = call.record_output_dir is not None
-    invocation = uuid.uuid4().hex
+    token = new_token()
+    # A recorded call is named by its shard's opener token, which its manifest keeps: a process
+    # that reattaches to it finds its reply list there (`producer/api/reattach.py`).
+    invocation = token if record else uuid.uuid4().hex
     run_id = call.run_id or (new_run_id() if record else None)
     stamp = Stamp(run_id=run_id, shard=call.record_shard if record else None)
     prepared = prepare_rows(given, servers, settings, stamp)
     broker, state_url = _urls(call.broker_url, call.redis_url)
-    token = new_token()
     if record:
         run = open_recorded_shard(
             rows=prepared.sent, output_dir=os.fspath(call.record_output_dir or ""),
@@ -276,8 +304,10 @@ def _dispatch(
         Target(client_app(broker, state_url), state_url, run, servers, settings, deadline, record,
                call.record_omitted_rollouts),
         window=settings.max_resident_tasks, close_timeout_s=call.close_timeout_s,
+        result_timeout_s=call.result_timeout_s,
     )  # fmt: skip
-    convert = _converter(given, settings, call, run_id, run.run_id)
+    # The caller gets the rows as sent: copies the call owns, never the caller's own objects.
+    convert = _converter(prepared.sent, settings, call, run_id, run.run_id)
     return Completions(len(given), transport, convert, settings.max_resident_tasks is not None)
 
 
@@ -317,6 +347,8 @@ def run_outcomes(
     drain_margin_s: float | None = None,
     retry_requests: bool = True,
     enrich_results: bool = False,
+    include_model_call_payloads: bool = True,
+    delete_model_call_capture: bool = False,
     record_output_dir: str | os.PathLike[str] | None = None,
     record_shard: str = "0",
     record_overwrite: bool = False,
@@ -324,6 +356,7 @@ def run_outcomes(
     broker_url: str | None = None,
     redis_url: str | None = None,
     close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+    result_timeout_s: float | None = None,
     record_omitted_rollouts: bool = False,
 ) -> Outcomes:
     """Yield `(row, result | RolloutFailureRecord)` in completion order.
@@ -337,11 +370,16 @@ def run_outcomes(
     """
     call = Call(
         enrich_results or record_output_dir is not None, True, record_output_dir, record_shard,
-        record_overwrite, run_id, broker_url, redis_url, close_timeout_s,
+        record_overwrite, run_id, broker_url, redis_url, close_timeout_s, result_timeout_s,
         record_omitted_rollouts=record_omitted_rollouts,
     )  # fmt: skip
-    return Outcomes(_start(rows, config, settings, call, max_resident_tasks, dispatch_budget_s,
-                           drain_margin_s, True, retry_requests))  # fmt: skip
+    options = {
+        "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
+        "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": True,
+        "retry_requests": retry_requests, "include_model_call_payloads": include_model_call_payloads,
+        "delete_model_call_capture": delete_model_call_capture,
+    }  # fmt: skip
+    return Outcomes(_start(rows, config, settings, call, options))
 
 
 __all__ = ["Completions", "Outcomes", "run_examples", "run_outcomes"]

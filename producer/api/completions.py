@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
-from producer.api.transport import Outcome
+from producer.api.model import Outcome
+from schemas.errors import RolloutFailedError
 from schemas.outcomes import Ended
+
+log = logging.getLogger(__name__)
 
 Pair = tuple[dict[str, Any], Any]
 """What an awaitable resolves to: the caller's row and the result (or a failure record)."""
@@ -43,6 +47,8 @@ class Transport(Protocol):
 
     def close(self) -> None: ...
 
+    def consumed(self, index: int) -> None: ...
+
 
 @dataclass
 class Settled:
@@ -51,6 +57,8 @@ class Settled:
     kind: Ended
     value: Pair | None = None
     error: BaseException | None = None
+    index: int | None = None
+    """The row it settles (set by `Completions`)."""
 
     @property
     def cancelled(self) -> bool:
@@ -131,8 +139,17 @@ class Completions:
     # Delivery (listener thread -> caller's loop)
 
     def _deliver(self, outcome: Outcome) -> None:
-        """Called from the listener thread for every settled row."""
-        self._inbox.append(self._convert(outcome))
+        """Called from the listener thread for every settled row; never raises into it."""
+        try:
+            settled = self._convert(outcome)
+        except Exception as exc:  # an outcome that cannot be turned into a result is its error
+            log.exception("run_examples: the outcome of row %d cannot be read", outcome.index)
+            error = RolloutFailedError(f"the outcome of row {outcome.index} cannot be read: "
+                                       f"{type(exc).__name__}: {exc}", {})  # fmt: skip
+            error.__cause__ = exc
+            settled = Settled(Ended.ERROR, error=error)
+        settled.index = outcome.index
+        self._inbox.append(settled)
         loop = self._loop
         # One wake-up of the caller's loop per burst of outcomes, not one per outcome.
         if loop is not None and not self._pump_scheduled:
@@ -170,7 +187,7 @@ class Completions:
             self._transport.start()  # bounded admission starts at the first await
         self._pump()
         if self._ready and not (self._closed and self._bounded):
-            return self._ready.popleft().unwrap()
+            return self._taken(self._ready.popleft())
         if self._closed:
             raise asyncio.CancelledError()
         waiter: asyncio.Future[Settled] = loop.create_future()
@@ -183,6 +200,12 @@ class Completions:
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
             raise
+        return self._taken(settled)
+
+    def _taken(self, settled: Settled) -> Pair:
+        """The awaitable hands `settled` out: the transport notes it consumed."""
+        if settled.index is not None and not settled.cancelled:
+            self._transport.consumed(settled.index)
         return settled.unwrap()
 
     # Closing
@@ -228,6 +251,9 @@ class Completions:
         await asyncio.shield(self._begin_close())
         self._pump()
         late, self._late = self._late, None
+        for s in snapshot + late:
+            if s.index is not None and not s.cancelled:
+                self._transport.consumed(s.index)
         return [_as_future(loop, s) for s in snapshot + late]
 
 

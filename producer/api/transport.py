@@ -7,34 +7,42 @@ outcome onto the call's reply list once it is final; one listener thread pops th
 pop, no polling per task) and hands them on. Closing stops publishing, sets the cancel flag (the
 workers' admission then starts nothing more, and running `/run` calls are cancelled, closing
 their connections) and waits, bounded, until nothing of the call runs any more.
+
+No row is left waiting for ever: a reply the listener cannot read resolves its row to that
+failure (`producer/api/replies.py`); a listener that dies anyway resolves every waiting row to
+the error that killed it; a row without an outcome `result_timeout_s` after it was sent raises
+`TimeoutError`; a Redis that lost the call gets its rows again (`producer/api/upkeep.py`). A
+dead, frozen or cut-off worker's rows are taken over by the workers themselves, within the lease
+TTL and a third of it (`workers/rollout/leases.py`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
-from celery import Celery
 
-from infra import jsonl, keys, telemetry
+from infra import keys, telemetry
 from infra.environment import from_env
 from infra.redis_client import client
 from infra.scripts import RUNNING_LUA
-from infra.store import RunDir, ShardFiles
+from producer.api.inventory import Inventory
+from producer.api.model import Outcome, Target
 from producer.api.record import record_omissions
+from producer.api.replies import read_reply, unreadable_row
+from producer.api.upkeep import KEY_TTL_S, CallUpkeep
 from producer.shard.dispatch import CollectMessages
 from schemas import fields as F
-from schemas.config import ServersConfig
-from schemas.messages import RunRef
 from schemas.outcomes import FAILURE_ENDS, RESULT_ENDS, Ended, run_failure_message
 from schemas.replies import COLLECT_REPLY_TASK, RolloutReply
-from schemas.settings import CollectionSettings
 from workers.finish import finish_shard
+from workers.shard.state import key_str
 from workers.tracing import NO_JOB, start_job
 
 log = logging.getLogger(__name__)
@@ -42,37 +50,11 @@ log = logging.getLogger(__name__)
 LISTEN_TIMEOUT_S = 0.25
 POP_BATCH = 1000
 IDLE_POLL_S = 0.05
-KEY_TTL_S = 24 * 3600
+PUBLISH_RETRY_S = 60.0
+"""How long publishing a row rides out a broker that is away (a restart) before the row fails."""
 
 
-@dataclass
-class Outcome:
-    """One row's final outcome, as the listener received it."""
-
-    index: int
-    kind: Ended
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    perf: dict[str, float] | None = None
-    """`rollout_latency_ms` and `queue_wait_ms`, for rollouts that ran."""
-
-
-@dataclass
-class Target:
-    """Where the call's rollouts go and how they are admitted."""
-
-    app: Celery
-    redis_url: str
-    run: RunRef
-    config: ServersConfig
-    settings: CollectionSettings
-    deadline: float | None
-    record: bool
-    record_omitted: bool = False
-    """Write `_ng_omitted` rows for the rows a close left without an outcome."""
-
-
-class Invocation:
+class Invocation(CallUpkeep):
     """Publishes the rows, listens for their outcomes, and closes the call."""
 
     def __init__(
@@ -83,6 +65,7 @@ class Invocation:
         target: Target,
         window: int | None,
         close_timeout_s: float,
+        result_timeout_s: float | None = None,
     ) -> None:
         self.invocation = invocation
         self.sent = sent
@@ -90,15 +73,28 @@ class Invocation:
         self.target = target
         self.total = len(sent)
         self.close_timeout_s = close_timeout_s
+        self.result_timeout_s = result_timeout_s
         self.on_outcome: Callable[[Outcome], None] = lambda _: None
         self.first_failure: str | None = None
         """The first failure not routed to the sidecar (the recorded shard ends failed)."""
         self.finished: dict[str, Any] | None = None
         """The recorded shard's finish result (state, counts, health)."""
+        self.to_publish: list[int] | None = None
+        """The rows the publisher sends, in order (None: every row); set before `start`."""
+        self.on_start: Callable[[], None] = lambda: None
+        """Runs on the listener thread before it listens (`reattach` settles what it found)."""
+        self.finish_allowed = True
+        """False: the shard's finish step ran already (a reattached call to a finished shard)."""
+        self.losses = 0
+        """Times Redis was found to have lost the call's state (`_recover`)."""
         self._r = client(target.redis_url)
         self._sid = keys.shard_id(target.run.output_dir, target.run.shard)
         self._window = threading.Semaphore(window) if window is not None else None
         self._published_at = [0.0] * self.total
+        self._deadlines: deque[tuple[float, int]] = deque()
+        """(deadline, row) in publishing order (`result_timeout_s`)."""
+        self._consumed: deque[int] = deque()
+        """Rows whose outcome the caller took, not yet marked in Redis (recorded calls)."""
         self._settled = bytearray(self.total)
         self._settled_count = 0
         self._unrun: set[int] = set()
@@ -110,6 +106,8 @@ class Invocation:
         self._closed = False
         self._finish_lock = threading.Lock()
         self._finish_done = False
+        self._next_watch = 0.0
+        self._messages: CollectMessages | None = None
         self._publisher: threading.Thread | None = None
         self._listener: threading.Thread | None = None
         self._running = self._r.register_script(RUNNING_LUA)
@@ -129,6 +127,10 @@ class Invocation:
         if t.settings.telemetry_enabled:
             telemetry.request()
         self._job = start_job(t.run.run_id, t.run.shard, t.run.token, self.total)
+        # The window caps rollouts here; the lease cap would only add waits behind slot releases.
+        uncapped = t.settings.model_copy(update={"max_resident_tasks": None})
+        self._messages = CollectMessages.of(t.run, t.config, uncapped, t.deadline)
+        self._r.set(keys.api_call(self.invocation), os.getpid(), ex=KEY_TTL_S)
         self._listener = threading.Thread(
             target=self._listen, name="rollouts-api-listen", daemon=True
         )
@@ -136,42 +138,63 @@ class Invocation:
             target=self._publish, name="rollouts-api-publish", daemon=True
         )
         self._listener.start()
-        self._publisher.start()
 
     def stop_publishing(self) -> None:
         self._stop_publishing.set()
 
     def _publish(self) -> None:
-        t = self.target
-        # The window caps rollouts here; the lease cap would only add waits behind slot releases.
-        uncapped = t.settings.model_copy(update={"max_resident_tasks": None})
-        messages = CollectMessages.of(t.run, t.config, uncapped, t.deadline)
+        order = range(self.total) if self.to_publish is None else self.to_publish
         index = 0
         try:
-            with t.app.producer_or_acquire() as producer:
-                for index in range(self.total):
+            with self.target.app.producer_or_acquire() as producer:
+                for index in order:
+                    if self._settled[index]:
+                        continue
                     if not self._take_slot():
                         return
-                    row, agent = self.sent[index], self.agents[index]
-                    reply = {"invocation": self.invocation, "index": index, "record": t.record}
-                    rid = F.rollout_id(row) or str(index)
-                    payload, argsrepr = messages.message(row, rid, agent, reply)
-                    task_id = f"{self.invocation}.{index}"
-                    job = self._job
-                    traced = job.enqueued(row, messages.run_payload, task_id) if job.span else None
-                    self._published_at[index] = time.monotonic()
-                    # One task at a time as the window frees slots, outside any chord: send_task
-                    # (with Celery's publish retries) rather than the chord's batched stream.
-                    t.app.send_task(
-                        COLLECT_REPLY_TASK, args=(payload,), task_id=task_id,
-                        producer=producer, add_to_parent=False, ignore_result=True,
-                        argsrepr=argsrepr, kwargsrepr="{}", headers=traced,
-                    )  # fmt: skip
-        except Exception as exc:  # the broker is gone: every row not sent resolves to the error
+                    self._send(producer, index)
+        except Exception as exc:  # the broker stayed away: every row not sent resolves to it
             log.exception("run_examples could not enqueue row %d", index)
             message = f"could not enqueue: {type(exc).__name__}: {exc}"
-            for i in range(index, self.total):
-                self._settle(Outcome(i, Ended.ERROR, error=message))
+            for i in order:
+                if not self._published_at[i]:
+                    self._settle(Outcome(i, Ended.ERROR, error=message, cause=exc))
+
+    def _send(self, producer: Any, index: int, again: int = 0) -> None:
+        """Publish row `index` (`again`: the how-manieth time the call sends it again), riding
+        out a broker that is away for up to PUBLISH_RETRY_S."""
+        t, messages = self.target, self._messages
+        assert messages is not None  # built by `start`
+        row, agent = self.sent[index], self.agents[index]
+        reply = {"invocation": self.invocation, "index": index, "record": t.record}
+        rid = F.rollout_id(row) or str(index)
+        payload, argsrepr = messages.message(row, rid, agent, reply)
+        task_id = f"{self.invocation}.{index}" + (f".r{again}" if again else "")
+        job = self._job
+        traced = job.enqueued(row, messages.run_payload, task_id) if job.span else None
+        if not again:
+            now = time.monotonic()
+            self._published_at[index] = now
+            if self.result_timeout_s is not None:
+                self._deadlines.append((now + self.result_timeout_s, index))
+        deadline = time.monotonic() + PUBLISH_RETRY_S
+        while True:
+            try:
+                # One task at a time as the window frees slots, outside any chord: send_task
+                # (with Celery's publish retries) rather than the chord's batched stream.
+                t.app.send_task(
+                    COLLECT_REPLY_TASK, args=(payload,), task_id=task_id,
+                    producer=producer, add_to_parent=False, ignore_result=True,
+                    argsrepr=argsrepr, kwargsrepr="{}", headers=traced,
+                )  # fmt: skip
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline or self._stop_publishing.is_set():
+                    if not again:
+                        self._published_at[index] = 0.0  # not sent: it resolves to the error
+                    raise
+                log.warning("run_examples: cannot enqueue row %d yet (%s); retrying", index, exc)
+                time.sleep(1.0)
 
     def _take_slot(self) -> bool:
         if self._window is None:
@@ -184,10 +207,35 @@ class Invocation:
     # Listening
 
     def _listen(self) -> None:
+        """The listener thread, supervised: should it die anyway, every row still waiting
+        resolves at once to the error that killed it; none is left hanging."""
+        try:
+            self.on_start()
+            if self._publisher is not None and not self._stop_publishing.is_set():
+                self._publisher.start()
+            self._listen_loop()
+        except BaseException as exc:
+            log.exception("run_examples %s: the reply listener died", self.invocation)
+            message = f"the call's reply listener died: {type(exc).__name__}: {exc}"
+            for i in range(self.total):
+                if not self._settled[i]:
+                    try:
+                        self._settle(Outcome(i, Ended.ERROR, error=message, cause=exc))
+                    except Exception:
+                        log.exception(
+                            "run_examples %s: could not resolve row %d", self.invocation, i
+                        )
+            if not isinstance(exc, Exception):
+                raise
+
+    def _listen_loop(self) -> None:
         key = keys.api_replies(self.invocation)
         delay = 0.2
         while not self._stop_listening.is_set() and not self.all_settled():
+            self._expire()
             try:
+                self._watch()
+                self._flush_consumed()
                 batch = self._pop(key)
                 delay = 0.2
             except redis.RedisError as exc:
@@ -199,6 +247,12 @@ class Invocation:
                 self._handle(raw)
         if self.all_settled():
             self.finish_once()
+        # A recorded call's consumed outcomes are marked until it closes (for `reattach`).
+        while self.target.record and not self._stop_listening.wait(LISTEN_TIMEOUT_S):
+            try:
+                self._flush_consumed()
+            except redis.RedisError as exc:
+                log.warning("run_examples: cannot mark consumed outcomes: %s", exc)
 
     def _pop(self, key: str) -> list[Any]:
         """Up to POP_BATCH replies, waiting up to LISTEN_TIMEOUT_S for the first: one round trip
@@ -223,7 +277,30 @@ class Invocation:
             log.warning("run_examples: cannot read the last replies: %s", exc)
 
     def _handle(self, raw: Any) -> None:
-        reply = RolloutReply.model_validate_json(raw)
+        """One reply: its row's outcome. A reply that cannot be read or handled resolves its row
+        to that failure (and is logged naming the call and the rollout); the others go on."""
+        read = read_reply(raw)
+        if read.reply is None:
+            self._unreadable(read.index, read.problem)
+            return
+        try:
+            self._handle_reply(read.reply)
+        except Exception as exc:
+            self._unreadable(read.reply.index, f"{type(exc).__name__}: {exc}")
+
+    def _unreadable(self, i: int | None, problem: str) -> None:
+        if i is None or not 0 <= i < self.total:
+            log.error("run_examples %s: a reply names no row of the call (%s); ignored",
+                      self.invocation, problem)  # fmt: skip
+            return
+        rid = F.rollout_id(self.sent[i]) or f"row {i}"
+        log.error("run_examples %s: the reply for rollout %s (row %d) could not be read: %s",
+                  self.invocation, rid, i, problem)  # fmt: skip
+        self._settle(
+            Outcome(i, Ended.FAILED, unreadable_row(self.sent[i], self.invocation, problem))
+        )
+
+    def _handle_reply(self, reply: RolloutReply) -> None:
         i = reply.index
         if not 0 <= i < self.total or self._settled[i]:
             return  # another delivery of a settled row
@@ -248,14 +325,22 @@ class Invocation:
     def _landed_outcome(self, i: int) -> Outcome:
         """A redelivered rollout found landed: its result is read back from the shard."""
         if self.target.record:
-            run = self.target.run
-            wanted = F.rollout_key(self.sent[i])
-            rd = RunDir(run.output_dir)
-            for _, line in rd.iter_lines(ShardFiles(run.shard).results):
-                row = jsonl.loads(line) if line.strip() else None
-                if isinstance(row, dict) and F.TASK_INDEX in row and F.rollout_key(row) == wanted:
-                    return Outcome(i, Ended.LANDED, row)
+            run, wanted = self.target.run, key_str(self.sent[i])
+            found = Inventory.read(run.output_dir, run.shard, {wanted}).landed.get(wanted)
+            if found is not None:
+                return Outcome(i, Ended.LANDED, found)
         return Outcome(i, Ended.ERROR, error="the rollout landed, but its result cannot be found")
+
+    def _expire(self) -> None:
+        """Rows without an outcome `result_timeout_s` after they were sent resolve to TimeoutError."""
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, i = self._deadlines.popleft()
+            if not self._settled[i]:
+                rid = F.rollout_id(self.sent[i]) or f"row {i}"
+                message = (f"rollout {rid} has no outcome {self.result_timeout_s:g}s after it was "
+                           "sent (result_timeout_s); the other rows go on")  # fmt: skip
+                self._settle(Outcome(i, Ended.ERROR, error=message, timed_out=True))
 
     def _settle(self, outcome: Outcome) -> None:
         with self._lock:
@@ -265,12 +350,27 @@ class Invocation:
             self._settled_count += 1
             if outcome.kind in (Ended.STOPPED, Ended.CANCELLED):
                 self._unrun.add(outcome.index)
-        if self._window is not None:
+        if self._window is not None and self._published_at[outcome.index]:
             self._window.release()
         self.on_outcome(outcome)
 
+    def resolve(self, outcome: Outcome) -> None:
+        """Settle a row with an outcome found elsewhere than on the reply list (the shard)."""
+        self._settle(outcome)
+
+    def skip(self, indices: Iterable[int]) -> None:
+        """Count rows as settled without an outcome (their outcome was consumed already); before
+        `start`."""
+        for i in indices:
+            if not self._settled[i]:
+                self._settled[i] = 1
+                self._settled_count += 1
+
     def all_settled(self) -> bool:
         return self._settled_count >= self.total
+
+    def settled(self, i: int) -> bool:
+        return bool(self._settled[i])
 
     # Closing
 
@@ -281,7 +381,7 @@ class Invocation:
                 return
             self._closed = True
         self._stop_publishing.set()
-        if self._publisher is not None:
+        if self._publisher is not None and self._publisher.is_alive():
             self._publisher.join()
         if not self.all_settled() and (self._started or self.target.record):
             # Queued rollouts stop at admission; running ones are cancelled by their workers.
@@ -292,6 +392,13 @@ class Invocation:
             self._listener.join()
         self.drain_replies()
         self.finish_once()
+        if self._started:
+            try:
+                self._flush_consumed()
+            except redis.RedisError as exc:
+                log.warning("run_examples close: cannot mark consumed outcomes: %s", exc)
+            self._r.delete(keys.api_call(self.invocation), keys.api_consumed(self.invocation),
+                           keys.api_finishing(self.invocation))  # fmt: skip
 
     def _wait_idle(self) -> None:
         deadline = time.monotonic() + self.close_timeout_s
@@ -315,7 +422,7 @@ class Invocation:
                 return
             self._finish_done = True
             try:
-                if self.target.record:
+                if self.target.record and self.finish_allowed and self._finishing():
                     with self._job.within():  # its aggregation and health check: the job's trace
                         self._finish_shard()
                 self._drop_keys()
@@ -327,6 +434,14 @@ class Invocation:
                 finished = self.finished or {}
                 self._job.finished(finished.get("state"), finished.get("error"))
                 self._job.end()
+
+    def _finishing(self) -> bool:
+        """Whether this process runs the shard's finish step: the first to ask, of the caller and
+        any process that reattached to the call."""
+        took = self._r.set(keys.api_finishing(self.invocation), os.getpid(), nx=True, ex=KEY_TTL_S)
+        if not took:
+            log.warning("run_examples %s: another process finishes the shard", self.invocation)
+        return bool(took)
 
     def _finish_shard(self) -> None:
         if self.first_failure is not None:
@@ -346,6 +461,7 @@ class Invocation:
         if not self.target.record:  # the call's own admission state; a shard's stays
             names += keys.all_shard_keys(self._sid)
             names += keys.shard_settled_keys(self._sid, self.target.run.token)
+            names.append(keys.api_call(self.invocation))
         if self.all_settled() or not self._started:
             self._r.delete(*names)
             return

@@ -44,7 +44,9 @@ def main() -> None:
 @click.option(
     "--config", "config_path", default=None, help="Servers config (YAML; normalised or NeMo Gym's)."
 )
-@click.option("--input", "input_path", default=None, help="Rows to run (JSONL).")
+@click.option(
+    "--input", "input_path", default=None, help="Rows to run (JSONL): a path or an fsspec URL."
+)
 @click.option("--output-dir", default=None, help="Run directory: a folder or an fsspec URL.")
 @click.option("--shard", default=None, help="Shard label.  [default: 0]")
 @click.option("--agent", default=None, help="Agent for rows that name none.")
@@ -444,6 +446,13 @@ def capture_proxy(upstream: str, capture_dir: str, port: int, host: str, model_n
 @click.option(
     "--distributed", is_flag=True, help="Run the recheck as Celery jobs on the cluster's workers."
 )
+@click.option(
+    "--model-call-capture-dir",
+    "capture_dir",
+    default=None,
+    metavar="URL",
+    help="Read failed rollouts' model calls here (timeouts section); default: the run's own.",
+)
 @result_backend_options
 @fail_on_unhealthy_option
 @reports(RolloutsError)
@@ -454,6 +463,7 @@ def health_check(
     ignore: str | None,
     as_json: bool,
     distributed: bool,
+    capture_dir: str | None,
     broker: str | None,
     redis_url: str | None,
     fail_on_unhealthy: bool,
@@ -475,6 +485,7 @@ def health_check(
             redis_url=cluster.redis_url if cluster else None,
             console=_console,
             fail_on_unhealthy=fail_on_unhealthy,
+            capture_dir=capture_dir,
         )
     )
 

@@ -1,6 +1,6 @@
 """What a run is configured with, read and validated before anything is planned.
 
-loading.py    the servers config from `--config` or `--head-server`, in either format of SPEC §2
+loading.py    the servers config from `--config` or `--head-server`, in either format of docs/reference/servers-config.md
 nemo_gym.py   NeMo Gym's global config, normalised
 overrides.py  the collection settings resolved once from base settings, flags and overrides
 """

@@ -1,6 +1,6 @@
 """Loading the servers config (`--config` file or `--head-server`) into its normalised form.
 
-Both of SPEC §2's formats are accepted: the normalised one and NeMo Gym's global config
+Both formats of docs/reference/servers-config.md are accepted: the normalised one and NeMo Gym's global config
 (`producer/config/nemo_gym.py`), read from a file or from a running NeMo Gym head server's
 `GET /global_config_dict_yaml`. Messages never quote the config's text: it may hold keys.
 """
@@ -14,8 +14,9 @@ import httpx
 import yaml
 from pydantic import ValidationError
 
+from producer.config.facts import config_facts
 from producer.config.nemo_gym import is_nemo_gym_config, normalise
-from schemas.config import ServersConfig, redact_url
+from schemas.config import ROUTING_KEYS, ServersConfig, redact_url
 from schemas.errors import PlanningError, Problem, UsageError
 
 HEAD_SERVER_PATH = "/global_config_dict_yaml"
@@ -30,20 +31,40 @@ def _located(exc: ValidationError, source: str) -> PlanningError:
     return PlanningError(problems, header=f"invalid servers config {source}")
 
 
-def parse_servers_config(data: Any, source: str) -> ServersConfig:
-    """Validate an already parsed config document, in either format."""
+def parse_servers_config(
+    data: Any, source: str, lines: dict[str, int] | None = None
+) -> ServersConfig:
+    """Validate an already parsed config document, in either format; `lines`: the line of each
+    top-level key in the file (for messages about the run-level keys it sets)."""
     if not isinstance(data, dict):
         raise PlanningError(
             [Problem("the config must be a mapping", file=source)], header="invalid servers config"
         )
+    facts = config_facts(data)
     if is_nemo_gym_config(data):
         data, problems = normalise(data, source)
         if problems:
             raise PlanningError(problems, header=f"invalid servers config {source}")
     try:
-        return ServersConfig.model_validate(data)
+        config = ServersConfig.model_validate(data).located(source, lines or {})
     except ValidationError as exc:
         raise _located(exc, source) from None
+    return config.with_written_facts(facts)
+
+
+def top_level_lines(text: str) -> dict[str, int]:
+    """The 1-based line of each top-level key of a YAML mapping document ({} for anything else)."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {
+        str(key.value): key.start_mark.line + 1
+        for key, _ in node.value
+        if isinstance(key, yaml.ScalarNode)
+    }
 
 
 def _parse_yaml(text: str, source: str) -> Any:
@@ -68,7 +89,9 @@ def load_servers_config(path: str | Path) -> ServersConfig:
         raise PlanningError(
             [Problem(f"cannot read: {exc.strerror}", file=source)], header="invalid servers config"
         ) from None
-    return parse_servers_config(_parse_yaml(text, source), source)
+    data = _parse_yaml(text, source)
+    routing = isinstance(data, dict) and any(key in data for key in ROUTING_KEYS)
+    return parse_servers_config(data, source, top_level_lines(text) if routing else None)
 
 
 def fetch_head_server_config(url: str, timeout_s: float = HEAD_SERVER_TIMEOUT_S) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""NeMo Gym's global config, normalised to the servers config of SPEC §2.
+"""NeMo Gym's global config, normalised to the servers config of docs/reference/servers-config.md.
 
 NeMo Gym names every server at the top level: `name: {server_type: {impl_name: {host, port,
 ...}}}`. Agents (`responses_api_agents`) become `agents` with their implementation name as
@@ -7,13 +7,16 @@ servers (`environment_servers`) become `environments`, fronting the agents their
 `agent_server` (or any `type: responses_api_agents` reference) names; `resources_servers` stay
 as they are. Model servers and global settings (`head_server`, `policy_api_key`, ...) are not
 servers a run calls and are left out, as is every field a server block has beyond its address,
-binding and datasets, so the keys and tokens it holds never reach the run's manifest.
+binding and datasets, so the keys and tokens it holds never reach the run's manifest. The
+run-level routing keys (`environment_routing_mode`, `environment_server_name`,
+`environment_server_routes`) are kept as they are.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from schemas.config import ROUTING_KEYS
 from schemas.errors import Problem
 
 AGENTS = "responses_api_agents"
@@ -53,7 +56,7 @@ def _datasets(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for d in cfg.get("datasets") or []:
         if isinstance(d, dict):
-            entry = {k: d[k] for k in ("name", "agent", "allowed_agents") if k in d}
+            entry = {k: d[k] for k in ("name", "agent", "allowed_agents", "taskset") if k in d}
             entry["agent"] = _ref_name(entry.get("agent"))
             out.append({k: v for k, v in entry.items() if v is not None})
     return out
@@ -113,6 +116,7 @@ def normalise(data: dict[str, Any], source: str) -> tuple[dict[str, Any], list[P
             entry["resources_server"] = _ref_name(cfg.get("resources_server"))
             entry["allowed_agents"] = cfg.get("allowed_agents")
             entry["agents"] = _fronted_agents(cfg)
+            entry["agent_server"] = _ref_name(cfg.get("agent_server"))
             environments[name] = entry
         else:
             entry["allowed_agents"] = cfg.get("allowed_agents")
@@ -129,6 +133,8 @@ def normalise(data: dict[str, Any], source: str) -> tuple[dict[str, Any], list[P
         "agents": _clean(agents),
         "environments": _clean(environments),
         "resources_servers": _clean(resources),
+        # The run-level routing keys sit beside the servers in NeMo Gym's global config.
+        **{key: data[key] for key in ROUTING_KEYS if data.get(key) is not None},
     }
     return normalised, problems
 

@@ -72,6 +72,7 @@ def health_check(
     redis_url: str | None,
     console: Console,
     fail_on_unhealthy: bool = False,
+    capture_dir: str | None = None,
 ) -> int:
     """Recheck RUN_DIR from its persisted artifacts and write its reports; with
     `fail_on_unhealthy`, an UNHEALTHY verdict raises RunFailedError (exit 1)."""
@@ -81,6 +82,7 @@ def health_check(
         limit_overrides=limits,
         ignored=[c for c in (ignore or "").split(",") if c.strip()],
         distributed=distributed,
+        capture_dir=capture_dir,
     )
     if distributed:
         if not broker_url:

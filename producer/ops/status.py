@@ -35,9 +35,10 @@ from infra.redis_client import client
 from infra.runs import read_manifest, read_status
 from infra.store import RunDir, ShardFiles
 from producer.ops.pressure import add_backpressure, backpressure_line
-from producer.shard.live import LiveSnapshot, RunningRollout, snapshot
+from producer.shard.live import LiveSnapshot, RunningRollout, live_health, snapshot
 from producer.shard.supervise import exit_code_of as finish_exit_code
 from schemas.coverage import RunCoverage
+from schemas.health import LiveHealth
 from schemas.records import Manifest
 from schemas.settings import CollectionSettings
 from schemas.usage import ModelPrice
@@ -113,15 +114,28 @@ class FileTally:
         return self._groups(1)
 
     def _groups(self, part: int) -> dict[str, GroupCounts]:
-        """Counts per agent (`part` 0) or environment server (1); `?` where a row names none."""
+        """Counts per agent (`part` 0) or environment server (1); `?` where a row names none.
+
+        A materialized task row names no agent by design: it is counted under its environment
+        server only."""
         groups: dict[str, GroupCounts] = defaultdict(GroupCounts)
         ledger = self.ledger
+
+        def name(group: tuple[str | None, str | None]) -> str | None:
+            agent, env = group
+            if part == 0 and agent is None and env is not None:
+                return None
+            return group[part] or "?"
+
         for group, n in ledger.planned_by.items():
-            groups[group[part] or "?"].planned += n
+            if (key := name(group)) is not None:
+                groups[key].planned += n
         for group, n in ledger.landed_by.items():
-            groups[group[part] or "?"].landed += n
+            if (key := name(group)) is not None:
+                groups[key].landed += n
         for failure, n in ledger.failed_by.items():
-            groups[(failure.agent, failure.env)[part] or "?"].failed[failure.cls] += n
+            if (key := name((failure.agent, failure.env))) is not None:
+                groups[key].failed[failure.cls] += n
         return groups
 
 
@@ -229,7 +243,24 @@ class StatusReader:
             self._add_final(report, manifest)
         elif snap is not None:
             self._add_live(report, manifest, snap, current)
+        report["health"] = self._health(manifest, snap)
         return report
+
+    def _health(self, manifest: Manifest, snap: LiveSnapshot | None) -> dict[str, Any]:
+        """The live verdict counts (the workers', from Redis, while its keys live) and, once
+        the shard finished, its finish step's."""
+        fields = snap.health if snap is not None else None
+        if fields is None and self.redis_url is not None:
+            try:
+                fields = live_health(client(self.redis_url), keys.shard_id(self.rd.url, self.shard))
+            except (redis.RedisError, OSError):
+                fields = None
+        finished = manifest.finished.result.health if manifest.finished is not None else None
+        summary = finished.get("verdicts") if isinstance(finished, dict) else None
+        return {
+            "live": LiveHealth.of(fields).model_dump() if fields else None,
+            "summary": summary,
+        }
 
     def _add_final(self, report: dict[str, Any], manifest: Manifest) -> None:
         """A finished shard's counts from its status file; nothing runs, waits or is queued."""
@@ -256,8 +287,11 @@ class StatusReader:
         report["waiting"] = snap.waiting
         report["stop"] = snap.stop
         add_holders(report, snap.rollouts)
+        environments = manifest.config.get("environments") or {}
         for agent, n in snap.in_flight_by_agent.items():
-            report["by_agent"].setdefault(agent, GroupCounts().as_json())["in_flight"] = n
+            # A task row's episode runs on its environment server, named where its agent would be.
+            kind = "by_environment" if agent in environments else "by_agent"
+            report[kind].setdefault(agent, GroupCounts().as_json())["in_flight"] = n
         add_backpressure(report, client(self.redis_url or ""), manifest.config, snap)
         if not current:
             report["queued"] = 0 if manifest.state in FINAL_STATES else None
@@ -445,6 +479,20 @@ def tokens_line(report: dict[str, Any]) -> str:
     return line
 
 
+def health_line(report: dict[str, Any]) -> str:
+    """The live verdict counts of the landed results, with the checks that found something."""
+    live = (report.get("health") or {}).get("live")
+    if not live:
+        return ""
+    v = live["verdicts"]
+    issues = ", ".join(f"{c} {n}" for c, n in live["issues"].items())
+    return (
+        f"\nhealth (live): healthy {v['healthy']} · unhealthy {v['unhealthy']}"
+        + (f" ({issues})" if issues else "")
+        + f" · unobserved {v['unobserved']}"
+    )
+
+
 def summary_line(report: dict[str, Any]) -> str:
     """The outcome and activity lines (each fits 80 columns), then the error if any."""
     line = f"{outcome_line(report)}\n{activity_line(report)}"
@@ -452,6 +500,7 @@ def summary_line(report: dict[str, Any]) -> str:
     line += holders_lines(report)
     line += backpressure_line(report)
     line += tokens_line(report)
+    line += health_line(report)
     if report.get("error"):
         line += f"\nerror: {report['error']}"
     return line

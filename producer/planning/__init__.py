@@ -1,7 +1,11 @@
-"""Planning (SPEC §3): rows in, planned rollouts out, every problem found before dispatch.
+"""Planning (docs/how-to/routing.md): rows in, planned rollouts out, every problem found before dispatch.
 
 planner.py   the streaming planner: `write_plan` for `rollouts run`, `preprocess_examples`
 routing.py   a row's agent and environment server, and the pairing checks
+tasksets.py  rows routed by environment server: task rows, legacy mode, the routing keys
+inputs.py    the input file: a path or any fsspec URL, read in chunks and hashed once
+skills.py    run-level skills and the `skills_ref` flat rows are stamped with
+seeds.py     `num_repeats_add_seed`: each repeat's seed in its request
 identity.py  `task_ids` and explicit rollout ids
 state.py     compact per-task state: line digests and rollout counters
 ordering.py  run order, interleaved without holding the rows in memory

@@ -1,4 +1,4 @@
-"""Task selection (`task_ids`) and explicit rollout ids: the identity rules of SPEC §3.
+"""Task selection (`task_ids`) and explicit rollout ids: the identity rules of docs/how-to/routing.md.
 
 An explicit `_ng_rollout_id` replaces the derived `<task>-<rollout>` id, so it must name exactly
 one rollout: it is refused on a row that plans several copies, when another row already uses it,

@@ -1,4 +1,4 @@
-"""Shard labels (SPEC §6): the characters, the length, and the artifact suffixes a label may not end in.
+"""Shard labels (docs/reference/run-directory.md): the characters, the length, and the artifact suffixes a label may not end in.
 
 Every artifact of shard `S` is named from the stem `rollouts-S`, so a label that ends in an
 artifact suffix names another shard's file: `--shard 0_failures` would append its results to

@@ -10,7 +10,6 @@ call's in `producer/api/record.py`).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import shutil
@@ -20,6 +19,8 @@ from datetime import UTC, datetime
 
 from infra.runs import maybe_manifest
 from infra.store import RunDir, ShardFiles
+from producer.config.facts import run_facts
+from producer.planning.inputs import InputFile
 from producer.planning.labels import shard_label_problem
 from producer.planning.planner import PlanContext, WarningSink, write_plan
 from schemas.config import ServersConfig
@@ -31,15 +32,6 @@ from schemas.settings import CollectionSettings
 def new_run_id() -> str:
     """A fresh run id: the UTC time and a random suffix."""
     return f"run-{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
-
-
-def sha256_file(path: str) -> str:
-    """The SHA-256 of a local file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @dataclass
@@ -71,6 +63,7 @@ def new_manifest(
         settings=settings.model_dump(mode="json"),
         planned=planned,
         materialized_sha256=materialized_sha256,
+        config_facts=run_facts(config, settings),
     )
 
 
@@ -122,8 +115,13 @@ def plan_shard(
     rd = RunDir(output_dir)
     present = shard_artifacts_present(rd, shard) if label_ok else []
     existing = existing_run_problem(rd, shard, present) if present and not overwrite else None
-    if not os.path.isfile(input_path):
-        problems.append(Problem("input file not found", file=input_path))
+    source = InputFile(input_path)
+    try:
+        found = source.exists()
+    except PlanningError as exc:
+        raise PlanningError([*problems, *exc.problems, *([existing] if existing else [])]) from None
+    if not found:
+        problems.append(Problem("input file not found", file=source.name))
         raise PlanningError([*problems, *([existing] if existing else [])])
     run_id = new_run_id()
     files = ShardFiles(shard)
@@ -132,7 +130,7 @@ def plan_shard(
         local = os.path.join(tmpdir, "materialized_inputs.jsonl")
         try:
             plan = write_plan(
-                input_path,
+                source,
                 local,
                 config,
                 settings,
@@ -148,7 +146,7 @@ def plan_shard(
         if existing is not None:
             raise RunExistsError(f"{existing.render()}")
         if plan.planned == 0:
-            raise PlanningError([Problem("no rows to run", file=input_path)])
+            raise PlanningError([Problem("no rows to run", file=source.name)])
         rd.makedirs()
         if overwrite:
             for name in present:
@@ -163,7 +161,7 @@ def plan_shard(
     manifest = new_manifest(
         run_id=run_id,
         shard=shard,
-        input=InputSource(path=os.path.abspath(input_path), sha256=sha256_file(input_path)),
+        input=InputSource(path=source.name, sha256=source.sha256),
         config=config,
         settings=settings,
         planned=plan.planned,

@@ -1,4 +1,4 @@
-"""Planning: rows in, planned rollouts out (SPEC §3), with every problem found before dispatch.
+"""Planning: rows in, planned rollouts out (docs/how-to/routing.md), with every problem found before dispatch.
 
 The planner streams: it reads one input line at a time, in bounded chunks
 (`producer/planning/limits.py`: a line past `max_row_bytes` is refused without being held), and
@@ -10,7 +10,7 @@ message (`producer/planning/problems.py`), `task_ids` and explicit rollout ids f
 `producer/planning/identity.py`, and interleaved orders spill to temporary files
 (`producer/planning/ordering.py`).
 
-Steps per row, in SPEC §3's order: size, depth and reserved `_ng_*` fields
+Steps per row, in docs/how-to/routing.md's order: size, depth and reserved `_ng_*` fields
 (`producer/planning/reserved.py`), task number (caller-stamped or by identical line), `task_ids`
 selection (each task once, before repetition), checks, agent resolution, fan-out, repeats,
 stamps. `limit` stops reading after N lines.
@@ -19,7 +19,6 @@ stamps. `limit` stops reading after N lines.
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -30,12 +29,23 @@ import orjson
 
 from infra import jsonl
 from producer.planning.identity import ExplicitRolloutIds, TaskSelection
-from producer.planning.limits import MAX_ROW_DEPTH, Line, Oversize, file_lines, too_deep
+from producer.planning.inputs import InputFile
+from producer.planning.limits import MAX_ROW_DEPTH, Line, Oversize, bounded_lines, too_deep
 from producer.planning.ordering import Planned, in_run_order
 from producer.planning.problems import ProblemLog
 from producer.planning.reserved import check_input_row
-from producer.planning.routing import Router, pairing_bypassed
+from producer.planning.routing import DeferredRouter, Route, Router, pairing_bypassed
+from producer.planning.seeds import SEED_NEEDS_JSON, seedable, with_seed
+from producer.planning.skills import SKILLS_REFUSED, SkillsError, skills_ref
 from producer.planning.state import DigestTable, RolloutCounters, digest64
+from producer.planning.tasksets import (
+    ADD_SEED_REFUSED,
+    FLAT_ROW_IN_TASKSET_MODE,
+    EnvironmentRouter,
+    environment_routing,
+    routing_problems,
+    task_row_problems,
+)
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem
@@ -47,7 +57,10 @@ _BOM = b"\xef\xbb\xbf"
 RESPONSES_CREATE_PARAMS = F.RESPONSES_CREATE_PARAMS
 AGENT_REF, TASK_SOURCE, ROLLOUT_ID = F.AGENT_REF, F.TASK_SOURCE, F.ROLLOUT_ID
 TASK_INDEX, ROLLOUT_INDEX, ENVIRONMENT_SERVER = F.TASK_INDEX, F.ROLLOUT_INDEX, F.ENVIRONMENT_SERVER
-RUN_ID, SHARD = F.RUN_ID, F.SHARD
+RUN_ID, SHARD, SKILLS_REF = F.RUN_ID, F.SHARD, F.SKILLS_REF
+TASK_ID, TASK_INPUT = F.TASK_ID, F.TASK_INPUT
+_TASK_IDENTITY = b"\x00task\x00"
+"""Prefix of a materialized task's identity (its `task_id`), apart from any raw line's."""
 DEPTH_MESSAGE = f"the row nests objects and arrays more than {MAX_ROW_DEPTH} levels deep"
 
 
@@ -77,7 +90,7 @@ class Planner:
 
     def __init__(
         self,
-        config: ServersConfig,
+        config: ServersConfig | None,
         settings: CollectionSettings,
         context: PlanContext,
         source: str = "<rows>",
@@ -93,7 +106,23 @@ class Planner:
         self.on_warning = on_warning or print_warning
         self.planned = 0
         self.log = ProblemLog(source)
-        self.router = Router(config, settings, bypass_pairing=pairing_bypassed(settings))
+        self.router = (
+            Router(config, settings, bypass_pairing=pairing_bypassed(settings))
+            if config is not None
+            else DeferredRouter(ServersConfig(), settings)
+        )
+        self.routing = environment_routing(config or ServersConfig(), settings)
+        self.by_environment = EnvironmentRouter(self.router, self.routing)
+        if config is not None:  # without one, nothing to check the routing keys against
+            for problem in routing_problems(self.routing, config):
+                self.log.add_problem(problem)
+        self._skills: dict[str, Any] | None = None
+        if settings.skills is not None:
+            try:
+                self._skills = skills_ref(settings.skills.path)
+            except (SkillsError, OSError) as exc:
+                self.log.add_problem(Problem(str(exc), field="skills.path"))
+        self._environment_routed = 0
         # Sized for the rows expected, so the tables do not rehash mid-run.
         self._tasks = DigestTable(capacity=expected_rows)
         self._counters = RolloutCounters(capacity=expected_rows)
@@ -147,10 +176,13 @@ class Planner:
         if identity is None or b'"_ng_' in identity or b"\\u" in identity:
             check_input_row(row, line_no, self.log)
         get = row.get
+        task_row = type(get(TASK_ID)) is dict and TASK_INPUT in row
         stamped = get(TASK_INDEX)
         if stamped is None:
             self._numbered_tasks += 1
-            if identity is None:
+            if task_row:  # a materialized task is numbered by its task_id, not its line
+                identity = _TASK_IDENTITY + orjson.dumps(get(TASK_ID), option=orjson.OPT_SORT_KEYS)
+            elif identity is None:
                 identity = orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
             task: int | None = self._tasks.setdefault(digest64(identity), self._tasks.count)
         else:
@@ -163,18 +195,20 @@ class Planner:
         source = get(TASK_SOURCE)
         named = ref.get("name") if type(ref) is dict else None
         well_formed = (
-            type(get(RESPONSES_CREATE_PARAMS)) is dict
+            (task_row or type(get(RESPONSES_CREATE_PARAMS)) is dict)
             and (ref is None or (type(named) is str and named != ""))
             and (source is None or type(source) is str)
         )
         if not well_formed:
-            self._shape_problems(row, line_no)
+            self._shape_problems(row, line_no, task_row)
             if type(source) is not str:
                 source = None
             if type(named) is not str or not named:
                 named = None
-        stamp = get(ENVIRONMENT_SERVER)
-        route = self.router.route(named, source, stamp if type(stamp) is str else None)
+        route = self._route(row, line_no, task_row, named, source)
+        if route is None:
+            well_formed = False
+            route = Route(())
         log = self.log
         for message, field_ in route.problems:
             log.add(message, line_no, field_)
@@ -193,23 +227,69 @@ class Planner:
         out: list[Planned] = []
         copy = dict(row)
         take = self._counters.take
+        seeded = self.settings.num_repeats_add_seed
         for target in route.targets:
             agent = target.agent
-            copy[AGENT_REF] = ref if named == agent else {"name": agent}
+            if not target.episode:  # a task row names no agent: its environment server runs it
+                if agent:  # else left to run_examples (`DeferredRouter`)
+                    copy[AGENT_REF] = ref if named == agent else {"name": agent}
+                if self._skills is not None:
+                    copy[SKILLS_REF] = self._skills
             for _ in range(target.repeats):
                 rollout = take(task)
                 copy[TASK_INDEX] = task
                 copy[ROLLOUT_INDEX] = rollout
-                copy[ENVIRONMENT_SERVER] = target.environment
+                if target.environment:
+                    copy[ENVIRONMENT_SERVER] = target.environment
                 copy[RUN_ID] = self._run_id
                 copy[SHARD] = self._shard
+                if seeded:
+                    copy[RESPONSES_CREATE_PARAMS] = with_seed(row[RESPONSES_CREATE_PARAMS], rollout)
                 out.append((rollout, agent, orjson.dumps(copy, option=orjson.OPT_APPEND_NEWLINE)))
         self.planned += len(out)
         return out
 
-    def _shape_problems(self, row: dict[str, Any], line_no: int) -> None:
+    def _route(
+        self,
+        row: dict[str, Any],
+        line_no: int,
+        task_row: bool,
+        named: str | None,
+        source: str | None,
+    ) -> Route | None:
+        """The row's route by NeMo Gym's `environment_routing_mode`; None when the row itself
+        is refused (its problems logged)."""
         log = self.log
-        if RESPONSES_CREATE_PARAMS not in row:
+        mode = self.routing.mode
+        if task_row:
+            refused = task_row_problems(row)
+            if self.settings.num_repeats_add_seed:
+                refused.append((ADD_SEED_REFUSED, "num_repeats_add_seed"))
+            if self.settings.skills is not None:
+                refused.append((SKILLS_REFUSED, "skills"))
+            for message, field_ in refused:
+                log.add(message, line_no, field_)
+            if refused:
+                return None
+            self._environment_routed += 1
+            return self.by_environment.route_task(row[TASK_ID]["taskset"], named, source)
+        if mode == "taskset":
+            log.add(FLAT_ROW_IN_TASKSET_MODE, line_no, TASK_ID)
+            return None
+        if self.settings.num_repeats_add_seed and not seedable(row):
+            log.add(SEED_NEEDS_JSON, line_no, RESPONSES_CREATE_PARAMS)
+            return None
+        if mode == "legacy":
+            self._environment_routed += 1
+            return self.by_environment.route_legacy(named, source)
+        stamp = row.get(ENVIRONMENT_SERVER)
+        return self.router.route(named, source, stamp if type(stamp) is str else None)
+
+    def _shape_problems(self, row: dict[str, Any], line_no: int, task_row: bool = False) -> None:
+        log = self.log
+        if task_row:
+            pass  # a task row's own problems are `task_row_problems`
+        elif RESPONSES_CREATE_PARAMS not in row:
             log.add("missing responses_create_params", line_no, RESPONSES_CREATE_PARAMS)
         elif not isinstance(row[RESPONSES_CREATE_PARAMS], dict):
             log.add(
@@ -265,6 +345,13 @@ class Planner:
                 f" and {len(missing) - 20} more" if len(missing) > 20 else ""
             )
             self.on_warning(f"task_ids matched no row: {shown}")
+        settings = self.settings
+        if self._environment_routed and (settings.agent_map or settings.fan_out):
+            self.on_warning(
+                f"agent_map and fan_out do not apply to the {self._environment_routed} rows "
+                "routed by environment server (materialized task rows, and flat rows in legacy "
+                "mode)"
+            )
         if self._stamped_tasks and self._numbered_tasks:
             self.on_warning(
                 f"{self._stamped_tasks} rows carry _ng_task_index and {self._numbered_tasks} do "
@@ -290,19 +377,9 @@ def _json_type(value: Any) -> str:
     )
 
 
-def estimate_lines(path: str, sample_bytes: int = 1 << 20, cap: int = 100_000_000) -> int:
-    """Lines in a local file, estimated from the first `sample_bytes` (for sizing the tables)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        sample = f.read(sample_bytes)
-    if not sample:
-        return 0
-    return min(cap, int(size * max(1, sample.count(b"\n")) / len(sample)) + 1)
-
-
 def plan_lines(planner: Planner, lines: Iterable[Line]) -> Iterator[bytes]:
-    """The planned lines of `lines` (`file_lines`) in run order; raises PlanningError once every
-    line was read."""
+    """The planned lines of `lines` (`bounded_lines`) in run order; raises PlanningError once
+    every line was read."""
     limit = planner.settings.limit or None
 
     def planned() -> Iterator[Planned]:
@@ -320,21 +397,24 @@ def plan_lines(planner: Planner, lines: Iterable[Line]) -> Iterator[bytes]:
 
 
 def plan_file(
-    path: str,
+    path: str | InputFile,
     config: ServersConfig,
     settings: CollectionSettings,
     context: PlanContext,
     *,
     on_warning: WarningSink | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Stream the planned rows of an input file; raises PlanningError at the end if any line was bad."""
-    planner = Planner(config, settings, context, source=path, on_warning=on_warning)
-    for line in plan_lines(planner, file_lines(path, settings.max_row_bytes)):
+    """Stream the planned rows of an input file (a path or any fsspec URL); raises
+    PlanningError at the end if any line was bad."""
+    source = path if isinstance(path, InputFile) else InputFile(path)
+    planner = Planner(config, settings, context, source=source.name, on_warning=on_warning)
+    lines = bounded_lines(source.chunks(), settings.max_row_bytes)
+    for line in plan_lines(planner, lines):
         yield jsonl.loads(line)
 
 
 def write_plan(
-    path: str,
+    path: str | InputFile,
     out_path: str,
     config: ServersConfig,
     settings: CollectionSettings,
@@ -342,17 +422,20 @@ def write_plan(
     *,
     on_warning: WarningSink | None = None,
 ) -> PlanSummary:
-    """Plan `path` into the local file `out_path` (the materialized inputs); raises PlanningError."""
-    expected = estimate_lines(path)
+    """Plan the input (a path or any fsspec URL, read once: `InputFile.sha256` after) into the
+    local file `out_path` (the materialized inputs); raises PlanningError."""
+    source = path if isinstance(path, InputFile) else InputFile(path)
+    expected = source.estimate_lines()
     if settings.limit:
         expected = min(expected, settings.limit)
     planner = Planner(
-        config, settings, context, source=path, on_warning=on_warning, expected_rows=expected
+        config, settings, context, source=source.name, on_warning=on_warning, expected_rows=expected
     )
     digest = hashlib.sha256()
     count = 0
     with open(out_path, "wb") as out:
-        for line in plan_lines(planner, file_lines(path, settings.max_row_bytes)):
+        lines = bounded_lines(source.chunks(), settings.max_row_bytes)
+        for line in plan_lines(planner, lines):
             digest.update(line)
             out.write(line)
             count += 1
@@ -361,7 +444,7 @@ def write_plan(
 
 def preprocess_examples(
     rows: Iterable[dict[str, Any]],
-    config: ServersConfig | Mapping[str, Any],
+    config: ServersConfig | Mapping[str, Any] | None = None,
     settings: CollectionSettings | None = None,
     run_id: str = "direct",
     shard: str = "0",
@@ -369,13 +452,15 @@ def preprocess_examples(
     task_ids: Iterable[str | int] | None = None,
     on_warning: WarningSink | None = None,
 ) -> list[dict[str, Any]]:
-    """The expanded, stamped copies of `rows` (SPEC §10); the input rows are not mutated.
+    """The expanded, stamped copies of `rows` (docs/reference/python-api.md); the input rows are not mutated.
 
-    `config` is a `ServersConfig` or a mapping in either accepted format (SPEC §2); `task_ids`
+    `config` is a `ServersConfig` or a mapping in either accepted format (docs/reference/servers-config.md); `task_ids`
     keeps only those tasks, each once, before repetition. Raises PlanningError with every
-    problem, rows numbered from 1.
+    problem, rows numbered from 1. Without a config, agents are not checked and a row that
+    names only a `task_source` keeps it without an agent: `run_examples` resolves it against
+    its config (a NeMo Gym head server's URL, for one).
     """
-    if not isinstance(config, ServersConfig):
+    if config is not None and not isinstance(config, ServersConfig):
         from producer.config.loading import parse_servers_config
 
         config = parse_servers_config(dict(config), "<config>")

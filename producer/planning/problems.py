@@ -59,6 +59,13 @@ class ProblemLog:
         else:
             group.more += 1
 
+    def add_problem(self, problem: Problem) -> None:
+        """Record a problem located elsewhere than in the rows (the config's), as it is."""
+        self.failed = True
+        key = (problem.file, problem.message, problem.field)
+        if key not in self._groups:
+            self._groups[key] = _Group(first=0, lines=[problem.line] if problem.line else [])
+
     def problems(self) -> list[Problem]:
         out = []
         for (file, message, field_), group in sorted(

@@ -1,6 +1,6 @@
 """Reserved `_ng_*` fields: which ones an input row may carry, and which ones it may not.
 
-The `_ng_` prefix is the system's (SPEC §3, §5). An input row may carry the identity a caller
+The `_ng_` prefix is the system's (docs/reference/rows.md). An input row may carry the identity a caller
 stamps (`_ng_task_index`, `_ng_rollout_id`), the environment stamp routing reads
 (`_ng_environment_server`) and the planning stamps planning overwrites (`_ng_rollout_index`,
 `_ng_run_id`, `_ng_shard`), so a materialized-inputs file plans again. Any other `_ng_*` field
@@ -8,7 +8,7 @@ is refused: the outcome fields of a failures file fed back as input would poison
 (`_ng_failure_class` makes every echoed result a failure row, `_ng_no_persist` keeps the row
 from ever landing so resume runs it forever, `_ng_attempt_index` would be kept as given).
 
-`run_examples` sends the rows it is given as they are (SPEC §10), so there only the fields that
+`run_examples` sends the rows it is given as they are (docs/reference/python-api.md), so there only the fields that
 change how an outcome is read are refused (`OUTCOME_FIELDS`).
 """
 

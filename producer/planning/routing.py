@@ -1,4 +1,4 @@
-"""Routing a row to its agents and environment server, and checking the pairing (SPEC §3).
+"""Routing a row to its agents and environment server, and checking the pairing (docs/how-to/routing.md).
 
 A row's route depends only on its `agent_ref.name`, its `task_source` and its environment
 stamp, so it is computed once per distinct combination and cached: the per-row cost of routing
@@ -30,8 +30,11 @@ class Target:
     """One agent a row runs on, the environment server it is aggregated under, and how often."""
 
     agent: str
+    """The agent that runs the row; for an episode, the environment server that does."""
     environment: str
     repeats: int
+    episode: bool = False
+    """A materialized task row: its environment server's `/run` runs it, and it names no agent."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ class Router:
     def _single(
         self, named: str | None, source: str | None, problems: list[ProblemText]
     ) -> tuple[str | None, str]:
-        """The one agent a row without fan-out runs on, by SPEC §3's precedence."""
+        """The one agent a row without fan-out runs on, by docs/how-to/routing.md's precedence."""
         amap = self.settings.agent_map
         if named is not None and named in amap:
             return amap[named], f"agent_map[{named!r}]"
@@ -215,39 +218,42 @@ class Router:
         stamp: str | None,
         problems: list[ProblemText],
     ) -> Target | None:
-        config = self.config
-        row_field = "agent_ref" if origin == "agent_ref" else None
-        if agent not in config.agents:
-            other = config.kind_of(agent)
-            article = "an" if other and other[0] in "aeiou" else "a"
-            why = (
-                f"; {agent!r} is {article} {other}, not an agent"
-                if other
-                else did_you_mean(agent, list(config.agents))
-            )
-            problems.append(
-                (f"agent {agent!r} (from {origin}) is not in the config{why}", row_field)
-            )
+        if agent not in self.config.agents:
+            problems.append(self.unknown_agent(agent, origin))
             return None
         environment = self._environment(agent, source, stamp, problems)
-        repeats = self._repeats(agent, basis, problems)
+        repeats = self.repeats_of(agent, basis, problems)
         if not self.bypass_pairing:
-            problems.extend((p, None) for p in self._pairing(agent, source, environment))
+            problems.extend((p, None) for p in self.pairing(agent, source, environment))
         if environment is None or repeats is None:
             return None
         return Target(agent, environment, repeats)
 
+    def unknown_agent(self, agent: str, origin: str) -> ProblemText:
+        """The problem of a row sent to `agent` (named by `origin`), which is no agent of the config."""
+        config = self.config
+        other = config.kind_of(agent)
+        article = "an" if other and other[0] in "aeiou" else "a"
+        why = (
+            f"; {agent!r} is {article} {other}, not an agent"
+            if other
+            else did_you_mean(agent, list(config.agents))
+        )
+        row_field = "agent_ref" if origin == "agent_ref" else None
+        return f"agent {agent!r} (from {origin}) is not in the config{why}", row_field
+
     def _environment(
         self, agent: str, source: str | None, stamp: str | None, problems: list[ProblemText]
     ) -> str | None:
-        """The environment server the agent's rows are aggregated under (SPEC §2, §3)."""
+        """The environment server the agent's rows are aggregated under (docs/how-to/routing.md)."""
         config = self.config
         own = config.agents[agent].environment
         if own is not None and own not in config.environments:
             known = did_you_mean(own, list(config.environments))
             problems.append(
                 (
-                    f"agent {agent!r} names environment {own!r}, which is not in the config{known}",
+                    f"Agent {agent!r} has no environment server, so collection cannot reach it: "
+                    f"it names environment {own!r}, which is not in the config{known}",
                     None,
                 )
             )
@@ -262,15 +268,21 @@ class Router:
                 return hint
         problems.append(
             (
-                f"agent {agent!r} is fronted by several environment servers "
-                f"({', '.join(servers)}); rows routed by agent cannot choose between them: give "
-                "the agent one `environment`, or set the rows' task_source to one of them",
+                f"Agent {agent!r} is fronted by several environment servers: {servers}. Rows "
+                "that route by agent cannot choose between them. Set "
+                "environment_routing_mode=legacy with environment_server_name, or route these "
+                "rows by taskset (or give the agent one `environment`, or set the rows' "
+                "task_source to one of them)",
                 None,
             )
         )
         return None
 
-    def _repeats(self, agent: str, basis: str | None, problems: list[ProblemText]) -> int | None:
+    def repeats_of(
+        self, agent: str | None, basis: str | None, problems: list[ProblemText]
+    ) -> int | None:
+        """`num_repeats` of a row sent to `agent` (None: to an environment server) whose routing
+        basis is `basis`: by the agent, then the basis, then `_default`."""
         n = self.settings.num_repeats
         if isinstance(n, int):
             return n
@@ -278,7 +290,7 @@ class Router:
             if key is not None and key in n:
                 self.used_repeat_keys.add(key)
                 return n[key]
-        keys = agent if basis in (None, agent) else f"{agent} / {basis}"
+        keys = " / ".join(k for k in dict.fromkeys((agent, basis)) if k is not None)
         problems.append(
             (
                 f"num_repeats has no entry for {keys} and no '_default'; listed keys: "
@@ -288,8 +300,12 @@ class Router:
         )
         return None
 
-    def _pairing(self, agent: str, source: str | None, environment: str | None) -> list[str]:
-        """Refusals by the allowed_agents of everything the row meets (SPEC §3)."""
+    def pairing(
+        self, agent: str, source: str | None, environment: str | None, own_datasets: bool = True
+    ) -> list[str]:
+        """Refusals by the allowed_agents of everything the row meets
+        (docs/how-to/routing.md#pairings); `own_datasets`: also those of the dataset entries the
+        agent declares (its flat rows')."""
         config = self.config
         cfg = config.agents[agent]
         checks: dict[str, list[str] | None] = {}
@@ -314,7 +330,7 @@ class Router:
                 checks[f"resources server {rs!r}, which agent {agent!r} binds"] = (
                     config.resources_servers[rs].allowed_agents
                 )
-        for d in cfg.datasets:
+        for d in cfg.datasets if own_datasets else ():
             checks[f"dataset {d.name or '?'!r} declared by agent {agent!r}"] = d.allowed_agents
         if source is not None and source != agent:
             for d in self._datasets_of(source):
@@ -330,3 +346,38 @@ class Router:
                 f"{', '.join(allowed) or 'nothing'}; {PAIRING_HINT}"
             )
         return refusals
+
+
+DEFERRED = ""
+"""A target's agent or environment left for `run_examples` to resolve (no config to planning)."""
+
+
+@dataclass
+class DeferredRouter(Router):
+    """Routes rows without a config (`preprocess_examples` without one): a row keeps its own
+    agent (or the one `agent_map`/`agent_name`/`fan_out` names) unchecked, and a row that names
+    only a `task_source` is left to `run_examples`, which resolves it against its config (a
+    NeMo Gym head server's, say). Repeats follow the row's agent, else its basis, else
+    `_default`; no environment server is stamped."""
+
+    def _route(self, named: str | None, source: str | None, stamp: str | None) -> Route:
+        problems: list[ProblemText] = []
+        basis = named if named is not None else source
+        fan = self.settings.fan_out.get(basis) if basis is not None else None
+        if fan is not None:
+            agents = list(fan)
+        elif named is None and source is not None and not self._named_by_settings(named, source):
+            agents = [DEFERRED]
+        else:
+            agent, _ = self._single(named, source, problems)
+            agents = [] if agent is None else [agent]
+        targets = []
+        for agent in agents:
+            repeats = self.repeats_of(agent, basis, problems)
+            if repeats is not None:
+                targets.append(Target(agent, DEFERRED, repeats))
+        return Route(tuple(targets), tuple(dict.fromkeys(problems)))
+
+    def _named_by_settings(self, named: str | None, source: str) -> bool:
+        amap = self.settings.agent_map
+        return source in amap or "_default" in amap or self.settings.agent_name is not None

@@ -40,9 +40,11 @@ from schemas.messages import (
     CallPolicy,
     CaptureRef,
     FinishRequest,
+    HealthRef,
     RunRef,
 )
 from schemas.settings import CollectionSettings
+from workers.health.registry import normalize_ignored
 from workers.redispatch import CollectTaskMessage, publish_collect
 from workers.shard.state import refresh_shard_keys
 from workers.tracing import NO_JOB, Job, job
@@ -55,6 +57,7 @@ def call_policy(settings: CollectionSettings) -> CallPolicy:
         timeout_s=settings.rollout_timeout_s,
         max_reply_bytes=settings.max_reply_bytes,
         read_idle_timeout_s=settings.read_idle_timeout_s,
+        heartbeat_s=settings.http_heartbeat_s,
         retry_requests=settings.retry_requests,
         max_attempts=settings.max_attempts,
         route_failures_to_sidecar=settings.route_failures_to_sidecar,
@@ -72,23 +75,36 @@ def capture_ref(settings: CollectionSettings) -> dict[str, Any] | None:
     ref = CaptureRef(
         dir=settings.model_call_capture_dir,
         delete_after_merge=settings.delete_model_call_capture,
+        include_payloads=settings.include_model_call_payloads,
     )
-    return ref.model_dump(mode="json")
+    return ref.model_dump(mode="json", exclude_defaults=True)
+
+
+def health_ref(settings: CollectionSettings) -> dict[str, Any] | None:
+    """What each rollout task is told of live health: judge and count its result's verdict,
+    skipping the run's ignored checks; None when the finish step will not check the run."""
+    if settings.disable_health_check or settings.disable_aggregation:
+        return None
+    ignored = list(normalize_ignored(settings.health_check_ignored_checks))
+    return HealthRef(ignored=ignored).model_dump(mode="json")
 
 
 def admissions(
     config: ServersConfig, settings: CollectionSettings, deadline: float | None
 ) -> dict[str, dict[str, Any]]:
     """The admission payload of each agent's rollouts: the run's caps, its agent's cap, the budget."""
+    caps = {name: agent.max_concurrency for name, agent in config.agents.items()}
+    # A task row's `/run` goes to its environment server, under the same run-wide caps.
+    caps.update({name: None for name in config.environments})
     return {
         name: Admission(
             max_resident_tasks=settings.max_resident_tasks,
-            agent_max_concurrency=agent.max_concurrency,
+            agent_max_concurrency=cap,
             dispatch_deadline=deadline,
             dispatch_budget_s=settings.dispatch_budget_s if deadline is not None else None,
             drain_margin_s=settings.drain_margin_s,
         ).model_dump(mode="json", exclude_defaults=True)
-        for name, agent in config.agents.items()
+        for name, cap in caps.items()
     }
 
 
@@ -104,11 +120,13 @@ class CollectMessages:
     run_payload: dict[str, Any]
     policy: dict[str, Any]
     urls: dict[str, str]
-    """Each agent's URL."""
+    """Each agent's URL, and each environment server's (where task rows' episodes go)."""
     gates: dict[str, dict[str, Any]]
-    """Each agent's admission payload (`admissions`)."""
+    """Each agent's and environment server's admission payload (`admissions`)."""
     capture: dict[str, Any] | None = None
     """The run's capture dir payload, when observability is on."""
+    health: dict[str, Any] | None = None
+    """The live health payload, when the run's health check is on."""
 
     @classmethod
     def of(
@@ -123,15 +141,16 @@ class CollectMessages:
             run=run,
             run_payload=run.model_dump(mode="json"),
             policy=call_policy(settings).model_dump(mode="json"),
-            urls={name: agent.url for name, agent in config.agents.items()},
+            urls=call_urls(config),
             gates=admissions(config, settings, deadline),
             capture=capture_ref(settings),
+            health=health_ref(settings),
         )
 
     def message(
         self, row: dict[str, Any], rid: str | None, agent: str, reply: dict[str, Any] | None = None
     ) -> tuple[dict[str, Any], str]:
-        """(payload, argsrepr) of one row's task to `agent`.
+        """(payload, argsrepr) of one row's task to `agent` (a task row's: its environment server).
 
         The task keeps its fixed name (Celery counts a worker's tasks by name: one name per
         rollout would grow `inspect stats` and Flower's worker stats by a key per rollout); the
@@ -145,8 +164,19 @@ class CollectMessages:
             payload["admission"] = self.gates[agent]
         if self.capture is not None:
             payload["capture"] = self.capture
+        if self.health is not None and (reply is None or reply.get("record", True)):
+            payload["health"] = self.health  # judged where it lands: not for an unrecorded call
         run = self.run
         return payload, f"run={run.run_id} shard={run.shard} rollout={rid}"
+
+
+def call_urls(config: ServersConfig) -> dict[str, str]:
+    """Where each server's `/run` listens: every agent's URL, and every environment server's
+    (a task row's episode is run there)."""
+    return {
+        **{name: env.url for name, env in config.environments.items()},
+        **{name: agent.url for name, agent in config.agents.items()},
+    }
 
 
 def enqueue(
@@ -190,7 +220,7 @@ def enqueue(
         with producer.batch(PUBLISH_BATCH):
             for index, row in enumerate(rows):
                 rid = F.rollout_id(row)
-                payload, argsrepr = messages.message(row, rid, F.agent_name(row) or "")
+                payload, argsrepr = messages.message(row, rid, F.dispatch_target(row) or "")
                 task_id = f"{prefix}.{rid}"
                 traced = job.enqueued(row, messages.run_payload, task_id) if job.span else None
                 m = CollectTaskMessage(task_id, payload, argsrepr, group_id, index, None, traced)

@@ -100,6 +100,8 @@ class LiveSnapshot:
     """Why the run stops: the first error (failed), or cancel / drain."""
     rollouts: list[RunningRollout] = field(default_factory=list)
     """The rollout leases of the shard, oldest attempt first."""
+    health: dict[str, int] = field(default_factory=dict)
+    """The live verdict counts' fields (`infra/keys.py`: `shard_health`)."""
 
     def silent_holders(self) -> list[str]:
         """Holders whose leases expired with nobody taking them over, and those taken over from."""
@@ -144,7 +146,8 @@ def snapshot(r: redis.Redis, sid: str) -> LiveSnapshot:
     pipe.exists(keys.shard_finishing(sid))
     pipe.hgetall(keys.shard_counts(sid))
     pipe.mget(keys.shard_run_failed(sid), keys.shard_cancel(sid))
-    gen_raw, leases, waiting, finishing, counts_raw, (failed, cancel) = pipe.execute()
+    pipe.hgetall(keys.shard_health(sid))
+    gen_raw, leases, waiting, finishing, counts_raw, (failed, cancel), health = pipe.execute()
     gen = {k.decode(): v.decode() for k, v in gen_raw.items()}
     snap = LiveSnapshot(now=now, waiting=int(waiting), finishing=bool(finishing))
     snap.token = gen.get("token")
@@ -157,12 +160,19 @@ def snapshot(r: redis.Redis, sid: str) -> LiveSnapshot:
         snap.in_flight_by_agent[parts[1] if len(parts) > 1 else ""] += 1
     snap.in_flight = len(leases)
     snap.shard_counts = _ints(counts_raw)
+    snap.health = _ints(health)
     if isinstance(failed, bytes):
         snap.stop = f"failed: {failed.decode()}"
     elif isinstance(cancel, bytes):
         snap.stop = cancel.decode()
     snap.rollouts = running_rollouts(r, sid, now)
     return snap
+
+
+def live_health(r: redis.Redis, sid: str) -> dict[str, int]:
+    """The shard's live verdict counts' fields (empty once its keys expired)."""
+    raw: dict[bytes, bytes] = r.hgetall(keys.shard_health(sid))  # type: ignore[assignment]
+    return _ints(raw)
 
 
 def broker_queue_length(app: Celery) -> int | None:

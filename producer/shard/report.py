@@ -35,7 +35,9 @@ def print_metrics_file(console: Console, rd: RunDir, name: str, keys_only: bool 
     for entry in entries:
         server = entry.get(F.ENVIRONMENT_SERVER)
         label = (entry.get("agent_ref") or {}).get("name")
-        console.print(f"[bold]environment {escape(str(server))}[/] (agent {escape(str(label))})")
+        # A server labelled by its own name has no agent of its own (a task set's episodes).
+        agent = f" (agent {escape(str(label))})" if label != server else ""
+        console.print(f"[bold]environment {escape(str(server))}[/]{agent}")
         table = Table()
         table.add_column("metric")
         table.add_column("value", justify="right")

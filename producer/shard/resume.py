@@ -1,4 +1,5 @@
-"""`rollouts resume`: enqueue exactly the planned rollouts that still lack an outcome.
+"""`rollouts resume`: enqueue exactly the planned rollouts that still lack an outcome
+(docs/how-to/resume-and-recovery.md).
 
 Every expected rollout has one of NeMo Gym's nine recovery states, read from storage alone
 (`producer/shard/plan.py`); a resume runs exactly the `retryable` ones (a failure below the
@@ -19,9 +20,11 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from rich.console import Console
 
 from infra import keys, telemetry
@@ -30,6 +33,7 @@ from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
 from producer.config.loading import load_run_config
 from producer.config.overrides import resolve_settings
+from producer.planning.ordering import in_run_order
 from producer.shard.celery_client import client_app
 from producer.shard.cluster import RECORDED_BROKER, recorded_cluster
 from producer.shard.dispatch import ShardDispatch, dispatch_generation
@@ -53,7 +57,8 @@ PLANNING_SETTINGS = frozenset(
     {
         "agent_name", "agent_map", "fan_out", "num_repeats", "task_ids", "limit",
         "interleave_repeats", "interleave_by_agent", "allow_unsupported_pairing",
-        "num_shards", "shard_index",
+        "num_shards", "shard_index", "skills", "num_repeats_add_seed",
+        "environment_routing_mode", "environment_server_name", "environment_server_routes",
     }
 )  # fmt: skip
 
@@ -120,6 +125,14 @@ def verify_materialized(rd: RunDir, manifest: Manifest) -> None:
         )
 
 
+def by_target(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """`rows` round-robin across the servers their `/run` goes to (`interleave_by_agent`, spilled
+    to temporary files past a memory budget as planning does)."""
+    planned = ((0, F.dispatch_target(row) or "", orjson.dumps(row) + b"\n") for row in rows)
+    for line in in_run_order(planned, interleave_by_agent=True):
+        yield orjson.loads(line)
+
+
 def resume_settings(
     manifest: Manifest, overrides: dict[str, Any], console: Console
 ) -> tuple[CollectionSettings, dict[str, Any]]:
@@ -177,12 +190,15 @@ def standing_finish(rd: RunDir, manifest: Manifest) -> FinishResult | None:
 def _check_agents(rd: RunDir, shard: str, plan: ResumePlan, config: ServersConfig) -> None:
     missing: Counter[str] = Counter()
     for row in rows_to_run(rd, shard, plan):
-        agent = F.agent_name(row) or ""
-        if agent not in config.agents:
-            missing[agent] += 1
+        target = F.dispatch_target(row) or ""
+        servers = config.environments if F.is_task_row(row) else config.agents
+        if target not in servers:
+            missing[target] += 1
     if missing:
         names = ", ".join(f"{a!r} ({n} rollouts)" for a, n in sorted(missing.items()))
-        raise UsageError(f"the config has no agent {names}; pass --config with those agents")
+        raise UsageError(
+            f"the config has no agent or environment server {names}; pass --config with them"
+        )
 
 
 def saved_config(rd: RunDir, saved: dict[str, Any]) -> ServersConfig:
@@ -236,7 +252,12 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
     verify_materialized(rd, manifest)
     # Before anything is written: the named or recorded cluster answers, or exit 2.
     named = recorded_cluster(manifest, opts.broker_url, opts.redis_url)
-    settings, changed = resume_settings(manifest, opts.overrides, console)
+    overrides = dict(opts.overrides)
+    # Fixed for the planned order; for what a resume re-enqueues, on unless turned off here.
+    interleave = overrides.pop("interleave_by_agent", True)
+    if not isinstance(interleave, bool):
+        raise UsageError(f"+interleave_by_agent must be true or false, got {interleave!r}")
+    settings, changed = resume_settings(manifest, overrides, console)
     if settings.telemetry_enabled:  # before a local cluster starts: its workers trace too
         telemetry.request()
     settings, max_attempts = resume_policy(opts, settings, console)
@@ -281,6 +302,8 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
         )
         to = ShardDispatch(client_app(broker, redis_url), redis_url, opened, config, settings)
         rows = rows_to_run(rd, opts.shard, plan) if plan is not None else iter(())
+        if interleave:
+            rows = by_target(rows)
         return dispatch_generation(to, rows, to_run, console, wait=opts.wait)
 
     if named is not None:

@@ -92,7 +92,9 @@ def execute_run(opts: RunOptions, console: Console | None = None) -> int:
     """Run to the end and return the exit code; raises UsageError for bad input (exit 2)."""
     console = console or Console()
     config = load_run_config(opts.config_path, opts.head_server)
-    settings = resolve_settings(None, opts.settings)
+    # Round-robin across agents unless told otherwise: one slow agent's rows do not queue up
+    # behind each other at the head of the run (the Python API keeps the rows' order).
+    settings = resolve_settings(None, {"interleave_by_agent": True, **opts.settings})
     if settings.telemetry_enabled:  # before a local cluster starts: its workers trace too
         telemetry.request()
     # Before the run directory is touched: a cluster that does not answer is exit 2, nothing written.

@@ -157,7 +157,7 @@ def test_an_agent_that_rate_limits_forever_fails_each_rollout_within_the_bound(
         assert row["failure_kind"] == "rollouts:rate_limited"
         assert row["_ng_failure_http_status"] == 429
         assert "rate_limit_budget_s=3s" in row["_ng_failure_message"]
-    # The README's bound for one delivery: 1 + floor(budget / MIN_WAIT_S) rate-limited requests.
+    # The bound for one delivery (docs/how-to/rate-limits.md): 1 + floor(budget / MIN_WAIT_S) rate-limited requests.
     bound = 1 + int(budget_s // max(MIN_WAIT_S, RETRY_AFTER_S))
     per_key = requests_per_key(log)
     assert max(per_key.values()) <= bound, per_key

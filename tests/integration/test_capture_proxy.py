@@ -1,8 +1,8 @@
 """The capture proxy in front of the example model server, over real HTTP on loopback.
 
 200 concurrent rollouts, each making streamed and non-streamed calls in both dialects: every
-capture file holds exactly its rollout's calls, in NeMo Gym's line format (capture reference
-§1.4-§1.7); unprefixed calls pass through uncaptured; a failed write leaves the incomplete
+capture file holds exactly its rollout's calls, in NeMo Gym's line format
+(docs/how-to/model-call-capture.md); unprefixed calls pass through uncaptured; a failed write leaves the incomplete
 marker; the bytes a caller gets are the model server's.
 """
 

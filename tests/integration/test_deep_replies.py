@@ -1,4 +1,4 @@
-"""A reply that parses but cannot be stored fails alone (SPEC §5), through `rollouts run`.
+"""A reply that parses but cannot be stored fails alone (docs/explanation/contract.md#failures), through `rollouts run`.
 
 The example agent answers every fifth task with JSON nested 300 levels deep: orjson reads up to
 1,024 levels but writes at most 254, so the lander cannot encode the result. That rollout gets a

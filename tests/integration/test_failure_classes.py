@@ -1,4 +1,4 @@
-"""Every failure class of SPEC §5 against the example agent's fault knobs, through real workers.
+"""Every failure class of docs/reference/failures.md against the example agent's fault knobs, through real workers.
 
 One run carries a row per fault (module fixture); each test reads what its row left: the failure
 rows written, whether the call was retried (the agent's own request log), and what landed.

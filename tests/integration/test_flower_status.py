@@ -76,6 +76,16 @@ def test_flower_finds_the_runs_tasks_and_status_matches_the_files(
         names = flower_get(port, "/api/workers?refresh=1")
         assert any(name.startswith("test0-") for name in names), names
         assert run.wait(120) == 0, (tmp_path / "run.log").read_text()
+
+        def judged() -> list[str]:
+            """The results of the run's rollout tasks that landed a result (its verdict in them)."""
+            results = [str(t.get("result")) for t in run_tasks().values()
+                       if t.get("name") == "rollouts.collect"]  # fmt: skip
+            return [r for r in results if "'health'" in r]
+
+        # Live health: each task's result in Flower carries its rollout's verdict.
+        wait_for(lambda: len(judged()) >= 3, 30, "task results with verdicts", interval=0.5)
+        verdicts = judged()
         # A worker's task counts are by name: a handful of keys, not one per rollout.
         stats = flower_get(port, "/api/workers?refresh=1")
         totals = {name: w["stats"]["total"] for name, w in stats.items() if "stats" in w}
@@ -84,6 +94,7 @@ def test_flower_finds_the_runs_tasks_and_status_matches_the_files(
         flower.wait(20)
         servers.stop()
     assert in_flight, "the run ended before Flower was asked"
+    assert all("'verdict': 'unobserved'" in result for result in verdicts), verdicts[:3]
     assert totals and all(set(total) <= FIXED_NAMES for total in totals.values()), totals
     assert sum(sum(total.values()) for total in totals.values()) >= 40, totals
     for task_id, task in seen.items():

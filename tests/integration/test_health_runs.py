@@ -21,7 +21,7 @@ from examples.servers import RunningServers, start_servers
 from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
 from tests.conftest import ROOT, Workers, demo_rows, read_jsonl, write_rows
-from tests.unit.test_health_golden import crafted_folder
+from tests.health_fixtures import crafted_folder
 from workers.health import plan_recheck, run_local
 
 pytestmark = pytest.mark.integration

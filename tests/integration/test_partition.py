@@ -9,7 +9,6 @@ Needs root and `ip netns`: skipped (with the reason) where they are missing.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,23 +25,10 @@ from tests.integration.test_recovery import (
     snapshot,
     start_run,
 )
-from tests.netns_hosts import SERVICE_ADDRESS, TestHosts, available
+from tests.netns_hosts import SERVICE_ADDRESS, TestHosts
 from tests.ops_helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
-
-
-@pytest.fixture
-def hosts() -> Iterator[TestHosts]:
-    why = available()
-    if why is not None:
-        pytest.skip(why)
-    made = TestHosts(3)
-    try:
-        made.up()
-        yield made
-    finally:
-        made.down()
 
 
 @pytest.mark.timeout(240)

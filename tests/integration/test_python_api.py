@@ -1,4 +1,4 @@
-"""The Python API (SPEC §10) against real `celery worker` processes, Redis and the example agent."""
+"""The Python API (docs/reference/python-api.md) against real `celery worker` processes, Redis and the example agent."""
 
 from __future__ import annotations
 
@@ -88,7 +88,8 @@ def test_results_arrive_in_completion_order(
     assert [row[F.TASK_INDEX] for row, _ in got] == [1, 2, 3, 4, 5, 0]
     assert left == []  # a call that settled every row leaves no state in Redis
     for row, result in got:
-        assert any(row is given for given in rows)  # the caller's own row object
+        # A copy the call owns, equal to the row given: never the caller's own object.
+        assert not any(row is given for given in rows) and row == rows[row[F.TASK_INDEX]]
         assert key(result) == key(row) and result["reward"] in (0.0, 1.0)
         perf = result["ng_perf"]
         assert perf["rollout_latency_ms"] >= row["agent_latency_ms"]

@@ -62,6 +62,7 @@ def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
     ticket = first.take("sid1", "3:0", "gen-1", message)
     assert ticket.verdict == "taken" and ticket.lease is not None and ticket.lost == ""
     lease = ticket.lease
+    assert first.fresh(lease) and not other.fresh(lease)  # known current without a round trip
     # A copy while the lease is fresh: live, whoever receives it.
     assert other.take("sid1", "3:0", "gen-1", message).verdict == "live"
     # A resume's delivery is not held back by an older generation's lease.
@@ -72,6 +73,7 @@ def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
     assert row["stage"] == "calling" and row["holder"] == first.holder and row["n"] == 1
     # The holder goes silent: past the TTL, the next renewal of any process takes it over.
     time.sleep(1.2)
+    assert not first.fresh(lease)  # silent for longer than most of the TTL: ask Redis
     assert other.renew_once() == 1 and published == [message]
     [row] = lease_rows(r, "sid1")
     assert row["stage"] == "redispatched" and row["lost"] == first.holder
@@ -235,7 +237,7 @@ def mid_run(
     It yields `settle_s` after a batch landed: 0.2 s is mid-call; 0 is while the workers
     acknowledge what landed and fetch their next messages, where kombu's own transport (a pop,
     then a second round trip recording the message as unacknowledged) would lose a message to a
-    kill; ours pops and records in one script (README: Recovery, *Popped, never recorded*).
+    kill; ours pops and records in one script (docs/explanation/recovery.md, "Popped, never recorded").
     """
     servers = start_servers(knobs=AgentKnobs(latency_ms=400))
     try:
@@ -534,9 +536,9 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
     worker changes no file of the recorded run. Six rows on two workers of four: the worker that
     stays up has a slot free for the copies while it runs what it took over (with eight, the
     copies waited for slots until the attempts they copied had settled, and no copy of a live
-    delivery was seen in about half the runs). No delivery is taken ahead of a slot: with one
-    (the default at four slots), one worker took five of the six, the fifth waiting unleased,
-    and the other one, so that no moment had all six leased (about one run in seven)."""
+    delivery was seen in about half the runs). With the default prefetch one worker may take
+    five of the six, the fifth waiting for a slot: it waits leased, so all six are leased at
+    once all the same (when it waited unleased, about one run in seven never got there)."""
     from producer import preprocess_examples, run_examples
     from schemas.settings import CollectionSettings
 
@@ -546,7 +548,7 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
     r = redis.Redis.from_url(redis_url)
     frozen = None
     try:
-        env = {**ENV, "ROLLOUTS_VISIBILITY_TIMEOUT_S": "2", "ROLLOUTS_PREFETCH_AHEAD": "0"}
+        env = {**ENV, "ROLLOUTS_VISIBILITY_TIMEOUT_S": "2"}
         workers.start(count=2, concurrency=4, env=env)
         workers.wait_ready()
         frozen = workers.procs[0]

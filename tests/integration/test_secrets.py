@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import yaml
 
@@ -35,8 +36,16 @@ def config_with_secrets(servers: RunningServers, path: Path) -> list[str]:
         agent["headers"] = {name: secret(name) for name in NAMES[:3]}
         agent["headers"]["X-Forward"] = "Bearer s3cr3t-bearer"
         agent.update({name: secret(name) for name in NAMES[3:]})
+        # What the summary's configuration facts read (issue 40): flags and names only.
+        agent.update(skip_verification=True, resources_server="verifier")
+    config["resources_servers"] = {
+        "verifier": {"url": "http://127.0.0.1:9?api_key=s3cr3t-verifier", "api_key": "s3cr3t-rs"}
+    }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return ["s3cr3t-urlpw", "s3cr3t-query", "s3cr3t-bearer", *(secret(n) for n in NAMES)]
+    return [
+        "s3cr3t-urlpw", "s3cr3t-query", "s3cr3t-bearer", "s3cr3t-verifier", "s3cr3t-rs",
+        *(secret(n) for n in NAMES),
+    ]  # fmt: skip
 
 
 def test_no_secret_in_the_run_directory_logs_or_ps_and_resume_needs_the_config(
@@ -61,10 +70,28 @@ def test_no_secret_in_the_run_directory_logs_or_ps_and_resume_needs_the_config(
     again = cli("resume", str(out), "--broker", redis_url, "--config", str(config))
     assert again.returncode == 0, again.stdout + again.stderr
 
+    # The new artifacts of issue 40: the status with its live health, a recheck's summary, the
+    # report with its timeouts section (the files land in the run directory, grepped below).
+    status = cli("status", str(out), "--json", "--redis", redis_url)
+    recheck = cli("health-check", str(out), "--json")
+    report = cli("report", str(out))
+    for done in (status, recheck, report):
+        assert done.returncode == 0, done.stdout + done.stderr
+    summary = orjson.loads((out / "quality_summary.json").read_bytes())["run"]
+    agent_facts = summary["config"]["servers"]["math_agent"]
+    assert (agent_facts["skip_verification"], agent_facts["resources_server"]) == (True, "verifier")
+    assert summary["gate"]["inputs"] and summary["timeouts"]["state"] == "unobserved"
+    assert orjson.loads(status.stdout)["health"]["summary"] == summary["verdicts"]
+
     texts = {p: p.read_bytes().decode(errors="replace") for p in out.rglob("*") if p.is_file()}
     texts.update({log: log.read_text(errors="replace") for log in workers.logs})
     texts.update({Path("producer output"): proc.stdout + proc.stderr + again.stdout + again.stderr})
+    for name, done in (("status", status), ("recheck", recheck), ("report", report)):
+        texts[Path(f"{name} output")] = done.stdout + done.stderr
     texts[Path("ps")] = ps
     leaks = {str(p): [s for s in secrets if s in text] for p, text in texts.items()}
     assert not {p: found for p, found in leaks.items() if found}
     assert any("rollouts-0_manifest.json" in str(p) for p in texts)
+    assert {"quality_summary.json", "rollout_verdicts.jsonl", "report.html"} <= {
+        p.name for p in texts
+    }

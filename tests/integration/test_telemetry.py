@@ -172,6 +172,8 @@ def test_a_run_is_one_job_span_and_one_linked_trace_per_rollout(
     # Metrics through the same SDK: rollouts landed, the /run latency histogram.
     wait_for(lambda: "rollouts.rollouts.ended" in receiver.received.metrics, 30, "metrics")
     assert "rollouts.run.duration" in receiver.received.metrics
+    # Live health: each landed result's verdict, counted where it landed.
+    assert "rollouts.health.verdicts" in receiver.received.metrics
     wait_for(lambda: "rollouts.queue.depth" in receiver.received.metrics, 30, "the queue depth")
 
 

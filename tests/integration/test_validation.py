@@ -1,4 +1,4 @@
-"""Fail before dispatch (SPEC §3): one test per validation rule, each through `rollouts run`.
+"""Fail before dispatch (docs/how-to/routing.md): one test per validation rule, each through `rollouts run`.
 
 Every test runs `python -m producer.cli run` as a subprocess against the real example agent and
 environment servers, with a real Redis as the broker (`--no-wait`, no workers). A bad input must
@@ -22,6 +22,7 @@ import redis
 import yaml
 
 from examples.servers import RunningServers
+from examples.tasks import task_row
 from tests.conftest import agent_stats, demo_rows
 
 pytestmark = pytest.mark.integration
@@ -83,7 +84,7 @@ def assert_refused(
 def assert_nothing_dispatched(servers: RunningServers, redis_url: str) -> None:
     for agent in servers.agents:
         assert agent_stats(servers, agent)["requests"] == 0
-    assert all(env.requests == 0 for env in servers.environments.values())
+    assert all(env.requests == env.episodes == 0 for env in servers.environments.values())
     r = redis.Redis.from_url(redis_url)
     try:
         assert r.dbsize() == 0, r.keys()
@@ -319,7 +320,8 @@ def test_agent_without_an_environment_server(
     proc, data, out = run_cli(config, demo_rows(4), tmp_path, redis_url)
     assert_refused(
         proc, data, out, servers, redis_url, {2, 4},
-        "agent 'count_agent' names environment 'count_envv', which is not in the config",
+        "Agent 'count_agent' has no environment server, so collection cannot reach it: it names "
+        "environment 'count_envv', which is not in the config",
     )  # fmt: skip
 
 
@@ -333,7 +335,8 @@ def test_agent_with_several_environment_servers(
     proc, data, out = run_cli(config, demo_rows(5), tmp_path, redis_url)
     assert_refused(
         proc, data, out, servers, redis_url, {1, 3, 5},
-        "agent 'math_agent' is fronted by several environment servers (count_env, math_env)",
+        "Agent 'math_agent' is fronted by several environment servers: ['count_env', 'math_env']. "
+        "Rows that route by agent cannot choose between them.",
     )  # fmt: skip
 
 
@@ -494,3 +497,107 @@ def test_row_larger_than_max_row_bytes(
         proc, data, out, servers, redis_url, {2, 6},
         "the row is larger than max_row_bytes (20000 bytes)",
     )  # fmt: skip
+
+
+# --- NeMo Gym's routing mistakes (issue 38) -----------------------------------------------------
+
+
+def with_routes(servers: RunningServers, **top: Any) -> dict[str, Any]:
+    """The demo config whose math_env runs the episodes of taskset `arith:v1`, plus `top`."""
+    return {**servers.config(), "environment_server_routes": {"arith:v1": "math_env"}, **top}
+
+
+def config_line(config: Path, key: str) -> str:
+    """`servers.yaml:N`, N the line of the top-level `key` in the config written by `run_cli`."""
+    lines = config.read_text().splitlines()
+    return f"{config}:{next(i for i, line in enumerate(lines, 1) if line.startswith(key + ':'))}"
+
+
+def test_a_task_row_whose_taskset_has_no_route(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    rows = rows_with(
+        {2: task_row("arith:v1", "arithmetic", 1), 5: task_row("arith:v2", "arithmetic", 2)}
+    )
+    proc, data, out = run_cli(with_routes(servers), rows, tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {5},
+        f"{data}:5, field 'task_id.taskset': No environment server route is configured for "
+        "taskset 'arith:v2'",
+    )  # fmt: skip
+
+
+def test_taskset_mode_with_a_flat_row(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    rows = [task_row("arith:v1", "arithmetic", i) for i in range(4)]
+    rows[2] = demo_rows(1)[0]
+    config = with_routes(servers, environment_routing_mode="taskset")
+    proc, data, out = run_cli(config, rows, tmp_path, redis_url)
+    assert_refused(
+        proc, data, out, servers, redis_url, {3},
+        f"{data}:3, field 'task_id': taskset routing requires rows containing task_id.taskset and "
+        "task_input; use environment_routing_mode=agent to mix materialized and flat rows in one "
+        "batch",
+    )  # fmt: skip
+
+
+def test_legacy_mode_without_a_server_name(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    proc, data, out = run_cli(
+        with_routes(servers, environment_routing_mode="legacy"), demo_rows(4), tmp_path, redis_url
+    )
+    where = config_line(tmp_path / "servers.yaml", "environment_routing_mode")
+    assert_refused(
+        proc, data, out, servers, redis_url, set(),
+        f"{where}, field 'environment_routing_mode': environment_server_name is required when "
+        "environment_routing_mode=legacy",
+    )  # fmt: skip
+    assert proc.stderr.count("\n  - ") == 1  # one problem, on one line
+
+
+def test_taskset_mode_without_routes(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    config = {**servers.config(), "environment_routing_mode": "taskset"}
+    rows = [task_row("arith:v1", "arithmetic", 1)]
+    proc, data, out = run_cli(config, rows, tmp_path, redis_url)
+    where = config_line(tmp_path / "servers.yaml", "environment_routing_mode")
+    assert_refused(
+        proc, data, out, servers, redis_url, {1},
+        f"{where}, field 'environment_routing_mode': environment_server_routes are required "
+        "when environment_routing_mode=taskset",
+        f"{data}:1, field 'task_id.taskset': No environment server route is configured",
+    )  # fmt: skip
+    # The same mistake made on the command line names the key.
+    proc, data, out = run_cli(
+        servers.config(), rows, tmp_path, redis_url, "+environment_routing_mode=taskset",
+        out=tmp_path / "run2",
+    )  # fmt: skip
+    assert_refused(
+        proc, data, out, servers, redis_url, {1},
+        "field 'environment_routing_mode': environment_server_routes are required",
+    )  # fmt: skip
+
+
+def test_routing_keys_as_overrides_run_a_legacy_batch(
+    servers: RunningServers, redis_url: str, tmp_path: Path
+) -> None:
+    rows = [*demo_rows(2), task_row("arith:v1", "arithmetic", 1)]
+    rows[1] = {k: v for k, v in rows[1].items() if k != "agent_ref"}
+    proc, _, out = run_cli(
+        servers.config(), rows, tmp_path, redis_url, "+environment_routing_mode=legacy",
+        "+environment_server_name=math_env", "+environment_server_routes={arith:v1: count_env}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    planned = [
+        orjson.loads(line)
+        for line in (out / "rollouts-0_materialized_inputs.jsonl").read_bytes().splitlines()
+    ]
+    planned.sort(key=lambda r: r["_ng_task_index"])  # run order round-robins across servers
+    assert [(r.get("agent_ref"), r["_ng_environment_server"]) for r in planned] == [
+        ({"name": "math_agent"}, "math_env"),
+        ({"name": "math_agent"}, "math_env"),  # no agent named: math_env's own
+        (None, "count_env"),
+    ]

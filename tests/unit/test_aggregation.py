@@ -173,3 +173,56 @@ def test_a_large_group_is_spilled_to_sorted_runs_and_streamed_in_order(
     assert scratch is not None and os.path.isdir(scratch)
     spilled.close()
     assert not os.path.exists(scratch)
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3000])
+def test_the_body_is_sized_before_it_is_sent(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    monkeypatch.setattr(aggregation, "SPILL_BYTES", 4096)
+    rows = [{"_ng_task_index": t, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}, "v": "é" * t}
+            for t in range(count)]  # fmt: skip
+    group = group_rows(rows, CONFIG).get("e1") or aggregation.ServerRows()
+    assert group.body_size == len(group.body())
+    group.close()
+
+
+def test_the_request_carries_a_content_length_and_no_chunked_encoding(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: list[httpx.Headers] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers)
+        if request.headers.get("content-length") != str(len(request.content)):
+            return httpx.Response(411, text="Length Required")
+        return httpx.Response(200, json={"agent_metrics": {}})
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(
+        httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(handler), **kw)
+    )
+    monkeypatch.setattr(aggregation, "BODY_CHUNK", 100)  # the body streams in many chunks
+    rows = [{"_ng_task_index": t, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}, "v": "é"}
+            for t in range(50)]  # fmt: skip
+    entries, error = asyncio.run(
+        aggregation.aggregate(group_rows(rows, CONFIG), CONFIG, str(tmp_path))
+    )
+    assert error is None and "aggregation_error" not in entries[0]
+    assert [h.get("transfer-encoding") for h in seen] == [None]
+
+
+def test_task_rows_are_labelled_by_their_servers_attributed_agent() -> None:
+    config = ServersConfig.model_validate(
+        {"agents": {"t": {"url": "http://t"}},
+         "environments": {"tb": {"url": "http://tb", "agent_server": "t"},
+                          "puzzles": {"url": "http://p"}}}
+    )  # fmt: skip
+    rows = [
+        {"_ng_task_index": 0, "_ng_rollout_index": 0, "_ng_environment_server": "tb"},
+        {"_ng_task_index": 1, "_ng_rollout_index": 0, "_ng_environment_server": "puzzles"},
+    ]
+    groups = group_rows(rows, config)
+    assert groups["tb"].agents == ["t"] and groups["puzzles"].agents == []
+    assert label_servers({s: (g.agents[0] if g.agents else None) for s, g in groups.items()}) == {
+        "tb": "t",
+        "puzzles": "puzzles",
+    }

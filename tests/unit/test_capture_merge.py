@@ -1,5 +1,5 @@
 """Golden tests of the capture merge: each capture gap kind gives NeMo Gym 0.7.0's record and,
-through our health check, NeMo Gym's finding (capture reference §1.9-§1.13 and §2)."""
+through our health check, NeMo Gym's finding (docs/how-to/model-call-capture.md)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def line(
     at: float = 100.0,
     error: str | None = None,
 ) -> dict[str, Any]:
-    """One capture line as the proxy writes it (NeMo Gym's fields, §1.6)."""
+    """One capture line as the proxy writes it (NeMo Gym's fields)."""
     rid = f"resp_{uuid.uuid4().hex[:8]}"
     response: dict[str, Any] = {
         "id": rid,
@@ -266,6 +266,22 @@ def test_delete_after_merge_is_a_setting(store: CaptureStore) -> None:
     merged = merge_into(request(store, delete=True), result())
     assert merged["ng_model_call_capture"]["metrics"]["num_calls"] == 1
     assert store.read("3-1") == (None, False)
+
+
+def test_without_payloads_the_trajectory_keeps_no_request_or_response_body(
+    store: CaptureStore,
+) -> None:
+    write(store, "3-1", line())
+    req = request(store).model_copy(
+        update={"capture": CaptureRef(dir=store.url, include_payloads=False)}
+    )
+    merged = merge_into(req, result())
+    [call] = merged["ng_trajectory"]["model_calls"]
+    assert call["request"] is None and call["response"] is None
+    assert call["token_stats"]["completion_tokens"] == 3 and call["duration_ms"] == 10.0
+    assert merged["ng_perf"]["completion_tokens"] == 3
+    with_payloads = merge_into(request(store), result())["ng_trajectory"]["model_calls"][0]
+    assert with_payloads["request"]["input"][0]["content"] == "2+3?"
 
 
 def test_without_a_capture_dir_nothing_is_merged(store: CaptureStore) -> None:

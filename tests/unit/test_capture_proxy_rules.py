@@ -1,4 +1,4 @@
-"""The capture proxy's rules as NeMo Gym 0.7.0 states them (capture reference §1.4, §1.7):
+"""The capture proxy's rules as NeMo Gym 0.7.0 states them (docs/how-to/model-call-capture.md):
 error categories, stream terminals, and streamed bodies reassembled into one object."""
 
 from __future__ import annotations

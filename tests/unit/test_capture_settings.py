@@ -35,6 +35,10 @@ def test_overrides_set_the_capture_and_the_manifest_records_it() -> None:
             {"observability_enabled": True, "model_call_capture_dir": "calls"},
             "model_call_capture_dir must be an absolute path",
         ),
+        (
+            {"delete_model_call_capture": True, "include_model_call_payloads": False},
+            "delete_model_call_capture needs include_model_call_payloads",
+        ),
     ],
 )
 def test_nemo_gyms_capture_errors(values: dict[str, object], message: str) -> None:

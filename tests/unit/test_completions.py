@@ -12,7 +12,7 @@ import pytest
 
 from producer.api.calls import Call, _converter
 from producer.api.completions import Completions, Settled
-from producer.api.transport import Outcome
+from producer.api.model import Outcome
 from schemas import fields as F
 from schemas.errors import PlanningError, RolloutFailedError, ShardFencedError
 from schemas.outcomes import Ended, RolloutFailureRecord
@@ -31,6 +31,7 @@ class StubTransport:
         self.stopped = False
         self.closed = 0
         self.during_close: list[Outcome] = []
+        self.taken: list[int] = []
 
     def start(self) -> None:
         self.started += 1
@@ -42,6 +43,9 @@ class StubTransport:
         self.closed += 1
         for outcome in self.during_close:
             self.on_outcome(outcome)
+
+    def consumed(self, index: int) -> None:
+        self.taken.append(index)
 
     def deliver(self, *outcomes: Outcome) -> None:
         """Deliver from another thread, as the listener does."""
@@ -241,3 +245,44 @@ def test_options_left_at_their_defaults_keep_the_settings_values() -> None:
     assert _settings(base, max_resident_tasks=2).max_resident_tasks == 2
     with pytest.raises(PlanningError, match="max_resident_tasks"):
         _settings(None, max_resident_tasks=0)
+
+
+def test_an_outcome_that_cannot_be_converted_fails_its_row_alone() -> None:
+    def picky(o: Outcome) -> Settled:
+        if o.index == 1:
+            raise KeyError("no such field")
+        return plain(o)
+
+    async def go() -> tuple[list[Any], list[int]]:
+        transport = StubTransport()
+        completions = Completions(3, transport, picky, bounded=False)
+        futures = list(completions)
+        transport.deliver(ok(0), ok(1), ok(2))  # on the listener's thread: it must not die
+        got = await asyncio.gather(*futures, return_exceptions=True)
+        await completions.aclose()
+        return got, transport.taken
+
+    got, taken = asyncio.run(go())
+    errors = [g for g in got if isinstance(g, RolloutFailedError)]
+    assert len(errors) == 1 and "row 1 cannot be read: KeyError" in str(errors[0])
+    assert sorted(row[F.TASK_INDEX] for row, _ in [g for g in got if isinstance(g, tuple)]) == [
+        0,
+        2,
+    ]
+    assert sorted(taken) == [0, 1, 2]  # every outcome handed out, the error too
+
+
+def test_a_row_past_its_result_timeout_raises_timeout_error_naming_it() -> None:
+    convert = _converter(ROWS, CollectionSettings(), Call(enrich=False, records=False), None, "x")
+    message = "rollout 2-0 has no outcome 5s after it was sent (result_timeout_s)"
+    with pytest.raises(TimeoutError, match="rollout 2-0"):
+        convert(Outcome(2, Ended.ERROR, error=message, timed_out=True)).unwrap()
+
+
+def test_a_row_given_up_on_raises_with_its_cause() -> None:
+    convert = _converter(ROWS, CollectionSettings(), Call(enrich=False, records=False), None, "x")
+    cause = ConnectionError("Redis went away")
+    settled = convert(Outcome(0, Ended.ERROR, error="the call's reply listener died", cause=cause))
+    with pytest.raises(RolloutFailedError, match="listener died") as raised:
+        settled.unwrap()
+    assert raised.value.__cause__ is cause

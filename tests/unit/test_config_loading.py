@@ -1,4 +1,4 @@
-"""Servers config: both formats of SPEC §2, head-server discovery, secrets (acceptance 3)."""
+"""Servers config: both formats of docs/reference/servers-config.md, head-server discovery, secrets (acceptance 3)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Golden tests: crafted run folders, and every check's findings and verdict exactly as expected.
 
-The expectations are written by hand from the rules (reference §4 and SPEC §8), record by record.
+The expectations are written by hand from the rules (NeMo Gym 0.7.0's, docs/reference/health-checks.md), record by record.
 """
 
 from __future__ import annotations
@@ -13,16 +13,13 @@ import pytest
 
 from tests.health_fixtures import (
     TRAJECTORY_CHECKS,
-    call,
+    crafted_folder,
     failure,
     healthy_trajectory,
     owed,
     read_summary,
     read_verdicts,
     record,
-    response,
-    trajectory,
-    turn,
     write_lines,
 )
 from workers.health import make_plan, plan_recheck, run_local, write_disabled
@@ -32,144 +29,6 @@ MODEL = "responses_api_models/policy"
 NO_LIMIT = (
     "run_excessive_failures is unobserved: no max_failed_rollouts or max_failed_fraction is set"
 )
-
-
-def crafted_records() -> list[Any]:
-    """One record per check (mostly), in file order; line numbers matter (see comments)."""
-    return [
-        record(0, 0, traj=healthy_trajectory()),  # line 1
-        record(
-            0,
-            1,
-            traj=trajectory(
-                [turn(0, "", ("c1",)), turn(1, "done", ("c2",))], [call("c1"), call("c2")]
-            ),
-            resp=response(usage=(20, 10)),
-        ),
-        record(1, 0, traj=trajectory([turn(0, "", ())], [call("c1")])),
-        record(
-            1,
-            1,
-            traj=trajectory(
-                [turn(0, "x", ("c1",)), turn(1, "y", ("c2",))],
-                [
-                    call("c1", started_at=1.0),
-                    call(
-                        "c2",
-                        status=500,
-                        error="server_error",
-                        started_at=2.0,
-                        tokens={"prompt_tokens": 10, "completion_tokens": 1},
-                    ),
-                ],
-            ),
-            resp=response(usage=(20, 6)),
-        ),
-        record(
-            2,
-            0,
-            traj=trajectory(
-                [turn(0, "cut", ("c1",))],
-                [
-                    call(
-                        "c1",
-                        finish="length",
-                        tokens={"prompt_tokens": 10, "completion_tokens": 0},
-                        raw={"output": []},
-                    )
-                ],
-            ),
-            resp=response(usage=(10, 0)),
-        ),
-        record(
-            2,
-            1,
-            traj=trajectory([turn(0, "a", ("c1",))], [call("c1", tokens={"prompt_tokens": 10})]),
-        ),
-        record(3, 0, traj=trajectory([turn(0, "a", ("c1", "c9"))], [call("c1")])),
-        record(3, 1, traj=healthy_trajectory(), resp=response(usage=(99, 5))),
-        record(4, 0, traj={"turns": "nope"}),  # line 9
-        record(
-            4,
-            1,
-            traj=trajectory(
-                [turn(0, "a", ("c1",)), turn(1, "b", ("c2",))],
-                [call("c1", started_at="a"), call("c2", started_at=1)],
-            ),
-            resp=response(usage=(20, 10)),
-        ),
-        record(5, 0, resp=response("partial", status="incomplete", reason="max_output_tokens")),
-        record(
-            5,
-            1,
-            resp=response(
-                output=[{"type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]}]
-            ),
-        ),
-        record(
-            6,
-            0,
-            steps=[
-                {"step_number": 1, "status": "generated"},
-                {"step_number": 2, "status": "context_window_exceeded"},
-            ],
-        ),
-        record(
-            6,
-            1,
-            resp=response(
-                status="incomplete",
-                reason="max_output_tokens",
-                output=[
-                    {
-                        "type": "message",
-                        "role": "assistant",
-                        "content": [{"type": "refusal", "refusal": "I can't help with that"}],
-                    }
-                ],
-            ),
-        ),
-        record(7, 0, traj=healthy_trajectory()),  # line 15
-        b'{"_ng_task_index": 7, "_ng_rollout_index": ',  # line 16: unreadable
-        record(7, 0, traj=healthy_trajectory()),  # line 17: the same rollout again
-        record(7, 1, traj=healthy_trajectory()),
-        b"",  # line 19: blank
-        record(
-            8,
-            0,
-            traj=trajectory(
-                [turn(0, "a", ("c1",))],
-                [call("c1", status=500, tokens={"prompt_tokens": 10, "completion_tokens": 1})],
-            ),
-            resp=response(usage=(10, 1)),
-        ),
-        record(
-            8,
-            1,
-            traj=trajectory(
-                [turn(0, "a", ("c1",))],
-                [call("c1", status=500, tokens={"prompt_tokens": 10, "completion_tokens": 1})],
-            ),
-            resp=response(usage=(10, 1)),
-        ),
-        record(None, 0, traj=healthy_trajectory()),  # line 22: no task index; ordinal 20
-    ]
-
-
-def crafted_folder(tmp_path: Path) -> Path:
-    folder = tmp_path / "run"
-    folder.mkdir()
-    write_lines(folder / "rollouts-0.jsonl", crafted_records())
-    write_lines(folder / "rollouts-0_materialized_inputs.jsonl", owed(10, 2))
-    write_lines(
-        folder / "rollouts-0_failures.jsonl",
-        [
-            failure(0, 0, "agent_request_failed"),  # landed later: not failed
-            failure(9, 0, "agent_request_failed"),
-            failure(9, 0, "agent_run_error"),  # the latest attempt stands
-        ],
-    )
-    return folder
 
 
 def f(check: str, detail: dict[str, Any], locator: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -190,6 +49,23 @@ OWNED_UNOBSERVED = [
 ]
 FAILED_500 = {"status": 500, "error_category": None}
 DUP = f("rollout_duplicate_identity", {"duplicate_count": 2})
+FAULTS = ["rollout_response_truncated", "rollout_response_empty"]
+
+# The calls judged for faults, and the faulted ones, of each record whose trajectory captured
+# calls and whose call population is known (rollout_verdicts.jsonl's `calls`).
+CALLS: dict[tuple[Any, int], tuple[list[str], list[str]]] = {
+    (0, 0): (["c1"], []),
+    (0, 1): (["c1", "c2"], []),
+    (1, 1): (["c1"], []),  # c2 failed: a trial matter, left out
+    (2, 0): (["c1"], ["c1"]),
+    (2, 1): (["c1"], []),
+    (3, 1): (["c1"], []),
+    (7, 0): (["c1"], []),
+    (7, 1): (["c1"], []),
+    (8, 0): ([], []),
+    (8, 1): ([], []),
+    (20, 0): (["c1"], []),
+}
 
 # (task, rollout, rollout_id, verdict, findings, unobserved), in the order of rollout_verdicts.jsonl.
 EXPECTED: list[tuple[Any, int, str, str, list[dict[str, Any]], list[str]]] = [
@@ -201,7 +77,8 @@ EXPECTED: list[tuple[Any, int, str, str, list[dict[str, Any]], list[str]]] = [
             f("rollout_missing_agent_turns", {"reason": "no agent turn with model activity"}),
             f("agent_turn_hollow", {"reason": "agent turn has no message or tool calls"}, {"turn": 1}),
         ],
-        OWNED_UNOBSERVED,
+        # Its one turn references no call: the calls' population is unknown.
+        [*OWNED_UNOBSERVED, *FAULTS],
     ),
     (
         1, 1, "1-1", "unhealthy",
@@ -220,11 +97,14 @@ EXPECTED: list[tuple[Any, int, str, str, list[dict[str, Any]], list[str]]] = [
         [
             f("model_call_zero_completion_tokens", {"completion_tokens": 0}, {"call_id": "c1"}),
             f("model_call_runaway_generation", {"finish_reason": "length"}, {"call_id": "c1"}),
+            # The one selected call is cut and has no output: both faults name it.
+            f("rollout_response_truncated", {"finish_reason": "length"}, {"call_id": "c1"}),
+            f("rollout_response_empty", {"reason": "empty"}, {"call_id": "c1"}),
         ],
         [],
     ),
     (2, 1, "2-1", "unhealthy", [f("model_call_missing_token_counts", {"missing": ["completion_tokens"]}, {"call_id": "c1"})], ["rollout_token_count_mismatch"]),
-    (3, 0, "3-0", "unhealthy", [f("trajectory_capture_mismatch", {"kind": "missing_captured_call"}, {"call_id": "c9"})], ["rollout_token_count_mismatch"]),
+    (3, 0, "3-0", "unhealthy", [f("trajectory_capture_mismatch", {"kind": "missing_captured_call"}, {"call_id": "c9"})], ["rollout_token_count_mismatch", *FAULTS]),
     (
         3, 1, "3-1", "unhealthy",
         [f("rollout_token_count_mismatch", {"transcript_prompt": 99, "transcript_completion": 5, "capture_prompt": 10, "capture_completion": 5})],
@@ -246,7 +126,7 @@ EXPECTED: list[tuple[Any, int, str, str, list[dict[str, Any]], list[str]]] = [
             f("rollout_ended_on_failed_model_call", {"model_ref": MODEL, **FAILED_500, "observed_calls": 1, "successful_calls": 0}, {"call_id": "c1"}),
             f("model_call_failed", {**FAILED_500, "terminal": True}, {"call_id": "c1"}),
         ],
-        [],
+        FAULTS,  # its one call failed: no call is selected, no output to judge
     ),
     (
         8, 1, "8-1", "unhealthy",
@@ -254,7 +134,7 @@ EXPECTED: list[tuple[Any, int, str, str, list[dict[str, Any]], list[str]]] = [
             f("rollout_ended_on_failed_model_call", {"model_ref": MODEL, **FAILED_500, "observed_calls": 1, "successful_calls": 0}, {"call_id": "c1"}),
             f("model_call_failed", {**FAILED_500, "terminal": True}, {"call_id": "c1"}),
         ],
-        [],
+        FAULTS,  # its one call failed: no call is selected, no output to judge
     ),
     (20, 0, "unnumbered-0", "healthy", [], []),
     (
@@ -300,6 +180,11 @@ def test_every_check_finding_and_verdict(tmp_path: Path) -> None:
             "verdict": verdict,
             "findings": findings,
             "unobserved": unobserved,
+            **(
+                {"calls": dict(zip(("selected", "faulted"), CALLS[(t, r)], strict=True))}
+                if (t, r) in CALLS
+                else {}
+            ),
         }
         for t, r, rid, verdict, findings, unobserved in EXPECTED
     ]
@@ -335,16 +220,18 @@ def test_every_check_finding_and_verdict(tmp_path: Path) -> None:
         "model_call_runaway_generation": 1,
         "task_consistently_unhealthy": 6,
         "task_no_successful_model_calls": 1,
-        "rollout_response_truncated": 1,
-        "rollout_response_empty": 1,
+        "rollout_response_truncated": 2,
+        "rollout_response_empty": 2,
         "rollout_context_window_exceeded": 1,
         "run_excessive_failures": 0,
     }
     coverage = run["artifacts"]["coverage"]
     assert coverage["model_call_failed"] == {"evaluated": 13, "unobserved": 8, "ignored": 0}
+    # Unobserved: the unreadable line, two records whose calls' population is unknown (1-0,
+    # 3-0) and two whose only call failed (8-0, 8-1).
     assert coverage["rollout_response_truncated"] == {
-        "evaluated": 20,
-        "unobserved": 1,
+        "evaluated": 16,
+        "unobserved": 5,
         "ignored": 0,
     }
     assert coverage["task_consistently_unhealthy"] == {
@@ -366,7 +253,8 @@ def test_every_check_finding_and_verdict(tmp_path: Path) -> None:
     }
 
     # The run accounting and the verdict: no limit set, so the run check is unobserved, but the
-    # missing rollout and the duplicate already make the run unhealthy.
+    # duplicate, observed, already makes the run unhealthy. The missing rollout is counted; it
+    # is no reason either way (the verdict never certifies completeness).
     acc = run["accounting"]
     assert {k: acc[k] for k in ("owed", "landed", "scored", "missing", "drained", "duplicates", "not_owed", "unreadable")} == {
         "owed": 20, "landed": 18, "scored": 18, "missing": 1, "drained": None,
@@ -380,10 +268,7 @@ def test_every_check_finding_and_verdict(tmp_path: Path) -> None:
     }
     assert run["state"] == "complete"
     assert run["healthy"] is False
-    assert run["reasons"] == [
-        "1 of 20 owed rollouts have no outcome",
-        "1 records repeat a rollout identity already recorded",
-    ]
+    assert run["reasons"] == ["1 records repeat a rollout identity already recorded"]
     assert run["sources"] == ["rollouts-0.jsonl"]
     assert run["limits"] == {
         "max_failed_rollouts": None,
@@ -562,7 +447,25 @@ def test_shard_that_landed_nothing_is_still_accounted(tmp_path: Path) -> None:
     acc = run["accounting"]
     assert (acc["owed"], acc["landed"], acc["missing"], acc["failed"]["total"]) == (2, 0, 1, 1)
     assert run["healthy"] is False
-    assert len(run["reasons"]) == 2
+    assert run["reasons"] == [
+        "1 of 2 rollouts of agent math_agent on math_env failed with agent_run_error "
+        "(max_failed_rollouts=1)"
+    ]
+
+
+def test_a_healthy_verdict_does_not_certify_completeness(tmp_path: Path) -> None:
+    """Half the owed rollouts have no outcome and nothing read shows a problem: the run is
+    healthy (within its limit), and its accounting still counts the missing ones."""
+    folder = tmp_path / "half"
+    folder.mkdir()
+    write_lines(folder / "rollouts-0.jsonl", [record(0, 0, traj=healthy_trajectory())])
+    write_lines(folder / "rollouts-0_materialized_inputs.jsonl", owed(1, 2))
+    (folder / "rollouts-0_manifest.json").write_bytes(
+        orjson.dumps({"settings": {"max_failed_rollouts": 1}})
+    )
+    run = check(folder)["run"]
+    assert (run["accounting"]["owed"], run["accounting"]["missing"]) == (2, 1)
+    assert (run["healthy"], run["reasons"]) == (True, [])
 
 
 def test_earlier_summary_limits_are_read_without_its_tasks(tmp_path: Path) -> None:

@@ -13,8 +13,13 @@ from hypothesis import strategies as st
 
 from infra.store import RunDir, ShardFiles
 from schemas.config import ServersConfig
-from tests.health_fixtures import healthy_trajectory, read_summary, record, write_lines
-from tests.unit.test_health_golden import crafted_folder
+from tests.health_fixtures import (
+    crafted_folder,
+    healthy_trajectory,
+    read_summary,
+    record,
+    write_lines,
+)
 from workers.health import make_plan, plan_recheck, run_local, spool
 from workers.health.check import FoldedCheck
 from workers.health.io import file_digest, iter_range

@@ -215,3 +215,40 @@ def test_too_deep_walks_only_rows_with_enough_brackets() -> None:
     assert too_deep(nested(MAX_ROW_DEPTH + 1), orjson.dumps(nested(MAX_ROW_DEPTH + 1)))
     wide = row(items=[[i] for i in range(500)])
     assert not too_deep(wide, orjson.dumps(wide))
+
+
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_an_input_url_is_read_in_chunks_hashed_once_and_named_in_messages(
+    scheme: str, tmp_path: Path
+) -> None:
+    import hashlib
+
+    import fsspec
+
+    from producer.planning.inputs import InputFile
+    from producer.planning.planner import write_plan
+
+    url = (
+        f"memory://inputs-{tmp_path.name}/rows.jsonl"
+        if scheme == "memory"
+        else f"file://{tmp_path}/rows.jsonl"
+    )
+    data = b"".join(orjson.dumps(row(n=i)) + b"\n" for i in range(5)) + b"[1]\n"
+    with fsspec.open(url, "wb") as f:
+        f.write(data)
+    source = InputFile(url)
+    assert source.exists()
+    with pytest.raises(PlanningError) as info:
+        write_plan(
+            source, str(tmp_path / "out.jsonl"), CONFIG, CollectionSettings(), PlanContext("r")
+        )
+    name = url if scheme == "memory" else str(tmp_path / "rows.jsonl")
+    assert f"{name}:6: a row must be a JSON object" in str(info.value)
+    good = InputFile(url)
+    with fsspec.open(url, "wb") as f:
+        f.write(data[: -len(b"[1]\n")])
+    planned = write_plan(
+        good, str(tmp_path / "out.jsonl"), CONFIG, CollectionSettings(), PlanContext("r")
+    )
+    assert planned.planned == 5 and good.sha256 == hashlib.sha256(data[:-4]).hexdigest()
+    assert not InputFile(url + ".missing").exists()

@@ -8,10 +8,10 @@ interleavings):
 - the input rows are unchanged;
 - the same inputs plan to byte-identical materialized inputs, through the Python API and
   through a file;
-- the orders are what SPEC §3 says: default is the planner's stream, interleave_repeats is its
+- the orders are what docs/how-to/routing.md says: default is the planner's stream, interleave_repeats is its
   stable sort by rollout index, interleave_by_agent a round-robin of its per-agent sequences.
 
-The expected count is computed by `expected_copies`, SPEC §3's precedence written out plainly.
+The expected count is computed by `expected_copies`, docs/how-to/routing.md's precedence written out plainly.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def settings_strategy(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def expected_copies(rows: list[dict[str, Any]], s: CollectionSettings) -> tuple[int, int]:
-    """(selected rows, planned rollouts) by SPEC §3, written out without the planner's code."""
+    """(selected rows, planned rollouts) by docs/how-to/routing.md, written out without the planner's code."""
     identities: dict[bytes, int] = {}
     taken: set[str] = set()
     selected = total = 0

@@ -1,4 +1,4 @@
-"""SPEC §3 planning rules, one at a time, through `preprocess_examples` and `plan_file`."""
+"""The planning rules of docs/how-to/routing.md, one at a time, through `preprocess_examples` and `plan_file`."""
 
 from __future__ import annotations
 
@@ -375,7 +375,11 @@ def test_several_environment_servers_need_a_choice() -> None:
         environments__code_env__agents=["math_agent", "code_agent"],
     )
     text = problems([row(agent_ref=ref("math_agent"))], cfg)
-    assert "fronted by several environment servers (code_env, math_env)" in text
+    assert (
+        "Agent 'math_agent' is fronted by several environment servers: ['code_env', 'math_env']. "
+        "Rows that route by agent cannot choose between them. Set environment_routing_mode=legacy "
+        "with environment_server_name, or route these rows by taskset"
+    ) in text
     # The row's task_source picks one of them.
     out = plan([row(agent_ref=ref("math_agent"), task_source="math_env")], cfg)
     assert out[0][F.ENVIRONMENT_SERVER] == "math_env"
@@ -385,7 +389,10 @@ def test_missing_environment_server() -> None:
     text = problems(
         [row(agent_ref=ref("math_agent"))], config(agents__math_agent__environment="mth_env")
     )
-    assert "agent 'math_agent' names environment 'mth_env', which is not in the config" in text
+    assert (
+        "Agent 'math_agent' has no environment server, so collection cannot reach it: it names "
+        "environment 'mth_env', which is not in the config (did you mean 'math_env'?)"
+    ) in text
 
 
 def test_allowed_agents_everywhere_the_row_meets(monkeypatch: pytest.MonkeyPatch) -> None:

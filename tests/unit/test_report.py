@@ -228,3 +228,16 @@ def test_the_report_fed_by_the_finish_steps_pass_is_the_standalone_page(
     assert all(w in d.transcripts for w in wanted), wanted
     assert d.unreadable == 1 and d.duplicates == 1
     assert _fed_report(rd, break_after) == page
+
+
+def test_a_task_set_episode_s_transcript_shows_its_task_and_question() -> None:
+    from workers.report.digest import input_text
+
+    question = [{"role": "user", "content": "How many r in strawberry?", "type": "message"}]
+    row = {
+        "_ng_task_id": {"taskset": "demo:words", "task_id": "count-7"},
+        "ng_trajectory": {"turns": [{"question": question}]},
+        "response": {"output": []},
+    }
+    assert input_text(row) == "task: demo:words count-7\nuser: How many r in strawberry?"
+    assert input_text({"_ng_task_id": {"taskset": "t", "task_id": "1"}}) == "task: t 1"

@@ -22,8 +22,10 @@ import redis
 from infra.http import EventLoopThread
 from schemas import fields as F
 from schemas.errors import StorageError
-from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
+from schemas.messages import Admission, CallPolicy, CollectRequest, HealthRef, RunRef
 from schemas.outcomes import Ended, RolloutOutcome
+from schemas.replies import RolloutReply, admission_row
+from workers.replies import reply_body
 from workers.rollout import (
     RECORDED,
     AgentCaller,
@@ -34,7 +36,7 @@ from workers.rollout import (
     run_rollout,
     run_rollout_async,
 )
-from workers.rollout.context import WaitingLines
+from workers.rollout.context import SLOT, WaitingLines
 from workers.rollout.encoding import RESULT_NOT_STORED
 from workers.rollout.fakes import FakeGate, FakeLander, FakeLeases, FakeShard
 from workers.rollout.leases import Lease, LeaseTicket
@@ -70,6 +72,8 @@ class Harness:
         self.land_wait_s = 5.0
         self.refused_because: str | None = None
         self.checked: list[tuple[RunRef, str]] = []
+        self.row: dict[str, Any] = dict(ROW)
+        """The planned row its rollouts run."""
 
     def refusal(self, run: RunRef, agent_url: str) -> str | None:
         """The manifest check (`RunCheck`): records what it was asked."""
@@ -107,18 +111,31 @@ class Harness:
         )
 
     def run(
-        self, delivery: Delivery = RECORDED, token: str = "token-1", **policy: Any
+        self,
+        delivery: Delivery = RECORDED,
+        token: str = "token-1",
+        slot: Callable[[], Awaitable[bool]] | None = None,
+        **policy: Any,
     ) -> RolloutOutcome:
+        """Run one delivery; `slot`: it was taken ahead of the pool's slots (`SLOT`)."""
         admission = policy.pop("admission", Admission())
+        health = policy.pop("health", None)
         req = CollectRequest(
             run=RunRef(run_id="r", output_dir="/tmp/nowhere", shard="0", token=token),
             agent_url="http://agent",
             policy=CallPolicy(backoff_base_s=0.001, **policy),
-            row=dict(ROW),
+            row=dict(self.row),
             admission=admission,
+            health=health,
         )
         try:
-            return run_rollout(req, self.context(), delivery)
+            if slot is None:
+                outcome = run_rollout(req, self.context(), delivery)
+            else:
+                outcome = self.loop.run(_with_slot(slot, req, self.context(), delivery))
+            # Whatever path it took, the Python API's reply of it reads back as the outcome.
+            assert replied(outcome) == outcome
+            return outcome
         finally:
             for c in self.clients:
                 self.loop.run(c.aclose())
@@ -127,6 +144,21 @@ class Harness:
     def slots_returned(self) -> bool:
         """Every admitted delivery gave its slot back and ended its delivery count."""
         return len(self.gate.released) == len(self.gate.admitted) and not self.shard.starts
+
+
+async def _with_slot(
+    slot: Callable[[], Awaitable[bool]], req: CollectRequest, ctx: RolloutContext, d: Delivery
+) -> RolloutOutcome:
+    """A delivery the pool took ahead of its slots: the engine awaits `slot` itself."""
+    SLOT.set(slot)
+    return await run_rollout_async(req, ctx, d)
+
+
+def replied(outcome: RolloutOutcome) -> RolloutOutcome:
+    """The outcome as the caller reads it from its reply (`workers/replies.py`'s encoding)."""
+    return RolloutReply.model_validate_json(
+        reply_body(RolloutReply(index=0, outcome=outcome))
+    ).outcome
 
 
 STAMPS = (F.STARTED_AT, F.RUN_MS, F.EXECUTION)
@@ -157,6 +189,25 @@ def test_landed(h: Harness) -> None:
     assert h.gate.freed == ["3:1"] and h.slots_returned()
     assert h.gate.released[0].duration_s is None  # no budget: no duration kept
     assert out.chord_summary() == {"rollout": "3-1", "outcome": "landed", "requests": 1}
+
+
+def test_a_landed_result_is_judged_and_counted_once(h: Harness) -> None:
+    empty = {"reward": 0.0, "response": {"id": "r", "status": "completed", "output": []}}
+    h.handler = h.reply(200, empty)
+    out = h.run(health=HealthRef())
+    # Its final response has no output (no call was captured): our empty check's finding.
+    health = {"verdict": "unhealthy", "findings": {"rollout_response_empty": 1}}
+    assert out.health == health
+    assert out.chord_summary()["health"] == health  # the task's result (Flower)
+    assert h.shard.health == {"unhealthy": 1, "issues:rollout_response_empty": 1}
+    again = h.run(health=HealthRef())  # a redelivery lands nothing new: counted nothing
+    assert again.ended is Ended.DUPLICATE and again.health is None
+    assert h.shard.health == {"unhealthy": 1, "issues:rollout_response_empty": 1}
+
+
+def test_no_live_verdict_without_the_runs_health_check(h: Harness) -> None:
+    out = h.run()
+    assert out.health is None and "health" not in out.chord_summary() and not h.shard.health
 
 
 def test_landed_with_a_budget_records_its_duration(h: Harness) -> None:
@@ -336,6 +387,19 @@ def test_worker_lost_after_the_attempt_limit(h: Harness) -> None:
     assert h.shard.failures == [out.record]
     assert out.record is not None and out.record[F.FAILURE_CLASS] == "worker_lost"
     assert h.shard.run_failed is not None  # not routed: a lost rollout fails the run
+
+
+def test_a_row_without_identity_replies_without_a_rollout_id(h: Harness) -> None:
+    # A row given to run_examples as is: no task or rollout index, so no rollout id. Its reply
+    # leaves the id out, and the caller reads it back whole (it once failed to, and the
+    # caller's only listener died on it).
+    h.row = {F.AGENT_REF: {"name": "a"}, "question": "1+1"}
+    run = RunRef(run_id="r", output_dir="/tmp/nowhere", shard="0", token="token-1")
+    seen = CollectRequest(run=run, agent_url="http://agent",
+                          row=admission_row(h.row, {"invocation": "i", "index": 4}))  # fmt: skip
+    out = h.run(Delivery(record=False, fails_run=False, admission=seen))
+    assert out.rollout is None and out.ended is Ended.LANDED
+    assert '"rollout"' not in reply_body(RolloutReply(index=4, outcome=out))
 
 
 def test_worker_lost_unrecorded_lands_nothing(h: Harness) -> None:
@@ -836,3 +900,47 @@ def test_a_line_passes_the_turn_in_order_and_rings_its_first(loop: EventLoopThre
         return seen
 
     assert loop.run(scenario()) == ["a", "c left", "b", "d"]
+
+
+class SlotAfter:
+    """A pool slot that is given once `then` ran (it sees the world as the delivery waits)."""
+
+    def __init__(self, then: Callable[[], object] = lambda: None, free: bool = True) -> None:
+        self.then = then
+        self.free = free
+        self.awaited = 0
+
+    async def __call__(self) -> bool:
+        self.awaited += 1
+        self.then()
+        return self.free
+
+
+def test_a_delivery_taken_ahead_waits_for_its_slot_holding_its_lease(h: Harness) -> None:
+    held: list[str] = []
+    slot = SlotAfter(lambda: held.extend(h.leases.held))
+    out = h.run(LEASED, slot=slot)
+    assert out.ended is Ended.LANDED and slot.awaited == 1
+    assert held == ["3:1"] and h.gate.admitted == ["3:1"]  # leased while it waited, then admitted
+    assert h.leases.settled == {"3:1": "token-1"} and h.slots_returned()
+
+
+def test_a_copy_taken_ahead_ends_without_waiting_for_a_slot(h: Harness) -> None:
+    h.leases.take("sid", "3:1", "token-1", MESSAGE)  # the live attempt, elsewhere
+    slot = SlotAfter()
+    out = h.run(LEASED, slot=slot)
+    assert out.ended is Ended.REDELIVERED and slot.awaited == 0 and h.requests == []
+
+
+def test_a_delivery_refused_its_slot_gives_its_lease_back_and_calls_nothing(h: Harness) -> None:
+    out = h.run(LEASED, slot=SlotAfter(free=False))
+    assert out.ended is Ended.REDELIVERED and "stopping" in (out.detail or "")
+    assert h.leases.given_back == ["3:1"] and not h.leases.held and h.leases.settled == {}
+    assert h.requests == [] and h.gate.admitted == []
+
+
+def test_a_delivery_taken_over_while_it_waited_for_its_slot_calls_nothing(h: Harness) -> None:
+    # Its worker froze with it waiting: its lease expired and the rollout runs elsewhere.
+    out = h.run(LEASED, slot=SlotAfter(lambda: h.leases.take_over("3:1")))
+    assert out.ended is Ended.TAKEN_OVER and h.requests == [] and h.gate.admitted == []
+    assert h.shard.results == [] and h.leases.settled == {}

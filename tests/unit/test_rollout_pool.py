@@ -20,7 +20,7 @@ from celery.app.task import Context
 
 from infra.environment import from_env
 from workers.pool import RolloutPool, on_loop, take_ran
-from workers.rollout.context import CALL_ENDED
+from workers.rollout.context import CALL_ENDED, SLOT
 
 TASK = "tests.pooled"
 seen: list[Any] = []
@@ -311,3 +311,78 @@ def test_a_delivery_body_is_decoded_once_by_the_consumer(monkeypatch: pytest.Mon
     [(_, _, _, given, content_type, encoding)] = traced
     assert given == [["once"], {}, {"chord": None, "callbacks": None}]
     assert content_type is None and encoding is None
+
+
+OWN_TASK = "tests.pooled_own_slot"
+release = threading.Event()
+
+
+@on_loop(OWN_TASK, own_slot=True)
+async def _leases_first(request: Any, name: str) -> str:
+    """A rollout task's shape: a first step (its lease) before its slot, then its call."""
+    events.append(f"{name} leased")
+    slot = SLOT.get()
+    if slot is not None and not await slot():
+        events.append(f"{name} refused")
+        return "refused"
+    events.append(f"{name} called")
+    while not release.is_set():
+        await asyncio.sleep(0.01)
+    return name
+
+
+def _deliver_own(pool: RolloutPool, name: str) -> tuple[concurrent.futures.Future[Any], list[str]]:
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    accepted: list[str] = []
+    body = orjson.dumps([[name], {}, {"chord": None, "callbacks": None}])
+    pool.apply_async(
+        lambda *_: done.set_result(events.count(f"{name} called")),
+        args=(OWN_TASK, name, {"id": name, "task": OWN_TASK}, body, "application/json", "utf-8"),
+        accept_callback=lambda pid, at: accepted.append(name),
+    )
+    return done, accepted
+
+
+def _until(predicate: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_delivery_taken_ahead_takes_its_lease_before_its_slot_is_free() -> None:
+    """One slot, busy: the delivery taken ahead runs its first step (its rollout's lease) at once
+    and is accepted (Flower's task-started) only once it has the slot."""
+    events.clear()
+    release.clear()
+    pool = RolloutPool(limit=1, app=Celery("test-pool-own"))
+    pool.start()
+    try:
+        first, _ = _deliver_own(pool, "a")
+        _until(lambda: "a called" in events)
+        second, accepted = _deliver_own(pool, "b")
+        _until(lambda: "b leased" in events)
+        assert events == ["a leased", "a called", "b leased"] and accepted == []
+        release.set()
+        assert first.result(5) == 1 and second.result(5) == 1 and accepted == ["b"]
+    finally:
+        pool.stop()
+
+
+def test_a_warm_stop_refuses_the_slot_of_a_delivery_waiting_for_one_leased() -> None:
+    """The delivery taken ahead learns it will not start (it gives its lease back) and is
+    neither traced nor acknowledged: the broker gives it to another worker."""
+    events.clear()
+    release.clear()
+    pool = RolloutPool(limit=1, app=Celery("test-pool-own-stop"))
+    pool.start()
+    running, _ = _deliver_own(pool, "a")
+    _until(lambda: "a called" in events)
+    waiting, accepted = _deliver_own(pool, "b")
+    _until(lambda: "b leased" in events)
+    stopping = threading.Thread(target=pool.stop)
+    stopping.start()
+    _until(lambda: pool._stopping)
+    release.set()
+    stopping.join(10)
+    assert not stopping.is_alive() and running.done() and not waiting.done()
+    assert events == ["a leased", "a called", "b leased", "b refused"] and accepted == []

@@ -18,6 +18,7 @@ def test_every_script_is_here() -> None:
         "BEGIN_LUA",
         "END_LUA",
         "EXTEND_LUA",
+        "GIVE_BACK_LUA",
         "LANDED_LUA",
         "RELEASE_LUA",
         "RENEW_LUA",

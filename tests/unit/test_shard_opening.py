@@ -100,13 +100,14 @@ def test_one_message_builder_for_the_chord_and_the_api() -> None:
     row = {"agent_ref": {"name": "solo_agent"}, "_ng_task_index": 0}
     capped = CollectMessages.of(run, CONFIG, CollectionSettings(), None)
     payload, argsrepr = capped.message(row, "0.0", "solo_agent")
-    assert list(payload) == ["run", "agent_url", "policy", "row", "admission"]
+    assert list(payload) == ["run", "agent_url", "policy", "row", "admission", "health"]
     assert payload["admission"] == {"agent_max_concurrency": 3}
+    assert payload["health"] == {"ignored": []}  # its result's verdict is counted live
     assert (payload["agent_url"], payload["row"]) == ("http://s", row)
     assert argsrepr == "run=run-1 shard=0 rollout=0.0"
     reply = {"invocation": "i", "index": 0, "record": False}
     uncapped = CollectMessages.of(run, UNCAPPED, CollectionSettings(), None)
     payload, argsrepr = uncapped.message(row, "7", "solo_agent", reply)
-    assert list(payload) == ["run", "agent_url", "policy", "row", "reply"]
+    assert list(payload) == ["run", "agent_url", "policy", "row", "reply"]  # lands nowhere
     # The task keeps its own name; the run and rollout are in what Flower shows as its args.
     assert argsrepr == "run=run-1 shard=0 rollout=7"

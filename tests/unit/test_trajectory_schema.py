@@ -1,5 +1,5 @@
 """Golden tests: each way a trajectory breaks NeMo Gym 0.7.0's `TrajectoryRecord` gives the
-peer's finding (`record_unreadable`, capture reference §1.10 and §2), and our own checks never
+peer's finding (`record_unreadable`, docs/reference/health-checks.md), and our own checks never
 take a healthy verdict away when their evidence does not apply."""
 
 from __future__ import annotations
@@ -139,9 +139,9 @@ def test_no_step_usage_does_not_make_a_healthy_record_unobserved() -> None:
 
 def test_our_checks_still_add_findings_without_step_usage() -> None:
     row = _record(steps=None)
-    row["response"]["output"] = []
+    row["ng_trajectory"]["model_calls"][0]["response"] = {"output": []}
     d = check_record(row, frozenset())
-    assert [f[0] for f in d.findings] == ["rollout_response_empty"]
+    assert [(f[0], f[1]) for f in d.findings] == [("rollout_response_empty", {"call_id": "c1"})]
 
 
 def test_a_nemo_check_without_evidence_still_makes_the_record_unobserved() -> None:

@@ -1,8 +1,8 @@
 """Model-call capture on the worker: clear a rollout's capture before dispatch, merge it after.
 
 The rollout engine calls `clear_for` before it calls `/run` and `merge_into` on the agent's
-result before it is sorted and landed, as NeMo Gym 0.7.0's collector does (capture reference
-§1.8): `ng_model_call_capture` (metrics, calls, gaps), `ng_trajectory` (a valid
+result before it is sorted and landed, as NeMo Gym 0.7.0's collector does
+(docs/how-to/model-call-capture.md): `ng_model_call_capture` (metrics, calls, gaps), `ng_trajectory` (a valid
 `TrajectoryRecord`) and `ng_perf`. Both do nothing when the request carries no capture dir
 (observability off), and neither raises: a capture that cannot be read is a gap in the record,
 a projection that fails is NeMo Gym's `trajectory_projection_failed`.
@@ -75,8 +75,10 @@ def merge(
     row: dict[str, Any],
     result: dict[str, Any],
     run_latency_ms: float | None = None,
+    include_payloads: bool = True,
 ) -> tuple[dict[str, Any], bool]:
-    """(the result with its capture merged, whether the capture was read whole)."""
+    """(the result with its capture merged, whether the capture was read whole); without
+    `include_payloads` the trajectory's model calls keep no request or response body."""
     key = F.rollout_id(result)
     if key is None:
         return result, False
@@ -99,8 +101,11 @@ def merge(
         )
         merged.pop("ng_trajectory", None)
         return merged, read
-    merged["ng_trajectory"] = trajectory
     records.strip_payloads(block)
+    if not include_payloads:  # the structure, timings and token counts stay
+        for call in trajectory.get("model_calls") or []:
+            call["request"] = call["response"] = None
+    merged["ng_trajectory"] = trajectory
     try:
         perf = project.perf(trajectory, run_latency_ms)
     except Exception as exc:  # NeMo Gym logs it and leaves ng_perf out
@@ -133,7 +138,7 @@ def _merge_into(
     except Exception as exc:  # the dir cannot be reached: NeMo Gym's unreadable capture
         log.warning("capture dir %s cannot be opened: %s", capture.dir, exc)
         store = _Unreachable(exc)
-    merged, read = merge(store, req.row, result, run_latency_ms)
+    merged, read = merge(store, req.row, result, run_latency_ms, capture.include_payloads)
     key = F.rollout_id(result)
     if read and capture.delete_after_merge and key is not None:
         try:

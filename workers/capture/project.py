@@ -1,7 +1,7 @@
 """The capture and the agent's observations projected into `ng_trajectory`, then `ng_perf`.
 
-NeMo Gym 0.7.0's ownership join, trajectory projection and `ng_perf` (capture reference §1.10,
-§1.11): captured calls are attributed to the agent's invocations (by `x-session-id`, then by the
+NeMo Gym 0.7.0's ownership join, trajectory projection and `ng_perf`
+(docs/how-to/model-call-capture.md): captured calls are attributed to the agent's invocations (by `x-session-id`, then by the
 invocations' own references), turns are derived from the owned calls when the agent sent no
 trajectory, and the gaps say what could not be observed. Every trajectory is built through
 `schemas.trajectory.TrajectoryRecord`, so it is valid by construction.

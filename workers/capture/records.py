@@ -1,7 +1,7 @@
 """A capture file read back: NeMo Gym 0.7.0's `ModelCallRecord`s, their metrics and gaps.
 
 `read_capture` is NeMo Gym's `merge_model_call_capture_into_record` up to the projection
-(capture reference §1.5, §1.9, §4.1): the lenient read (blank lines skipped; a line that is not
+(docs/how-to/model-call-capture.md): the lenient read (blank lines skipped; a line that is not
 a JSON object counts as unreadable but still takes its `call_index`), one record per readable
 line with its fields in NeMo Gym's order, the sums of `metrics`, and the gaps.
 """

@@ -15,6 +15,7 @@ from typing import Any
 from schemas.health import RUN_CHECK, Limits
 from schemas.records import RateLimitWaits
 from schemas.usage import TokenCounts, TokenUsage
+from workers.health.scan import OMITTED
 
 Group = tuple[str | None, str | None]
 
@@ -62,8 +63,9 @@ class Accounting:
         records: int,
         all_scored: bool,
         latest_failure: list[Any] | None,
-    ) -> None:
-        """One (task, rollout) of one input: its inventory row, record count, latest failure."""
+    ) -> tuple[str, str | None, str | None] | None:
+        """One (task, rollout) of one input: its inventory row, record count, latest failure;
+        returns (class, agent, environment server) when it counts as failed."""
         s = self.sources[source]
         if owed is not None:
             s.owed += 1
@@ -71,24 +73,25 @@ class Accounting:
         if records:
             if s.has_inventory and owed is None:
                 s.not_owed += 1
-                return
+                return None
             s.landed += 1
             s.scored += 1 if all_scored else 0
-            return
+            return None
         if latest_failure is not None:
             if s.has_inventory and owed is None:
                 self.failures_not_owed += 1
-                return
-            cls, agent, env, *rest = latest_failure
-            if rest and rest[0]:
+                return None
+            cls, agent, env = latest_failure[:3]
+            if len(latest_failure) > OMITTED and latest_failure[OMITTED]:
                 self.omitted += 1
-                return
+                return None
             if owed is not None:
                 agent, env = agent if agent is not None else owed[0], env or owed[1]
             self.add_failed(cls, agent, env)
-            return
+            return cls, agent, env
         if owed is not None:
             s.no_outcome += 1
+        return None
 
     def add_failed(self, cls: str, agent: str | None, env: str | None) -> None:
         """A failed rollout, by the class and (agent, environment server) of its latest failure."""

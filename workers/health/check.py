@@ -116,12 +116,16 @@ def plan_recheck(
     limit_overrides: dict[str, str | None] | None = None,
     ignored: list[str] | tuple[str, ...] = (),
     distributed: bool = False,
+    capture_dir: str | None = None,
 ) -> HealthPlan:
-    """The plan of `rollouts health-check RUN_DIR`: sources verified, limits resolved."""
+    """The plan of `rollouts health-check RUN_DIR`: sources verified, limits resolved; the
+    failed rollouts' calls are read from `capture_dir`, else from each run's own."""
     rd = RunDir(run_dir)
     if not rd.fs.isdir(rd.root):
         raise UsageError(f"run directory not found: {run_dir}")
     sources = discover(rd, rollouts_file)
+    if capture_dir is not None:
+        sources = [s.model_copy(update={"capture_dir": capture_dir}) for s in sources]
     limits, overrides = apply_overrides(persisted_limits(rd, sources), limit_overrides or {})
     scratch = None if distributed else _local_scratch()
     return make_plan(

@@ -13,14 +13,24 @@ from typing import Any
 import orjson
 
 from infra.store import RunDir
-from schemas.health import QUALITY_SUMMARY, ROLLOUT_VERDICTS, RUN_CHECK, HealthPlan, ScanResult
+from schemas.health import (
+    QUALITY_SUMMARY,
+    ROLLOUT_VERDICTS,
+    RUN_CHECK,
+    FileKind,
+    HealthPlan,
+    ScanJob,
+    ScanResult,
+)
+from schemas.run_facts import InputDigest
 from workers.health.accounting import Accounting, SourceCounts, excessive_failures
 from workers.health.digest import CHECK_NUMBER, POSITIONAL
-from workers.health.io import iter_scratch, open_writer
+from workers.health.io import file_digest, iter_scratch, open_writer
 from workers.health.reduce import Reducer, Totals
 from workers.health.scan import KEY_LEN, RECORD
 from workers.health.spool import RunWriter, merge, tagged
-from workers.health.summary import run_section, summary_chunks
+from workers.health.summary import config_section, run_section, summary_chunks
+from workers.health.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 UNREADABLE_NUMBER = CHECK_NUMBER["record_unreadable"]
@@ -57,6 +67,24 @@ def _key_late(plan: HealthPlan, results: dict[int, ScanResult], scratch: RunDir)
     return writer.close()
 
 
+def input_digests(plan: HealthPlan, results: dict[int, ScanResult]) -> list[InputDigest]:
+    """The size and SHA-256 of every file the jobs read, in plan order: from the one job that
+    read a file whole, else read again here (a file split into byte ranges)."""
+    jobs: dict[tuple[int, FileKind], list[ScanJob]] = {}
+    for job in plan.jobs:
+        jobs.setdefault((job.source, job.kind), []).append(job)
+    out = []
+    for (source, kind), parts in jobs.items():
+        first = results[parts[0].job]
+        if len(parts) == 1 and first.sha256 is not None and first.size is not None:
+            size, sha = first.size, first.sha256
+        else:
+            size, sha = file_digest(RunDir(parts[0].dir), parts[0].name)
+        label = plan.sources[source].label
+        out.append(InputDigest(source=label, kind=kind, bytes=size, sha256=sha))
+    return out
+
+
 def combine(plan: HealthPlan, results: list[ScanResult]) -> dict[str, Any]:
     """Write `rollout_verdicts.jsonl` and `quality_summary.json`; returns the summary's `run`."""
     scratch = RunDir(plan.scratch)
@@ -86,8 +114,10 @@ def _combine(plan: HealthPlan, results: dict[int, ScanResult], scratch: RunDir) 
 
     report = RunDir(plan.report_dir)
     labels = [s.label for s in plan.sources] if multi else None
+    timeouts = Timeouts([s.capture_dir for s in plan.sources])
     with open_writer(report, ROLLOUT_VERDICTS) as out:
-        Reducer(accounting, totals, out, emit, labels).run(merge(scratch, names, KEY_LEN))
+        reducer = Reducer(accounting, totals, out, emit, labels, timeouts)
+        reducer.run(merge(scratch, names, KEY_LEN))
     check = excessive_failures(accounting, plan.limits, RUN_CHECK in plan.ignored)
     run = run_section(
         state="complete",
@@ -98,6 +128,9 @@ def _combine(plan: HealthPlan, results: dict[int, ScanResult], scratch: RunDir) 
         sources=[s.label for s in plan.sources],
         ignored=plan.ignored,
         check=check,
+        config=config_section([(s.label, s.config_facts) for s in plan.sources]),
+        inputs=input_digests(plan, results),
+        timeouts=timeouts.section(),
     )
     task_entries = ((e[3], e[4]) for e in merge(scratch, tasks.close(), 3, prefix="tasks-merge"))
     with open_writer(report, QUALITY_SUMMARY) as f:

@@ -53,6 +53,11 @@ class Digest:
     transcript_completion: int = 0
     capture_prompt: int = 0
     capture_completion: int = 0
+    selected: list[str] | None = None
+    """Call ids of the model calls judged for faults; None when no call was (none captured, or
+    the population unknown)."""
+    faulted: list[str] | None = None
+    """Call ids of the selected calls with a fault (cut or empty)."""
 
     def payload(self) -> list[Any]:
         flags = (
@@ -77,6 +82,8 @@ class Digest:
             self.transcript_completion,
             self.capture_prompt,
             self.capture_completion,
+            self.selected,
+            self.faulted,
         ]
 
     @classmethod
@@ -104,4 +111,6 @@ class Digest:
             transcript_completion=p[10],
             capture_prompt=p[11],
             capture_completion=p[12],
+            selected=p[13],
+            faulted=p[14],
         )

@@ -1,6 +1,6 @@
 """Every rollout-level check on one record, giving its digest (findings, unobserved checks, stats).
 
-NeMo Gym 0.7.0's rule set (reference §4.1): an unreadable line fires only `record_unreadable`
+NeMo Gym 0.7.0's rule set (docs/reference/health-checks.md): an unreadable line fires only `record_unreadable`
 and leaves every other check unobserved; a check whose evidence is missing is unobserved; a
 check that raises is unobserved and adds a `check_execution_error` finding. The duplicate check
 is judged later, across records (it needs them all).
@@ -13,221 +13,104 @@ from collections.abc import Callable
 from typing import Any
 
 from infra import jsonl
-from schemas.health import ROLLOUT_CHECKS
+from schemas.health import ROLLOUT_CHECKS, CheckInput
 from workers.health import response_checks
 from workers.health.digest import Digest
-from workers.health.registry import mask_of
+from workers.health.nemo_checks import (
+    LENGTH_FINISH,
+    call_failed,
+    capture_mismatch,
+    ended_on_failed_call,
+    hollow_turns,
+    int_or_none,
+    missing_agent_turns,
+    missing_token_counts,
+    runaway,
+    token_mismatch,
+    transcript_tokens,
+    zero_completion,
+)
+from workers.health.registry import BY_ID, mask_of
 from workers.health.response_checks import Finding
-from workers.health.trajectory import CONTRADICTION_GAPS, Trajectory, TrajectoryInvalid, nonempty
-from workers.health.trajectory import has_tool_call as _has_tool_call
-from workers.health.trajectory import response_has_content as _has_content
-
-LENGTH_FINISH = frozenset({"length", "max_output_tokens", "max_tokens"})
+from workers.health.trajectory import Trajectory, TrajectoryInvalid
 
 
-def _int(value: Any) -> int | None:
-    return value if type(value) is int and value >= 0 else None
-
-
-def transcript_tokens(record: dict[str, Any]) -> tuple[int | None, int | None]:
-    response = record.get("response")
-    usage = response.get("usage") if isinstance(response, dict) else None
-    if not isinstance(usage, dict):
-        return None, None
-    prompt = usage.get("input_tokens", usage.get("prompt_tokens"))
-    completion = usage.get("output_tokens", usage.get("completion_tokens"))
-    return _int(prompt), _int(completion)
-
-
-def _missing_agent_turns(t: Trajectory) -> list[Finding]:
-    for turn in t.turns:
-        answer = turn.get("answer")
-        if nonempty(answer) or nonempty(turn.get("reasoning_content")) or _has_tool_call(answer):
-            return []
-        if turn.get("model_calls"):
-            return []
-    return [(None, {"reason": "no agent turn with model activity"})]
-
-
-def _hollow_turns(t: Trajectory) -> list[Finding]:
-    out: list[Finding] = []
-    for position, turn in enumerate(t.turns):
-        answer = turn.get("answer")
-        message = nonempty(answer) or nonempty(turn.get("reasoning_content"))
-        if not message and not _has_tool_call(answer):
-            out.append(
-                (
-                    {"turn": turn.get("turn_no", position)},
-                    {"reason": "agent turn has no message or tool calls"},
-                )
-            )
-    return out
-
-
-def _ended_on_failed_call(t: Trajectory) -> list[Finding]:
-    """Per model (model_ref type/name), whether its last call failed.
-
-    The last call is known when all of the model's calls failed, or when they all carry
-    `started_at` (then it is the latest by start time, then call index); list order alone is
-    not trusted.
-    """
-    groups: dict[str | None, list[Any]] = {}
-    for call in t.calls:
-        ref = call.model_ref
-        key = f"{ref.get('type')}/{ref.get('name')}" if ref is not None else None
-        groups.setdefault(key, []).append(call)
-    out: list[Finding] = []
-    for model, calls in groups.items():
-        if all(c.failed for c in calls):
-            last = max(calls, key=lambda c: c.call_index)
-        elif all(c.started_at is not None for c in calls):
-            last = max(calls, key=lambda c: (c.started_at, c.call_index))
-        else:
-            continue
-        if last.failed:
-            detail = {
-                "model_ref": model,
-                "status": last.status_code,
-                "error_category": last.error_category,
-                "observed_calls": len(calls),
-                "successful_calls": sum(1 for c in calls if c.successful),
-            }
-            out.append((last.locator(last.position), detail))
-    return out
-
-
-def _zero_completion(t: Trajectory) -> list[Finding]:
-    return [
-        (c.locator(i), {"completion_tokens": 0})
-        for i, c in enumerate(t.owned.matched)
-        if c.tokens_out == 0 and not isinstance(c.tokens_out, bool)
-    ]
-
-
-def _missing_token_counts(t: Trajectory) -> list[Finding]:
-    out: list[Finding] = []
-    for i, c in enumerate(t.owned.matched):
-        missing = [
-            name
-            for name, value in (("prompt_tokens", c.tokens_in), ("completion_tokens", c.tokens_out))
-            if value is None
-        ]
-        if missing:
-            out.append((c.locator(i), {"missing": missing}))
-    return out
-
-
-def _capture_mismatch(t: Trajectory) -> list[Finding]:
-    out: list[Finding] = []
-    seen: set[tuple[str, str]] = set()
-
-    def add(kind: str, call_id: str, detail: dict[str, Any]) -> None:
-        if (kind, call_id) not in seen:
-            seen.add((kind, call_id))
-            out.append(({"call_id": call_id}, {"kind": kind, **detail}))
-
-    for ref in t.owned.missing:
-        add("missing_captured_call", ref.split(":")[-1], {})
-    for ref, count in t.owned.duplicated:
-        add("duplicated_captured_call", ref.split(":")[-1], {"count": count})
-    for gap in t.contradictions():
-        kind = CONTRADICTION_GAPS[gap["code"]]
-        call_id = str(gap.get("detail") or "unknown").split(":")[-1]
-        add(
-            kind,
-            call_id,
-            {"observation_gap": gap["code"], "invocation_id": gap.get("invocation_id")},
-        )
-    return out
-
-
-def _call_failed(t: Trajectory) -> list[Finding]:
-    matched = t.owned.matched
-    last = max((c.call_index for c in matched), default=None)
-    return [
-        (
-            c.locator(i),
-            {
-                "status": c.status_code,
-                "error_category": c.error_category,
-                "terminal": t.owned.complete and c.call_index == last,
-            },
-        )
-        for i, c in enumerate(matched)
-        if c.failed
-    ]
-
-
-def _token_mismatch(record: dict[str, Any], t: Trajectory) -> list[Finding]:
+def _bound_tokens(record: dict[str, Any], t: Trajectory) -> bool:
+    """The token mismatch's own precondition: transcript usage and every matched call's tokens."""
     prompt, completion = transcript_tokens(record)
-    capture_prompt = sum(_int(c.tokens_in) or 0 for c in t.bound.matched)
-    capture_completion = sum(_int(c.tokens_out) or 0 for c in t.bound.matched)
-    if prompt == capture_prompt and completion == capture_completion:
-        return []
-    detail = {
-        "transcript_prompt": prompt,
-        "transcript_completion": completion,
-        "capture_prompt": capture_prompt,
-        "capture_completion": capture_completion,
-    }
-    return [(None, detail)]
-
-
-def _runaway(t: Trajectory) -> list[Finding]:
-    return [
-        (c.locator(i), {"finish_reason": c.finish_reason})
-        for i, c in enumerate(t.owned.matched)
-        if c.finish_reason in LENGTH_FINISH and not _has_content(c.response)
-    ]
-
-
-def _observable(record: dict[str, Any], t: Trajectory) -> dict[str, bool]:
-    """Which trajectory checks have the evidence they read, for an observed trajectory."""
-    calls = t.calls_observed
-    owned = calls and bool(t.owned.matched)
-    prompt, completion = transcript_tokens(record)
-    bound = (
-        calls
-        and t.turn_scope_complete
-        and t.bound.complete
-        and bool(t.bound.matched)
-        and prompt is not None
+    return (
+        prompt is not None
         and completion is not None
         and all(c.tokens_in is not None and c.tokens_out is not None for c in t.bound.matched)
     )
+
+
+def _available(t: Trajectory) -> dict[CheckInput, bool]:
+    """Which evidence an observed trajectory provides to the checks that read it."""
+    calls = t.calls_observed
     return {
-        "rollout_missing_agent_turns": t.turns_observed,
-        "rollout_ended_on_failed_model_call": calls and bool(t.calls),
-        "agent_turn_hollow": t.turns_observed,
-        "model_call_zero_completion_tokens": owned,
-        "model_call_missing_token_counts": owned,
-        "trajectory_capture_mismatch": calls and bool(t.owned.references or t.contradictions()),
-        "model_call_failed": owned,
-        "rollout_token_count_mismatch": bound,
-        "model_call_runaway_generation": owned
-        and not any(
-            c.finish_reason in LENGTH_FINISH and c.response is None for c in t.owned.matched
-        ),
+        CheckInput.RECORD: True,
+        CheckInput.TRAJECTORY: t.observed,
+        CheckInput.AGENT_TURNS: t.turns_observed,
+        CheckInput.OBSERVED_MODEL_CALLS: calls and bool(t.calls),
+        CheckInput.OWNED_MODEL_CALLS: calls and bool(t.owned.matched),
+        CheckInput.BOUND_CALLS: calls
+        and t.turn_scope_complete
+        and t.bound.complete
+        and bool(t.bound.matched),
     }
+
+
+# NeMo Gym's preconditions beyond what a check reads (reference §4.1, steps 4-6).
+PRECONDITIONS: dict[str, Callable[[dict[str, Any], Trajectory], bool]] = {
+    "trajectory_capture_mismatch": lambda r, t: (
+        t.calls_observed and bool(t.owned.references or t.contradictions())
+    ),
+    "rollout_token_count_mismatch": _bound_tokens,
+    "model_call_runaway_generation": lambda r, t: (
+        not any(c.finish_reason in LENGTH_FINISH and c.response is None for c in t.owned.matched)
+    ),
+}
+REPLACES_READS = frozenset({"trajectory_capture_mismatch"})
+"""Checks whose precondition stands in for the availability of the binding they read."""
+
+
+def _observable(
+    check: str, record: dict[str, Any], t: Trajectory, available: dict[CheckInput, bool]
+) -> bool:
+    """Whether `check` has the evidence it reads (its registry `reads`) and NeMo Gym's extra
+    preconditions hold."""
+    extra = PRECONDITIONS.get(check)
+    if check not in REPLACES_READS and not all(available[i] for i in READS[check]):
+        return False
+    return extra is None or extra(record, t)
 
 
 TrajectoryCheck = Callable[[dict[str, Any], Trajectory], list[Finding]]
 TRAJECTORY_CHECKS: dict[str, TrajectoryCheck] = {
-    "rollout_missing_agent_turns": lambda r, t: _missing_agent_turns(t),
-    "rollout_ended_on_failed_model_call": lambda r, t: _ended_on_failed_call(t),
-    "agent_turn_hollow": lambda r, t: _hollow_turns(t),
-    "model_call_zero_completion_tokens": lambda r, t: _zero_completion(t),
-    "model_call_missing_token_counts": lambda r, t: _missing_token_counts(t),
-    "trajectory_capture_mismatch": lambda r, t: _capture_mismatch(t),
-    "model_call_failed": lambda r, t: _call_failed(t),
-    "rollout_token_count_mismatch": _token_mismatch,
-    "model_call_runaway_generation": lambda r, t: _runaway(t),
+    "rollout_missing_agent_turns": lambda r, t: missing_agent_turns(t),
+    "rollout_ended_on_failed_model_call": lambda r, t: ended_on_failed_call(t),
+    "agent_turn_hollow": lambda r, t: hollow_turns(t),
+    "model_call_zero_completion_tokens": lambda r, t: zero_completion(t),
+    "model_call_missing_token_counts": lambda r, t: missing_token_counts(t),
+    "trajectory_capture_mismatch": lambda r, t: capture_mismatch(t),
+    "model_call_failed": lambda r, t: call_failed(t),
+    "rollout_token_count_mismatch": token_mismatch,
+    "model_call_runaway_generation": lambda r, t: runaway(t),
 }
-RESPONSE_CHECKS: dict[str, Callable[[dict[str, Any]], list[Finding] | None]] = {
+READS = {
+    check: BY_ID[check].reads - {CheckInput.RECORD, CheckInput.TRAJECTORY}
+    for check in TRAJECTORY_CHECKS
+}
+ResponseCheck = Callable[
+    [dict[str, Any], Trajectory | None, response_checks.Selection | None], list[Finding] | None
+]
+RESPONSE_CHECKS: dict[str, ResponseCheck] = {
     "rollout_response_truncated": response_checks.truncated,
     "rollout_response_empty": response_checks.empty,
-    "rollout_context_window_exceeded": response_checks.context_window_exceeded,
+    "rollout_context_window_exceeded": lambda r, t, s: response_checks.context_window_exceeded(r),
 }
+FAULT_CHECKS = frozenset({"rollout_response_truncated", "rollout_response_empty"})
 _plans: dict[frozenset[str], tuple[list[str], list[str], int]] = {}
 
 
@@ -270,13 +153,13 @@ def _stats(d: Digest, record: dict[str, Any], t: Trajectory | None) -> None:
         if c.failed:
             status = str(c.status_code) if c.status_code is not None else "unknown"
             by_status[status] = by_status.get(status, 0) + 1
-        d.capture_prompt += _int(c.tokens_in) or 0
-        d.capture_completion += _int(c.tokens_out) or 0
+        d.capture_prompt += int_or_none(c.tokens_in) or 0
+        d.capture_completion += int_or_none(c.tokens_out) or 0
     d.model_call_errors = sum(by_status.values())
     d.errors_by_status = by_status
     if by_status:
         try:
-            d.ended_on_error = bool(_ended_on_failed_call(t))
+            d.ended_on_error = bool(ended_on_failed_call(t))
         except Exception:  # the check itself reports this as check_execution_error
             d.ended_on_error = False
     if len(t.calls) > 1:
@@ -353,19 +236,33 @@ def check_record(record: dict[str, Any], ignored: frozenset[str]) -> Digest:
     if explicit is None and trajectory is not None:
         explicit = trajectory.rollout_id
     d.rollout_id = None if explicit is None else str(explicit)
-    trajectory_checks, response_checks, trajectory_mask = _plan(ignored)
+    trajectory_checks, ours, trajectory_mask = _plan(ignored)
     unobserved: list[str] = []
     if trajectory is None or not trajectory.observed:
         d.unobserved = trajectory_mask
     else:
-        observable = _observable(record, trajectory)
+        available = _available(trajectory)
         for check in trajectory_checks:
-            if not observable[check]:
+            if not _observable(check, record, trajectory, available):
                 unobserved.append(check)
                 continue
             _run(d, check, ignored, unobserved, TRAJECTORY_CHECKS[check], record, trajectory)
-    for check in response_checks:
-        _run(d, check, ignored, unobserved, RESPONSE_CHECKS[check], record)
+    selection = None
+    if trajectory is not None and trajectory.calls and FAULT_CHECKS.intersection(ours):
+        selection = response_checks.select_calls(trajectory)
+        if selection is not None:
+            d.selected = selection.ids
+    before = len(d.findings)
+    for check in ours:
+        _run(d, check, ignored, unobserved, RESPONSE_CHECKS[check], record, trajectory, selection)
+    if d.selected is not None:
+        d.faulted = list(
+            dict.fromkeys(
+                loc["call_id"]
+                for c, loc, _ in d.findings[before:]
+                if c in FAULT_CHECKS and loc is not None
+            )
+        )
     d.unobserved |= mask_of(unobserved)
     _stats(d, record, trajectory)
     return d

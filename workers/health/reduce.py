@@ -15,28 +15,27 @@ from typing import IO, Any
 
 import orjson
 
-from schemas.health import RESPONSE_CHECKS, ROLLOUT_CHECKS, TASK_CHECKS
+from schemas.health import RESPONSE_CHECKS, ROLLOUT_CHECKS, TASK_CHECKS, Verdict
 from workers.health.accounting import Accounting
 from workers.health.digest import Digest
 from workers.health.registry import ROLLOUT_INDEX, checks_in, mask_of
-from workers.health.scan import FAILURE, OWED, RECORD
+from workers.health.scan import FAILURE, GENERATION, OWED, RECORD
 from workers.health.spool import untagged
+from workers.health.timeouts import Timeouts, latest_delivery
 
-VERDICTS = ("healthy", "unhealthy", "unobserved")
 
-
-def standing(failures: list[list[Any]]) -> list[Any] | None:
-    """The failure payload that stands for a rollout: the last of its newest generation
-    (`workers/shard/ledger.py`'s rule; a payload without a generation is the first's)."""
+def newest_generation(failures: list[list[Any]]) -> list[list[Any]]:
+    """A rollout's failure payloads of its newest generation, in file order: the last stands for
+    the rollout (`workers/shard/ledger.py`'s rule; a payload without a generation is the first's)."""
     if not failures:
-        return None
-    newest = max(_generation(e[9]) for e in failures)
-    payload: list[Any] = [e[9] for e in failures if _generation(e[9]) == newest][-1]
-    return payload
+        return []
+    newest = max(_generation(p) for p in failures)
+    return [p for p in failures if _generation(p) == newest]
 
 
 def _generation(payload: list[Any]) -> int:
-    return int(payload[4]) if len(payload) > 4 and isinstance(payload[4], int) else 0
+    value = payload[GENERATION] if len(payload) > GENERATION else None
+    return value if type(value) is int else 0
 
 
 @dataclass
@@ -121,7 +120,7 @@ checks) add findings, but one whose evidence a record lacks (no `step_usage`, sa
 unobserved in the coverage without taking the record's verdict away from NeMo Gym's."""
 
 
-def verdict_of(findings: list[Any], unobserved_mask: int) -> str:
+def verdict_of(findings: list[Any], unobserved_mask: int) -> Verdict:
     if findings:
         return "unhealthy"
     return "unobserved" if unobserved_mask & VERDICT_MASK else "healthy"
@@ -137,8 +136,10 @@ class Reducer:
         verdicts_out: IO[bytes],
         emit_task: Callable[[int, Any, dict[str, Any]], None],
         multi_source_labels: list[str] | None,
+        timeouts: Timeouts | None = None,
     ) -> None:
         self.acc = accounting
+        self.timeouts = timeouts
         self.totals = totals
         self.out = verdicts_out
         self.emit_task = emit_task
@@ -170,8 +171,11 @@ class Reducer:
         records = [e for e in group if e[5] == RECORD]
         own, all_scored = self._records(source, task, rollout, records) if records else (0, True)
         if group[0][1] == 0 and group[0][3] == 0:
-            latest = standing(failures)
-            self.acc.add_rollout(source, owed, own, all_scored, latest)
+            newest = newest_generation([e[9] for e in failures])
+            latest = newest[-1] if newest else None
+            failed = self.acc.add_rollout(source, owed, own, all_scored, latest)
+            if failed is not None and self.timeouts is not None:
+                self.timeouts.add(source, failed[0], failed[1], latest_delivery(newest))
         elif own:
             self.acc.sources[source].not_owed += 1
 
@@ -235,6 +239,9 @@ class Reducer:
             ],
             "unobserved": _unobserved_names(d.unobserved),
         }
+        if d.selected is not None:
+            # Ids only: which calls were judged for faults, and which had one.
+            line["calls"] = {"selected": d.selected, "faulted": d.faulted or []}
         if d.stage is not None:
             line["stage_index"] = d.stage
         if self.labels is not None:

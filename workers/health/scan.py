@@ -6,7 +6,8 @@ each rollout's inventory row, failure rows and records arrive together, in that 
     [source, task_tag, task, rollout_tag, rollout, kind, stage_tag, stage, offset, payload]
 
 kind 0 is an owed rollout (materialized inputs; payload `[agent, environment]`), 1 a failure row
-(`[class, agent, environment]`), 2 a record (its digest). A record whose identity depends on its
+(`[class, agent, environment, capture key, started_at, run_ms, carries a capture]`), 2 a record
+(its digest). A record whose identity depends on its
 place in the whole input (no `_ng_task_index`: the global ordinal stands in; an unreadable line:
 its line number names it) cannot be keyed by a job that sees only a range; it goes to the job's
 "late" file, in file order, and the combine step keys it.
@@ -15,6 +16,7 @@ its line number names it) cannot be keyed by a job that sees only a range; it go
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from types import TracebackType
 from typing import Any
@@ -33,6 +35,10 @@ from workers.shard.ledger import execution_of, failure_class, group_of
 
 KEY_LEN = 9
 OWED, FAILURE, RECORD = 0, 1, 2
+# A failure row's payload: [class, agent, env, key, started_at, run_ms, own capture, omitted,
+# generation] (the capture key and timing for the timeouts section, `failure_evidence`; whether
+# it is an intentional omission, and the dispatch generation that wrote it, for the accounting).
+KEY, STARTED, RUN_MS, OWN, OMITTED, GENERATION = 3, 4, 5, 6, 7, 8
 
 # A scan holds up to a run's worth of entries in memory; threads of one worker process take
 # turns so that a process with hundreds of threads does not hold hundreds of buffers.
@@ -58,11 +64,61 @@ def _counted(result: ScanResult, line: bytes | memoryview) -> bool:
     return True
 
 
+class FileDigest:
+    """The SHA-256 of a whole file, from its lines as a job reads them (newlines put back): a
+    job over a byte range computes none (the combine step reads that file again)."""
+
+    def __init__(self, job: ScanJob) -> None:
+        whole = job.start == 0 and job.end is None
+        self._hash = hashlib.sha256() if whole else None
+        self._bytes = 0
+        self._pending = False
+
+    def add(self, line: bytes | memoryview) -> None:
+        h = self._hash
+        if h is None:
+            return
+        if self._pending:
+            h.update(b"\n")
+            self._bytes += 1
+        h.update(line)
+        self._bytes += len(line)
+        self._pending = True
+
+    def finish(self, result: ScanResult, size: int) -> None:
+        """Set the file's digest on `result` when its lines add up to its `size` (a last line
+        with no newline is the one that does not end in one)."""
+        h = self._hash
+        if h is None:
+            return
+        if self._pending and self._bytes + 1 == size:
+            h.update(b"\n")
+            self._bytes += 1
+        if self._bytes == size:
+            result.sha256, result.size = h.hexdigest(), size
+
+
 def _int_key(row: dict[str, Any]) -> tuple[int, int] | None:
     task, rollout = row.get(F.TASK_INDEX), row.get(F.ROLLOUT_INDEX)
     if type(task) is int and type(rollout) is int:
         return task, rollout
     return None
+
+
+def failure_evidence(row: dict[str, Any]) -> list[Any]:
+    """What the timeouts section joins a failure row with: its capture key (the collector's),
+    when its delivery started, how long its `/run` calls took, whether it carries a capture."""
+    try:
+        key = F.rollout_id(row)
+    except Exception:  # an identity that cannot be read: its capture cannot be found
+        key = None
+    started, run_ms = row.get(F.STARTED_AT), row.get(F.RUN_MS)
+    return [
+        key,
+        started if isinstance(started, int | float) else None,
+        run_ms if isinstance(run_ms, int | float) else None,
+        isinstance(row.get("ng_model_call_capture"), dict),
+    ]
 
 
 def scan(job: ScanJob) -> ScanResult:
@@ -91,6 +147,7 @@ class ResultsScan:
         self._late_name = f"{self._prefix}-late.jsonl"
         self._late_count = 0
         self._stack = contextlib.ExitStack()
+        self._digest = FileDigest(job)
 
     def __enter__(self) -> ResultsScan:
         self._late = self._stack.enter_context(
@@ -107,6 +164,7 @@ class ResultsScan:
         self._stack.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             return
+        self._digest.finish(self.result, RunDir(self.job.dir).size(self.job.name))
         self.result.runs = self._writer.close()
         if self._late_count:
             self.result.late = self._late_name
@@ -115,11 +173,13 @@ class ResultsScan:
 
     def add_line(self, offset: int, line: bytes | memoryview) -> None:
         """One line of the range, as read."""
+        self._digest.add(line)
         if _counted(self.result, line):
             self._add(offset, check_line(line, self.ignored))
 
     def add_parsed(self, offset: int, line: bytes | memoryview, value: Any) -> None:
         """One line of the range and what `jsonl.loads` made of it (`jsonl.UNPARSED`: it raised)."""
+        self._digest.add(line)
         if _counted(self.result, line):
             self._add(offset, check_parsed(value, self.ignored))
 
@@ -163,7 +223,9 @@ def _scan(job: ScanJob) -> ScanResult:
         return results.result
     writer = RunWriter(RunDir(job.scratch), f"job{job.job:05d}", KEY_LEN)
     result = ScanResult(job=job.job)
+    digest = FileDigest(job)
     for offset, line in lines:
+        digest.add(line)
         if not _counted(result, line):
             continue
         try:
@@ -174,10 +236,11 @@ def _scan(job: ScanJob) -> ScanResult:
         if key is None:
             continue
         if job.kind == "failures":
-            omitted, generation = bool(row.get(F.OMITTED)), execution_of(row)[0]
-            payload = [failure_class(row), *group_of(row), omitted, generation]
+            marks = [bool(row.get(F.OMITTED)), execution_of(row)[0]]
+            payload = [failure_class(row), *group_of(row), *failure_evidence(row), *marks]
             writer.add([job.source, 0, key[0], 0, key[1], FAILURE, 0, 0, offset, payload])
         else:
             writer.add([job.source, 0, key[0], 0, key[1], OWED, 0, 0, offset, list(group_of(row))])
+    digest.finish(result, rd.size(job.name))
     result.runs = writer.close()
     return result

@@ -18,6 +18,7 @@ from infra.store import RunDir
 from schemas.errors import StorageError, UsageError
 from schemas.health import LIMIT_NAMES, MERGED_SHARDS_SUFFIX, QUALITY_SUMMARY, Limits, Source
 from schemas.records import RateLimitWaits
+from schemas.run_facts import ConfigFacts
 from schemas.usage import TokenUsage
 from workers.health.io import file_digest, iter_range
 
@@ -56,11 +57,31 @@ def _tokens(status: Any) -> TokenUsage | None:
         return None
 
 
+def _facts(manifest: Any) -> ConfigFacts | None:
+    raw = manifest.get("config_facts") if isinstance(manifest, dict) else None
+    try:
+        return ConfigFacts.model_validate(raw) if isinstance(raw, dict) else None
+    except ValidationError:
+        return None
+
+
+def capture_dir_of(manifest: Any) -> str | None:
+    """The run's model-call capture dir from its manifest's settings; None when capture was
+    off or misconfigured (a capture setting never stops the check)."""
+    settings = manifest.get("settings") if isinstance(manifest, dict) else None
+    if not isinstance(settings, dict) or settings.get("observability_enabled") is not True:
+        return None
+    found = settings.get("model_call_capture_dir")
+    return found if isinstance(found, str) and found else None
+
+
 def source_for(rd: RunDir, name: str, label: str) -> Source:
-    """A rollouts file with the sidecars found beside it (by NeMo Gym's path rules)."""
+    """A rollouts file with the sidecars found beside it (by NeMo Gym's path rules), and what
+    its manifest says of the run's config and capture dir."""
     stem = stem_of(name)
     failures, materialized = f"{stem}_failures.jsonl", f"{stem}_materialized_inputs.jsonl"
     status = read_json(rd, f"{stem}_status.json")
+    manifest = read_json(rd, f"{stem}_manifest.json")
     drained = status.get("drained") if isinstance(status, dict) else None
     return Source(
         label=label,
@@ -71,6 +92,8 @@ def source_for(rd: RunDir, name: str, label: str) -> Source:
         drained=drained if isinstance(drained, int) else None,
         rate_limit_waits=_rate_limit_waits(status),
         tokens=_tokens(status),
+        config_facts=_facts(manifest),
+        capture_dir=capture_dir_of(manifest),
     )
 
 

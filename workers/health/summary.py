@@ -1,10 +1,11 @@
 """The quality summary: NeMo Gym's shape (`run.ignored_checks`, `artifacts`, `verdicts`, `issues`,
-`stats`, `tasks`) plus ours (`state`, `healthy`, `reasons`, `accounting`, `limits`, `sources`).
+`stats`, `tasks`) plus ours (`state`, `healthy`, `reasons`, `accounting`, `limits`, `sources`, `timeouts`,
+`config`, `gate`).
 
-`healthy` is true only when the run is whole and its failures are within the limits; false when
-the evidence says otherwise (a group over a limit, owed rollouts with no outcome or drained,
-duplicate records); null when it cannot say (no limit set, no inventory, a provisional or
-disabled summary). `reasons` says why.
+`healthy` is true when the evidence read shows no problem (its failure groups are within the
+limits, no record repeats a rollout); false when it shows one; null when it cannot say (no limit
+set, no inventory, a provisional or disabled summary). `reasons` says why. It never certifies
+completeness: owed rollouts without an outcome are counted (`accounting.missing`), not judged.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any
 
 import orjson
 
-from schemas.health import ALL_CHECKS, RESPONSE_CHECKS, RUN_CHECK, Limits, SummaryState
+from schemas.health import ALL_CHECKS, RESPONSE_CHECKS, RUN_CHECK, VERDICTS, Limits, SummaryState
+from schemas.run_facts import ConfigFacts, InputDigest
 from workers.health.accounting import NO_LIMIT_SET, Accounting
-from workers.health.reduce import VERDICTS, Totals
+from workers.health.reduce import Totals
 
 PROVISIONAL_REASON = (
     "provisional: the run was stopped before it finished; this is its accounting only "
@@ -42,18 +44,20 @@ def verdict(
     unobserved_reason: str | None,
     findings: list[dict[str, Any]],
 ) -> tuple[bool | None, list[str]]:
-    """(healthy, reasons) from the accounting and the run-level check."""
+    """(healthy, reasons) from the accounting and the run-level check.
+
+    Only what the evidence read shows counts: failure groups over a limit and records that repeat
+    a rollout, both observed. The verdict never certifies that the run is complete: owed rollouts
+    without an outcome (`missing`) are counted in the accounting but do not make the run healthy
+    or unhealthy; which rollouts are complete is the run's coverage to say.
+    """
+    # Completeness plugs in here from the run's coverage file (issue 39), not from owed minus
+    # outcomes: its incomplete rollouts will add their own reasons.
     unhealthy = [f["reason"] for f in findings]
-    if state == "complete":
-        owed, missing, drained = accounting["owed"], accounting["missing"], accounting["drained"]
-        if missing:
-            unhealthy.append(f"{missing} of {owed} owed rollouts have no outcome")
-        if drained:
-            unhealthy.append(f"{drained} owed rollouts were drained (never started)")
-        if accounting["duplicates"]:
-            unhealthy.append(
-                f"{accounting['duplicates']} records repeat a rollout identity already recorded"
-            )
+    if state == "complete" and accounting["duplicates"]:
+        unhealthy.append(
+            f"{accounting['duplicates']} records repeat a rollout identity already recorded"
+        )
     if unhealthy:
         return False, unhealthy
     unknown = []
@@ -61,9 +65,33 @@ def verdict(
         unknown.append(PROVISIONAL_REASON)
     if coverage == "unobserved" and unobserved_reason:
         unknown.append(f"{RUN_CHECK} is unobserved: {unobserved_reason}")
-    if state == "complete" and accounting["owed"] is None and coverage != "unobserved":
-        unknown.append("no materialized inputs: the owed rollouts are unknown")
     return (None, unknown) if unknown else (True, [])
+
+
+def config_section(facts: list[tuple[str, ConfigFacts | None]]) -> dict[str, Any] | None:
+    """`run.config`: the sources' config facts (one set when they agree, else per source);
+    None when no source has a manifest that records them."""
+    known = {label: f.model_dump(mode="json") for label, f in facts if f is not None}
+    if not known:
+        return None
+    distinct = {orjson.dumps(v, option=orjson.OPT_SORT_KEYS) for v in known.values()}
+    if len(distinct) == 1 and len(known) == len(facts):
+        return next(iter(known.values()))
+    return {"by_source": {label: known.get(label) for label, _ in facts}}
+
+
+def gate_section(
+    inputs: list[InputDigest], healthy: bool | None, verdicts: dict[str, Any], failed: Any
+) -> dict[str, Any]:
+    """`run.gate`: what a gate judges (the run verdict, its unhealthy and failed rollouts), bound
+    to the SHA-256 of every saved rollout input it was read from: not to captures, nor to how
+    much of the run was observed."""
+    return {
+        "healthy": healthy,
+        "unhealthy_rollouts": verdicts.get("unhealthy"),
+        "failed_rollouts": failed,
+        "inputs": [i.model_dump(mode="json") for i in inputs],
+    }
 
 
 def run_section(
@@ -76,8 +104,12 @@ def run_section(
     sources: list[str],
     ignored: Iterable[str],
     check: tuple[str, str | None, list[dict[str, Any]]] | None,
+    config: dict[str, Any] | None = None,
+    inputs: list[InputDigest] | None = None,
+    timeouts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The `run` object; `totals` None leaves the per-record counts null (records not read)."""
+    """The `run` object; `totals` None leaves the per-record counts null (records not read).
+    `inputs`: the digests of the files read (`gate`, null when records were not read)."""
     if totals is not None:
         coverage: dict[str, Any] = {
             c: {k: totals.coverage[c][k] for k in ("evaluated", "unobserved", "ignored")}
@@ -126,6 +158,9 @@ def run_section(
         healthy, reasons = None, [DISABLED_REASON]
     else:
         healthy, reasons = verdict(state, acc, cov or "unobserved", why, findings)
+    gate = None
+    if inputs is not None:
+        gate = gate_section(inputs, healthy, verdicts, acc["failed"]["total"])
     return {
         "ignored_checks": sorted(ignored),
         "artifacts": artifacts,
@@ -138,6 +173,9 @@ def run_section(
         "accounting": acc,
         "limits": _limits(limits, overrides),
         "sources": sources,
+        "timeouts": timeouts,
+        "config": config,
+        "gate": gate,
     }
 
 
@@ -198,6 +236,18 @@ def unobserved_note(run: dict[str, Any]) -> str:
     )
 
 
+def timeouts_lines(section: dict[str, Any] | None) -> list[str]:
+    """One line per failure class and agent of an observed timeouts section."""
+    if not section or section.get("state") != "observed":
+        return []
+    return [
+        f"Failed {g['failure_class']} ({g['agent']}): {g['rollouts']} rollouts, {g['measured']} "
+        f"measured: {g['model_calls']} model calls, {g['model_call_s']:.1f}s in calls, "
+        f"{g['other_s']:.1f}s elsewhere"
+        for g in section.get("groups") or []
+    ]
+
+
 RUN_LIMITS_HINT = "+max_failed_fraction=F or +max_failed_rollouts=N"
 """How `rollouts run` and `resume` set a failure limit (the recheck's is `--limit name=value`)."""
 
@@ -216,6 +266,7 @@ def console_line(run: dict[str, Any], path: str, set_limit: str = RUN_LIMITS_HIN
             + (unobserved_note(run) if v["unobserved"] else "")
         )
     lines.append(f"Quality summary: {path}")
+    lines.extend(timeouts_lines(run.get("timeouts")))
     word = {True: "healthy", False: "UNHEALTHY", None: "unknown"}[run["healthy"]]
     lines.append(f"Run health ({run['state']}): {word}")
     lines.extend(f"  - {reason}" for reason in run["reasons"])

@@ -144,12 +144,20 @@ def _content_text(content: Any) -> str:
 
 
 def input_text(row: dict[str, Any]) -> str:
-    """The row's prompt: its messages as `role: text` lines."""
+    """The row's prompt: its messages as `role: text` lines. A task set's episode record carries
+    no request: its task, and the question of its trajectory's first turn when it has one."""
     params = row.get(F.RESPONSES_CREATE_PARAMS)
     messages = params.get("input") if isinstance(params, dict) else None
-    if isinstance(messages, str):
-        return _clip(messages)
     lines = []
+    task = row.get(F.NG_TASK_ID)
+    if messages is None and isinstance(task, dict):
+        lines.append(f"task: {task.get('taskset')} {task.get('task_id')}")
+        trajectory = row.get("ng_trajectory")
+        turns = trajectory.get("turns") if isinstance(trajectory, dict) else None
+        if isinstance(turns, list) and turns and isinstance(turns[0], dict):
+            messages = turns[0].get("question")
+    if isinstance(messages, str):
+        return _clip("\n".join([*lines, messages]))
     for m in messages if isinstance(messages, list) else []:
         if isinstance(m, dict):
             lines.append(f"{m.get('role', m.get('type', '?'))}: {_content_text(m.get('content'))}")
@@ -216,6 +224,12 @@ class Offender:
     rollout: str
     locator: str
     detail: Any
+    call: str | None = None
+    """The model call the finding names (its call id), when it names one."""
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 @dataclass
@@ -303,7 +317,10 @@ class RunDigest:
                     (label, task, rollout), f"{label or ''}#{task}-{rollout}"
                 )
                 detail = finding.get("detail") if isinstance(finding, dict) else None
-                listed.append(Offender(check, str(row.get("rollout_id")), where, detail))
+                found = finding.get("locator") if isinstance(finding, dict) else None
+                call = found.get("call_id") if isinstance(found, dict) else None
+                rollout_id = str(row.get("rollout_id"))
+                listed.append(Offender(check, rollout_id, where, detail, _str_or_none(call)))
 
     def read_documents(self, rd: RunDir, stem: str) -> bool:
         """Read the source's manifest, coverage and aggregate metrics; whether it had a manifest."""

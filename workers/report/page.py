@@ -70,6 +70,7 @@ SECTIONS: tuple[tuple[str, str, Callable[[RunDigest], str]], ...] = (
     ("latency", "Latency", S.latency),
     ("throughput", "Throughput", S.throughput),
     ("failures", "Failures", S.failures),
+    ("timeouts", "Timeouts", S.timeouts),
     ("health", "Health", S.health),
     ("tasks", "Tasks", S.tasks),
     ("samples", "Samples", S.samples),

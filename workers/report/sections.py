@@ -344,7 +344,12 @@ def health(d: RunDigest) -> str:
     rows = []
     for check in checks:
         links = " ".join(
-            rollout_link(o.locator, o.rollout) if o.locator in d.transcripts else escape(o.rollout)
+            (
+                rollout_link(o.locator, o.rollout)
+                if o.locator in d.transcripts
+                else escape(o.rollout)
+            )
+            + (f" (call {escape(o.call)})" if o.call else "")
             for o in d.offenders.get(check, [])
         )
         rows.append([check, f"{issues.get(check, d.findings[check]):,}", (0, links or "—")])
@@ -354,6 +359,54 @@ def health(d: RunDigest) -> str:
         else "<p>No findings.</p>"
     )
     return "".join(out)
+
+
+def timeouts(d: RunDigest) -> str:
+    """Failed rollouts joined with the model calls captured under their ids (`run.timeouts`)."""
+    section = (d.health or {}).get("timeouts")
+    if not isinstance(section, dict):
+        return "<p>No timeouts section in the quality summary.</p>"
+    groups = [g for g in section.get("groups") or [] if isinstance(g, dict)]
+    out = []
+    if section.get("state") != "observed":
+        why = section.get("unobserved_reason") or "no model-call capture was read"
+        out.append(f"<p>Unobserved: {escape(str(why))}.</p>")
+    if not groups:
+        return "".join(out) + "<p>No failed rollouts.</p>"
+    rows = []
+    for g in groups:
+        unmeasured = ", ".join(f"{k} {v}" for k, v in (g.get("unmeasured") or {}).items())
+        rows.append(
+            [
+                escape(str(g.get("failure_class"))),
+                escape(str(g.get("agent") or NO_NAME)),
+                f"{g.get('rollouts', 0):,}",
+                _fmt_count(g.get("measured")),
+                _fmt_count(g.get("model_calls")),
+                _seconds(g.get("model_call_s")),
+                _seconds(g.get("other_s")),
+                escape(unmeasured) or "—",
+            ]
+        )
+    head = ["class", "agent", "failed rollouts", "measured", "model calls", "time in calls",
+            "time elsewhere", "unmeasured"]  # fmt: skip
+    out.append(table(head, rows, {2, 3, 4, 5, 6}))
+    out.append(
+        '<p class="note">Each failed rollout\'s <code>/run</code> time (its latest delivery, '
+        "every attempt) split into time in the model calls captured under its id and time "
+        "elsewhere (the agent, tools, waiting).</p>"
+    )
+    return "".join(out)
+
+
+def _seconds(value: Any) -> str:
+    if not isinstance(value, int | float):
+        return "—"
+    return f"{value:.2f} s" if value < 60 else _duration(value)
+
+
+def _fmt_count(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) else "—"
 
 
 def tasks(d: RunDigest) -> str:

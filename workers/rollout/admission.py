@@ -368,7 +368,7 @@ class Gate:
     ) -> Ticket:
         row = req.row
         key = f"{row[F.TASK_INDEX]}:{row[F.ROLLOUT_INDEX]}"
-        agent = F.agent_name(row) or ""
+        agent = F.dispatch_target(row) or ""
         listed = readmit or waiting
         member = listed.member if listed is not None else self._member(agent, key)
         call_keys = self._begin_keys(sid, req.agent_url)

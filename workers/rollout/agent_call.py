@@ -1,4 +1,4 @@
-"""Calling an agent's `POST /run`: the retry policy and the failure classes of SPEC §4 and §5.
+"""Calling an agent's `POST /run`: the retry policy and the failure classes (docs/reference/failures.md).
 
 A connection that was never established is always retried (bounded, exponential backoff with
 jitter): the agent never saw the request. A request that was sent and then failed (read timeout,
@@ -15,9 +15,10 @@ never followed (the client hands the 3xx back; it is an `agent_run_error` naming
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -26,13 +27,14 @@ import orjson
 
 from infra import telemetry
 from infra.backoff import RATE_LIMIT_STATUSES, parse_retry_after
-from infra.http import PostClient, StreamedReply
+from infra.http import PostClient, StreamedReply, heartbeat
 from infra.telemetry import ROLLOUT_ID, client_span
 from schemas import fields as F
 from schemas.messages import CallPolicy
 from schemas.outcomes import RolloutFailureRecord
 from schemas.records import FailureRow
 from workers.rollout.backpressure import RateLimited
+from workers.rollout.episodes import InvalidEpisodeReply, episode_body, episode_record
 from workers.tracing import run_latency
 
 GATEWAY_STATUSES = frozenset({429, 502, 503, 504})
@@ -220,7 +222,11 @@ def backoff_s(policy: CallPolicy, retry: int) -> float:
 
 
 def identity_of(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: row[k] for k in F.IDENTITY_FIELDS if k in row}
+    """The identity every record of the row carries (a task row's: its `_ng_task_id` too)."""
+    identity = {k: row[k] for k in F.IDENTITY_FIELDS if k in row}
+    if F.is_task_row(row):
+        identity[F.NG_TASK_ID] = row[F.TASK_ID]
+    return identity
 
 
 def failure_row(row: dict[str, Any], failure: FailureRow) -> dict[str, Any]:
@@ -288,13 +294,24 @@ def _json_headers() -> dict[str, str]:
     return {"content-type": "application/json"}
 
 
+@contextlib.asynccontextmanager
+async def _streamed(
+    client: PostClient, url: str, body: bytes, headers: dict[str, str], heartbeat_s: float | None
+) -> AsyncIterator[StreamedReply]:
+    """The reply of a POST whose connection carries a heartbeat until the reply begins
+    (`infra/http.py`), when `heartbeat_s` is set."""
+    with heartbeat(heartbeat_s):
+        async with client.stream("POST", url, content=body, headers=headers) as reply:
+            yield reply
+
+
 async def _attempt(
     client: PostClient, url: str, body: bytes, policy: CallPolicy, request_headers: dict[str, str]
 ) -> dict[str, Any]:
     try:
         async with (
             asyncio.timeout(policy.timeout_s),
-            client.stream("POST", url, content=body, headers=request_headers) as reply,
+            _streamed(client, url, body, request_headers, policy.heartbeat_s) as reply,
         ):
             status, headers = reply.status_code, reply.headers
             content = await read_body(reply, policy)
@@ -313,20 +330,38 @@ async def _attempt(
     return classify_reply(status, content, headers)
 
 
+def invalid_episode(exc: InvalidEpisodeReply) -> AttemptFailed:
+    """The failed attempt of an episode request answered with no episode response."""
+    failure = _bad_reply(
+        200,
+        orjson.dumps(exc.reply)[:ERROR_BODY_BYTES].decode("utf-8", "replace"),
+        "InvalidEpisodeReply",
+        str(exc),
+    )
+    return AttemptFailed(failure, sent=True, replayable=False)
+
+
 async def call_run(
     client: PostClient, agent_url: str, row: dict[str, Any], policy: CallPolicy
 ) -> CallOutcome:
-    """Run one rollout: POST the planned row to `{agent_url}/run` under the policy."""
+    """Run one rollout: POST the planned row to `{agent_url}/run` under the policy (a task row:
+    its episode request to its environment server's, `workers/rollout/episodes.py`)."""
     url = agent_url.rstrip("/") + "/run"
     attempt = int(row.get(F.ATTEMPT_INDEX) or 0)
+    episode = F.is_task_row(row)
     outcome = CallOutcome()
     connect_retries = 0
     replays = 0
     while True:
         sent_row = with_attempt(row, attempt)
-        body = orjson.dumps(sent_row)
+        body = episode_body(sent_row) if episode else orjson.dumps(sent_row)
         try:
             result = await _post(client, url, body, policy, sent_row)
+            if episode:
+                try:
+                    result = episode_record(result, sent_row)
+                except InvalidEpisodeReply as exc:
+                    raise invalid_episode(exc) from None
         except AttemptFailed as failed:
             if not failed.sent:
                 if connect_retries < policy.connect_retries:

@@ -41,6 +41,17 @@ CALL_ENDED: contextvars.ContextVar[Callable[[], None] | None] = contextvars.Cont
 (from any thread, once or more) when the rollout's `/run` call ended, so that a delivery taken
 ahead starts while this one lands. Unset elsewhere (a thread pool, tests)."""
 
+SLOT: contextvars.ContextVar[Callable[[], Awaitable[bool]] | None] = contextvars.ContextVar(
+    "rollouts_slot", default=None
+)
+"""Set by the rollout pool in the task running a delivery taken ahead of its slots: the engine
+awaits it once the delivery holds its rollout's lease, before admission, so that a delivery
+waiting for a slot is leased like one waiting for admission (a worker that freezes, dies or is
+cut off with it has it taken over within the lease TTL, whatever the broker). True: the slot is
+the delivery's; False: the worker is stopping and the delivery must not start (it gives its lease
+back, and the broker gives its message to another worker). Unset elsewhere: the slot, if any, was
+taken before the delivery started."""
+
 T = TypeVar("T")
 
 
@@ -104,11 +115,19 @@ class LeaseKeeper(Protocol):
 
     def current(self, lease: Lease, token: str) -> bool: ...
 
+    def fresh(self, lease: Lease) -> bool:
+        """Known current without a round trip: taken or renewed recently by this process."""
+        ...
+
     def settle(
         self, lease: Lease, token: str, reply: ReplyPush | None = None, count: bool = False
     ) -> Settled: ...
 
     def forget(self, lease: Lease) -> None: ...
+
+    def give_back(self, lease: Lease) -> None:
+        """Drop the lease of an attempt that never started, settling nothing."""
+        ...
 
 
 class RunCheck(Protocol):

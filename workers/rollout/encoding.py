@@ -1,8 +1,8 @@
 """A rollout's records as the lines the lander appends: each record encoded on its own, up front.
 
 A record that cannot be encoded fails its own rollout and nothing else: it is replaced by a
-`result_not_stored` failure row (SPEC §5: "a rollout whose result could not be stored fails alone,
-with a class that says so"), which carries the record's identity and the cause and goes to the
+`result_not_stored` failure row ("a rollout whose result could not be stored fails alone, with a
+class that says so": docs/explanation/contract.md#failures), which carries the record's identity and the cause and goes to the
 sidecar with the batch; the batch never holds an unencodable record. The case that happens is an
 agent reply nested 255-1,024 levels deep: orjson reads JSON up to 1,024 levels but writes at most
 254, so such a reply parses and cannot be written again.
@@ -23,6 +23,7 @@ import orjson
 from infra import jsonl
 from schemas import fields as F
 from schemas.errors import StorageError
+from schemas.health import RolloutVerdict
 from schemas.records import FailureRow
 from workers.rollout.agent_call import failure_row, stamp_failure_records
 from workers.shard.state import agent_counter, failure_counter, key_str
@@ -54,6 +55,8 @@ class EncodedRecords:
     result_kind: str = ""
     """What the result is in the coverage: `masked` (`mask_sample` set), `unscored` (no numeric
     reward) or `measured`; counted in Redis as it lands, for an account that reads no rows."""
+    health: RolloutVerdict | None = None
+    """The result's live verdict, counted when its key lands new (None: not counted)."""
 
     @property
     def key(self) -> str | None:

@@ -40,6 +40,7 @@ from infra import keys
 from infra.backoff import next_wait_s
 from schemas import fields as F
 from schemas.errors import ShardFencedError, StorageError, TransientError
+from schemas.health import RolloutVerdict
 from schemas.messages import CollectRequest
 from schemas.outcomes import (
     FAILURE_ENDS,
@@ -51,12 +52,14 @@ from schemas.outcomes import (
 )
 from workers import tracing
 from workers.capture import clear_for, merge_into
+from workers.health.live import judge
 from workers.rollout.admission import AdmissionWaits, Ticket
 from workers.rollout.agent_call import CallOutcome, stamp_failure_records, with_attempt
 from workers.rollout.backpressure import RateLimitWaits, budget_failure
 from workers.rollout.context import (
     CALL_ENDED,
     FIRST_WAIT_MAX_S,
+    SLOT,
     STOP_POLL_S,
     LeaseKeeper,
     RolloutContext,
@@ -180,6 +183,8 @@ class _Run:
         """The pool's slot of this delivery, given back once `/run` ended (`CALL_ENDED`)."""
         self.line = (self.sid, req.agent_url)
         """Its line of rollouts waiting for a slot in this process (`WaitingLines`)."""
+        self.verdict: RolloutVerdict | None = None
+        """The result's live verdict (`workers/health/live.py`), when it is judged."""
 
     def end(self, ended: Ended, **fields: Any) -> RolloutOutcome:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
@@ -187,9 +192,7 @@ class _Run:
     async def run(self) -> RolloutOutcome:
         """Take the lease, run the attempt, settle the lease."""
         try:
-            # One hop off the loop: the lease, the manifest check and the first admission.
-            # First in the step threads' queue: a start waits behind no landing or settling.
-            opened = await self.ctx.blocking(self.open, first=True)
+            opened = await self.start()
             if isinstance(opened, Ticket) and opened.verdict == "wait":
                 opened = await self.admitted(None, opened)
             outcome = opened if isinstance(opened, RolloutOutcome) else await self.attempt(opened)
@@ -206,13 +209,56 @@ class _Run:
             lease = Lease(self.sid, key_str(seen.row), "")
         return await self.ctx.blocking(lambda: self.settle(lease, outcome))
 
+    async def start(self) -> RolloutOutcome | Ticket:
+        """One hop off the loop: the lease, the manifest check and the first admission (`open`).
+        First in the step threads' queue: a start waits behind no landing or settling.
+
+        A delivery taken ahead of its worker's slots (`SLOT`) takes its lease in a first hop,
+        waits for its slot on the loop, leased, then makes the rest of its start in a second.
+        """
+        slot = SLOT.get()
+        if slot is None:
+            return await self.ctx.blocking(self.open, first=True)
+        taken = await self.ctx.blocking(self.take_lease, first=True)
+        if taken is not None:
+            return taken
+        if not await slot():
+            return await self.ctx.blocking(self.not_started)
+        return await self.ctx.blocking(self.after_slot, first=True)
+
     def open(self) -> RolloutOutcome | Ticket:
-        """The blocking start of a delivery: its lease, its run fields vouched for, its capture
-        cleared and its first try at admission; the slot's ticket (`wait` while the caps are
-        full), or how the delivery ended."""
+        """The blocking start of a delivery: its lease, then `begin`."""
         taken = self.take_lease()
         if taken is not None:
             return taken
+        return self.begin()
+
+    def after_slot(self) -> RolloutOutcome | Ticket:
+        """The start of a delivery that waited for its slot holding its lease: `begin`, unless
+        the lease was taken over meanwhile (its worker was frozen or cut off, and the rollout
+        runs elsewhere): then it calls nothing and ends as the attempt taken over it is."""
+        lease, leases = self.lease, self.ctx.leases
+        if lease is not None and leases is not None and not leases.fresh(lease):
+            # Its worker was silent for most of the lease TTL (frozen, cut off): ask Redis.
+            try:
+                current = leases.current(lease, self.req.run.token)
+            except redis.RedisError:
+                current = True  # admission retries Redis; landing fences a stale attempt
+            if not current:
+                return self.end(Ended.TAKEN_OVER, detail="taken over while it waited for a slot")
+        return self.begin()
+
+    def not_started(self) -> RolloutOutcome:
+        """A delivery refused its slot (the worker stops): its lease goes back at once, and the
+        broker gives its message, unacknowledged, to another worker."""
+        if self.lease is not None and self.ctx.leases is not None:
+            self.ctx.leases.give_back(self.lease)
+            self.lease = None
+        return self.end(Ended.REDELIVERED, detail="not started: the worker is stopping")
+
+    def begin(self) -> RolloutOutcome | Ticket:
+        """Its run fields vouched for, its capture cleared and its first try at admission; the
+        slot's ticket (`wait` while the caps are full), or how the delivery ended."""
         try:
             ctx = self.ctx
             if self.delivery.record and ctx.runs is not None:
@@ -394,6 +440,9 @@ class _Run:
             requests=outcome.requests_sent,
             run_ms=(ended_call - started) * 1000,
             after_ms=(ctx.monotonic() - ended_call) * 1000,
+            health=self.verdict.as_json()
+            if self.verdict is not None and ended is Ended.LANDED
+            else None,
         )
 
     def after_call(
@@ -421,6 +470,7 @@ class _Run:
         records = [*failures, *([] if result is None else [result])]
         stamp_timing(records, at, ms)
         self.stamp_execution(records)
+        self.verdict = judge(self.req.health, result)
         queued: Queued
         try:
             queued = self.queue_landing(result, failures)
@@ -618,4 +668,6 @@ class _Run:
         lander = self.ctx.lander
         if self.encoded is None:
             self.encoded = lander.encode(result, failures)  # StorageError: nothing to land
+            if self.encoded.result_key is not None:
+                self.encoded.health = self.verdict
         return lander.enqueue(self.req.run, self.encoded, self.lease)

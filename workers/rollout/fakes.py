@@ -15,6 +15,7 @@ new current attempt), and the lander refuses an attempt that is not current.
 from __future__ import annotations
 
 import concurrent.futures
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,8 @@ class FakeShard:
     """What `rollouts-S.jsonl` holds."""
     failures: list[dict[str, Any]] = field(default_factory=list)
     """What the failures sidecar holds."""
+    health: Counter[str] = field(default_factory=Counter)
+    """The live verdict counts (what `keys.shard_health` holds)."""
     run_failed: str | None = None
     """The run's first error, once the run was flagged failed."""
     cancel: str | None = None
@@ -253,6 +256,8 @@ class FakeLander:
                 s.landed.add(key)
                 s.results.append(orjson.loads(line))  # what landed: the encoded line
                 report.landed = True
+                if records.health is not None:
+                    s.health.update(records.health.counter_fields())
         s.failures.extend(records.failures)
         return report
 
@@ -283,6 +288,8 @@ class FakeLeases:
         finish task's signature."""
         self.counted = 0
         """Rollouts of that generation counted toward its finish."""
+        self.given_back: list[str] = []
+        """Keys whose lease an attempt gave back without starting."""
         self._n = 0
 
     def take(self, sid: str, key: str, token: str, message: dict[str, Any]) -> LeaseTicket:
@@ -326,6 +333,16 @@ class FakeLeases:
 
     def forget(self, lease: Lease) -> None:
         self.held.pop(lease.key, None)
+
+    def fresh(self, lease: Lease) -> bool:
+        return self.held.get(lease.key) == lease
+
+    def give_back(self, lease: Lease) -> None:
+        if self.shard.attempts.get(lease.key) == lease.attempt:
+            self.shard.attempts.pop(lease.key, None)
+            self.held.pop(lease.key, None)
+            self.messages.pop(lease.key, None)
+            self.given_back.append(lease.key)
 
     def expire(self, key: str) -> None:
         """The holder went silent and its lease expired; a takeover fences it and re-publishes

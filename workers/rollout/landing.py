@@ -367,6 +367,7 @@ class Lander:
             seen: set[str] = set()
             lines: list[bytes] = []
             kinds: Counter[str] = Counter()
+            verdicts: Counter[str] = Counter()
             for p, (k, line) in with_result:
                 report = reports[id(p)]
                 report.landed = report.duplicate = False
@@ -379,6 +380,8 @@ class Lander:
                 kinds[p.records.result_kind] += 1
                 kinds[agent_counter(p.records.agent, "landed")] += 1
                 report.landed = True
+                if p.records.health is not None:
+                    verdicts.update(p.records.health.counter_fields())
             # Not joined: on a local folder the lines go down as they are (`writev`); a batch
             # of 300 lines of 64 KB joined was another 20 MB at a worker's memory peak.
             if lines and not self._append(st, state, st.files.results, lines):
@@ -393,6 +396,8 @@ class Lander:
                         pipe.hincrby(keys.shard_counts(st.sid), f"landed_{kind}", n)
                     elif kind.startswith(AGENT_COUNTER):
                         pipe.hincrby(keys.shard_counts(st.sid), kind, n)
+                for name, n in verdicts.items():  # live health: each new result counted once
+                    pipe.hincrby(keys.shard_health(st.sid), name, n)
                 st.commit_size(pipe, st.files.results, state)
             dups = len(with_result) - len(new_keys)
             if dups:

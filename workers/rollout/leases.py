@@ -45,7 +45,7 @@ import redis
 from infra import keys
 from infra.environment import from_env
 from infra.redis_client import client
-from infra.scripts import RENEW_ROLLOUTS_LUA, SETTLE_LUA, TAKE_LEASE_LUA
+from infra.scripts import GIVE_BACK_LUA, RENEW_ROLLOUTS_LUA, SETTLE_LUA, TAKE_LEASE_LUA
 from workers.rollout.admission import with_redis_retry
 from workers.shard.landed import settled
 from workers.shard.leases import lease_member
@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 
 SETTLE_RETRY_S = 30.0
 """How long settling a lease rides out a Redis restart."""
+
+FRESH_SHARE = 0.8
+"""A lease taken or renewed less than this share of its TTL ago is known to be current without
+asking Redis (the rest of the TTL is margin for the round trip and the clocks)."""
 
 CLAIM_BATCH = 64
 """Expired leases one renewal takes over at most; the next renewal takes the rest."""
@@ -153,7 +157,10 @@ class RolloutLeases:
         self._take = self.r.register_script(TAKE_LEASE_LUA)
         self._renew = self.r.register_script(RENEW_ROLLOUTS_LUA)
         self._settle = self.r.register_script(SETTLE_LUA)
-        self._held: dict[str, tuple[str, Stage]] = {}
+        self._give_back = self.r.register_script(GIVE_BACK_LUA)
+        self._held: dict[str, tuple[str, Stage, float]] = {}
+        """Held leases: member -> (attempt, stage, when it was last taken or renewed: the
+        monotonic time just before the round trip that did it)."""
         # Held across a renewal, so a lease settled meanwhile is not renewed after its removal.
         self._lock = threading.Lock()
         self.republished = 0
@@ -177,13 +184,14 @@ class RolloutLeases:
         args: list[str | bytes | float] = [
             key, token, self.holder, self.ttl_s, _encoded(message), member, self.key_ttl_s
         ]  # fmt: skip
+        sent = time.monotonic()
         answer = self._take(keys=self._keys(sid, token), args=args, client=self.r)
         verdict, detail, lost = (_text(v) for v in answer)
         if verdict != "taken":
             return LeaseTicket(cast(Literal["live", "settled"], verdict), detail)
         lease = Lease(sid, key, detail)
         with self._lock:
-            self._held[member] = (lease.attempt, "admitted")
+            self._held[member] = (lease.attempt, "admitted", sent)
         if lost:
             log.warning("rollout %s of shard %s taken over from %s, which went silent", key, sid,
                         lost)  # fmt: skip
@@ -192,8 +200,20 @@ class RolloutLeases:
     def stage(self, lease: Lease, stage: Stage) -> None:
         """Note the attempt's stage; it reaches Redis with the next renewal (no round trip now)."""
         with self._lock:
-            if lease.member in self._held:
-                self._held[lease.member] = (lease.attempt, stage)
+            held = self._held.get(lease.member)
+            if held is not None:
+                self._held[lease.member] = (lease.attempt, stage, held[2])
+
+    def fresh(self, lease: Lease) -> bool:
+        """Whether this process took or renewed the lease less than most of its TTL ago, so that
+        it cannot have expired, nor been taken over, since (no round trip)."""
+        with self._lock:
+            held = self._held.get(lease.member)
+        return (
+            held is not None
+            and held[0] == lease.attempt
+            and (time.monotonic() - held[2] < FRESH_SHARE * self.ttl_s)
+        )
 
     def current(self, lease: Lease, token: str) -> bool:
         """Whether the lease's attempt is still its rollout's current one in generation `token`:
@@ -235,6 +255,20 @@ class RolloutLeases:
         with self._lock:
             self._held.pop(lease.member, None)
 
+    def give_back(self, lease: Lease) -> None:
+        """Drop the lease of an attempt that never started (its worker stops before the delivery
+        got a slot), settling nothing: the next delivery of the rollout takes it at once."""
+        with self._lock:
+            self._held.pop(lease.member, None)
+        names = [keys.shard_rollout_leases(lease.sid), keys.shard_attempts(lease.sid),
+                 keys.shard_lease_messages(lease.sid), keys.ROLLOUT_LEASES]  # fmt: skip
+        try:
+            self._give_back(
+                keys=names, args=[lease.key, lease.attempt, lease.member], client=self.r
+            )
+        except redis.RedisError as exc:  # it expires and is taken over instead
+            log.warning("could not give the lease of %s back: %s", lease.member, exc)
+
     def renew_once(self) -> int:
         """Renew the held leases and take over expired ones; returns how many were published again."""
         slots = self._slots() if self._slots is not None else contextlib.nullcontext([])
@@ -250,13 +284,16 @@ class RolloutLeases:
                 len(held_slots) // 2,
                 *held_slots,
             ]
-            for member, (attempt, stage) in self._held.items():
+            for member, (attempt, stage, _) in self._held.items():
                 args += [member, attempt, stage]
+            sent = time.monotonic()
             try:
                 gone, taken = self._renew(keys=[keys.ROLLOUT_LEASES], args=args, client=self.r)
             except redis.RedisError as exc:
                 log.warning("could not renew %d rollout leases: %s", len(self._held), exc)
                 return 0
+            for member, (attempt, stage, _) in list(self._held.items()):
+                self._held[member] = (attempt, stage, sent)
             for member in gone:
                 # Taken over while this process was silent: its outcome will be refused.
                 if self._held.pop(_text(member), None) is not None:

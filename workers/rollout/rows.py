@@ -43,7 +43,7 @@ def stamp_execution(records: list[dict[str, Any]], generation: int, attempt: int
 
 
 def drained_row(row: dict[str, Any], message: str) -> dict[str, Any]:
-    """What a rollout that never started resolves to (SPEC §5); it lands nowhere."""
+    """What a rollout that never started resolves to (docs/reference/failures.md#drained-rows); it lands nowhere."""
     return {
         **{k: row[k] for k in F.IDENTITY_FIELDS if k in row},
         F.FAILURE_CLASS: "cancelled",

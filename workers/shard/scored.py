@@ -1,4 +1,4 @@
-"""The rows a shard's metrics score: its results, plus the zeros NeMo Gym imputes (SPEC §5).
+"""The rows a shard's metrics score: its results, plus the zeros NeMo Gym imputes (docs/how-to/health.md).
 
 `count_failure_classes_as_zero` adds, for each rollout without a result whose latest failure row
 is of a listed class, a copy of that row without its failure diagnostics, `mask_sample` false and

@@ -129,7 +129,7 @@ def keep_alive(pipe: redis.client.Pipeline, sid: str) -> None:
     them keeps them alive, a shard nobody writes any more loses them (they are rebuilt from
     storage)."""
     ttl = from_env().live_key_ttl_s
-    for key in (keys.shard_state(sid), keys.shard_counts(sid)):
+    for key in (keys.shard_state(sid), keys.shard_counts(sid), keys.shard_health(sid)):
         pipe.expire(key, ttl)
 
 

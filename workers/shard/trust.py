@@ -9,8 +9,8 @@ only the producer writes, on storage the broker's users need not reach, and chec
 - the manifest exists (the directory is a run directory of that shard) and is readable;
 - the run id is the manifest's;
 - the token is one of the manifest's generations' (the current one is fenced in Redis as before);
-- the agent URL is one of the manifest's agents' (compared with its secrets redacted, as the
-  manifest stores the config).
+- the agent URL is one of the manifest's agents' or, for a task row's episode, environment
+  servers' (compared with its secrets redacted, as the manifest stores the config).
 
 A task that fails is fenced: nothing is called, nothing is written. A verdict is kept for the
 life of the process (the manifest is read once per generation and agent), unless the storage
@@ -65,6 +65,6 @@ def _check(run: RunRef, agent_url: str) -> str | None:
         return f"the task's run id {run.run_id!r} is not the run of {where} ({manifest.run_id!r})"
     if run.token not in {g.token for g in manifest.generations}:
         return f"the task's writer token is none of the dispatch generations of {where}"
-    if redact_url(agent_url) not in manifest.agent_urls().values():
+    if redact_url(agent_url) not in manifest.call_urls():
         return f"the task's agent URL {redact_url(agent_url)} is not an agent of {where}"
     return None
