@@ -96,6 +96,7 @@ def _check_shard_health(
                 [files.results],
                 settings.health_check_ignored_checks,
                 settings_limits(settings),
+                coverage_of=[source_for(rd, files.results, files.results)],
             )
         elif folded is not None:
             sources = [source_for(rd, files.results, files.results)]

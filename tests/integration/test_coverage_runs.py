@@ -38,6 +38,12 @@ def coverage_of(run_dir: Path | str, shard: str = "0") -> dict[str, Any]:
     return data
 
 
+def summary_of(run_dir: Path) -> dict[str, Any]:
+    """The `run` object of the folder's health summary."""
+    run: dict[str, Any] = orjson.loads((run_dir / "quality_summary.json").read_bytes())["run"]
+    return run
+
+
 def assert_invariants(c: dict[str, Any]) -> None:
     assert c["successful"] == c["measured"] + c["masked"] + c["unscored"]
     assert c["expected"] == (
@@ -68,6 +74,12 @@ def test_sigterm_exits_75_and_a_resume_completes_the_run_to_0(
         stopped = coverage_of(out)
         assert_invariants(stopped)
         assert stopped["unknown"] > 0 and not stopped["complete"]
+        # The provisional health summary points at that coverage record; it judges no
+        # completeness itself.
+        pointer = summary_of(out)["coverage"]
+        assert pointer["complete"] is False and pointer["unknown"] == stopped["unknown"]
+        assert pointer["files"][0]["path"] == "rollouts-0_coverage.json"
+        assert pointer["files"][0]["written_by"] == "stop"
         # The workers drain the stopped generation; then the folder's account is exact.
         wait_for(lambda: manifest(out)["state"] != "running", 60, "the stopped run's finish")
         plan = cli("resume", str(out), "--plan", "--json")
@@ -83,6 +95,8 @@ def test_sigterm_exits_75_and_a_resume_completes_the_run_to_0(
     done = coverage_of(out)
     assert_invariants(done)
     assert done["complete"] and done["measured"] == 120 and done["unknown"] == 0
+    pointer = summary_of(out)["coverage"]
+    assert pointer["complete"] is True and pointer["files"][0]["written_by"] == "finish"
     assert len(rows_by_key(results)) == 120
     assert [g["kind"] for g in manifest(out)["generations"]] == ["run", "resume"]
 
@@ -115,6 +129,11 @@ def test_a_rejected_strict_run_publishes_no_metric_values_and_exits_1(
     c = coverage_of(out)
     assert_invariants(c)
     assert (c["states"]["terminal"], c["failed"], c["complete"]) == (2, 2, False)
+    # Completeness is the coverage's to say, not the health verdict's: the summary points at it,
+    # and the two terminal failures are no health reason (no failure limit is set).
+    run = summary_of(out)
+    assert run["coverage"]["complete"] is False and run["coverage"]["failed"] == 2
+    assert run["healthy"] is None and not any("complete" in r for r in run["reasons"])
     assert manifest(out)["state"] == "failed"
     status = orjson.loads((out / "rollouts-0_status.json").read_bytes())
     assert {m["aggregation_status"] for m in status["members"].values()} == {"deferred"}

@@ -36,7 +36,9 @@ from producer.shard.plan import plan_resume, plan_targets, rows_to_run, states_b
 from schemas import fields as F
 from schemas.coverage import RECOVERY_STATES, RUNNABLE, RecoveryState
 from schemas.records import Generation, InputSource, Manifest, utc_now
-from workers.shard.coverage import RecoveryPolicy
+from workers.health.check import check_sources_here
+from workers.health.sources import source_for
+from workers.shard.coverage import RecoveryPolicy, write_coverage
 from workers.shard.reservations import encode_keys
 
 Key = tuple[int, int]
@@ -198,34 +200,41 @@ history = st.fixed_dictionaries(
 )
 
 
+def build(rd: RunDir, h: dict[str, Any], policy: RecoveryPolicy) -> list[Shard]:
+    """Write the history's shards into `rd`; each resume reserves what the plan says it runs,
+    which must be what the model of the rule says."""
+    draws = iter(zip(h["outcomes"] * 4, h["late_rows"] * 4, strict=True))
+    shards = []
+    for index, (tasks, repeats) in enumerate(h["shards"]):
+        # Task numbers of the whole input, as --num-shards splits it: no collision.
+        keys = [(t * len(h["shards"]) + index, k) for t in range(tasks) for k in range(repeats)]
+        shard = Shard(f"s{index}", keys, {k: Rollout() for k in keys})
+        shard.generations.append(generation("run", None))
+        for key in keys:
+            apply(shard, key, 0, *next(draws))
+        for g in range(1, h["resumes"] + 1):
+            # What the model says a resume runs; the code must agree before it is reserved.
+            write(rd, shard)
+            runnable = [k for k in keys
+                        if expected_state(shard.rollouts[k], h["max_attempts"]) in RUNNABLE]  # fmt: skip
+            plan = plan_resume(rd, shard.label, policy)
+            assert sorted(plan.runnable) == runnable
+            shard.generations.append(generation("resume", runnable))
+            for key in runnable:
+                shard.rollouts[key].reserved = g
+                apply(shard, key, g, *next(draws))
+        write(rd, shard)
+        shards.append(shard)
+    return shards
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(history)
 def test_coverage_states_and_resume_over_generated_histories(h: dict[str, Any]) -> None:
     policy = RecoveryPolicy(h["max_attempts"], frozenset({ZERO}))
-    draws = iter(zip(h["outcomes"] * 4, h["late_rows"] * 4, strict=True))
     with tempfile.TemporaryDirectory() as tmp:
         rd = RunDir(tmp)
-        shards = []
-        for index, (tasks, repeats) in enumerate(h["shards"]):
-            # Task numbers of the whole input, as --num-shards splits it: no collision.
-            keys = [(t * len(h["shards"]) + index, k) for t in range(tasks) for k in range(repeats)]
-            shard = Shard(f"s{index}", keys, {k: Rollout() for k in keys})
-            shard.generations.append(generation("run", None))
-            for key in keys:
-                apply(shard, key, 0, *next(draws))
-            for g in range(1, h["resumes"] + 1):
-                # What the model says a resume runs; the code must agree before it is reserved.
-                write(rd, shard)
-                runnable = [k for k in keys
-                            if expected_state(shard.rollouts[k], h["max_attempts"]) in RUNNABLE]  # fmt: skip
-                plan = plan_resume(rd, shard.label, policy)
-                assert sorted(plan.runnable) == runnable
-                shard.generations.append(generation("resume", runnable))
-                for key in runnable:
-                    shard.rollouts[key].reserved = g
-                    apply(shard, key, g, *next(draws))
-            write(rd, shard)
-            shards.append(shard)
+        shards = build(rd, h, policy)
 
         targets = plan_targets(rd, None)
         assert [label for _, label in targets] == [s.label for s in shards]
@@ -252,3 +261,38 @@ def test_coverage_states_and_resume_over_generated_histories(h: dict[str, Any]) 
             for row in rows:
                 attempts = attempts_of(shard.rollouts[F.rollout_key(row)])
                 assert row.get(F.ATTEMPT_INDEX, 0) == attempts
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(history)
+def test_the_health_accounting_selects_outcomes_as_the_coverage_does(h: dict[str, Any]) -> None:
+    """The health check's accounting of each shard agrees with its coverage (landed, failed by
+    class, omitted, missing): one selection rule, so a rollout a resume dispatched again is
+    missing, not failed, until that resume writes, and a late row of an older generation never
+    stands. The summary points at the coverage record once it is written, and says what it says."""
+    policy = RecoveryPolicy(h["max_attempts"], frozenset({ZERO}))
+    with tempfile.TemporaryDirectory() as tmp:
+        rd = RunDir(tmp)
+        for shard in build(rd, h, policy):
+            c = plan_resume(rd, shard.label, policy).coverage
+            results = ShardFiles(shard.label).results
+            report = Path(tmp) / f"report-{shard.label}"
+            report.mkdir()
+            run = check_sources_here(str(report), [source_for(rd, results, results)])
+            acc = run["accounting"]
+            assert acc["failed"]["by_class"] == c.failed_by_class
+            counts = (acc["landed"], acc["failed"]["total"], acc["omitted"], acc["missing"])
+            assert counts == (c.successful, c.failed, c.intentionally_omitted, c.unknown)
+            assert run["coverage"]["files"][0]["path"] is None  # not written yet
+            assert run["coverage"]["complete"] is None
+
+            write_coverage(rd, c)
+            run = check_sources_here(str(report), [source_for(rd, results, results)])
+            pointer = run["coverage"]
+            assert pointer["files"][0]["path"] == ShardFiles(shard.label).coverage
+            assert pointer["complete"] is c.complete
+            assert (pointer["expected"], pointer["failed"], pointer["unknown"]) == (
+                c.expected, c.failed, c.unknown,
+            )  # fmt: skip
+            # Completeness is the coverage's to say: an incomplete run is no health reason.
+            assert not any("complete" in reason for reason in run["reasons"])

@@ -9,7 +9,7 @@ the current rollout and the current task's repeats are ever held in memory.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -22,6 +22,7 @@ from workers.health.registry import ROLLOUT_INDEX, checks_in, mask_of
 from workers.health.scan import FAILURE, GENERATION, OWED, RECORD
 from workers.health.spool import untagged
 from workers.health.timeouts import Timeouts, latest_delivery
+from workers.shard.ledger import Key, Reserved
 
 
 def newest_generation(failures: list[list[Any]]) -> list[list[Any]]:
@@ -137,9 +138,12 @@ class Reducer:
         emit_task: Callable[[int, Any, dict[str, Any]], None],
         multi_source_labels: list[str] | None,
         timeouts: Timeouts | None = None,
+        reserved: Sequence[Reserved | None] | None = None,
     ) -> None:
         self.acc = accounting
         self.timeouts = timeouts
+        self.reserved = reserved
+        """Per source, the newest generation that reserved each rollout (None: unknown)."""
         self.totals = totals
         self.out = verdicts_out
         self.emit_task = emit_task
@@ -173,11 +177,19 @@ class Reducer:
         if group[0][1] == 0 and group[0][3] == 0:
             newest = newest_generation([e[9] for e in failures])
             latest = newest[-1] if newest else None
+            if latest is not None and not self._stands(source, (task, rollout), latest):
+                latest = None  # a resume dispatched it again since: no outcome until it writes
             failed = self.acc.add_rollout(source, owed, own, all_scored, latest)
             if failed is not None and self.timeouts is not None:
                 self.timeouts.add(source, failed[0], failed[1], latest_delivery(newest))
         elif own:
             self.acc.sources[source].not_owed += 1
+
+    def _stands(self, source: int, key: Key, failure: list[Any]) -> bool:
+        """Whether a rollout's newest failure is its outcome: of the newest generation that
+        reserved it (`ShardLedger.stands`, the coverage's rule)."""
+        reserved = self.reserved[source] if self.reserved is not None else None
+        return reserved is None or _generation(failure) >= reserved(key)
 
     def _records(
         self, source: int, task: Any, rollout: Any, records: list[list[Any]]
