@@ -452,15 +452,23 @@ def rate_text(report: dict[str, Any], sep: str = "") -> str:
 
 
 def coverage_text(report: dict[str, Any]) -> str:
-    """The coverage's counts on one line (`rollouts-S_coverage.json`'s names)."""
+    """The coverage's counts (`rollouts-S_coverage.json`'s names), the ones at zero but measured
+    and unknown left out, on lines of at most 80 columns."""
     c = report.get("coverage")
     if not c:
         return ""
-    return (
-        f"\ncoverage: measured {c['measured']} · masked {c['masked']} · unscored "
-        f"{c['unscored']} · failed {c['failed']} · omitted {c['intentionally_omitted']} · "
-        f"unknown {c['unknown']} of {c['expected']}" + (" · complete" if c["complete"] else "")
-    )
+    names = (("measured", "measured"), ("masked", "masked"), ("unscored", "unscored"),
+             ("failed", "failed"), ("intentionally_omitted", "omitted"), ("unknown", "unknown"))  # fmt: skip
+    parts = [f"{label} {c[k]}" for k, label in names if c[k] or k in ("measured", "unknown")]
+    if c["complete"]:
+        parts.append("complete")
+    lines = [f"coverage of {c['expected']}: {parts[0]}"]
+    for part in parts[1:]:
+        if len(lines[-1]) + len(part) + 3 > 80:
+            lines.append(f"  {part}")
+        else:
+            lines[-1] += f" · {part}"
+    return "".join(f"\n{line}" for line in lines)
 
 
 def tokens_line(report: dict[str, Any]) -> str:

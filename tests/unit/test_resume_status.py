@@ -11,7 +11,7 @@ from rich.console import Console
 
 from infra.store import RunDir
 from producer.cli.nemo_gym import nemo_gym_output
-from producer.ops.status import FileTally, add_holders, exit_code, holders_lines
+from producer.ops.status import FileTally, add_holders, coverage_text, exit_code, holders_lines
 from producer.shard.live import LiveSnapshot, RunningRollout
 from producer.shard.plan import plan_resume, rows_to_run, states_by_key
 from producer.shard.resume import max_attempts_limit
@@ -216,3 +216,21 @@ def test_who_holds_what_by_holder_redispatched_and_oldest() -> None:
     assert exit_code({"state": "completed", "error": None}) == 0
     assert exit_code({"state": "completed", "error": "aggregation failed: x"}) == 1
     assert exit_code({"state": "cancelled", "error": "cancelled"}) == 1
+
+
+def test_the_coverage_line_fits_80_columns_and_names_what_is_not_zero() -> None:
+    coverage = dict(expected=480, measured=232, masked=0, unscored=0, failed=8,
+                    intentionally_omitted=0, unknown=240, complete=False)  # fmt: skip
+    assert coverage_text({"coverage": coverage}) == (
+        "\ncoverage of 480: measured 232 · failed 8 · unknown 240"
+    )
+    big = dict(expected=1_000_000, measured=900_000, masked=20_000, unscored=0, failed=30_000,
+               intentionally_omitted=50_000, unknown=0, complete=False)  # fmt: skip
+    lines = coverage_text({"coverage": big}).strip().splitlines()
+    assert lines == [
+        "coverage of 1000000: measured 900000 · masked 20000 · failed 30000",
+        "  omitted 50000 · unknown 0",
+    ]
+    assert all(len(line) <= 80 for line in lines)
+    done = dict(big, masked=0, failed=0, intentionally_omitted=0, measured=1_000_000, complete=True)
+    assert coverage_text({"coverage": done}).endswith("unknown 0 · complete")
