@@ -89,6 +89,7 @@ def test_nemo_gym_judges_the_demo_shard_as_we_do(tmp_path: Path) -> None:
 def gym_run(
     gym: Path, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> str:
+    """Run a `gym` command; give it a temporary `cwd`: Hydra writes outputs/ where it runs."""
     proc = subprocess.run(
         [str(gym), *args], capture_output=True, text=True, timeout=600, check=False,
         env={**os.environ, **(env or {})}, cwd=cwd,
@@ -141,7 +142,8 @@ def test_nemo_gym_reads_our_coverage_era_runs_and_agrees(tmp_path: Path) -> None
         for name in ("rollouts-0.jsonl", "rollouts-0_failures.jsonl",
                      "rollouts-0_materialized_inputs.jsonl"):  # fmt: skip
             shutil.copy(run_dir / name, peer_dir / name)
-        gym_run(gym, "eval", "health-check", str(peer_dir), "--rollouts-file", "rollouts-0.jsonl")
+        gym_run(gym, "eval", "health-check", str(peer_dir), "--rollouts-file", "rollouts-0.jsonl",
+                cwd=tmp_path)  # fmt: skip
         assert summary(run_dir)["verdicts"] == summary(peer_dir)["verdicts"]
         assert {c: summary(run_dir)["issues"][c] for c in NEMO_CHECKS} == summary(peer_dir)[
             "issues"
@@ -154,7 +156,8 @@ def test_nemo_gym_reads_our_coverage_era_runs_and_agrees(tmp_path: Path) -> None
             "input_glob": str(peer_dir / "rollouts-*.jsonl"),
             "output_jsonl_fpath": str(merged),
         }
-        gym_run(gym, "eval", "aggregate", env={"NEMO_GYM_CONFIG_DICT": yaml.safe_dump(config)})
+        gym_run(gym, "eval", "aggregate", env={"NEMO_GYM_CONFIG_DICT": yaml.safe_dump(config)},
+                cwd=tmp_path)  # fmt: skip
         theirs = entries_by_server(merged.parent / "rollouts_aggregate_metrics.json")
         assert sorted(theirs) == sorted(ours)
         for server, entry in ours.items():
@@ -170,7 +173,7 @@ def test_nemo_gym_reads_our_coverage_era_runs_and_agrees(tmp_path: Path) -> None
     out = gym_run(
         gym, "eval", "compare", "--baseline", str(run_dir / "rollouts-0.jsonl"),
         "--candidates", str(twin / "rollouts-0.jsonl"), "--agent", "math_agent",
-        "--output-dir", str(tmp_path / "compare"), "--report-format", "json",
+        "--output-dir", str(tmp_path / "compare"), "--report-format", "json", cwd=tmp_path,
     )  # fmt: skip
     report = orjson.loads((tmp_path / "compare" / "compare_report.json").read_bytes())
     assert report, out
