@@ -19,7 +19,7 @@ from examples.tasks import make_row
 from infra.embedded import free_port
 from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
-from schemas.errors import RunFailedError
+from schemas.errors import RunPartialError
 from tests.conftest import Workers, agent_stats, demo_rows, write_rows
 from tests.ops_helpers import cli, cli_background, manifest, requests_per_key, rows_by_key, wait_for
 
@@ -227,7 +227,8 @@ def test_require_complete_rejects_a_run_with_missing_results(
     rows[3]["fault"] = {"kind": "http500", "times": 9}
     rows[7]["fault"] = {"kind": "list", "times": 9}
     out = tmp_path / "run"
-    with pytest.raises(RunFailedError, match=r"EVAL FAILED: 8/10 samples completed"):
+    # Both missing rollouts can still run and this run made progress: a resume can complete it.
+    with pytest.raises(RunPartialError, match=r"EVAL FAILED: 8/10 samples completed"):
         execute_run(
             RunOptions(
                 config_path=config_file,
@@ -242,6 +243,9 @@ def test_require_complete_rejects_a_run_with_missing_results(
     for entry in entries:
         assert entry["complete"] is False
         assert entry["completion_rejected"].startswith("EVAL FAILED: 8/10")
+        # Decided before the aggregate: no server was asked, no metric value is published.
+        assert entry["agent_metrics"] == {} and entry["key_metrics"] == {}
+        assert entry["group_level_metrics"] == [] and entry["coverage"]["coverage/failed"] == 2
     m = manifest(out)
     assert m["state"] == "failed"
     assert "EVAL FAILED" in m["error"]
