@@ -9,7 +9,9 @@ not yet delivered), its key count, the rate since the last checkpoint and the si
 workers' `stats.total` (what Flower's `/api/workers` carries per worker). After the finish: the
 run's keys left in Redis and their TTLs, the finish step's wall time (from the last landing to
 the producer's exit) and, run again on its own in a child process, its wall time and peak RSS;
-then `rollouts status` and `rollouts resume` (nothing missing) with their wall time and peak RSS.
+then `rollouts status`, `rollouts resume` (nothing missing) and `rollouts resume --plan` (every
+rollout's recovery state and the coverage) with their wall time and peak RSS, and the size of
+the shard's manifest, status and coverage files.
 
 Peak RSS of a child is its own `ru_maxrss` (`os.wait4`), never another process's.
 """
@@ -98,6 +100,10 @@ class SoakResult:
     finish: Measured | None = None
     status: Measured | None = None
     resume: Measured | None = None
+    plan: Measured | None = None
+    """`rollouts resume --plan` (the nine states and the coverage, from the files)."""
+    files: dict[str, int] = field(default_factory=dict)
+    """Size in bytes of the shard's manifest, status and coverage files after the run."""
     keys_left: dict[str, int] = field(default_factory=dict)
     """Key (pattern) -> its TTL in seconds (-1: none)."""
     biggest: list[tuple[str, int, float]] = field(default_factory=list)
@@ -310,6 +316,13 @@ def soak(
             result.resume = run_measured(
                 [sys.executable, "-m", "producer.cli", "resume", out, "--broker", url], env
             )
+            result.plan = run_measured(
+                [sys.executable, "-m", "producer.cli", "resume", out, "--plan"], env
+            )
+            for name in ("manifest", "status", "coverage"):
+                path = os.path.join(out, f"rollouts-0_{name}.json")
+                if os.path.exists(path):
+                    result.files[name] = os.path.getsize(path)
             r.close()
             control.close()
     finally:
@@ -385,14 +398,18 @@ def report(res: SoakResult) -> str:
                 measured_row("finish step, again on its own", res.finish),
                 measured_row("rollouts status", res.status),
                 measured_row("rollouts resume (nothing missing)", res.resume),
+                measured_row("rollouts resume --plan", res.plan),
             ],
         ),
+        "",
+        "files of the shard after the run: "
+        + ", ".join(f"{n} {b:,} B ({b / res.n:.3f} B per rollout)" for n, b in res.files.items()),
         "",
         f"keys of the run left in Redis after the finish: {len(res.keys_left):,}",
         "",
         table(["key", "count", "without TTL", "TTL"], ttl_summary(res.keys_left)),
     ]
-    for m in (res.producer, res.finish, res.status, res.resume):
+    for m in (res.producer, res.finish, res.status, res.resume, res.plan):
         if m is not None and m.returncode != 0:
             lines += ["", "```", m.output[-1500:], "```"]
     return "\n".join(lines)

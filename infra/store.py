@@ -75,6 +75,17 @@ class ShardFiles:
     def status(self) -> str:
         return f"{self.stem}_status.json"
 
+    @property
+    def coverage(self) -> str:
+        """The exact inventory of the shard's expected rollouts (`schemas/coverage.py`)."""
+        return f"{self.stem}_coverage.json"
+
+    @property
+    def superseded(self) -> str:
+        """The folder of late records of older attempts, kept as evidence, never selected
+        (`workers/rollout/landing.py`); not a JSONL file, so no reader of shards takes it for one."""
+        return f"{self.stem}_superseded"
+
     def all(self) -> list[str]:
         return [
             self.results,
@@ -83,6 +94,7 @@ class ShardFiles:
             self.aggregate,
             self.manifest,
             self.status,
+            self.coverage,
         ]
 
     @classmethod
@@ -90,7 +102,7 @@ class ShardFiles:
         """What follows the stem in the artifact names, extension left off (`_failures`, ...)."""
         probe = cls("")
         names = (name.removeprefix(probe.stem).split(".", 1)[0] for name in probe.all())
-        return tuple(suffix for suffix in names if suffix)
+        return (*(suffix for suffix in names if suffix), probe.superseded.removeprefix(probe.stem))
 
 
 def _storage_options(protocol: str) -> dict[str, Any]:
@@ -223,6 +235,8 @@ class RunDir:
         """Replace `name` with `data` so readers see the old or the new content, never a mix."""
         target = self.path(name)
         if self.is_local:
+            if "/" in name:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
             with replacing_file(target) as f:
                 f.write(data)
         else:
@@ -258,6 +272,23 @@ class RunDir:
         if self.is_local:
             with contextlib.suppress(OSError):
                 os.rmdir(segments.segment_dir(self.root, name))
+
+    def list_folder(self, folder: str) -> list[str]:
+        """The names (relative to the run directory) of the objects in `folder`; none if absent."""
+        try:
+            found = self.fs.ls(self.path(folder), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(f"{folder}/{str(p).rstrip('/').rsplit('/', 1)[-1]}" for p in found)
+
+    def remove_folder(self, folder: str) -> None:
+        """Remove `folder` and what it holds (nothing happens if it is absent)."""
+        names = self.list_folder(folder)
+        if names:
+            self.fs.rm([self.path(n) for n in names])
+        if self.is_local:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.path(folder))
 
     def iter_bytes(self, name: str, start: int = 0) -> Iterator[tuple[int, bytes]]:
         """Yield `(offset, block)` of the logical file from byte `start`, in order."""

@@ -8,7 +8,15 @@ ops/       operating on runs: status, cancel, Flower, health-check, aggregate
 cli/       the `rollouts` command line
 """
 
-from producer.api import Completions, Outcomes, reattach, run_examples, run_outcomes
+from producer.api import (
+    Completions,
+    Outcomes,
+    completion_rejection,
+    raise_for_completion,
+    reattach,
+    run_examples,
+    run_outcomes,
+)
 from producer.planning import preprocess_examples
 from schemas.errors import RolloutFailedError
 from schemas.outcomes import RolloutFailureRecord
@@ -18,7 +26,9 @@ __all__ = [
     "Outcomes",
     "RolloutFailedError",
     "RolloutFailureRecord",
+    "completion_rejection",
     "preprocess_examples",
+    "raise_for_completion",
     "reattach",
     "run_examples",
     "run_outcomes",

@@ -8,6 +8,7 @@
     │   └── RunExistsError    a fresh run would overwrite an earlier run's shard
     ├── TransientError        worth retrying (a lost Redis connection, a busy lock)
     ├── RunFailedError        the run ended and must be reported as failed; exit code 1
+    │   └── RunPartialError   it saved a partial result that a resume can complete; exit code 75
     └── RolloutFailedError    a rollout of `run_examples` failed; raised by its awaitable
 
 A failed rollout is never an exception that leaves a worker: it is a failure row (data).
@@ -106,6 +107,19 @@ class RunFailedError(RolloutsError):
     """Raised when a run ends failed or rejected; the CLI exits 1 with this message."""
 
     exit_code = 1
+
+
+EXIT_PARTIAL = 75
+"""`EX_TEMPFAIL`: the exit code of a run that saved a partial result a resume can complete, so a
+scheduler requeues it (Slurm: `--requeue`, or an `afternotok` chain)."""
+
+
+class RunPartialError(RunFailedError):
+    """Raised when a run stopped with a partial result saved that a resume can complete (drained
+    by its dispatch budget or `cancel --drain`, stopped by SIGTERM, or a strict run still short of
+    rollouts it can run); the CLI exits 75 with this message."""
+
+    exit_code = EXIT_PARTIAL
 
 
 class RolloutFailedError(RolloutsError):

@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.coverage import RunCoverage
+
 
 class Coverage(BaseModel):
     """How much of the planned rollouts the aggregate metrics cover (NeMo Gym's coverage lines)."""
@@ -65,7 +67,13 @@ class FinishResult(BaseModel):
     cancelled: str | None = None
     """`cancel` or `drain` when `rollouts cancel` stopped the run."""
     rejection: str | None = None
-    """The `require_complete` message when fewer results landed than were planned."""
+    """The `require_complete` message when fewer rollouts completed than were planned."""
+    partial: bool = False
+    """It saved a partial result that a resume can complete (exit 75): drained by its dispatch
+    budget or `cancel --drain`, stopped by SIGTERM, or rejected with rollouts left to run, and
+    this generation made progress."""
+    progress: bool = True
+    """This generation wrote outcomes (results or failure rows)."""
     landed: int | None = None
     """Distinct rollouts in `rollouts-S.jsonl`."""
     planned: int | None = None
@@ -82,5 +90,7 @@ class FinishResult(BaseModel):
     """The health check's brief (state, verdict, reasons, verdict counts, path) or its error."""
     coverage: Coverage | None = None
     """The metrics' coverage of the planned rollouts; None when aggregation did not run."""
+    run_coverage: RunCoverage | None = None
+    """The exact account of the expected rollouts (`rollouts-S_coverage.json`)."""
     report: str | None = None
     """Where the run report (`report.html`) was written; None when it is off or failed."""

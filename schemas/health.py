@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from schemas.records import RateLimitWaits
+from schemas.coverage import RunCoverage
+from schemas.records import Generation, RateLimitWaits
 from schemas.run_facts import ConfigFacts
 from schemas.usage import TokenUsage
 
@@ -233,6 +234,13 @@ class Source(BaseModel):
     capture_dir: str | None = None
     """The model-call capture dir its failed rollouts' calls are read from (the timeouts
     section); None when capture was off or its dir is not known."""
+    generations: list[Generation] = Field(default_factory=list)
+    """Its manifest's dispatch generations: which one reserved each rollout last, so that the
+    accounting selects a rollout's standing failure by the coverage's rule; empty without one."""
+    coverage_file: str | None = None
+    """File name of its shard's coverage record (`rollouts-S_coverage.json`), when one exists."""
+    coverage: RunCoverage | None = None
+    """What that record says, when it could be read."""
 
 
 FileKind = Literal["results", "failures", "materialized"]

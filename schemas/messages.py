@@ -19,6 +19,8 @@ COLLECT_TASK = "rollouts.collect"
 """Task name of one rollout."""
 FINISH_TASK = "rollouts.finish"
 """Task name of the chord callback that finishes a shard."""
+OMIT_TASK = "rollouts.omit"
+"""Task name of a recorded Python API call's omissions (`record_omitted_rollouts`)."""
 QUEUE = "rollouts"
 """The queue rollout tasks go to."""
 
@@ -36,6 +38,8 @@ class RunRef(BaseModel):
     """The shard label."""
     token: str
     """The opener token of the dispatch generation; a stale token is fenced out."""
+    generation: int = 0
+    """That generation's index in the manifest: the first half of each record's execution."""
 
 
 class CallPolicy(BaseModel):
@@ -135,3 +139,16 @@ class FinishRequest(BaseModel):
 
     run: RunRef
     """The run and shard to finish."""
+
+
+class OmitRequest(BaseModel):
+    """Rows of a recorded shard to write as intentional omissions (`_ng_omitted` sidecar rows)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: RunRef
+    """The recorded shard, and the generation the omissions belong to."""
+    rows: list[dict[str, Any]]
+    """The planned rows left out (their identity is what is written)."""
+    why: str
+    """The omission's message."""

@@ -13,7 +13,7 @@ failure, http_status, exception_type) plus three fields of ours read from the fa
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, model_validator
 
@@ -121,6 +121,7 @@ class RolloutOutcome(BaseModel):
 Delivery = Literal["not_sent", "possibly_delivered", "delivered"]
 FailureStage = Literal["admission", "seed", "agent", "verification", "cleanup"]
 REASON_LIMIT = 2000
+_STAGES = frozenset({"admission", "seed", "agent", "verification", "cleanup"})
 
 # Failure kinds of a request that never reached the agent.
 _NOT_SENT_KINDS = frozenset({"transport_unreachable", "transport_local_resource", "cancelled"})
@@ -188,10 +189,15 @@ class RolloutFailureRecord(BaseModel):
 
     @classmethod
     def from_failure_row(
-        cls, failure: dict[str, Any], run_id: str, fallback_id: str
+        cls,
+        failure: dict[str, Any],
+        run_id: str,
+        fallback_id: str,
+        source: Literal["environment", "collector"] = "collector",
     ) -> RolloutFailureRecord:
         """The record of a failure row or drained row of run `run_id`; `fallback_id` names a row
-        without identity."""
+        without identity. `source`: who observed it; an environment's failure (an agent's own
+        failure row, a reply of HTTP 200) reached its observer, so it was delivered."""
         explicit = failure.get(F.ROLLOUT_ID)
         if explicit is not None:
             rollout_id = str(explicit)
@@ -204,24 +210,31 @@ class RolloutFailureRecord(BaseModel):
         status = failure.get(F.FAILURE_HTTP_STATUS)
         kind = failure.get(F.FAILURE_KIND) or ("cancelled" if drained else None)
         message = failure.get(F.FAILURE_MESSAGE) or failure.get("error_message") or "failed"
-        if drained or kind in _NOT_SENT_KINDS:
-            delivery: Delivery = "not_sent"
+        stage = failure.get(F.FAILURE_STAGE)
+        if source == "environment":
+            delivery: Delivery = "delivered"
+        elif drained or kind in _NOT_SENT_KINDS:
+            delivery = "not_sent"
         elif isinstance(status, int):
             delivery = "delivered"
         else:
             delivery = "possibly_delivered"
+        stage_: FailureStage = "admission" if drained else "agent"
+        if isinstance(stage, str) and stage in _STAGES:
+            stage_ = cast(FailureStage, stage)
         return cls(
             episode_id=EpisodeId(
                 rollout_id=rollout_id,
                 attempt=attempt if isinstance(attempt, int) and attempt > 0 else 0,
             ),
             run_id=run_id,
+            source=source,
             delivery=delivery,
             failure=FailureDetail(
                 failure_reason=str(message)[:REASON_LIMIT],
                 terminal=bool(failure.get(F.FAILURE_TERMINAL)),
-                failure_kind=kind,
-                stage="admission" if drained else "agent",
+                failure_kind=str(kind) if kind is not None else None,
+                stage=stage_,
             ),
             http_status=status if isinstance(status, int) and 100 <= status <= 599 else None,
             exception_type=(str(failure[F.FAILURE_TYPE])[:REASON_LIMIT]
@@ -230,3 +243,10 @@ class RolloutFailureRecord(BaseModel):
             response_body=failure.get(F.FAILURE_RESPONSE_BODY),
             dispatch_drained=drained,
         )  # fmt: skip
+
+    def canonical(self) -> dict[str, Any]:
+        """NeMo Gym's `RolloutFailure` fields alone, as a failure row's `_ng_failure_record`."""
+        return self.model_dump(mode="json", exclude=_OURS)
+
+
+_OURS = {"failure_class", "response_body", "dispatch_drained"}

@@ -47,6 +47,9 @@ class Generation(BaseModel):
     """It ran on a local cluster the command started (embedded Redis, local workers) and stopped."""
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Settings a resume changed for this generation."""
+    reserved: str | None = None
+    """The rollouts a resume dispatched, reserved before any was (`workers/shard/reservations.py`:
+    a compressed bitmap of their keys); None for a fresh run, which reserves every planned one."""
 
 
 class Finished(BaseModel):
@@ -167,9 +170,45 @@ def rate_limit_waits(counts: Mapping[str, int]) -> dict[str, RateLimitWaits]:
     return dict(sorted(out.items()))
 
 
-class ShardStatus(BaseModel):
-    """`rollouts-S_status.json`: progress counts of a shard."""
+AggregationStatus = Literal["deferred", "pending", "error", "complete"]
 
+
+class AggregationError(BaseModel):
+    """What failed an agent's `/aggregate_metrics`: only non-secret diagnostics."""
+
+    type: str
+    """The exception's type name."""
+    http_status: int | None = None
+    """The server's HTTP status, when it answered."""
+
+
+class MemberStatus(BaseModel):
+    """One agent's progress, in the names of NeMo Gym's status tracker."""
+
+    expected_rollout_count: int | None = None
+    """Rollouts planned for the agent (None while unknown)."""
+    completed_rollout_count: int = 0
+    """Completed: results, failures settled as scored zeros, omissions (live: results)."""
+    remaining_rollout_count: int | None = None
+    """Expected minus completed."""
+    failures_by_class: dict[str, int] = Field(default_factory=dict)
+    """Failed rollouts by class (live: failure rows by class)."""
+    aggregation_status: AggregationStatus = "pending"
+    """`pending` until the finish step aggregates; `complete`; `error`; `deferred` when the
+    metrics are not computed (aggregation disabled, or the run was rejected as incomplete)."""
+    aggregation_error: AggregationError | None = None
+    """Why the agent's aggregation failed."""
+
+
+STATUS_SCHEMA_VERSION = "1"
+
+
+class ShardStatus(BaseModel):
+    """`rollouts-S_status.json`: progress counts of a shard, written atomically, at most every 5 s
+    while it runs and once by its finish step."""
+
+    schema_version: str = STATUS_SCHEMA_VERSION
+    """Layout version of this record (NeMo Gym's status tracker's)."""
     run_id: str
     """The run's id."""
     shard: str
@@ -179,7 +218,9 @@ class ShardStatus(BaseModel):
     landed: int = 0
     """Results in `rollouts-S.jsonl`."""
     failed: dict[str, int] = Field(default_factory=dict)
-    """Failure rows by class."""
+    """Failed rollouts by class (live: failure rows by class)."""
+    omitted: int = 0
+    """Rollouts left out on purpose (`_ng_omitted` rows)."""
     drained: int = 0
     """Rollouts not started because the dispatch budget ran out."""
     cancelled: int = 0
@@ -194,6 +235,8 @@ class ShardStatus(BaseModel):
     """Per agent name, the 429/503 replies waited out since the run or its latest resume began."""
     tokens: TokenUsage | None = None
     """Tokens (and cost, with prices) of the landed rollouts, per run, agent and environment."""
+    members: dict[str, MemberStatus] = Field(default_factory=dict)
+    """Per agent: NeMo Gym's status-tracker counts and aggregation status."""
     updated_at: str = Field(default_factory=utc_now)
     """When these counts were taken."""
 

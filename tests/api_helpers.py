@@ -53,6 +53,34 @@ def row_key(row: dict[str, Any]) -> Key:
     return key(row) if F.TASK_INDEX in row else (int(row["n"]), 0)
 
 
+async def first(completions: Any, n: int) -> list[Any]:
+    """The first `n` outcomes of a call, in the order they complete; the others are left."""
+    got = []
+    for future in completions:
+        got.append(await future)
+        if len(got) == n:
+            break
+    return got
+
+
+def first_then_close(
+    rows: list[dict[str, Any]], config: Any, n: int, **options: Any
+) -> tuple[list[Any], Any]:
+    """A `run_examples` call's first `n` outcomes, then the call closed: those outcomes and
+    what the call finished with (`completions.finished`)."""
+    from producer import run_examples
+
+    async def go() -> tuple[list[Any], Any]:
+        completions = run_examples(rows, config, **options)
+        try:
+            got = await first(completions, n)
+        finally:
+            await completions.aclose()
+        return got, completions.finished
+
+    return asyncio.run(go())
+
+
 async def consume(completions: Any, got: Got, rows: list[dict[str, Any]]) -> None:
     """Await every awaitable, recording each outcome (an exception is an outcome too)."""
     for future in completions:

@@ -56,6 +56,21 @@ def cli_background(
         out.close()
 
 
+def run_split(config: str, rows: str, folder: Path, broker: str, *extra: str) -> list[Path]:
+    """`rollouts run` of `rows` as 2 shards (`--num-shards 2`), into `folder/split/0` and
+    `folder/split/1`, each run to the end; their run directories."""
+    outs = []
+    for index in (0, 1):
+        out = folder / "split" / str(index)
+        proc = cli(
+            "run", "--config", config, "--input", rows, "--output-dir", str(out),
+            "--num-shards", "2", "--shard-index", str(index), *extra, "--broker", broker,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        outs.append(out)
+    return outs
+
+
 def key(row: dict[str, Any]) -> Key:
     return int(row[F.TASK_INDEX]), int(row[F.ROLLOUT_INDEX])
 

@@ -36,6 +36,7 @@ from infra.telemetry import client_span
 from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.messages import CallPolicy
+from schemas.records import AggregationError
 from workers.aggregate_file import receive
 from workers.health.spool import compact, tagged
 
@@ -275,15 +276,32 @@ async def _stream(rows: ServerRows) -> AsyncIterator[bytes]:
         yield chunk
 
 
+def error_of(exc: BaseException) -> AggregationError:
+    """The non-secret diagnostics of a failed aggregation: its type and HTTP status."""
+    status = None
+    if isinstance(exc, httpx.HTTPStatusError):
+        status = exc.response.status_code
+    return AggregationError(type=type(exc).__name__, http_status=status)
+
+
+def labels_of(groups: dict[str, ServerRows]) -> dict[str, str]:
+    """Each server's label in the file (`label_servers` of its first agent)."""
+    return label_servers({s: (g.agents[0] if g.agents else None) for s, g in groups.items()})
+
+
 async def aggregate(
-    groups: dict[str, ServerRows], config: ServersConfig, scratch: str
+    groups: dict[str, ServerRows],
+    config: ServersConfig,
+    scratch: str,
+    failures: dict[str, AggregationError] | None = None,
 ) -> tuple[list[dict[str, Any]], BaseException | None]:
-    """One entry per server (sorted by server), and the first original exception, if any.
+    """One entry per server (sorted by server), and the first original exception, if any;
+    `failures` is told each failed server's error (keyed by its label).
 
     Each answer is kept in the folder `scratch` (its lists are read from there when the file is
     written: `workers/aggregate_file.py`); the caller removes it after writing.
     """
-    labels = label_servers({s: (g.agents[0] if g.agents else None) for s, g in groups.items()})
+    labels = labels_of(groups)
     servers = sorted(groups)
     async with httpx.AsyncClient(timeout=AGGREGATE_TIMEOUT_S) as client:
         done = await asyncio.gather(
@@ -293,5 +311,9 @@ async def aggregate(
             )
         )
     entries = [entry for entry, _ in done]
+    if failures is not None:
+        for server, (_, exc) in zip(servers, done, strict=True):
+            if exc is not None:
+                failures[labels[server]] = error_of(exc)
     first_error = next((exc for _, exc in done if exc is not None), None)
     return entries, first_error

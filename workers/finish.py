@@ -9,122 +9,45 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
-import tempfile
-from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from infra import keys
-from infra.http import process_io
 from infra.locks import held
 from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
 from infra.store import RunDir, ShardFiles
 from schemas.config import ServersConfig
-from schemas.finish import Coverage, FinishResult
+from schemas.errors import RunPartialError
+from schemas.finish import FinishResult
 from schemas.health import QUALITY_SUMMARY, STOPPED_BY_SIGTERM, Limits
 from schemas.messages import RunRef
-from schemas.records import Finished, rate_limit_waits
+from schemas.records import (
+    Finished,
+    rate_limit_waits,
+)
 from schemas.settings import CollectionSettings
-from workers.aggregate_file import write_entries
-from workers.aggregation import aggregate, group_rows
+from workers.finish_pass import (
+    ShardFacts,
+    count_and_aggregate,
+    count_only,
+    members_at_finish,
+    write_aggregate_file,
+)
 from workers.health.check import FoldedCheck, check_sources_here, write_disabled
 from workers.health.sources import source_for
 from workers.health.summary import blind_checks
 from workers.report import write_report
 from workers.report.build import FoldedReport
-from workers.shard.ledger import ShardLedger, count_shard
-from workers.shard.scored import LineWatcher, ScoredRows
+from workers.shard.coverage import (
+    write_coverage,
+)
+from workers.shard.ledger import ShardLedger
 from workers.shard.state import compact_shard, expire_shard_keys, shard_counts
 from workers.tracing import step
 
+__all__ = ["finish_shard", "health_brief", "settings_limits", "write_aggregate_file"]
+
 log = logging.getLogger(__name__)
-
-
-def write_aggregate_file(
-    rd: RunDir,
-    name: str,
-    rows: Iterable[dict[str, Any]],
-    config: ServersConfig,
-    raise_on_error: bool = False,
-    stamp: Callable[[], Mapping[str, Any]] | None = None,
-) -> str | None:
-    """Aggregate `rows` per environment server and save `name`; returns the first error's text.
-
-    The file is written even when a request failed (that entry carries `aggregation_error`);
-    with `raise_on_error`, the first original exception is raised after it is saved. Nothing
-    is written when there are no rows to score. `stamp`, called once the rows were read, gives
-    fields set in every entry (a rejected run's). The answers wait in a local scratch folder
-    and the file is written from there, a list item at a time (`workers/aggregate_file.py`).
-    """
-    groups = group_rows(rows, config)
-    if not groups:
-        return None
-    scratch = tempfile.mkdtemp(prefix="rollouts-answers-")
-    try:
-        entries, error = process_io().loop.run(aggregate(groups, config, scratch))
-        extra = stamp() if stamp is not None else {}
-        with rd.writing(name) as out:
-            write_entries(out, ({**entry, **extra} for entry in entries))
-    finally:
-        for group in groups.values():
-            group.close()
-        shutil.rmtree(scratch, ignore_errors=True)
-    if error is None:
-        return None
-    if raise_on_error:
-        raise error
-    return f"{type(error).__name__}: {error}"
-
-
-def write_aggregate(
-    rd: RunDir,
-    ledger: ShardLedger,
-    config: ServersConfig,
-    settings: CollectionSettings,
-    fold: bool = False,
-    watchers: tuple[LineWatcher, ...] = (),
-    on_landed: Callable[[int, dict[str, Any]], None] | None = None,
-) -> tuple[str | None, Coverage]:
-    """Aggregate the shard's scored rows and save the file: the first error's text, the coverage.
-
-    The scored rows are the results plus the zeros `count_failure_classes_as_zero` and
-    `count_missing_rollouts_as_zero` impute (`workers/shard/scored.py`). With `fold`, the
-    ledger has read everything but the results, and each result row is folded into it as the
-    aggregation reads it (one pass over the results for both). A run that `require_complete`
-    rejects has the rejection in every entry (`rejection_of`), so no score is read from it as
-    complete. `watchers` and `on_landed` are told of the results as they are read
-    (`ScoredRows`).
-    """
-    rows = ScoredRows.of(rd, ledger, config, settings, fold=fold)
-    rows.watchers, rows.on_landed = watchers, on_landed
-
-    def stamp() -> dict[str, Any]:
-        rejection = rejection_of(rd, ledger, settings)
-        return {} if rejection is None else {"complete": False, "completion_rejected": rejection}
-
-    error = write_aggregate_file(rd, ledger.files.aggregate, rows, config, stamp=stamp)
-    return error, rows.coverage()
-
-
-def count_and_aggregate(
-    rd: RunDir,
-    shard: str,
-    config: ServersConfig,
-    settings: CollectionSettings,
-    watchers: tuple[LineWatcher, ...] = (),
-    on_landed: Callable[[int, dict[str, Any]], None] | None = None,
-) -> tuple[ShardLedger, str | None, Coverage]:
-    """The shard's accounting (`count_shard`) and its aggregate, reading the results once (and
-    handing each line to `watchers`, each landed row to `on_landed`: the health check's scan
-    and the report)."""
-    ledger = ShardLedger(rd, ShardFiles(shard))
-    ledger.read_planned()
-    ledger.read_failures()  # before the results: a result landed later uncounts its failure
-    error, coverage = write_aggregate(
-        rd, ledger, config, settings, fold=True, watchers=watchers, on_landed=on_landed
-    )
-    return ledger, error, coverage
 
 
 def settings_limits(settings: CollectionSettings) -> Limits:
@@ -173,6 +96,7 @@ def _check_shard_health(
                 [files.results],
                 settings.health_check_ignored_checks,
                 settings_limits(settings),
+                coverage_of=[source_for(rd, files.results, files.results)],
             )
         elif folded is not None:
             sources = [source_for(rd, files.results, files.results)]
@@ -218,18 +142,6 @@ def _folded_report(rd: RunDir, results: str) -> FoldedReport | None:
     except Exception as exc:
         log.warning("the report of %s will read the results again: %s", rd.url, exc)
         return None
-
-
-def rejection_of(rd: RunDir, ledger: ShardLedger, settings: CollectionSettings) -> str | None:
-    """The strict-completion error (`require_complete`) of a shard missing rollouts, in NeMo
-    Gym's words; None when it is not asked for or nothing is missing."""
-    if not settings.require_complete or ledger.landed >= ledger.planned:
-        return None
-    where = rd.path(ledger.files.results)
-    return (
-        f"EVAL FAILED: {ledger.landed}/{ledger.planned} samples completed. "
-        f"Partial artifacts retained at {where}."
-    )
 
 
 def generation_counts(redis_url: str, sid: str, token: str) -> dict[str, int]:
@@ -278,8 +190,6 @@ def _finish_in(
     run_error = failed_raw.decode() if isinstance(failed_raw, bytes) else None
     cancelled = cancel_raw.decode() if isinstance(cancel_raw, bytes) else None
 
-    aggregation_error = None
-    coverage = None
     health: dict[str, Any] | None = None
     # The health check's scan of the results and the report ride on the counting's pass (one
     # parse of each row, not three) when they will run.
@@ -291,17 +201,19 @@ def _finish_in(
     reporting = None
     if settings.write_report and not settings.disable_aggregation:
         reporting = _folded_report(rd, results)
+    shard = ShardFacts.of(rd, manifest, settings)
     if settings.disable_aggregation:
-        counts = count_shard(rd, run.shard)
+        done = count_only(rd, shard)
     else:
-        counts, aggregation_error, coverage = count_and_aggregate(
+        done = count_and_aggregate(
             rd,
-            run.shard,
+            shard,
             config,
-            settings,
             watchers=tuple(w for w in (folded, reporting) if w is not None),
             on_landed=reporting.landed if reporting is not None else None,
         )
+    counts, run_coverage = done.ledger, done.coverage
+    write_coverage(rd, run_coverage)
     status = counts.status(manifest.run_id, run.shard)
     generation = generation_counts(redis_url, sid, run.token)
     status.drained = generation.get("drained", 0)
@@ -309,7 +221,8 @@ def _finish_in(
     status.stopped = generation.get("stopped", 0)
     status.rate_limit_waits = rate_limit_waits(shard_counts(r, sid))
     status.tokens = counts.tokens.usage(settings.model_prices)
-    rejection = rejection_of(rd, counts, settings)  # in the aggregate's entries already
+    status.members = members_at_finish(counts, shard.policy, settings, done)
+    rejection = str(done.rejection) if done.rejection is not None else None
     write_status(rd, status)
     if run_error == STOPPED_BY_SIGTERM:
         # The provisional summary written at the stop stays until `rollouts health-check`.
@@ -321,8 +234,8 @@ def _finish_in(
     manifest.error = run_error
     if cancelled and not run_error:
         manifest.error = "cancelled with --drain" if cancelled == "drain" else "cancelled"
-    if aggregation_error and not manifest.error:
-        manifest.error = f"aggregation failed: {aggregation_error}"
+    if done.error and not manifest.error:
+        manifest.error = f"aggregation failed: {done.error}"
     if rejection is not None:
         manifest.state = "failed"
         manifest.error = f"{manifest.error}; {rejection}" if manifest.error else rejection
@@ -330,20 +243,30 @@ def _finish_in(
     report = None
     if settings.write_report:
         report = write_shard_report(rd, run.shard, counts, reporting)
+    progress = shard.progress(counts)
+    resumable = isinstance(done.rejection, RunPartialError)
+    # A failed run (its first error) or a hard cancel ends the chain: exit 1, not 75.
+    failed = run_error not in (None, STOPPED_BY_SIGTERM) or cancelled == "cancel"
+    stopped_early = not failed and (
+        status.drained > 0 or cancelled == "drain" or run_error == STOPPED_BY_SIGTERM or resumable
+    )
     result = FinishResult(
         state=manifest.state,
         error=manifest.error,
         run_error=run_error,
         cancelled=cancelled,
         rejection=rejection,
+        partial=stopped_early and progress and run_coverage.runnable > 0,
+        progress=progress,
         landed=counts.landed,
         planned=counts.planned,
         failed=dict(counts.failed),
         drained=status.drained,
         stopped=status.stopped,
-        aggregation_error=aggregation_error,
+        aggregation_error=done.error,
         health=health,
-        coverage=coverage,
+        coverage=done.metrics,
+        run_coverage=run_coverage,
         report=report,
     )
     files = ShardFiles(run.shard)

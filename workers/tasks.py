@@ -19,7 +19,14 @@ from schemas.health import (
     ScanJob,
     ScanResult,
 )
-from schemas.messages import COLLECT_TASK, FINISH_TASK, CollectRequest, FinishRequest
+from schemas.messages import (
+    COLLECT_TASK,
+    FINISH_TASK,
+    OMIT_TASK,
+    CollectRequest,
+    FinishRequest,
+    OmitRequest,
+)
 from schemas.outcomes import VOID_ENDS, RolloutOutcome
 from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
 from workers import tracing
@@ -27,6 +34,7 @@ from workers.app import app, state_redis_url
 from workers.finish import finish_shard, health_brief
 from workers.gc_tuning import tune_gc
 from workers.health import combine, scan
+from workers.omissions import omit
 from workers.pool import on_loop, take_ran
 from workers.redispatch import CollectTaskMessage
 from workers.replies import collect_and_reply
@@ -97,6 +105,12 @@ def finish_task(payload: dict[str, Any]) -> dict[str, Any]:
     with tracing.finishing(finish_task.request, payload):
         finished = finish_shard(FinishRequest.model_validate(payload).run, state_redis_url())
     return finished.model_dump(mode="json")
+
+
+@app.task(name=OMIT_TASK, acks_late=True)
+def omit_task(payload: dict[str, Any]) -> dict[str, Any]:
+    """Write a recorded call's omissions (`_ng_omitted` rows) in its shard's sidecar."""
+    return {"written": omit(OmitRequest.model_validate(payload), state_redis_url())}
 
 
 @app.task(name=HEALTH_SCAN_TASK, acks_late=True)

@@ -1,7 +1,18 @@
 """The Python API for trainers (docs/reference/python-api.md): `run_examples`, `run_outcomes` and
-`reattach` over the cluster."""
+`reattach` over the cluster, and the strict-completion check a driver applies to what it
+collected (`completion_rejection`, `raise_for_completion`)."""
 
 from producer.api.calls import Completions, Outcomes, run_examples, run_outcomes
 from producer.api.reattach import reattach
+from schemas.coverage import RunCoverage, completion_rejection, raise_for_completion
 
-__all__ = ["Completions", "Outcomes", "reattach", "run_examples", "run_outcomes"]
+__all__ = [
+    "Completions",
+    "Outcomes",
+    "RunCoverage",
+    "completion_rejection",
+    "raise_for_completion",
+    "reattach",
+    "run_examples",
+    "run_outcomes",
+]

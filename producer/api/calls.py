@@ -60,6 +60,8 @@ from schemas.settings import CollectionSettings
 
 DEFAULT_CLOSE_TIMEOUT_S = 30.0
 INVOCATION_DIR = "rollouts-api://"
+RUN_ERROR = "run_error"
+"""The key of a failure row (`record_unrouted_failures`) that holds the error it stands for."""
 """Unrecorded calls keep their admission state under a shard id derived from this and the call."""
 
 
@@ -78,6 +80,11 @@ class Call:
     redis_url: str | None = None
     close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S
     result_timeout_s: float | None = None
+    record_unrouted_failures: bool = False
+    """A failed `/run` not routed to the sidecar resolves to its failure row holding the error
+    as `run_error`, instead of raising it."""
+    record_omitted_rollouts: bool = False
+    """A recorded call's rows that the close left without an outcome get `_ng_omitted` rows."""
 
 
 def _config(config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str]) -> ServersConfig:
@@ -154,7 +161,11 @@ def _converter(
             if route:
                 return Settled(o.kind, value=(row, record(o.index, failure) if typed else failure))
             message = run_failure_message(F.rollout_id(row) or o.index, failure)
-            return Settled(o.kind, error=RolloutFailedError(message, row, failure))
+            error = RolloutFailedError(message, row, failure)
+            if call.record_unrouted_failures:
+                # The caller keeps the evidence (the row, and the error it would have raised).
+                return Settled(o.kind, value=(row, {**failure, RUN_ERROR: error}))
+            return Settled(o.kind, error=error)
         if o.kind == Ended.CANCELLED:
             return Settled(o.kind)
         if o.kind == Ended.FENCED:
@@ -190,6 +201,8 @@ def run_examples(
     redis_url: str | None = None,
     close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
     result_timeout_s: float | None = None,
+    record_unrouted_failures: bool = False,
+    record_omitted_rollouts: bool = False,
 ) -> Completions:
     """Dispatch each row as one Celery task; returns an iterator of awaitables of `(row, result)`.
 
@@ -232,10 +245,17 @@ def run_examples(
       `TimeoutError` naming its rollout (the rollout is not cancelled; the other rows go on).
       None (the default): no caller-side deadline; a dead or cut-off worker's rows are taken
       over within the lease TTL and a third of it.
+    - `record_unrouted_failures`: with `route_failures_to_sidecar` off, a failed `/run` resolves
+      to its failure row with the `RolloutFailedError` it would raise under `run_error`, so the
+      caller keeps the evidence before it raises; without it the awaitable raises.
+    - `record_omitted_rollouts`: with `record_output_dir`, the rows a close left without an
+      outcome (never started, or cancelled in flight) get `_ng_omitted` rows in the sidecar:
+      intentional omissions, completed samples for strict completion, never run by a resume.
     """
     call = Call(
         enrich_results or record_output_dir is not None, False, record_output_dir, record_shard,
         record_overwrite, run_id, broker_url, redis_url, close_timeout_s, result_timeout_s,
+        record_unrouted_failures, record_omitted_rollouts,
     )  # fmt: skip
     options = {
         "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
@@ -281,7 +301,8 @@ def _dispatch(
     )
     transport = Invocation(
         invocation, prepared.sent, prepared.agents,
-        Target(client_app(broker, state_url), state_url, run, servers, settings, deadline, record),
+        Target(client_app(broker, state_url), state_url, run, servers, settings, deadline, record,
+               call.record_omitted_rollouts),
         window=settings.max_resident_tasks, close_timeout_s=call.close_timeout_s,
         result_timeout_s=call.result_timeout_s,
     )  # fmt: skip
@@ -336,6 +357,7 @@ def run_outcomes(
     redis_url: str | None = None,
     close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
     result_timeout_s: float | None = None,
+    record_omitted_rollouts: bool = False,
 ) -> Outcomes:
     """Yield `(row, result | RolloutFailureRecord)` in completion order.
 
@@ -349,6 +371,7 @@ def run_outcomes(
     call = Call(
         enrich_results or record_output_dir is not None, True, record_output_dir, record_shard,
         record_overwrite, run_id, broker_url, redis_url, close_timeout_s, result_timeout_s,
+        record_omitted_rollouts=record_omitted_rollouts,
     )  # fmt: skip
     options = {
         "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,

@@ -41,3 +41,5 @@ class Target:
     settings: CollectionSettings
     deadline: float | None
     record: bool
+    record_omitted: bool = False
+    """Write `_ng_omitted` rows for the rows a close left without an outcome."""

@@ -98,7 +98,10 @@ def reattach(
         settings = settings.model_copy(update={"max_resident_tasks": max_resident_tasks})
     broker, state_url = _urls(broker_url, redis_url)
     token = manifest.token
-    run = RunRef(run_id=manifest.run_id, output_dir=rd.url, shard=record_shard, token=token)
+    run = RunRef(
+        run_id=manifest.run_id, output_dir=rd.url, shard=record_shard, token=token,
+        generation=max(0, len(manifest.generations) - 1),
+    )  # fmt: skip
     r = client(state_url)
     sid = keys.shard_id(rd.url, record_shard)
     running = manifest.state == "running"

@@ -11,9 +11,12 @@ rows through the same lander as `rollouts run`, and the close runs the same fini
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from typing import Any
 
-from infra import jsonl
+from celery import Celery
+
+from infra import jsonl, keys
 from infra.redis_client import client
 from infra.store import RunDir, ShardFiles
 from producer.planning.labels import shard_label_problem
@@ -23,11 +26,13 @@ from producer.planning.materialize import (
     shard_artifacts_present,
 )
 from producer.shard.opening import record_opening, reset_shard_state
+from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError, Problem, RunExistsError
-from schemas.messages import RunRef
+from schemas.messages import OMIT_TASK, QUEUE, OmitRequest, RunRef
 from schemas.records import InputSource
 from schemas.settings import CollectionSettings
+from workers.shard.state import set_planned_by_agent
 
 API_INPUT = "<run_examples>"
 """The manifest's input path for a recorded call: the rows came from a Python caller."""
@@ -66,6 +71,7 @@ def open_recorded_shard(
     rd.makedirs()
     for name in present:
         rd.remove(name)
+    rd.remove_folder(files.superseded)
     rd.write_atomic(files.materialized, data)
     manifest = new_manifest(
         run_id=run_id, shard=shard, input=InputSource(path=API_INPUT, sha256=digest),
@@ -74,5 +80,24 @@ def open_recorded_shard(
     opened = record_opening(
         rd, manifest, kind="run", enqueued=len(rows), redis_url=redis_url, token=token
     )
-    reset_shard_state(client(redis_url), opened)
+    r = client(redis_url)
+    reset_shard_state(r, opened)
+    by_agent = Counter(F.agent_name(row) for row in rows)
+    set_planned_by_agent(r, keys.shard_id(rd.url, shard), dict(by_agent))
     return opened.run
+
+
+OMIT_WAIT_S = 120.0
+"""How long a close waits for the omissions to be written."""
+
+
+def record_omissions(app: Celery, run: RunRef, rows: list[dict[str, Any]]) -> None:
+    """Have a worker write an `_ng_omitted` row for each of `rows` in the recorded shard
+    (`record_omitted_rollouts`): the call was closed before they ran, so they are intentional
+    omissions, not missing rollouts. Waits until they are written."""
+    if not rows:
+        return
+    why = "omitted: the call was closed before this rollout ran (record_omitted_rollouts)"
+    payload = OmitRequest(run=run, rows=rows, why=why).model_dump(mode="json")
+    sent = app.send_task(OMIT_TASK, args=[payload], queue=QUEUE)
+    sent.get(timeout=OMIT_WAIT_S, disable_sync_subtasks=False)

@@ -34,6 +34,7 @@ from infra.redis_client import client
 from infra.scripts import RUNNING_LUA
 from producer.api.inventory import Inventory
 from producer.api.model import Outcome, Target
+from producer.api.record import record_omissions
 from producer.api.replies import read_reply, unreadable_row
 from producer.api.upkeep import KEY_TTL_S, CallUpkeep
 from producer.shard.dispatch import CollectMessages
@@ -96,6 +97,8 @@ class Invocation(CallUpkeep):
         """Rows whose outcome the caller took, not yet marked in Redis (recorded calls)."""
         self._settled = bytearray(self.total)
         self._settled_count = 0
+        self._unrun: set[int] = set()
+        """Rows that ended without running: stopped by the close, or cancelled in flight."""
         self._lock = threading.Lock()
         self._stop_publishing = threading.Event()
         self._stop_listening = threading.Event()
@@ -345,6 +348,8 @@ class Invocation(CallUpkeep):
                 return
             self._settled[outcome.index] = 1
             self._settled_count += 1
+            if outcome.kind in (Ended.STOPPED, Ended.CANCELLED):
+                self._unrun.add(outcome.index)
         if self._window is not None and self._published_at[outcome.index]:
             self._window.release()
         self.on_outcome(outcome)
@@ -446,6 +451,9 @@ class Invocation(CallUpkeep):
                 nx=True,
                 ex=from_env().live_key_ttl_s,
             )
+        if self.target.record_omitted:
+            unrun = [i for i in range(self.total) if not self._settled[i] or i in self._unrun]
+            record_omissions(self.target.app, self.target.run, [self.sent[i] for i in unrun])
         self.finished = finish_shard(self.target.run, self.target.redis_url).model_dump(mode="json")
 
     def _drop_keys(self) -> None:

@@ -27,7 +27,7 @@ from producer.cli.options import (
     shard_options,
 )
 from producer.cli.overrides import parse_overrides, pop_flag_override
-from producer.shard.resume import ResumeOptions, execute_resume
+from producer.shard.resume import ResumeOptions, execute_plan, execute_resume
 from producer.shard.runner import DEFAULT_CONCURRENCY, RunOptions, execute_run
 from schemas.errors import RolloutsError, UsageError
 
@@ -241,13 +241,32 @@ def demo(tasks: int, repeats: int, workers: int, output_dir: str | None) -> None
 
 
 @main.command(context_settings=PASS_THROUGH)
-@shard_options
+@click.argument("run_dir")
+@click.option(
+    "--shard",
+    default=None,
+    help="Shard label.  [default: 0; with --plan, every shard in RUN_DIR]",
+)
 @click.option(
     "--max-attempts",
     type=int,
     default=None,
     help="Attempt limit per rollout (else NEMO_GYM_MAX_ROLLOUT_ATTEMPTS, else the run's).",
 )
+@click.option(
+    "--extend-retries",
+    type=int,
+    default=None,
+    metavar="N",
+    help="Raise the attempt limit by N: exhausted rollouts get a new budget.",
+)
+@click.option(
+    "--plan",
+    "plan_only",
+    is_flag=True,
+    help="Print every expected rollout's recovery state and write the coverage; run nothing.",
+)
+@click.option("--json", "as_json", is_flag=True, help="With --plan: print the plan as JSON.")
 @click.option("--config", "config_path", default=None, help="Servers config (default: the run's).")
 @local_cluster_options
 @cluster_options(
@@ -260,8 +279,11 @@ def demo(tasks: int, repeats: int, workers: int, output_dir: str | None) -> None
 @reports()
 def resume(
     run_dir: str,
-    shard: str,
+    shard: str | None,
     max_attempts: int | None,
+    extend_retries: int | None,
+    plan_only: bool,
+    as_json: bool,
     config_path: str | None,
     workers: int,
     concurrency: int,
@@ -272,15 +294,20 @@ def resume(
     fail_on_unhealthy: bool,
     overrides: tuple[str, ...],
 ) -> None:
-    """Run the planned rollouts of RUN_DIR that have no outcome yet, then finish the shard."""
+    """Run the planned rollouts of RUN_DIR that have no outcome yet (retryable and missing), then
+    finish the shard. Exit 0 complete, 1 failed or rejected, 75 a partial result saved again."""
+    if as_json and not plan_only:
+        raise UsageError("--json needs --plan")
     settings = parse_overrides(list(overrides))
     fail_on_unhealthy = pop_flag_override(settings, "fail_on_unhealthy", fail_on_unhealthy)
     opts = ResumeOptions(
-        output_dir=run_dir, shard=shard, max_attempts=max_attempts, config_path=config_path,
+        output_dir=run_dir, shard=shard or "0", max_attempts=max_attempts, config_path=config_path,
         overrides=settings, workers=workers, concurrency=concurrency,
         broker_url=broker, redis_url=redis_url, wait=not no_wait, events=events,
-        fail_on_unhealthy=fail_on_unhealthy,
+        fail_on_unhealthy=fail_on_unhealthy, as_json=as_json, extend_retries=extend_retries,
     )  # fmt: skip
+    if plan_only:
+        sys.exit(execute_plan(opts, _console, shard))
     sys.exit(execute_resume(opts, _console))
 
 

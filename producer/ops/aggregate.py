@@ -77,7 +77,7 @@ def aggregate(
     config = _config_of(report, config_path)
     aggregate_name = f"{stem_of(report.name)}_aggregate_metrics.json"
     rows = itertools.chain.from_iterable(iter_rows(s.rd, s.name) for s in report.shards)
-    error = write_aggregate_file(out, aggregate_name, rows, config)
+    error = write_aggregate_file(out, aggregate_name, rows, config, raise_on_error=False)
     print_metrics_file(console, out, aggregate_name)
     if health:
         sources = [source_for(s.rd, s.name, s.label) for s in report.shards]

@@ -36,10 +36,21 @@ from infra.runs import read_manifest, read_status
 from infra.store import RunDir, ShardFiles
 from producer.ops.pressure import add_backpressure, backpressure_line
 from producer.shard.live import LiveSnapshot, RunningRollout, live_health, snapshot
+from producer.shard.supervise import exit_code_of as finish_exit_code
+from schemas.coverage import RunCoverage
 from schemas.health import LiveHealth
 from schemas.records import Manifest
+from schemas.settings import CollectionSettings
 from schemas.usage import ModelPrice
+from workers.shard.coverage import (
+    CoverageFacts,
+    RecoveryPolicy,
+    coverage_of,
+    materialized_sha256,
+    superseded_count,
+)
 from workers.shard.ledger import ShardLedger
+from workers.shard.reservations import Reservations
 
 FINAL_STATES = ("completed", "failed", "cancelled")
 RATE_WINDOW_S = 60.0
@@ -64,8 +75,8 @@ class GroupCounts:
 class FileTally:
     """The shard's counts from its files, kept up to date by reading only what was appended."""
 
-    def __init__(self, rd: RunDir, shard: str) -> None:
-        self.ledger = ShardLedger(rd, ShardFiles(shard))
+    def __init__(self, rd: RunDir, shard: str, reserved: Reservations | None = None) -> None:
+        self.ledger = ShardLedger(rd, ShardFiles(shard), reserved=reserved)
         self._planned_read = False
 
     def refresh(self) -> None:
@@ -138,9 +149,37 @@ class StatusReader:
     tally: FileTally = field(init=False)
     samples: deque[tuple[float, int]] = field(default_factory=deque)
     live_error: str | None = None
+    _generations: int = -1
+    """The manifest's generations when `tally` was made: a resume since starts a new one."""
+    _identity: bool | None = None
 
     def __post_init__(self) -> None:
         self.tally = FileTally(self.rd, self.shard)
+
+    def _tally_for(self, manifest: Manifest) -> FileTally:
+        """The tally, made again (with the new reservations) when a generation opened since."""
+        if len(manifest.generations) != self._generations:
+            self._generations = len(manifest.generations)
+            self.tally = FileTally(self.rd, self.shard, Reservations(manifest.generations))
+        return self.tally
+
+    def coverage(self, manifest: Manifest) -> RunCoverage:
+        """The shard's coverage as its files stand (`rollouts-S_coverage.json`'s account)."""
+        if self._identity is None:
+            digest = materialized_sha256(self.rd, self.shard)
+            self._identity = digest == manifest.materialized_sha256
+        settings = CollectionSettings.model_validate(manifest.settings)
+        facts = CoverageFacts(
+            run_id=manifest.run_id,
+            shard=self.shard,
+            identity_verified=self._identity,
+            generation=max(0, len(manifest.generations) - 1),
+            superseded=superseded_count(self.rd, self.shard),
+            written_by="plan",
+        )
+        return coverage_of(
+            self.tally.ledger, RecoveryPolicy.of(settings), facts, expected=manifest.planned
+        )
 
     def live(self) -> LiveSnapshot | None:
         if self.redis_url is None:
@@ -155,8 +194,8 @@ class StatusReader:
 
     def report(self) -> dict[str, Any]:
         manifest = read_manifest(self.rd, self.shard)
-        self.tally.refresh()
-        t = self.tally
+        t = self._tally_for(manifest)
+        t.refresh()
         final = manifest.state in FINAL_STATES
         snap = None if final else self.live()
         current = snap is not None and snap.token == manifest.token
@@ -178,8 +217,9 @@ class StatusReader:
             "failed": dict(sorted(t.failed.items())),
             "failed_total": failed_total,
             "failure_rows": t.failure_rows,
+            "omitted": t.ledger.omitted(),
             "duplicates": t.duplicates,
-            "missing": max(0, manifest.planned - settled),
+            "missing": max(0, manifest.planned - settled - t.ledger.omitted()),
             "in_flight": None,
             "waiting": None,
             "queued": None,
@@ -193,6 +233,12 @@ class StatusReader:
             "by_environment": {k: v.as_json() for k, v in sorted(t.by_env.items())},
             "tokens": t.ledger.tokens.usage(_prices(manifest)).model_dump(mode="json"),
         }
+        coverage = self.coverage(manifest)
+        report["coverage"] = {
+            **coverage.model_dump(mode="json", exclude={"updated_at", "written_by"}),
+            "metrics": coverage.metrics(),
+        }
+        report["exit_code"] = exit_code_of(manifest)
         if final:
             self._add_final(report, manifest)
         elif snap is not None:
@@ -320,8 +366,20 @@ def holders_lines(report: dict[str, Any]) -> str:
 
 
 def exit_code(report: dict[str, Any]) -> int:
-    """The run's exit code once it ended: 0 completed, 1 failed, cancelled or in error."""
+    """The run's exit code once it ended, as `rollouts run` would end: 0 done, 1 failed,
+    cancelled, rejected or in error, 75 a partial result a resume can complete."""
+    code = report.get("exit_code")
+    if isinstance(code, int):
+        return code
     return 0 if report["state"] == "completed" and not report.get("error") else 1
+
+
+def exit_code_of(manifest: Manifest) -> int | None:
+    """The exit code of the shard's last finish, when it is of the current generation."""
+    finished = manifest.finished
+    if finished is None or finished.token != manifest.token:
+        return None
+    return finish_exit_code(finished.result)
 
 
 def _prices(manifest: Manifest) -> dict[str, ModelPrice]:
@@ -364,6 +422,8 @@ def outcome_line(report: dict[str, Any]) -> str:
     """Where the planned rollouts ended: landed, failed, cancelled, drained, not started."""
     failed = ", ".join(f"{c} {n}" for c, n in report["failed"].items()) or "0"
     line = f"planned {report['planned']} · landed {report['landed']} · failed {failed}"
+    if report.get("omitted"):
+        line += f" · omitted {report['omitted']}"
     if report.get("cancelled"):
         line += f" · cancelled {report['cancelled']}"
     line += f" · drained {_fmt(report['drained'])}"
@@ -389,6 +449,26 @@ def rate_text(report: dict[str, Any], sep: str = "") -> str:
     if report.get("eta_s") is not None:
         parts.append(f"ETA {report['eta_s']:.0f}s")
     return sep + " · ".join(parts) if parts else ""
+
+
+def coverage_text(report: dict[str, Any]) -> str:
+    """The coverage's counts (`rollouts-S_coverage.json`'s names), the ones at zero but measured
+    and unknown left out, on lines of at most 80 columns."""
+    c = report.get("coverage")
+    if not c:
+        return ""
+    names = (("measured", "measured"), ("masked", "masked"), ("unscored", "unscored"),
+             ("failed", "failed"), ("intentionally_omitted", "omitted"), ("unknown", "unknown"))  # fmt: skip
+    parts = [f"{label} {c[k]}" for k, label in names if c[k] or k in ("measured", "unknown")]
+    if c["complete"]:
+        parts.append("complete")
+    lines = [f"coverage of {c['expected']}: {parts[0]}"]
+    for part in parts[1:]:
+        if len(lines[-1]) + len(part) + 3 > 80:
+            lines.append(f"  {part}")
+        else:
+            lines[-1] += f" · {part}"
+    return "".join(f"\n{line}" for line in lines)
 
 
 def tokens_line(report: dict[str, Any]) -> str:
@@ -424,6 +504,7 @@ def health_line(report: dict[str, Any]) -> str:
 def summary_line(report: dict[str, Any]) -> str:
     """The outcome and activity lines (each fits 80 columns), then the error if any."""
     line = f"{outcome_line(report)}\n{activity_line(report)}"
+    line += coverage_text(report)
     line += holders_lines(report)
     line += backpressure_line(report)
     line += tokens_line(report)

@@ -151,6 +151,7 @@ def plan_shard(
         if overwrite:
             for name in present:
                 rd.remove(name)
+            rd.remove_folder(files.superseded)
         if rd.is_local:
             shutil.move(local, rd.path(files.materialized))
         else:

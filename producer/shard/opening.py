@@ -59,13 +59,16 @@ def record_opening(
     overrides: dict[str, Any] | None = None,
     broker_url: str | None = None,
     local: bool = False,
+    reserved: str | None = None,
 ) -> OpenedRun:
     """Append the generation that opens the shard now and write the manifest, once.
 
     The one place a shard's opening is recorded: a fresh run, a resume and a recorded API call.
     The generation names the Redis it coordinates through and the broker (redacted), or that its
-    cluster was `local`, so `rollouts resume`, `status` and `cancel` find them. The shard is running again; a resume records the `settings` it runs with
-    and the `overrides` that changed them.
+    cluster was `local`, so `rollouts resume`, `status` and `cancel` find them. The shard is
+    running again; a resume records the `settings` it runs with, the `overrides` that changed
+    them and the rollouts it is about to dispatch (`reserved`, `workers/shard/reservations.py`):
+    written before any task is, so the newest reserved execution of each rollout is on storage.
     """
     token = token or new_token()
     manifest.state = "running"
@@ -83,10 +86,17 @@ def record_opening(
             broker_url=redact_url(broker_url) if broker_url is not None else None,
             local=local,
             overrides=overrides or {},
+            reserved=reserved,
         )
     )
     write_manifest(rd, manifest)
-    run = RunRef(run_id=manifest.run_id, output_dir=rd.url, shard=manifest.shard, token=token)
+    run = RunRef(
+        run_id=manifest.run_id,
+        output_dir=rd.url,
+        shard=manifest.shard,
+        token=token,
+        generation=len(manifest.generations) - 1,
+    )
     return OpenedRun(rd, manifest, run)
 
 

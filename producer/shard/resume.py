@@ -1,13 +1,18 @@
-"""`rollouts resume`: enqueue exactly the planned rollouts that still lack an outcome (docs/how-to/resume-and-recovery.md).
+"""`rollouts resume`: enqueue exactly the planned rollouts that still lack an outcome
+(docs/how-to/resume-and-recovery.md).
 
-A planned key is run again when it has no landed result, no terminal failure, fewer failure rows
-(failed attempts) than the attempt limit, and no latest failure of a class the run scores as
-zero (`count_failure_classes_as_zero`: such a rollout is settled, in the score as a zero); it
-is sent with `_ng_attempt_index` set to that number of failure rows. A rollout that left no row
-at all runs again even with `count_missing_rollouts_as_zero`: as in NeMo Gym, that zero stands in
-for it in the metrics only, and the resumed run scores the real rollout. The resume opens a new
-dispatch generation (a fresh opener token, fencing out whatever the earlier generation still has
-running), and its finish step aggregates the whole shard: old and new results.
+Every expected rollout has one of NeMo Gym's nine recovery states, read from storage alone
+(`producer/shard/plan.py`); a resume runs exactly the `retryable` ones (a failure below the
+attempt limit, not terminal, not a judge failure that kept the agent's answer, not settled as
+a scored zero) and the `missing` ones (no outcome of their newest reserved execution: never
+run, drained, stopped, killed). Each is sent with `_ng_attempt_index` set to its failed attempts
+so far. A rollout that left no row at all runs again even with `count_missing_rollouts_as_zero`:
+as in NeMo Gym, that zero stands in for it in the metrics only. `--extend-retries N` raises the
+attempt limit by N, so `exhausted` rollouts get a new budget. The resume opens a new dispatch
+generation (a fresh opener token, fencing out whatever the earlier generation still has
+running) that records the rollouts it reserves before any is dispatched, and its finish step
+aggregates the whole shard: old and new results. `--plan` prints the states and writes the
+coverage, dispatching nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +38,8 @@ from producer.shard.celery_client import client_app
 from producer.shard.cluster import RECORDED_BROKER, recorded_cluster
 from producer.shard.dispatch import ShardDispatch, dispatch_generation
 from producer.shard.local_cluster import LocalCluster
-from producer.shard.opening import OpenedRun, iter_materialized, record_opening
+from producer.shard.opening import OpenedRun, record_opening
+from producer.shard.plan import ResumePlan, plan_resume, plan_targets, rows_to_run, show_plan
 from producer.shard.report import print_counts, print_health, print_metrics, raise_if_unhealthy
 from producer.shard.supervise import raise_for_outcome
 from schemas import fields as F
@@ -42,7 +48,7 @@ from schemas.errors import StorageError, UsageError
 from schemas.finish import FinishResult
 from schemas.records import Manifest
 from schemas.settings import DEFAULT_MAX_ATTEMPTS, CollectionSettings
-from workers.shard.ledger import ShardLedger
+from workers.shard.coverage import RecoveryPolicy
 from workers.shard.state import open_shard
 
 MAX_ATTEMPTS_ENV = "NEMO_GYM_MAX_ROLLOUT_ATTEMPTS"
@@ -75,51 +81,10 @@ class ResumeOptions:
     events: bool = False
     fail_on_unhealthy: bool = False
     """Exit 1 when the finished shard's health verdict is UNHEALTHY."""
-
-
-@dataclass
-class ResumePlan:
-    """What a resume finds in the shard and what it will run."""
-
-    planned: int = 0
-    landed: int = 0
-    failed_before: int = 0
-    """Planned keys without a result that have failure rows."""
-    terminal: int = 0
-    exhausted: int = 0
-    zero: int = 0
-    """Keys settled as a scored zero (`count_failure_classes_as_zero`): not run again."""
-    to_run: int = 0
-    by_attempt: Counter[int] = field(default_factory=Counter)
-
-
-@dataclass
-class ShardOutcomes:
-    """The keys a shard's files settle (landed, terminal, scored as zero) and its failed attempts."""
-
-    ledger: ShardLedger
-    zero_classes: frozenset[str] = frozenset()
-    """`count_failure_classes_as_zero`: a rollout whose latest failure has one is scored, settled."""
-
-    @classmethod
-    def read(cls, rd: RunDir, shard: str, zero_classes: Iterable[str] = ()) -> ShardOutcomes:
-        return cls(ShardLedger.read(rd, shard, tally_tokens=False), frozenset(zero_classes))
-
-    @property
-    def attempts(self) -> Counter[tuple[int, int]]:
-        return self.ledger.attempts
-
-    def verdict(self, key: tuple[int, int], max_attempts: int) -> str:
-        """landed, terminal, exhausted, zero (scored as zero), or run (after `attempts[key]` failures)."""
-        if key in self.ledger.landed_keys:
-            return "landed"
-        if key in self.ledger.terminal:
-            return "terminal"
-        if self.attempts[key] >= max_attempts:
-            return "exhausted"
-        if self.ledger.settled_as_zero(key, self.zero_classes):
-            return "zero"
-        return "run"
+    as_json: bool = False
+    """`--plan --json`: the plan as JSON."""
+    extend_retries: int | None = None
+    """Raise the attempt limit by this many: `exhausted` rollouts get a new budget."""
 
 
 def max_attempts_limit(flag: int | None, settings: CollectionSettings, console: Console) -> int:
@@ -160,45 +125,6 @@ def verify_materialized(rd: RunDir, manifest: Manifest) -> None:
         )
 
 
-def plan_resume(
-    rd: RunDir, shard: str, max_attempts: int, zero_classes: Iterable[str] = ()
-) -> tuple[ResumePlan, ShardOutcomes]:
-    outcomes = ShardOutcomes.read(rd, shard, zero_classes)
-    plan = ResumePlan()
-    for row in iter_materialized(rd, shard):
-        plan.planned += 1
-        key = F.rollout_key(row)
-        verdict = outcomes.verdict(key, max_attempts)
-        if verdict != "landed" and outcomes.attempts[key]:
-            plan.failed_before += 1
-        if verdict == "landed":
-            plan.landed += 1
-        elif verdict == "terminal":
-            plan.terminal += 1
-        elif verdict == "exhausted":
-            plan.exhausted += 1
-        elif verdict == "zero":
-            plan.zero += 1
-        else:
-            plan.to_run += 1
-            plan.by_attempt[outcomes.attempts[key]] += 1
-    return plan, outcomes
-
-
-def rows_to_run(
-    rd: RunDir, shard: str, outcomes: ShardOutcomes, max_attempts: int
-) -> Iterator[dict[str, Any]]:
-    """The planned rows to run again, stamped with `_ng_attempt_index` when they failed before."""
-    for row in iter_materialized(rd, shard):
-        key = F.rollout_key(row)
-        if outcomes.verdict(key, max_attempts) != "run":
-            continue
-        attempts = outcomes.attempts[key]
-        if attempts > 0:
-            row[F.ATTEMPT_INDEX] = attempts
-        yield row
-
-
 def by_target(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """`rows` round-robin across the servers their `/run` goes to (`interleave_by_agent`, spilled
     to temporary files past a memory budget as planning does)."""
@@ -227,13 +153,16 @@ def resume_settings(
 def open_resume(
     rd: RunDir, shard: str, redis_url: str, enqueued: int, settings: CollectionSettings,
     overrides: dict[str, Any], broker_url: str | None = None, local: bool = False,
+    reserved: str | None = None,
 ) -> OpenedRun:  # fmt: skip
-    """Record a new generation and hand the shard's Redis state to its token, under the shard lock."""
+    """Record a new generation (with the rollouts it `reserved`, before any is dispatched) and
+    hand the shard's Redis state to its token, under the shard lock."""
     r = client(redis_url)
     sid = keys.shard_id(rd.url, shard)
     opened = record_opening(
         rd, read_manifest(rd, shard), kind="resume", enqueued=enqueued, redis_url=redis_url,
         settings=settings, overrides=overrides, broker_url=broker_url, local=local,
+        reserved=reserved,
     )  # fmt: skip
     # The shard's Redis state rebuilt from storage under its lock, with the new token as opener:
     # the earlier generation's tasks are fenced out from here.
@@ -258,10 +187,9 @@ def standing_finish(rd: RunDir, manifest: Manifest) -> FinishResult | None:
     return finished.result
 
 
-def _check_agents(rd: RunDir, shard: str, outcomes: ShardOutcomes, max_attempts: int,
-                  config: ServersConfig) -> None:  # fmt: skip
+def _check_agents(rd: RunDir, shard: str, plan: ResumePlan, config: ServersConfig) -> None:
     missing: Counter[str] = Counter()
-    for row in rows_to_run(rd, shard, outcomes, max_attempts):
+    for row in rows_to_run(rd, shard, plan):
         target = F.dispatch_target(row) or ""
         servers = config.environments if F.is_task_row(row) else config.agents
         if target not in servers:
@@ -286,6 +214,33 @@ def saved_config(rd: RunDir, saved: dict[str, Any]) -> ServersConfig:
     return ServersConfig.model_validate(saved)
 
 
+def resume_policy(
+    opts: ResumeOptions, settings: CollectionSettings, console: Console
+) -> tuple[CollectionSettings, int]:
+    """The settings with this resume's attempt limit (`--max-attempts`, the environment, the
+    run's; raised by `--extend-retries`), and that limit."""
+    max_attempts = max_attempts_limit(opts.max_attempts, settings, console)
+    if opts.extend_retries is not None:
+        if opts.extend_retries < 1:
+            raise UsageError(f"--extend-retries must be >= 1, got {opts.extend_retries}")
+        max_attempts += opts.extend_retries
+    if max_attempts != settings.max_attempts:
+        settings = settings.model_copy(update={"max_attempts": max_attempts})
+    return settings, max_attempts
+
+
+def execute_plan(opts: ResumeOptions, console: Console, shard: str | None) -> int:
+    """`rollouts resume --plan`: the states and coverage of the shard, else of every shard of
+    the folder (or of the shards a merged folder's record lists); nothing is dispatched."""
+    targets = plan_targets(RunDir(opts.output_dir), shard)
+
+    def judged_by(manifest: Manifest) -> RecoveryPolicy:
+        settings, _ = resume_settings(manifest, opts.overrides, Console(quiet=True))
+        return RecoveryPolicy.of(resume_policy(opts, settings, console)[0])
+
+    return show_plan(console, targets, judged_by, opts.as_json)
+
+
 def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
     """Resume a shard to the end and return the exit code; UsageError (exit 2) for bad input."""
     console = console or Console()
@@ -305,9 +260,8 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
     settings, changed = resume_settings(manifest, overrides, console)
     if settings.telemetry_enabled:  # before a local cluster starts: its workers trace too
         telemetry.request()
-    max_attempts = max_attempts_limit(opts.max_attempts, settings, console)
-    if max_attempts != settings.max_attempts:
-        settings = settings.model_copy(update={"max_attempts": max_attempts})
+    settings, max_attempts = resume_policy(opts, settings, console)
+    if max_attempts != manifest.settings.get("max_attempts"):
         changed["max_attempts"] = max_attempts
     config = (
         load_run_config(opts.config_path, opts.head_server)
@@ -320,20 +274,18 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
     standing = standing_finish(rd, manifest) if same else None
     if standing is not None and standing.landed == standing.planned == manifest.planned:
         # Every planned rollout landed, in the files as they are: nothing to read to know it.
-        plan = ResumePlan(planned=manifest.planned, landed=manifest.planned)
-    else:
-        plan, outcomes = plan_resume(
-            rd, opts.shard, max_attempts, settings.count_failure_classes_as_zero
+        console.print(
+            f"resuming {manifest.run_id} shard {opts.shard}: {manifest.planned} planned, all "
+            "landed; running 0"
         )
-        if plan.to_run:
-            _check_agents(rd, opts.shard, outcomes, max_attempts, config)
-    zero = f", {plan.zero} scored as zero" if plan.zero else ""
-    console.print(
-        f"resuming {manifest.run_id} shard {opts.shard}: {plan.planned} planned, "
-        f"{plan.landed} landed, {plan.failed_before} failed before, {plan.terminal} terminal, "
-        f"{plan.exhausted} exhausted (attempt limit {max_attempts}){zero}; running {plan.to_run}"
-    )
-    if standing is not None and plan.to_run == 0:
+        to_run, plan = 0, None
+    else:
+        plan = plan_resume(rd, opts.shard, RecoveryPolicy.of(settings), manifest)
+        to_run = plan.to_run
+        if to_run:
+            _check_agents(rd, opts.shard, plan, config)
+        console.print(f"resuming {manifest.run_id} shard {opts.shard}: {plan.line()}")
+    if to_run == 0 and standing is not None:
         console.print(
             f"nothing to run; shard {opts.shard}'s last finish ({manifest.updated_at}) read "
             "these same files, so its aggregate metrics, health and report stand (an override "
@@ -341,16 +293,18 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
         )
         console.print(f"run directory: {rd.url}")
         return _print_finished(console, rd, opts, standing)
+    assert plan is not None or to_run == 0
+    reserved = plan.reserved() if plan is not None else None
 
     def go(broker: str, redis_url: str, local: bool = False) -> FinishResult | None:
         opened = open_resume(
-            rd, opts.shard, redis_url, plan.to_run, settings, changed, broker, local
+            rd, opts.shard, redis_url, to_run, settings, changed, broker, local, reserved
         )
         to = ShardDispatch(client_app(broker, redis_url), redis_url, opened, config, settings)
-        rows = rows_to_run(rd, opts.shard, outcomes, max_attempts)
+        rows = rows_to_run(rd, opts.shard, plan) if plan is not None else iter(())
         if interleave:
             rows = by_target(rows)
-        return dispatch_generation(to, rows, plan.to_run, console, wait=opts.wait)
+        return dispatch_generation(to, rows, to_run, console, wait=opts.wait)
 
     if named is not None:
         if named.broker_from == RECORDED_BROKER:

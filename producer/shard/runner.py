@@ -8,7 +8,8 @@ from typing import Any
 
 from rich.console import Console
 
-from infra import telemetry
+from infra import keys, telemetry
+from infra.redis_client import client
 from producer.config.loading import load_run_config
 from producer.config.overrides import resolve_settings
 from producer.planning.materialize import PlannedShard, plan_shard
@@ -23,6 +24,7 @@ from producer.shard.supervise import raise_for_outcome
 from schemas.config import ServersConfig
 from schemas.finish import FinishResult
 from schemas.settings import CollectionSettings
+from workers.shard.state import set_planned_by_agent
 
 DEFAULT_WORKERS = 2
 DEFAULT_CONCURRENCY = 256
@@ -66,7 +68,17 @@ def dispatch_and_wait(
     try:
         with stop_on_sigterm():
             settings = CollectionSettings.model_validate(opened.manifest.settings)
-            rows = counted(iter_materialized(opened.rd, opened.manifest.shard), groups)
+            sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
+
+            def planned_by_agent(counts: Counter[tuple[str | None, str | None]]) -> None:
+                by_agent: Counter[str | None] = Counter()
+                for (agent, _), n in counts.items():
+                    by_agent[agent] += n
+                set_planned_by_agent(client(redis_url), sid, dict(by_agent))
+
+            rows = counted(
+                iter_materialized(opened.rd, opened.manifest.shard), groups, planned_by_agent
+            )
             app = client_app(broker_url, redis_url)
             to = ShardDispatch(app, redis_url, opened, config, settings)
             return dispatch_generation(to, rows, opened.manifest.planned, console, wait=opts.wait)

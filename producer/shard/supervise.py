@@ -31,10 +31,12 @@ from infra.runs import read_manifest, write_manifest, write_status
 from producer.shard.cost import CostWatch, cost_reason
 from producer.shard.live import LiveSnapshot, broker_queue_length, snapshot
 from producer.shard.opening import OpenedRun
-from schemas.errors import RunFailedError
+from schemas.errors import RunFailedError, RunPartialError
 from schemas.finish import FinishResult
+from schemas.health import STOPPED_BY_SIGTERM
 from schemas.settings import CollectionSettings
 from workers.shard.ledger import count_shard
+from workers.shard.reservations import Reservations
 from workers.shard.state import refresh_shard_keys
 
 log = logging.getLogger(__name__)
@@ -191,7 +193,7 @@ def stalled(
     """Mark a stalled run failed (with its counts from storage) and say how to resume it;
     `silent`: the worker processes whose rollout leases expired."""
     rd, shard = opened.rd, opened.manifest.shard
-    counts = count_shard(rd, shard)
+    counts = count_shard(rd, shard, Reservations(opened.manifest.generations))
     failed = sum(counts.failed.values())
     missing = max(0, counts.planned - counts.landed - failed)
     message = (
@@ -226,7 +228,10 @@ def cost_stopped(opened: OpenedRun, cost: CostWatch) -> RunFailedError:
 
 
 def raise_for_outcome(result: FinishResult) -> None:
-    """Exit 1 (RunFailedError) for a failed, cancelled, rejected or unaggregated run."""
+    """Exit 75 (RunPartialError) for a partial result a resume can complete; exit 1
+    (RunFailedError) for a failed, cancelled, rejected or unaggregated run; else nothing (0)."""
+    if result.partial:
+        raise RunPartialError(partial_message(result))
     if result.run_error:
         message = f"the run failed: {result.run_error}"
         if result.rejection:
@@ -243,6 +248,33 @@ def raise_for_outcome(result: FinishResult) -> None:
         raise RunFailedError(f"the run failed: {result.error}")
     if result.aggregation_error:
         raise RunFailedError(f"aggregation failed: {result.aggregation_error}")
+
+
+def partial_message(result: FinishResult) -> str:
+    """Why a partial run stopped, and what a resume runs."""
+    coverage = result.run_coverage
+    left = f"; {coverage.runnable} rollouts can still run" if coverage is not None else ""
+    if result.rejection:
+        return result.rejection
+    if result.run_error == STOPPED_BY_SIGTERM:
+        why = "stopped by SIGTERM"
+    elif result.cancelled == "drain":
+        why = "drained by `rollouts cancel --drain`"
+    else:
+        why = f"drained by its dispatch budget ({result.drained} rollouts not started)"
+    return (
+        f"partial result saved: the run was {why}; {result.landed}/{result.planned} rollouts "
+        f"landed{left}; `rollouts resume` runs the rest (exit 75: requeue it)"
+    )
+
+
+def exit_code_of(result: FinishResult) -> int:
+    """The exit code a finished run ends with (0 done, 1 failed or rejected, 75 partial)."""
+    try:
+        raise_for_outcome(result)
+    except RunFailedError as exc:
+        return exc.exit_code
+    return 0
 
 
 def wait_for_finish(

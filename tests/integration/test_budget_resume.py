@@ -33,7 +33,9 @@ def test_rows_not_started_within_the_budget_are_drained_and_resume_runs_exactly_
     out = run.out
     rows = [make_row("arithmetic", i, "math_agent") for i in range(30)]
     proc = run.cli(rows, "--max-resident-tasks", "3", "+dispatch_budget_s=2.5")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # A partial result a resume can complete: exit 75, so a scheduler requeues it.
+    assert proc.returncode == 75, proc.stdout + proc.stderr
+    assert "drained by its dispatch budget" in proc.stderr
     m = manifest(out)
     planned = {
         (r[F.TASK_INDEX], r[F.ROLLOUT_INDEX])
@@ -47,6 +49,10 @@ def test_rows_not_started_within_the_budget_are_drained_and_resume_runs_exactly_
     assert set(first_requests) == landed  # drained rows never reached the agent
     status = orjson.loads((out / "rollouts-0_status.json").read_bytes())
     assert status["drained"] == len(drained)
+    coverage = orjson.loads((out / "rollouts-0_coverage.json").read_bytes())
+    assert (coverage["expected"], coverage["successful"]) == (30, len(landed))
+    assert coverage["unknown"] == coverage["states"]["missing"] == len(drained)
+    assert coverage["complete"] is False and coverage["written_by"] == "finish"
     # What a drained row holds is the engine's (tests/unit/test_rollout_engine.py); the
     # chord only counts its tasks, so nothing of them is stored in the result backend.
     proc = cli("resume", str(out), "--broker", redis_url, "+dispatch_budget_s=null")
@@ -61,6 +67,9 @@ def test_rows_not_started_within_the_budget_are_drained_and_resume_runs_exactly_
     assert m["generations"][1]["enqueued"] == len(drained)
     assert m["generations"][1]["overrides"] == {"dispatch_budget_s": None}
     assert m["state"] == "completed"
+    coverage = orjson.loads((out / "rollouts-0_coverage.json").read_bytes())
+    assert coverage["complete"] is True and coverage["unknown"] == 0
+    assert coverage["measured"] == 30 and coverage["generation"] == 1
 
 
 def test_nemo_gym_resume_counts_attempts_and_never_retries_terminal_failures(
@@ -90,7 +99,10 @@ def test_nemo_gym_resume_counts_attempts_and_never_retries_terminal_failures(
         env={"NEMO_GYM_MAX_ROLLOUT_ATTEMPTS": "2"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "4 failed before, 1 terminal, 1 exhausted (attempt limit 2); running 2" in proc.stdout
+    assert (
+        "10 planned: 6 scored, 2 retryable, 1 exhausted, 1 terminal (attempt limit 2); "
+        "running 2 (retryable and missing)" in proc.stdout
+    )
     aggregated = {name: len(env.last_rows) for name, env in servers.environments.items()}
     servers.stop()
     resumed = [e for e in request_log(log)[first:] if e["event"] == "start"]

@@ -26,13 +26,16 @@ def test_cancel_stops_the_run_and_resume_finishes_it(
     proc = cli("cancel", str(out), *(["--drain"] if drain else []))
     assert proc.returncode == 0, proc.stderr
     assert ("draining" if drain else "cancelling") in proc.stdout
-    assert producer.wait(60) == 1
-    assert "the run was cancelled" in run.log()
+    # A drain saved a partial result a resume completes: 75 (requeue); a cancel ends it: 1.
+    assert producer.wait(60) == (75 if drain else 1)
+    text = run.log()
+    assert ("drained by `rollouts cancel --drain`" if drain else "the run was cancelled") in text
     stats = agent_stats(servers, "math_agent")
     m = manifest(out)
     status = orjson.loads((out / "rollouts-0_status.json").read_bytes())
     landed = set(rows_by_key(out / "rollouts-0.jsonl"))
     report = orjson.loads(cli("status", str(out), "--json").stdout)
+    coverage = orjson.loads((out / "rollouts-0_coverage.json").read_bytes())
     assert cli("cancel", str(out)).stdout.startswith("nothing to cancel")
     proc = cli("resume", str(out), "--broker", redis_url, "+max_resident_tasks=null")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -47,5 +50,11 @@ def test_cancel_stops_the_run_and_resume_finishes_it(
     else:
         assert stats["cancelled"] == 4 and not landed, (stats, status, landed)
         assert status["cancelled"] == 4
+    assert coverage["unknown"] == 30 - len(landed) and coverage["successful"] == len(landed)
+    assert coverage["states"]["missing"] == 30 - len(landed) and not coverage["complete"]
+    assert report["coverage"]["unknown"] == coverage["unknown"] and report["exit_code"] == (
+        75 if drain else 1
+    )
     assert len(rows_by_key(out / "rollouts-0.jsonl")) == 30
     assert manifest(out)["state"] == "completed"
+    assert orjson.loads((out / "rollouts-0_coverage.json").read_bytes())["complete"] is True

@@ -16,7 +16,7 @@ from examples.agent_server import AgentKnobs, AgentServer
 from examples.tasks import make_row
 from infra.embedded import free_port
 from schemas import fields as F
-from schemas.errors import RunFailedError
+from schemas.errors import RunPartialError
 from tests.helpers import agent_stats, demo_rows
 from tests.ops_helpers import cli, manifest, requests_per_key, rows_by_key, wait_for
 from tests.runs import MakeRun
@@ -190,13 +190,17 @@ def test_require_complete_rejects_a_run_with_missing_results(make_run: MakeRun) 
     rows[3]["fault"] = {"kind": "http500", "times": 9}
     rows[7]["fault"] = {"kind": "list", "times": 9}
     out = run.out
-    with pytest.raises(RunFailedError, match=r"EVAL FAILED: 8/10 samples completed"):
+    # Both missing rollouts can still run and this run made progress: a resume can complete it.
+    with pytest.raises(RunPartialError, match=r"EVAL FAILED: 8/10 samples completed"):
         run.execute(rows, {"route_failures_to_sidecar": True, "require_complete": True})
     entries = orjson.loads((out / "rollouts-0_aggregate_metrics.json").read_bytes())
     assert entries, "the partial aggregate is written"
     for entry in entries:
         assert entry["complete"] is False
         assert entry["completion_rejected"].startswith("EVAL FAILED: 8/10")
+        # Decided before the aggregate: no server was asked, no metric value is published.
+        assert entry["agent_metrics"] == {} and entry["key_metrics"] == {}
+        assert entry["group_level_metrics"] == [] and entry["coverage"]["coverage/failed"] == 2
     m = manifest(out)
     assert m["state"] == "failed"
     assert "EVAL FAILED" in m["error"]

@@ -224,8 +224,12 @@ def test_sigterm_writes_a_provisional_summary_within_5_seconds(make_run: MakeRun
         assert found is not None, "no summary within 5 seconds of SIGTERM"
         assert time.monotonic() - stopped < 5.0
         stdout, stderr = proc.communicate(timeout=60)
-        assert proc.returncode == 1, stdout + stderr
+        # A partial result a resume can complete: 75, so a scheduler requeues the job.
+        assert proc.returncode == 75, stdout + stderr
         assert "stopped by SIGTERM" in stderr
+        stop = orjson.loads((out / "rollouts-0_coverage.json").read_bytes())
+        assert stop["expected"] == 1000 and stop["successful"] >= landed_before
+        assert stop["unknown"] == 1000 - stop["successful"] and not stop["complete"]
 
         # Let in-flight work settle, then compare with what is on storage.
         time.sleep(3)

@@ -1,7 +1,9 @@
 """A real peer reads our records: NeMo Gym 0.7.0's `gym eval health-check` on the demo's shard
 gives the same `run.verdicts` and the same counts for the fourteen shared checks (issue 18,
 acceptance 2), and on a run of multi-call rollouts with faulty intermediate calls the same
-findings, call by call (issue 40, acceptance 2).
+findings, call by call (issue 40, acceptance 2). Its `aggregate`, `compare` and `profile` read
+a run with execution stamps, canonical failure records and coverage files (issue 39,
+acceptance 4), and its `aggregate` a task-set run (issue 38, acceptance 3).
 
 NeMo Gym 0.7.0 needs Python 3.13, so the test builds its own venv (once, under
 `ROLLOUTS_PEER_VENV`, default `~/.cache/rollouts/nemo-gym-0.7.0`) with that Python
@@ -82,6 +84,108 @@ def test_nemo_gym_judges_the_demo_shard_as_we_do(tmp_path: Path) -> None:
         assert ours["artifacts"]["coverage"][check] == theirs["artifacts"]["coverage"][check]
     assert ours["stats"]["tokens"] == theirs["stats"]["tokens"]
     print(sys.version, theirs["verdicts"])
+
+
+def gym_run(
+    gym: Path, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> str:
+    """Run a `gym` command; give it a temporary `cwd`: Hydra writes outputs/ where it runs."""
+    proc = subprocess.run(
+        [str(gym), *args], capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, **(env or {})}, cwd=cwd,
+    )  # fmt: skip
+    assert proc.returncode == 0, " ".join(args) + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def entries_by_server(path: Path) -> dict[str, dict[str, Any]]:
+    return {e["_ng_environment_server"]: e for e in orjson.loads(path.read_bytes())}
+
+
+@pytest.mark.timeout(2400)
+def test_nemo_gym_reads_our_coverage_era_runs_and_agrees(tmp_path: Path) -> None:
+    """`gym eval health-check`, `aggregate`, `compare` and `profile` of NeMo Gym 0.7.0 read a run
+    with this project's records (execution stamps, canonical failure records, the coverage and
+    status files, coverage counts in the aggregate entries) and agree with it."""
+    import yaml
+
+    from schemas import fields as F
+    from tests.helpers import demo_rows, read_jsonl, write_rows
+    from tests.ops_helpers import cli
+
+    gym = peer_venv()
+    servers = start_servers()
+    try:
+        rows = demo_rows(24)
+        for i in (3, 11):
+            rows[i]["fault"] = {"kind": "http500", "times": 9}  # failure rows in the sidecar
+        run_dir = tmp_path / "ours"
+        proc = cli(
+            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
+            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(run_dir),
+            "--num-repeats", "2", "+route_failures_to_sidecar=true", "--workers", "1",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        # The new fields are there.
+        results = read_jsonl(run_dir / "rollouts-0.jsonl")
+        failures = read_jsonl(run_dir / "rollouts-0_failures.jsonl")
+        assert all(F.EXECUTION in r for r in results) and len(failures) == 4
+        assert all(f[F.FAILURE_RECORD]["schema_version"] == 1 for f in failures)
+        coverage = orjson.loads((run_dir / "rollouts-0_coverage.json").read_bytes())
+        assert (coverage["expected"], coverage["measured"], coverage["failed"]) == (48, 44, 4)
+        ours = entries_by_server(run_dir / "rollouts-0_aggregate_metrics.json")
+        assert all("coverage" in e for e in ours.values())
+
+        # health-check: the same verdicts for the fourteen shared checks.
+        peer_dir = tmp_path / "peer"
+        peer_dir.mkdir()
+        for name in ("rollouts-0.jsonl", "rollouts-0_failures.jsonl",
+                     "rollouts-0_materialized_inputs.jsonl"):  # fmt: skip
+            shutil.copy(run_dir / name, peer_dir / name)
+        gym_run(gym, "eval", "health-check", str(peer_dir), "--rollouts-file", "rollouts-0.jsonl",
+                cwd=tmp_path)  # fmt: skip
+        assert summary(run_dir)["verdicts"] == summary(peer_dir)["verdicts"]
+        assert {c: summary(run_dir)["issues"][c] for c in NEMO_CHECKS} == summary(peer_dir)[
+            "issues"
+        ]
+
+        # aggregate: the servers answer NeMo Gym's requests for our shard as they answered ours.
+        merged = tmp_path / "merged" / "rollouts.jsonl"
+        config = {
+            **as_nemo_gym(servers.config(), "unused"),
+            "input_glob": str(peer_dir / "rollouts-*.jsonl"),
+            "output_jsonl_fpath": str(merged),
+        }
+        gym_run(gym, "eval", "aggregate", env={"NEMO_GYM_CONFIG_DICT": yaml.safe_dump(config)},
+                cwd=tmp_path)  # fmt: skip
+        theirs = entries_by_server(merged.parent / "rollouts_aggregate_metrics.json")
+        assert sorted(theirs) == sorted(ours)
+        for server, entry in ours.items():
+            assert theirs[server]["agent_metrics"] == pytest.approx(entry["agent_metrics"])
+            assert theirs[server]["key_metrics"] == pytest.approx(entry["key_metrics"])
+        assert len(read_jsonl(merged)) == len(results)
+    finally:
+        servers.stop()
+
+    # compare: our run against itself reads our aggregate entries (coverage key and all).
+    twin = tmp_path / "twin"
+    shutil.copytree(run_dir, twin)
+    out = gym_run(
+        gym, "eval", "compare", "--baseline", str(run_dir / "rollouts-0.jsonl"),
+        "--candidates", str(twin / "rollouts-0.jsonl"), "--agent", "math_agent",
+        "--output-dir", str(tmp_path / "compare"), "--report-format", "json", cwd=tmp_path,
+    )  # fmt: skip
+    report = orjson.loads((tmp_path / "compare" / "compare_report.json").read_bytes())
+    assert report, out
+
+    # profile: every landed rollout is aligned with its materialized input; its completion is
+    # the coverage's (the four failed rollouts are the partial part).
+    out = gym_run(
+        gym, "eval", "profile", "--inputs", str(run_dir / "rollouts-0_materialized_inputs.jsonl"),
+        "--rollouts", str(run_dir / "rollouts-0.jsonl"), "++allow_partial_rollouts=True",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert f"Reward profile completion: {coverage['successful']}/{coverage['expected']}" in out, out
 
 
 def _by_record(folder: Path) -> dict[tuple[int, int], dict[str, Any]]:

@@ -30,6 +30,7 @@ from infra.embedded import EmbeddedRedis, free_port
 from producer.shard.celery_client import client_app
 from tests.cluster import ExampleServers, StartWorkers
 from tests.helpers import demo_rows, math_rows, read_jsonl, write_rows
+from tests.ops_helpers import run_split
 from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
@@ -376,16 +377,9 @@ def test_one_input_split_across_shards_merges_and_colliding_shards_are_refused(
 ) -> None:
     start_workers(concurrency=16)
     rows = write_rows(tmp_path / "rows.jsonl", demo_rows(8))
-    for index in (0, 1):
-        proc = cli(
-            "run", "--config", config_file, "--input", rows, "--output-dir",
-            str(tmp_path / "split" / str(index)), "--num-shards", "2", "--shard-index", str(index),
-            "--num-repeats", "2", "--broker", redis_url,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        planned = read_jsonl(
-            tmp_path / "split" / str(index) / f"rollouts-{index}_materialized_inputs.jsonl"
-        )
+    shards = run_split(config_file, rows, tmp_path, redis_url, "--num-repeats", "2")
+    for index, out in enumerate(shards):
+        planned = read_jsonl(out / f"rollouts-{index}_materialized_inputs.jsonl")
         assert sorted({r["_ng_task_index"] for r in planned}) == list(range(index, 8, 2))
     merged = tmp_path / "merged"
     proc = cli(

@@ -32,6 +32,7 @@ from schemas import fields as F
 from schemas.errors import PlanningError, UsageError
 from schemas.messages import QUEUE
 from schemas.settings import CollectionSettings
+from tests.api_helpers import first, first_then_close
 from tests.helpers import ROOT, agent_stats, read_object_jsonl
 from tests.ops_helpers import cli, manifest, request_log, wait_for
 from tests.runs import MakeRun
@@ -54,16 +55,6 @@ def with_latency(rows: list[dict[str, Any]], fast: int, slow_ms: float = SLOW_MS
 
 def key(row: dict[str, Any]) -> tuple[int, int]:
     return F.rollout_key(row)
-
-
-async def first(completions: Any, n: int) -> list[Any]:
-    """The first `n` outcomes of a call, in the order they complete; the others are left."""
-    got = []
-    for future in completions:
-        got.append(await future)
-        if len(got) == n:
-            break
-    return got
 
 
 def math_agent(
@@ -219,18 +210,10 @@ def test_recorded_shard_passes_health_check_and_resume_runs_only_what_it_lacks(
     for row in rows[:8]:
         row["agent_latency_ms"] = 0
 
-    async def go() -> tuple[list[Any], Any]:
-        completions = run_examples(
-            rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
-            record_shard="step1", settings={"max_failed_fraction": 0.1},
-        )  # fmt: skip
-        try:
-            got = await first(completions, 8)
-        finally:
-            await completions.aclose()
-        return got, completions.finished
-
-    got, finished = asyncio.run(go())
+    got, finished = first_then_close(
+        rows, servers.config(), 8, broker_url=redis_url, record_output_dir=str(out),
+        record_shard="step1", settings={"max_failed_fraction": 0.1},
+    )  # fmt: skip
     status = cli("status", str(out), "--shard", "step1", "--json", "--redis", redis_url)
     check = cli("health-check", str(out))
     first_summary = orjson.loads((out / "quality_summary.json").read_bytes())["run"]

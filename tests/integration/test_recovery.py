@@ -444,8 +444,40 @@ def test_a_frozen_worker_woken_mid_run_is_fenced_attempt_by_attempt(make_run: Ma
     assert code == 0, run.log()
     results_once(run.out, 400)
     text = workers.logs[0].read_text(errors="replace")
-    # Refused for its attempt, not because the shard had finished.
-    assert "was taken over by" in text and "nothing written" in text
+    # Refused from the shard for its attempt (not because the shard had finished), and kept
+    # apart as evidence: the late records of older attempts.
+    assert "was taken over by" in text and "kept as evidence" in text
+    assert_late_records_kept_and_not_selected(run.out, 400)
+
+
+def assert_late_records_kept_and_not_selected(out: Path, planned: int) -> None:
+    """The late records of older attempts are on storage, each of an older execution than the
+    one that landed its rollout, and nothing read them: the coverage, the health summary and
+    the metrics are those of the landed rows alone (what a run without them would show)."""
+    late = sorted((out / "rollouts-0_superseded").glob("*.jsonl"))
+    assert late, "no late record was kept"
+    landed = {key(r): r for r in read_jsonl(out / "rollouts-0.jsonl")}
+    for path in late:
+        for record in read_jsonl(path):
+            standing = landed[key(record)][F.EXECUTION]
+            mine = record[F.EXECUTION]
+            assert mine["generation"] == standing["generation"] == 0
+            assert mine["attempt"] < standing["attempt"], (path.name, mine, standing)
+    coverage = orjson.loads((out / "rollouts-0_coverage.json").read_bytes())
+    assert coverage["measured"] == coverage["expected"] == planned and coverage["complete"]
+    assert coverage["superseded_records"] == len(late) and coverage["unknown"] == 0
+    health = orjson.loads((out / "quality_summary.json").read_bytes())["run"]
+    assert sum(health["verdicts"].values()) == planned
+    assert health["issues"]["rollout_duplicate_identity"] == 0
+    assert health["accounting"]["landed"] == planned and health["accounting"]["duplicates"] == 0
+    entries = orjson.loads((out / "rollouts-0_aggregate_metrics.json").read_bytes())
+    for entry in entries:
+        env = entry[F.ENVIRONMENT_SERVER]
+        rewards = [r["reward"] for r in landed.values() if r[F.ENVIRONMENT_SERVER] == env]
+        assert rewards and entry["agent_metrics"]["mean/reward"] == pytest.approx(
+            sum(rewards) / len(rewards)
+        )
+        assert entry["coverage"]["coverage/measured"] == planned
 
 
 @pytest.mark.timeout(120)

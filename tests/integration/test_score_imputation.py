@@ -50,7 +50,8 @@ def test_failures_and_missing_rollouts_scored_as_zero_are_reported_and_not_run_a
 
     proc = cli("resume", str(out), "--broker", redis_url)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "1 scored as zero; running 2" in proc.stdout
+    assert "6 planned: 3 scored, 1 model_final, 1 retryable, 1 missing" in proc.stdout
+    assert "running 2 (retryable and missing)" in proc.stdout
     assert "Metrics cover: 5 of 6 rollouts" in proc.stdout
     servers.stop()
     resumed = requests_per_key(log) - first

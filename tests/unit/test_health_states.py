@@ -11,11 +11,17 @@ import pytest
 
 from infra import keys
 from infra.store import RunDir
+from schemas import fields as F
+from schemas.coverage import RunCoverage
 from schemas.health import Limits
+from schemas.records import Generation, utc_now
 from schemas.settings import CollectionSettings
 from tests.health_fixtures import failure, read_summary, record, write_lines
 from workers import finish
 from workers.health.provisional import write_provisional
+from workers.health.sources import source_for
+from workers.shard.coverage import write_coverage
+from workers.shard.reservations import Reservations, encode_keys
 
 
 def shard_folder(tmp_path: Path) -> Path:
@@ -111,3 +117,45 @@ def test_the_provisional_accounting_has_the_shards_rate_limit_waits(tmp_path: Pa
     )
     run = write_provisional(rd, "0", r, planned=10, group_owed=None, limits=Limits(), ignored=[])
     assert run["accounting"]["rate_limit_waits"] == {"math_agent": {"count": 4, "seconds": 4.25}}
+
+
+def test_the_provisional_accounting_selects_failures_as_the_coverage_does(tmp_path: Path) -> None:
+    """A resume stopped before its attempt of a rollout wrote: the rollout's older failure no
+    longer stands (it is missing, as in the coverage), while one the resume did not dispatch
+    again still does; the summary points at the shard's coverage record."""
+    folder = shard_folder(tmp_path)
+    old = {F.EXECUTION: {"generation": 0, "attempt": 1}}
+    write_lines(
+        folder / "rollouts-0_failures.jsonl",
+        [{**failure(1, 0, "agent_run_error"), **old}, {**failure(1, 1, "agent_run_error"), **old}],
+    )
+    rd = RunDir(str(folder))
+    r = fakeredis.FakeRedis()
+    sid = keys.shard_id(rd.url, "0")
+    r.hset(keys.shard_state(sid), mapping={"built": "1", "opener": "t"})
+    r.sadd(keys.shard_landed(sid), "0:0", "0:1")
+    generations = [
+        Generation(token="a", kind="run", started_at=utc_now(), enqueued=4),
+        Generation(token="b", kind="resume", started_at=utc_now(), enqueued=1,
+                   reserved=encode_keys([(1, 0)])),
+    ]  # fmt: skip
+    coverage = RunCoverage(
+        run_id="r", shard="0", expected=4, successful=2, measured=2, masked=0, unscored=0,
+        failed=1, intentionally_omitted=0, unknown=1, complete=False, reconciled=False, scored=2,
+        counted_failures=0, attempts_exhausted=0, max_rollout_attempts=3, attempts=4,
+        identity_verified=True, written_by="stop",
+    )  # fmt: skip
+    write_coverage(rd, coverage)
+    run = write_provisional(
+        rd, "0", r, planned=4, group_owed=None, limits=Limits(), ignored=[],
+        reserved=Reservations(generations),
+        coverage_of=[source_for(rd, "rollouts-0.jsonl", "rollouts-0.jsonl")],
+    )  # fmt: skip
+    acc = run["accounting"]
+    assert acc["failed"] == {"total": 1, "by_class": {"agent_run_error": 1}}
+    assert acc["missing"] == 1  # (1, 0): dispatched again, no outcome of the resume yet
+    assert run["coverage"]["complete"] is False
+    assert run["coverage"]["files"] == [
+        {"source": "rollouts-0.jsonl", "path": "rollouts-0_coverage.json", "complete": False,
+         "written_by": "stop", "updated_at": coverage.updated_at},
+    ]  # fmt: skip

@@ -11,17 +11,14 @@ from rich.console import Console
 
 from infra.store import RunDir
 from producer.cli.nemo_gym import nemo_gym_output
-from producer.ops.status import FileTally, add_holders, exit_code, holders_lines
+from producer.ops.status import FileTally, add_holders, coverage_text, exit_code, holders_lines
 from producer.shard.live import LiveSnapshot, RunningRollout
-from producer.shard.resume import (
-    ShardOutcomes,
-    max_attempts_limit,
-    plan_resume,
-    rows_to_run,
-)
+from producer.shard.plan import plan_resume, rows_to_run, states_by_key
+from producer.shard.resume import max_attempts_limit
 from schemas.config import redact_url
 from schemas.errors import UsageError
 from schemas.settings import CollectionSettings
+from workers.shard.coverage import RecoveryPolicy
 
 
 def write(path: Path, rows: list[dict[str, Any]], tail: bytes = b"") -> None:
@@ -60,32 +57,51 @@ def shard(tmp_path: Path) -> RunDir:
     return RunDir(str(tmp_path))
 
 
+def manifest_for(shard: RunDir, planned_n: int = 8) -> None:
+    """A manifest of one fresh run over the shard's materialized inputs."""
+    import hashlib
+
+    from infra.runs import write_manifest
+    from schemas.records import Generation, InputSource, Manifest, utc_now
+
+    data = shard.read_bytes("rollouts-0_materialized_inputs.jsonl")
+    write_manifest(
+        shard,
+        Manifest(
+            run_id="r", shard="0", created_at=utc_now(), input=InputSource(path="x", sha256="0"),
+            config={}, settings={}, planned=planned_n,
+            materialized_sha256=hashlib.sha256(data).hexdigest(),
+            generations=[Generation(token="t0", kind="run", started_at=utc_now(), enqueued=8)],
+        ),
+    )  # fmt: skip
+
+
 def test_resume_runs_only_what_is_missing_and_stamps_attempts(shard: RunDir) -> None:
-    plan, outcomes = plan_resume(shard, "0", max_attempts=3)
-    assert (plan.planned, plan.landed, plan.terminal, plan.exhausted, plan.to_run) == (
-        8,
-        3,
-        1,
-        1,
-        3,
-    )
-    assert plan.failed_before == 4
-    rows = list(rows_to_run(shard, "0", outcomes, 3))
+    manifest_for(shard)
+    plan = plan_resume(shard, "0", RecoveryPolicy(3))
+    states = plan.coverage.states
+    assert (plan.coverage.expected, states["scored"], states["terminal"]) == (8, 3, 1)
+    assert (states["judge_recoverable"], states["exhausted"], plan.to_run) == (0, 1, 3)
+    # task 4's judge_failed row is terminal (and carries no answer to judge again)
+    assert states_by_key(plan)["terminal"] == [(4, 0)] and states["retryable"] == 2
+    assert states["missing"] == 1 and plan.coverage.identity_verified
+    rows = list(rows_to_run(shard, "0", plan))
     assert [(r["_ng_task_index"], r.get("_ng_attempt_index")) for r in rows] == [
         (2, 1),
         (5, 2),
         (7, None),
     ]
-    plan, _ = plan_resume(shard, "0", max_attempts=2)
-    assert (plan.exhausted, plan.to_run) == (2, 2)
+    plan = plan_resume(shard, "0", RecoveryPolicy(2))
+    assert (plan.coverage.states["exhausted"], plan.to_run) == (2, 2)
 
 
-def test_outcome_verdicts(shard: RunDir) -> None:
-    outcomes = ShardOutcomes.read(shard, "0")
-    assert outcomes.verdict((1, 0), 3) == "landed"
-    assert outcomes.verdict((4, 0), 9) == "terminal"
-    assert outcomes.verdict((3, 0), 3) == "exhausted"
-    assert outcomes.verdict((7, 0), 1) == "run"
+def test_recovery_states(shard: RunDir) -> None:
+    manifest_for(shard)
+    keys = states_by_key(plan_resume(shard, "0", RecoveryPolicy(3)))
+    assert keys["scored"] == [(0, 0), (1, 0), (6, 0)]
+    assert keys["exhausted"] == [(3, 0)]
+    assert keys["missing"] == [(7, 0)]
+    assert keys["retryable"] == [(2, 0), (5, 0)]
 
 
 def test_attempt_limit_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,3 +216,21 @@ def test_who_holds_what_by_holder_redispatched_and_oldest() -> None:
     assert exit_code({"state": "completed", "error": None}) == 0
     assert exit_code({"state": "completed", "error": "aggregation failed: x"}) == 1
     assert exit_code({"state": "cancelled", "error": "cancelled"}) == 1
+
+
+def test_the_coverage_line_fits_80_columns_and_names_what_is_not_zero() -> None:
+    coverage = dict(expected=480, measured=232, masked=0, unscored=0, failed=8,
+                    intentionally_omitted=0, unknown=240, complete=False)  # fmt: skip
+    assert coverage_text({"coverage": coverage}) == (
+        "\ncoverage of 480: measured 232 · failed 8 · unknown 240"
+    )
+    big = dict(expected=1_000_000, measured=900_000, masked=20_000, unscored=0, failed=30_000,
+               intentionally_omitted=50_000, unknown=0, complete=False)  # fmt: skip
+    lines = coverage_text({"coverage": big}).strip().splitlines()
+    assert lines == [
+        "coverage of 1000000: measured 900000 · masked 20000 · failed 30000",
+        "  omitted 50000 · unknown 0",
+    ]
+    assert all(len(line) <= 80 for line in lines)
+    done = dict(big, masked=0, failed=0, intentionally_omitted=0, measured=1_000_000, complete=True)
+    assert coverage_text({"coverage": done}).endswith("unknown 0 · complete")

@@ -45,9 +45,13 @@ def loop() -> Iterator[EventLoopThread]:
     thread.loop.close()
 
 
+STAMPS = (F.STARTED_AT, F.RUN_MS, F.EXECUTION)
+
+
 def untimed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows without the timing every landed record carries (`_ng_started_at`, `_ng_run_ms`)."""
-    return [{k: v for k, v in r.items() if k not in (F.STARTED_AT, F.RUN_MS)} for r in rows]
+    """The rows without the stamps every landed record carries: its timing (`_ng_started_at`,
+    `_ng_run_ms`) and its execution (`_ng_execution`)."""
+    return [{k: v for k, v in r.items() if k not in STAMPS} for r in rows]
 
 
 @pytest.fixture
@@ -62,6 +66,7 @@ def test_landed(h: Harness) -> None:
     [landed] = h.shard.results
     started, run_ms = landed[F.STARTED_AT], landed[F.RUN_MS]
     assert untimed([landed]) == [RESULT] and h.shard.failures == []
+    assert landed[F.EXECUTION] == {"generation": 0, "attempt": 0}  # no lease: no attempt
     assert isinstance(started, float) and 0 <= run_ms <= 60_000
     assert out.record is not None and out.record[F.RUN_MS] == run_ms
     assert out.requests == 1 and out.run_ms is not None
@@ -395,8 +400,12 @@ def test_a_result_that_cannot_be_stored_fails_alone_with_its_row(h: Harness) -> 
     h.handler = deep_reply()
     out = h.run()
     assert out.ended is Ended.FAILED and h.shard.results == [] and "3:1" not in h.shard.landed
-    assert h.shard.failures == [out.record]
-    assert out.record == {
+    assert h.shard.failures == [out.record] and out.record is not None
+    assert out.record[F.EXECUTION] == {"generation": 0, "attempt": 0}
+    canonical = out.record[F.FAILURE_RECORD]
+    assert (canonical["schema_version"], canonical["source"]) == (1, "collector")
+    assert canonical["exception_type"] == "JSONEncodeError"
+    assert {k: v for k, v in out.record.items() if k not in (F.EXECUTION, F.FAILURE_RECORD)} == {
         F.TASK_INDEX: 3,
         F.ROLLOUT_INDEX: 1,
         F.AGENT_REF: {"name": "a"},

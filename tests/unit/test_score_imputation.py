@@ -9,10 +9,11 @@ import orjson
 import pytest
 
 from infra.store import RunDir, ShardFiles
-from producer.shard.resume import plan_resume, rows_to_run
+from producer.shard.plan import plan_resume, rows_to_run
 from schemas.config import ServersConfig
 from schemas.finish import Coverage, FinishResult
 from schemas.settings import CollectionSettings
+from workers.shard.coverage import RecoveryPolicy
 from workers.shard.ledger import count_shard
 from workers.shard.scored import ScoredRows, counted_failure, missing_zero
 
@@ -164,11 +165,30 @@ def test_a_complete_run_has_no_coverage_lines() -> None:
 
 
 def test_resume_does_not_run_a_rollout_settled_as_a_scored_zero(shard: RunDir) -> None:
-    plan, outcomes = plan_resume(shard, "0", 3, ["judge_failed"])
-    assert (plan.landed, plan.zero, plan.to_run) == (3, 2, 3)
-    assert [r["_ng_task_index"] for r in rows_to_run(shard, "0", outcomes, 3)] == [3, 6, 7]
-    plan, _ = plan_resume(shard, "0", 3)
-    assert (plan.zero, plan.to_run) == (0, 5)
+    write_manifest_of(shard)
+    plan = plan_resume(shard, "0", RecoveryPolicy(3, frozenset({"judge_failed"})))
+    assert (plan.coverage.successful, plan.coverage.counted_failures, plan.to_run) == (3, 2, 3)
+    assert plan.coverage.states["model_final"] == 2
+    assert [r["_ng_task_index"] for r in rows_to_run(shard, "0", plan)] == [3, 6, 7]
+    plan = plan_resume(shard, "0", RecoveryPolicy(3))
+    assert (plan.coverage.counted_failures, plan.to_run) == (0, 5)
+
+
+def write_manifest_of(shard: RunDir) -> None:
+    import hashlib
+
+    from infra.runs import write_manifest
+    from schemas.records import Generation, InputSource, Manifest, utc_now
+
+    data = shard.read_bytes(FILES.materialized)
+    write_manifest(
+        shard,
+        Manifest(
+            run_id="r", shard="0", created_at=utc_now(), input=InputSource(path="x", sha256="0"),
+            config={}, settings={}, planned=8, materialized_sha256=hashlib.sha256(data).hexdigest(),
+            generations=[Generation(token="t0", kind="run", started_at=utc_now(), enqueued=8)],
+        ),
+    )  # fmt: skip
 
 
 def test_the_finish_result_round_trips_through_json() -> None:

@@ -158,14 +158,19 @@ def test_the_state_is_rebuilt_from_the_ledger_and_a_torn_tail_is_cut(
     assert landed.count(r, st.sid) == 3
     assert r.exists(keys.shard_landed_bits(st.sid, 0)) and not r.exists(keys.shard_landed(st.sid))
     counts = {k.decode(): int(v) for k, v in r.hgetall(keys.shard_counts(st.sid)).items()}  # type: ignore[union-attr]
-    assert counts == {
+    assert {k: v for k, v in counts.items() if not k.startswith("agent:")} == {
         "landed": 3,
         "duplicates": 1,
+        "landed_masked": 0,
+        "landed_unscored": 3,  # these rows carry no reward
         "failed:agent_run_error": 3,
         "failed:worker_lost": 1,
         "failed:judge_failed": 1,
         "failed:agent_request_failed": 1,
     }
+    # Per agent, for the status file: planned, landed and failure rows by class.
+    assert counts["agent:planned|a"] == 4 and counts["agent:planned|b"] == 4
+    assert counts["agent:landed|b"] == 2 and counts["agent:failed:agent_run_error|a"] == 2
     # A writer that died before committing left two lines: adopted, counted once each.
     with open(shard.path(FILES.results), "ab") as f:
         f.write(lines(row(4), row(4)))

@@ -15,6 +15,7 @@ from typing import Any
 from schemas.health import RUN_CHECK, Limits
 from schemas.records import RateLimitWaits
 from schemas.usage import TokenCounts, TokenUsage
+from workers.health.scan import OMITTED
 
 Group = tuple[str | None, str | None]
 
@@ -52,6 +53,8 @@ class Accounting:
     duplicates: int = 0
     unreadable: int = 0
     failures_not_owed: int = 0
+    omitted: int = 0
+    """Rollouts whose latest sidecar row is an intentional omission (`_ng_omitted`): not failed."""
 
     def add_rollout(
         self,
@@ -79,6 +82,9 @@ class Accounting:
                 self.failures_not_owed += 1
                 return None
             cls, agent, env = latest_failure[:3]
+            if len(latest_failure) > OMITTED and latest_failure[OMITTED]:
+                self.omitted += 1
+                return None
             if owed is not None:
                 agent, env = agent if agent is not None else owed[0], env or owed[1]
             self.add_failed(cls, agent, env)
@@ -146,6 +152,7 @@ class Accounting:
                 "by_class": dict(sorted(self.failed.items())),
             },
             "missing": missing,
+            "omitted": self.omitted,
             "drained": drained,
             "rate_limit_waits": self.rate_limit_waits(),
             "tokens": self.tokens(),

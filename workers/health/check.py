@@ -248,10 +248,16 @@ class _Abandoned(Exception):
 
 
 def write_disabled(
-    report_dir: str, sources: list[str], ignored: list[str], limits: Limits
+    report_dir: str,
+    sources: list[str],
+    ignored: list[str],
+    limits: Limits,
+    coverage_of: list[Source] | None = None,
 ) -> dict[str, Any]:
     """The summary of a run with `disable_health_check`: state disabled, nothing counted."""
-    return write_summary(RunDir(report_dir), "disabled", limits, sources, ignored)
+    return write_summary(
+        RunDir(report_dir), "disabled", limits, sources, ignored, coverage_of=coverage_of
+    )
 
 
 def write_summary(
@@ -263,6 +269,7 @@ def write_summary(
     *,
     accounting: Accounting | None = None,
     check: tuple[str, str | None, list[dict[str, Any]]] | None = None,
+    coverage_of: list[Source] | None = None,
 ) -> dict[str, Any]:
     """Write a summary whose records were not read (provisional, disabled); returns its `run`."""
     run = run_section(
@@ -274,6 +281,7 @@ def write_summary(
         sources=sources,
         ignored=ignored,
         check=check,
+        coverage_of=coverage_of,
     )
     with open_writer(rd, QUALITY_SUMMARY) as f:
         for chunk in summary_chunks(run, ()):

@@ -31,6 +31,7 @@ from workers.health.scan import KEY_LEN, RECORD
 from workers.health.spool import RunWriter, merge, tagged
 from workers.health.summary import config_section, run_section, summary_chunks
 from workers.health.timeouts import Timeouts
+from workers.shard.reservations import Reservations
 
 log = logging.getLogger(__name__)
 UNREADABLE_NUMBER = CHECK_NUMBER["record_unreadable"]
@@ -116,7 +117,8 @@ def _combine(plan: HealthPlan, results: dict[int, ScanResult], scratch: RunDir) 
     labels = [s.label for s in plan.sources] if multi else None
     timeouts = Timeouts([s.capture_dir for s in plan.sources])
     with open_writer(report, ROLLOUT_VERDICTS) as out:
-        reducer = Reducer(accounting, totals, out, emit, labels, timeouts)
+        reserved = [Reservations(s.generations) if s.generations else None for s in plan.sources]
+        reducer = Reducer(accounting, totals, out, emit, labels, timeouts, reserved)
         reducer.run(merge(scratch, names, KEY_LEN))
     check = excessive_failures(accounting, plan.limits, RUN_CHECK in plan.ignored)
     run = run_section(
@@ -131,6 +133,7 @@ def _combine(plan: HealthPlan, results: dict[int, ScanResult], scratch: RunDir) 
         config=config_section([(s.label, s.config_facts) for s in plan.sources]),
         inputs=input_digests(plan, results),
         timeouts=timeouts.section(),
+        coverage_of=plan.sources,
     )
     task_entries = ((e[3], e[4]) for e in merge(scratch, tasks.close(), 3, prefix="tasks-merge"))
     with open_writer(report, QUALITY_SUMMARY) as f:

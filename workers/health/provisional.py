@@ -19,13 +19,13 @@ import redis
 
 from infra import keys
 from infra.store import RunDir, ShardFiles
-from schemas.health import RUN_CHECK, Limits
+from schemas.health import RUN_CHECK, Limits, Source
 from schemas.records import rate_limit_waits
 from workers.health.accounting import Accounting, SourceCounts, excessive_failures
 from workers.health.check import write_summary
 from workers.health.registry import normalize_ignored
 from workers.shard import landed, state
-from workers.shard.ledger import ShardLedger
+from workers.shard.ledger import Reserved, ShardLedger
 
 MEMBER_BATCH = 10_000
 
@@ -36,8 +36,10 @@ def provisional_accounting(
     shard: str,
     planned: int,
     group_owed: Counter[tuple[str | None, str | None]] | None,
+    reserved: Reserved | None = None,
 ) -> Accounting:
-    """The stopped shard's accounting from Redis, the sidecar and the dispatcher's counts."""
+    """The stopped shard's accounting from Redis, the sidecar and the dispatcher's counts;
+    `reserved` selects each rollout's standing failure as the coverage does."""
     sid = keys.shard_id(rd.url, shard)
     pipe = r.pipeline(transaction=True)
     pipe.hget(keys.shard_state(sid), state.BUILT)
@@ -58,17 +60,22 @@ def provisional_accounting(
     source.landed = landed_count
     if group_owed is not None:
         acc.group_owed.update(group_owed)
-    failures = ShardLedger(rd, ShardFiles(shard))
+    failures = ShardLedger(rd, ShardFiles(shard), reserved=reserved)
     failures.read_failures()
     latest = failures.latest
-    failed_keys = list(latest)
+    # An older generation's failure of a rollout a resume dispatched again does not stand.
+    failed_keys = [k for k, f in latest.items() if failures.stands(k, f)]
     for i in range(0, len(failed_keys), MEMBER_BATCH):
         batch = failed_keys[i : i + MEMBER_BATCH]
         members = [f"{t}:{ro}" for t, ro in batch]
         for key, present in zip(batch, landed.present(r, sid, members), strict=True):
             if present:
                 continue
-            acc.add_failed(*latest[key])
+            failure = latest[key]
+            if failure.omitted:
+                acc.omitted += 1
+            else:
+                acc.add_failed(failure.cls, failure.agent, failure.env)
     source.no_outcome = max(0, planned - source.landed - sum(acc.failed.values()))
     return acc
 
@@ -82,12 +89,16 @@ def write_provisional(
     group_owed: Counter[tuple[str | None, str | None]] | None,
     limits: Limits,
     ignored: list[str],
+    reserved: Reserved | None = None,
+    coverage_of: list[Source] | None = None,
 ) -> dict[str, Any]:
-    """Write the provisional `quality_summary.json` of a stopped shard; returns its `run`."""
-    acc = provisional_accounting(r, rd, shard, planned, group_owed)
+    """Write the provisional `quality_summary.json` of a stopped shard; returns its `run`.
+    `coverage_of`: the shard's source, when its coverage record was written (`run.coverage`)."""
+    acc = provisional_accounting(r, rd, shard, planned, group_owed, reserved)
     ignored_ids = list(normalize_ignored(ignored))
     check = excessive_failures(acc, limits, RUN_CHECK in ignored_ids)
     sources = [ShardFiles(shard).results]
     return write_summary(
-        rd, "provisional", limits, sources, ignored_ids, accounting=acc, check=check
-    )
+        rd, "provisional", limits, sources, ignored_ids, accounting=acc, check=check,
+        coverage_of=coverage_of,
+    )  # fmt: skip

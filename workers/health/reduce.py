@@ -9,7 +9,7 @@ the current rollout and the current task's repeats are ever held in memory.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -19,9 +19,24 @@ from schemas.health import RESPONSE_CHECKS, ROLLOUT_CHECKS, TASK_CHECKS, Verdict
 from workers.health.accounting import Accounting
 from workers.health.digest import Digest
 from workers.health.registry import ROLLOUT_INDEX, checks_in, mask_of
-from workers.health.scan import FAILURE, OWED, RECORD
+from workers.health.scan import FAILURE, GENERATION, OWED, RECORD
 from workers.health.spool import untagged
 from workers.health.timeouts import Timeouts, latest_delivery
+from workers.shard.ledger import Key, Reserved
+
+
+def newest_generation(failures: list[list[Any]]) -> list[list[Any]]:
+    """A rollout's failure payloads of its newest generation, in file order: the last stands for
+    the rollout (`workers/shard/ledger.py`'s rule; a payload without a generation is the first's)."""
+    if not failures:
+        return []
+    newest = max(_generation(p) for p in failures)
+    return [p for p in failures if _generation(p) == newest]
+
+
+def _generation(payload: list[Any]) -> int:
+    value = payload[GENERATION] if len(payload) > GENERATION else None
+    return value if type(value) is int else 0
 
 
 @dataclass
@@ -123,9 +138,12 @@ class Reducer:
         emit_task: Callable[[int, Any, dict[str, Any]], None],
         multi_source_labels: list[str] | None,
         timeouts: Timeouts | None = None,
+        reserved: Sequence[Reserved | None] | None = None,
     ) -> None:
         self.acc = accounting
         self.timeouts = timeouts
+        self.reserved = reserved
+        """Per source, the newest generation that reserved each rollout (None: unknown)."""
         self.totals = totals
         self.out = verdicts_out
         self.emit_task = emit_task
@@ -157,13 +175,21 @@ class Reducer:
         records = [e for e in group if e[5] == RECORD]
         own, all_scored = self._records(source, task, rollout, records) if records else (0, True)
         if group[0][1] == 0 and group[0][3] == 0:
-            latest = failures[-1][9] if failures else None
+            newest = newest_generation([e[9] for e in failures])
+            latest = newest[-1] if newest else None
+            if latest is not None and not self._stands(source, (task, rollout), latest):
+                latest = None  # a resume dispatched it again since: no outcome until it writes
             failed = self.acc.add_rollout(source, owed, own, all_scored, latest)
             if failed is not None and self.timeouts is not None:
-                rows = latest_delivery([e[9] for e in failures])
-                self.timeouts.add(source, failed[0], failed[1], rows)
+                self.timeouts.add(source, failed[0], failed[1], latest_delivery(newest))
         elif own:
             self.acc.sources[source].not_owed += 1
+
+    def _stands(self, source: int, key: Key, failure: list[Any]) -> bool:
+        """Whether a rollout's newest failure is its outcome: of the newest generation that
+        reserved it (`ShardLedger.stands`, the coverage's rule)."""
+        reserved = self.reserved[source] if self.reserved is not None else None
+        return reserved is None or _generation(failure) >= reserved(key)
 
     def _records(
         self, source: int, task: Any, rollout: Any, records: list[list[Any]]

@@ -31,10 +31,14 @@ from workers.health.digest import Digest
 from workers.health.io import iter_range_views, open_writer, tail
 from workers.health.record_checks import check_line, check_parsed
 from workers.health.spool import RunWriter, tagged
-from workers.shard.ledger import failure_class, group_of
+from workers.shard.ledger import execution_of, failure_class, group_of
 
 KEY_LEN = 9
 OWED, FAILURE, RECORD = 0, 1, 2
+# A failure row's payload: [class, agent, env, key, started_at, run_ms, own capture, omitted,
+# generation] (the capture key and timing for the timeouts section, `failure_evidence`; whether
+# it is an intentional omission, and the dispatch generation that wrote it, for the accounting).
+KEY, STARTED, RUN_MS, OWN, OMITTED, GENERATION = 3, 4, 5, 6, 7, 8
 
 # A scan holds up to a run's worth of entries in memory; threads of one worker process take
 # turns so that a process with hundreds of threads does not hold hundreds of buffers.
@@ -232,7 +236,8 @@ def _scan(job: ScanJob) -> ScanResult:
         if key is None:
             continue
         if job.kind == "failures":
-            payload = [failure_class(row), *group_of(row), *failure_evidence(row)]
+            marks = [bool(row.get(F.OMITTED)), execution_of(row)[0]]
+            payload = [failure_class(row), *group_of(row), *failure_evidence(row), *marks]
             writer.add([job.source, 0, key[0], 0, key[1], FAILURE, 0, 0, offset, payload])
         else:
             writer.add([job.source, 0, key[0], 0, key[1], OWED, 0, 0, offset, list(group_of(row))])

@@ -15,9 +15,10 @@ from pydantic import ValidationError
 
 from infra import jsonl
 from infra.store import RunDir
+from schemas.coverage import RunCoverage
 from schemas.errors import StorageError, UsageError
 from schemas.health import LIMIT_NAMES, MERGED_SHARDS_SUFFIX, QUALITY_SUMMARY, Limits, Source
-from schemas.records import RateLimitWaits
+from schemas.records import Generation, RateLimitWaits
 from schemas.run_facts import ConfigFacts
 from schemas.usage import TokenUsage
 from workers.health.io import file_digest, iter_range
@@ -75,6 +76,21 @@ def capture_dir_of(manifest: Any) -> str | None:
     return found if isinstance(found, str) and found else None
 
 
+def _generations(manifest: Any) -> list[Generation]:
+    raw = manifest.get("generations") if isinstance(manifest, dict) else None
+    try:
+        return [Generation.model_validate(g) for g in raw] if isinstance(raw, list) else []
+    except ValidationError:
+        return []
+
+
+def _coverage(raw: Any) -> RunCoverage | None:
+    try:
+        return RunCoverage.model_validate(raw) if isinstance(raw, dict) else None
+    except ValidationError:
+        return None
+
+
 def source_for(rd: RunDir, name: str, label: str) -> Source:
     """A rollouts file with the sidecars found beside it (by NeMo Gym's path rules), and what
     its manifest says of the run's config and capture dir."""
@@ -82,6 +98,8 @@ def source_for(rd: RunDir, name: str, label: str) -> Source:
     failures, materialized = f"{stem}_failures.jsonl", f"{stem}_materialized_inputs.jsonl"
     status = read_json(rd, f"{stem}_status.json")
     manifest = read_json(rd, f"{stem}_manifest.json")
+    coverage_file = f"{stem}_coverage.json"
+    coverage = read_json(rd, coverage_file)
     drained = status.get("drained") if isinstance(status, dict) else None
     return Source(
         label=label,
@@ -94,6 +112,9 @@ def source_for(rd: RunDir, name: str, label: str) -> Source:
         tokens=_tokens(status),
         config_facts=_facts(manifest),
         capture_dir=capture_dir_of(manifest),
+        generations=_generations(manifest),
+        coverage_file=coverage_file if coverage is not None else None,
+        coverage=_coverage(coverage),
     )
 
 

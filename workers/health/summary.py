@@ -1,21 +1,31 @@
 """The quality summary: NeMo Gym's shape (`run.ignored_checks`, `artifacts`, `verdicts`, `issues`,
 `stats`, `tasks`) plus ours (`state`, `healthy`, `reasons`, `accounting`, `limits`, `sources`, `timeouts`,
-`config`, `gate`).
+`config`, `gate`, `coverage`).
 
 `healthy` is true when the evidence read shows no problem (its failure groups are within the
 limits, no record repeats a rollout); false when it shows one; null when it cannot say (no limit
 set, no inventory, a provisional or disabled summary). `reasons` says why. It never certifies
-completeness: owed rollouts without an outcome are counted (`accounting.missing`), not judged.
+completeness: owed rollouts without an outcome are counted (`accounting.missing`), not judged;
+`coverage` points at the shards' coverage records, which say whether the run is complete.
 """
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import orjson
 
-from schemas.health import ALL_CHECKS, RESPONSE_CHECKS, RUN_CHECK, VERDICTS, Limits, SummaryState
+from schemas.health import (
+    ALL_CHECKS,
+    RESPONSE_CHECKS,
+    RUN_CHECK,
+    VERDICTS,
+    Limits,
+    Source,
+    SummaryState,
+)
 from schemas.run_facts import ConfigFacts, InputDigest
 from workers.health.accounting import NO_LIMIT_SET, Accounting
 from workers.health.reduce import Totals
@@ -49,10 +59,8 @@ def verdict(
     Only what the evidence read shows counts: failure groups over a limit and records that repeat
     a rollout, both observed. The verdict never certifies that the run is complete: owed rollouts
     without an outcome (`missing`) are counted in the accounting but do not make the run healthy
-    or unhealthy; which rollouts are complete is the run's coverage to say.
+    or unhealthy; which rollouts are complete is the run's coverage to say (`coverage_section`).
     """
-    # Completeness plugs in here from the run's coverage file (issue 39), not from owed minus
-    # outcomes: its incomplete rollouts will add their own reasons.
     unhealthy = [f["reason"] for f in findings]
     if state == "complete" and accounting["duplicates"]:
         unhealthy.append(
@@ -78,6 +86,36 @@ def config_section(facts: list[tuple[str, ConfigFacts | None]]) -> dict[str, Any
     if len(distinct) == 1 and len(known) == len(facts):
         return next(iter(known.values()))
     return {"by_source": {label: known.get(label) for label, _ in facts}}
+
+
+COVERAGE_COUNTS = ("expected", "successful", "failed", "intentionally_omitted", "unknown")
+
+
+def coverage_section(sources: list[Source]) -> dict[str, Any]:
+    """`run.coverage`: where each source's coverage record is (relative to the reports, as
+    `run.sources`) and what it says. Whether the run is complete is the coverage's to say, not
+    the verdict's: `complete` is true when every source's record says so, false when one says
+    not, null when a source has none; the counts are their sums, null when a source has none."""
+    files = []
+    for source in sources:
+        c = source.coverage
+        path = posixpath.join(posixpath.dirname(source.label), source.coverage_file or "")
+        files.append(
+            {
+                "source": source.label,
+                "path": path if source.coverage_file else None,
+                "complete": c.complete if c is not None else None,
+                "written_by": c.written_by if c is not None else None,
+                "updated_at": c.updated_at if c is not None else None,
+            }
+        )
+    records = [s.coverage for s in sources if s.coverage is not None]
+    known = bool(sources) and len(records) == len(sources)
+    complete = all(c.complete for c in records) if known else None
+    if not known and any(not c.complete for c in records):
+        complete = False
+    counts = {k: sum(getattr(c, k) for c in records) if known else None for k in COVERAGE_COUNTS}
+    return {"complete": complete, **counts, "files": files}
 
 
 def gate_section(
@@ -107,9 +145,11 @@ def run_section(
     config: dict[str, Any] | None = None,
     inputs: list[InputDigest] | None = None,
     timeouts: dict[str, Any] | None = None,
+    coverage_of: list[Source] | None = None,
 ) -> dict[str, Any]:
     """The `run` object; `totals` None leaves the per-record counts null (records not read).
-    `inputs`: the digests of the files read (`gate`, null when records were not read)."""
+    `inputs`: the digests of the files read (`gate`, null when records were not read);
+    `coverage_of`: the sources whose coverage records `run.coverage` points at (null without)."""
     if totals is not None:
         coverage: dict[str, Any] = {
             c: {k: totals.coverage[c][k] for k in ("evaluated", "unobserved", "ignored")}
@@ -176,6 +216,7 @@ def run_section(
         "timeouts": timeouts,
         "config": config,
         "gate": gate,
+        "coverage": coverage_section(coverage_of) if coverage_of is not None else None,
     }
 
 

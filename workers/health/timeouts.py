@@ -22,6 +22,7 @@ from typing import Any
 
 from infra.capture import CaptureStore
 from workers.capture.records import INCOMPLETE, RECORDS_UNREADABLE, parse_capture
+from workers.health.scan import KEY, OWN, RUN_MS, STARTED
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,6 @@ UNMEASURED = (
     "unreadable",
     "no_capture_dir",
 )
-
-# A failure row's payload in the scan: [class, agent, env, key, started_at, run_ms, own capture].
-KEY, STARTED, RUN_MS, OWN = 3, 4, 5, 6
 
 
 @dataclass

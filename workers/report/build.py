@@ -30,7 +30,20 @@ def build_report(report_dir: RunDir, sources: list[Source]) -> tuple[bytes, RunD
 
 
 def _page(report_dir: RunDir, digest: RunDigest) -> bytes:
-    return render(digest, title=f"Run report: {posixpath.basename(report_dir.root)}")
+    return render(digest, title=title_of(report_dir, digest))
+
+
+def title_of(report_dir: RunDir, digest: RunDigest) -> str:
+    """The page's title: the run id and shard of a one-shard report, else the folder's name."""
+    runs = sorted({run for run, _ in digest.shards})
+    if len(digest.shards) == 1:
+        run, shard = digest.shards[0]
+        return f"Run report: {run} shard {shard}"
+    folder = posixpath.basename(report_dir.root)
+    if len(runs) == 1:
+        labels = ", ".join(shard for _, shard in digest.shards)
+        return f"Run report: {runs[0]} shards {labels} ({folder})"
+    return f"Run report: {folder}"
 
 
 class FoldedReport:

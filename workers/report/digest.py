@@ -284,6 +284,10 @@ class RunDigest:
     failure_examples: dict[str, Reservoir[dict[str, Any]]] = field(default_factory=dict)
     transcripts: dict[str, dict[str, Any]] = field(default_factory=dict)
     health: dict[str, Any] | None = None
+    shards: list[tuple[str, str]] = field(default_factory=list)
+    """(run id, shard label) of each source with a manifest."""
+    coverage: list[dict[str, Any]] = field(default_factory=list)
+    """Each source's `rollouts-S_coverage.json`, when it has one."""
     findings: Counter[str] = field(default_factory=Counter)
     offenders: dict[str, list[Offender]] = field(default_factory=dict)
     wanted: dict[Locator, str] = field(default_factory=dict)
@@ -319,9 +323,17 @@ class RunDigest:
                 listed.append(Offender(check, rollout_id, where, detail, _str_or_none(call)))
 
     def read_documents(self, rd: RunDir, stem: str) -> bool:
-        """Read the source's manifest and aggregate metrics; whether it had a manifest."""
+        """Read the source's manifest, coverage and aggregate metrics; whether it had a manifest."""
         self.read_aggregate(rd, stem)
-        return self.read_manifest(rd, stem)
+        coverage = read_json(rd, f"{stem}_coverage.json")
+        if isinstance(coverage, dict):
+            self.coverage.append(coverage)
+        found = self.read_manifest(rd, stem)
+        if found:
+            manifest = read_json(rd, f"{stem}_manifest.json")
+            if isinstance(manifest, dict):
+                self.shards.append((str(manifest.get("run_id")), str(manifest.get("shard"))))
+        return found
 
     def read_aggregate(self, rd: RunDir, stem: str) -> None:
         """The key metrics of the source's aggregate metrics file."""

@@ -64,6 +64,7 @@ document.getElementById('t-close').addEventListener('click',function(){dlg.close
 
 SECTIONS: tuple[tuple[str, str, Callable[[RunDigest], str]], ...] = (
     ("summary", "Summary", S.summary),
+    ("coverage", "Coverage", S.coverage),
     ("metrics", "Metrics", S.metrics),
     ("rewards", "Rewards", S.rewards),
     ("latency", "Latency", S.latency),

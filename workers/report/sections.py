@@ -446,3 +446,36 @@ def samples(d: RunDigest) -> str:
         if rows
         else "<p>—</p>"
     )
+
+
+COVERAGE_COLUMNS = ("expected", "measured", "masked", "unscored", "failed",
+                    "intentionally_omitted", "unknown")  # fmt: skip
+
+
+def coverage(d: RunDigest) -> str:
+    """Each shard's exact account of its expected rollouts (`rollouts-S_coverage.json`)."""
+    if not d.coverage:
+        return '<p class="note">No coverage file (written by the finish step and by <code>rollouts resume --plan</code>).</p>'
+    rows, states = [], []
+    for c in d.coverage:
+        shard = str(c.get("shard"))
+        rows.append([shard, *(str(c.get(k, "—")) for k in COVERAGE_COLUMNS),
+                     "yes" if c.get("complete") else "no"])  # fmt: skip
+        found = c.get("states") or {}
+        states.append([shard, *(str(found.get(s, 0)) for s in STATE_COLUMNS)])
+    head = ["shard", *(k.replace("_", " ") for k in COVERAGE_COLUMNS), "complete"]
+    note = (
+        '<p class="note">expected = measured + masked + unscored + failed + intentionally omitted '
+        "+ unknown; every expected rollout is in one recovery state below, and "
+        "<code>rollouts resume</code> runs the retryable and missing ones.</p>"
+    )
+    state_head = ["shard", *(s.replace("_", " ") for s in STATE_COLUMNS)]
+    return (
+        table(head, rows, set(range(1, len(head) - 1)))
+        + table(state_head, states, set(range(1, len(state_head))))
+        + note
+    )
+
+
+STATE_COLUMNS = ("scored", "masked", "model_final", "judge_recoverable", "retryable",
+                 "exhausted", "terminal", "missing", "omitted")  # fmt: skip

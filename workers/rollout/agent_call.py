@@ -20,7 +20,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import orjson
@@ -31,6 +31,7 @@ from infra.http import PostClient, StreamedReply, heartbeat
 from infra.telemetry import ROLLOUT_ID, client_span
 from schemas import fields as F
 from schemas.messages import CallPolicy
+from schemas.outcomes import RolloutFailureRecord
 from schemas.records import FailureRow
 from workers.rollout.backpressure import RateLimited
 from workers.rollout.episodes import InvalidEpisodeReply, episode_body, episode_record
@@ -231,6 +232,24 @@ def identity_of(row: dict[str, Any]) -> dict[str, Any]:
 def failure_row(row: dict[str, Any], failure: FailureRow) -> dict[str, Any]:
     """The planned row's identity plus the failure fields."""
     return {**identity_of(row), **failure.fields()}
+
+
+def stamp_failure_records(
+    failures: list[dict[str, Any]], run_id: str, agent_row: dict[str, Any] | None = None
+) -> None:
+    """Give each failure row NeMo Gym's canonical `_ng_failure_record` (and the reply's body, if
+    any, as the bounded `_ng_failure_response`). `agent_row`: the agent's own failure row among
+    them (a reply of HTTP 200 that names a failure class), which its environment observed."""
+    for row in failures:
+        source: Literal["environment", "collector"] = (
+            "environment" if row is agent_row else "collector"
+        )
+        fallback = f"{row.get(F.TASK_INDEX)}-{row.get(F.ROLLOUT_INDEX)}"
+        record = RolloutFailureRecord.from_failure_row(row, run_id or "unknown", fallback, source)
+        row[F.FAILURE_RECORD] = record.canonical()
+        body = row.get(F.FAILURE_RESPONSE_BODY)
+        if isinstance(body, str) and body and row is not agent_row:
+            row[F.FAILURE_RESPONSE] = body[:BODY_LIMIT]
 
 
 def with_attempt(row: dict[str, Any], attempt: int) -> dict[str, Any]:

@@ -21,11 +21,12 @@ from typing import Any
 import orjson
 
 from infra import jsonl
+from schemas import fields as F
 from schemas.errors import StorageError
 from schemas.health import RolloutVerdict
 from schemas.records import FailureRow
-from workers.rollout.agent_call import failure_row
-from workers.shard.state import failure_counter, key_str
+from workers.rollout.agent_call import failure_row, stamp_failure_records
+from workers.shard.state import agent_counter, failure_counter, key_str
 
 RESULT_NOT_STORED = "result_not_stored"
 """The failure class of a record that could not be stored (ours)."""
@@ -49,6 +50,11 @@ class EncodedRecords:
     not_stored: dict[str, Any] | None = None
     """The `result_not_stored` row that replaced the rollout's last record (its result, else its
     final failure row); None when that record was stored as it is."""
+    agent: str | None = None
+    """The result's agent (for the per-agent counters of the status file)."""
+    result_kind: str = ""
+    """What the result is in the coverage: `masked` (`mask_sample` set), `unscored` (no numeric
+    reward) or `measured`; counted in Redis as it lands, for an account that reads no rows."""
     health: RolloutVerdict | None = None
     """The result's live verdict, counted when its key lands new (None: not counted)."""
 
@@ -67,10 +73,15 @@ class EncodedRecords:
         """The `failed:<class>` counter of each failure row."""
         return [failure_counter(row) for row in self.failures]
 
+    def agent_counters(self) -> list[str]:
+        """The per-agent `failed:<class>` counter of each failure row (`keys.shard_counts`)."""
+        return [agent_counter(F.agent_name(row), failure_counter(row)) for row in self.failures]
+
 
 def not_stored_row(record: dict[str, Any], what: str, exc: Exception) -> dict[str, Any]:
-    """The failure row of a rollout whose `record` could not be encoded: its identity and why."""
-    return failure_row(
+    """The failure row of a rollout whose `record` could not be encoded: its identity and why,
+    of the record's execution."""
+    row = failure_row(
         record,
         FailureRow(
             _ng_failure_class=RESULT_NOT_STORED,
@@ -78,6 +89,12 @@ def not_stored_row(record: dict[str, Any], what: str, exc: Exception) -> dict[st
             _ng_failure_message=f"{what} could not be stored: it cannot be encoded as JSON: {exc}",
         ),
     )
+    if isinstance(record.get(F.EXECUTION), dict):
+        row[F.EXECUTION] = dict(record[F.EXECUTION])
+    canonical = record.get(F.FAILURE_RECORD)
+    run_id = canonical.get("run_id") if isinstance(canonical, dict) else record.get(F.RUN_ID)
+    stamp_failure_records([row], str(run_id or "unknown"))
+    return row
 
 
 def encode_records(result: dict[str, Any] | None, failures: list[dict[str, Any]]) -> EncodedRecords:
@@ -99,6 +116,8 @@ def encode_records(result: dict[str, Any] | None, failures: list[dict[str, Any]]
     if result is not None:
         try:
             out.result_line, out.result_key = jsonl.dumps_line(result), key_str(result)
+            out.result_kind = result_kind(result)
+            out.agent = F.agent_name(result)
         except orjson.JSONEncodeError as exc:
             row = not_stored_row(result, "the /run result", exc)
             out.failures.append(row)
@@ -107,6 +126,16 @@ def encode_records(result: dict[str, Any] | None, failures: list[dict[str, Any]]
     elif last_replaced is not None:
         out.not_stored = last_replaced
     return out
+
+
+def result_kind(result: dict[str, Any]) -> str:
+    """`masked`, `unscored` or `measured`: the result's place in the coverage."""
+    if result.get(F.MASK_SAMPLE):
+        return "masked"
+    reward = result.get("reward")
+    if not isinstance(reward, int | float) or isinstance(reward, bool):
+        return "unscored"
+    return "measured"
 
 
 def _encode_replacement(row: dict[str, Any], cause: Exception) -> bytes:

@@ -54,7 +54,7 @@ from workers import tracing
 from workers.capture import clear_for, merge_into
 from workers.health.live import judge
 from workers.rollout.admission import AdmissionWaits, Ticket
-from workers.rollout.agent_call import CallOutcome, with_attempt
+from workers.rollout.agent_call import CallOutcome, stamp_failure_records, with_attempt
 from workers.rollout.backpressure import RateLimitWaits, budget_failure
 from workers.rollout.context import (
     CALL_ENDED,
@@ -71,6 +71,7 @@ from workers.rollout.rows import (
     drained_row,
     not_started_message,
     sort_outcome,
+    stamp_execution,
     stamp_timing,
     worker_lost_row,
 )
@@ -326,6 +327,11 @@ class _Run:
             self.delivery.finish(settled.finish)
         return outcome
 
+    def stamp_execution(self, records: list[dict[str, Any]]) -> None:
+        """Stamp the records with this attempt's execution: its generation and lease's number."""
+        attempt = self.lease.number if self.lease is not None else 0
+        stamp_execution(records, self.req.run.generation, attempt)
+
     def staged(self, stage: Stage) -> None:
         if self.lease is not None and self.ctx.leases is not None:
             self.ctx.leases.stage(self.lease, stage)
@@ -454,10 +460,16 @@ class _Run:
         if outcome.result is not None:  # the model-call capture, as NeMo Gym merges it
             outcome.result = merge_into(self.req, outcome.result, (ended_call - started) * 1000)
         result, failures, ended = sort_outcome(outcome)
+        agent_row = failures[-1] if ended is Ended.AGENT_FAILURE else None
         if not self.delivery.record:
+            # Returned as `/run` gave it: only the rows the collector built get the record.
+            stamp_failure_records([f for f in failures if f is not agent_row], self.req.run.run_id)
             return result, failures, ended, None
+        stamp_failure_records(failures, self.req.run.run_id, agent_row)
         at, ms = time.time() - (ctx.monotonic() - started), (ended_call - started) * 1000
-        stamp_timing([*failures, *([] if result is None else [result])], at, ms)
+        records = [*failures, *([] if result is None else [result])]
+        stamp_timing(records, at, ms)
+        self.stamp_execution(records)
         self.verdict = judge(self.req.health, result)
         queued: Queued
         try:
@@ -562,8 +574,10 @@ class _Run:
     async def lost(self, ticket: Ticket) -> RolloutOutcome:
         """A rollout past its attempt limit: its `worker_lost` row lands."""
         lost = worker_lost_row(self.req, int(ticket.detail))
+        stamp_failure_records([lost], self.req.run.run_id)
         ended = Ended.WORKER_LOST
         if self.delivery.record:
+            self.stamp_execution([lost])
             ended = await self.land(None, [lost], ended)
         record = self.not_stored or lost
         return self.end(ended, record=record if ended in FAILURE_ENDS else None,

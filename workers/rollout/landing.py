@@ -13,9 +13,12 @@ failure row, and the rest of the batch lands), and every waiting task is release
 or the batch's exception, also those whose records joined the batch while it waited for the lock.
 The waiting task bounds its own wait (`LAND_WAIT_S`), so a stuck write cannot hold it forever.
 
-Fenced: records of a writer whose generation is not the shard's opener, of an attempt that is
-not its rollout's current one (its lease was taken over, `workers/rollout/leases.py`), or for a shard
-whose finish step closed it (`CLOSED`), are refused whole: nothing of them is written.
+Fenced: records of a writer whose generation is not the shard's opener, or of an attempt that is
+not its rollout's newest (its lease was taken over, `workers/rollout/leases.py`, or the rollout
+settled in this generation by another attempt), are late records of an older execution: they
+are refused from the shard's files and kept as evidence, one object per delivery in the
+shard's `_superseded` folder, which no reader selects from. Records for a shard whose finish
+step closed it (`CLOSED`) are refused whole: nothing of them is written anywhere.
 
 Exactly once: a result whose (task, rollout) key is already in the shard's landed set is not
 written again, however often its task is delivered. The landed set, the committed file sizes and
@@ -32,6 +35,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,12 +56,22 @@ from workers import tracing
 from workers.rollout.encoding import EncodedRecords, encode_records
 from workers.rollout.leases import Lease
 from workers.shard import landed
-from workers.shard.state import CLOSED, OPENER, PLANNED, ShardState, keep_alive, shard_status
+from workers.shard.state import (
+    AGENT_COUNTER,
+    CLOSED,
+    OPENER,
+    PLANNED,
+    ShardState,
+    agent_counter,
+    keep_alive,
+    shard_status,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 1024
-STATUS_EVERY_S = 2.0
+STATUS_EVERY_S = 5.0
+"""The status file is written at most this often (by one process at a time: `status_tick`)."""
 WRITTEN_KEPT = 100_000
 """How many failure rows a process remembers writing (their digests), so that a retried landing
 does not write them twice."""
@@ -223,13 +237,15 @@ class Lander:
                     zip(ks_, landed.present(self.r, st.sid, ks_, self._landed), strict=True)
                 )
             accepted = []
-            for p, refused in zip(group, self._fences(st, state, group), strict=True):
-                if refused is not None:
-                    p.future.set_exception(ShardFencedError(f"{rd.url} shard {shard}: {refused}"))
-                    if p.span is not None:
-                        tracing.landed(p.span, waited, locked, time.time_ns(), refused)
-                else:
+            for p, (refused, kept) in zip(group, self._fences(st, state, group), strict=True):
+                if refused is None:
                     accepted.append(p)
+                    continue
+                if kept:
+                    refused += f"; {self._keep_late(st, p)}"
+                p.future.set_exception(ShardFencedError(f"{rd.url} shard {shard}: {refused}"))
+                if p.span is not None:
+                    tracing.landed(p.span, waited, locked, time.time_ns(), refused)
             if not accepted:
                 return
             reports = {id(p): LandReport(not_stored=p.records.not_stored) for p in accepted}
@@ -247,8 +263,9 @@ class Lander:
 
     def _fences(
         self, st: ShardState, state: dict[str, str], group: list[_Pending]
-    ) -> list[str | None]:
-        """Why each of `group` must not land (None: it may), read under the lock."""
+    ) -> list[tuple[str | None, bool]]:
+        """Why each of `group` must not land (None: it may), read under the lock, and whether
+        its records are late ones of an older execution (kept as evidence) rather than refused."""
         opener, closed = state.get(OPENER), state.get(CLOSED)
         leased = [p.lease.key for p in group if p.lease is not None]
         current: dict[str, str | None] = {}
@@ -258,20 +275,56 @@ class Lander:
                 k: v.decode() if isinstance(v, bytes) else None
                 for k, v in zip(leased, raw, strict=True)
             }
-        why: list[str | None] = []
+        # A rollout with no current attempt that settled in its generation settled by another
+        # attempt (an attempt lands before it settles): this one was taken over and woke late.
+        unheld = [
+            p.lease.key
+            for p in group
+            if p.lease is not None and p.lease.attempt and current.get(p.lease.key) is None
+            and p.run.token == opener and not closed
+        ]  # fmt: skip
+        settled: set[str] = set()
+        if unheld:
+            names = [keys.shard_settled(st.sid, str(opener))]
+            flags = self._landed(keys=names, args=unheld, client=self.r)
+            settled = {k for k, flag in zip(unheld, flags, strict=True) if flag}
+        why: list[tuple[str | None, bool]] = []
         for p in group:
             now = current.get(p.lease.key) if p.lease is not None else None
             if closed:
-                why.append("the shard was finished; nothing written")
+                why.append(("the shard was finished; nothing written", False))
             elif p.run.token != opener:
-                why.append(f"opened by another writer ({opener}) since this task's writer "
-                           f"({p.run.token}); nothing written")  # fmt: skip
+                why.append((f"opened by another writer ({opener}) since this task's writer "
+                            f"({p.run.token})", True))  # fmt: skip
             elif p.lease is not None and now is not None and now != p.lease.attempt:
-                why.append(f"rollout {p.lease.key}: this attempt ({p.lease.attempt}) was taken "
-                           f"over by {now}; nothing written")  # fmt: skip
+                why.append((f"rollout {p.lease.key}: this attempt ({p.lease.attempt}) was taken "
+                            f"over by {now}", True))  # fmt: skip
+            elif p.lease is not None and p.lease.key in settled:
+                why.append((f"rollout {p.lease.key}: another attempt settled it since this "
+                            f"attempt ({p.lease.attempt}) was taken over", True))  # fmt: skip
             else:
-                why.append(None)
+                why.append((None, False))
         return why
+
+    def _keep_late(self, st: ShardState, p: _Pending) -> str:
+        """Keep a late delivery's records apart, as evidence: one object in the shard's
+        `_superseded` folder; returns what became of them."""
+        records = p.records
+        lines = [*records.failure_lines]
+        if records.result_line is not None:
+            lines.append(records.result_line)
+        if not lines:
+            return "nothing to keep"
+        key = (p.lease.key if p.lease is not None else records.key or "x").replace(":", "-")
+        attempt = p.lease.number if p.lease is not None else 0
+        name = (f"{st.files.superseded}/{key}.g{p.run.generation}.a{attempt}."
+                f"{uuid.uuid4().hex[:8]}.jsonl")  # fmt: skip
+        try:
+            st.rd.write_atomic(name, b"".join(lines))
+        except (OSError, StorageError) as exc:
+            log.warning("could not keep the late records of %s: %s", key, exc)
+            return f"its records could not be kept: {exc}"
+        return f"its records were kept as evidence in {name}, not in the shard"
 
     def _append(self, st: ShardState, state: dict[str, str], name: str, lines: list[bytes]) -> bool:
         """Append `lines` at the committed size; on a conflict adopt what is there and return
@@ -313,6 +366,7 @@ class Lander:
             new_keys: list[str] = []
             seen: set[str] = set()
             lines: list[bytes] = []
+            kinds: Counter[str] = Counter()
             verdicts: Counter[str] = Counter()
             for p, (k, line) in with_result:
                 report = reports[id(p)]
@@ -323,6 +377,8 @@ class Lander:
                 seen.add(k)
                 new_keys.append(k)
                 lines.append(line)
+                kinds[p.records.result_kind] += 1
+                kinds[agent_counter(p.records.agent, "landed")] += 1
                 report.landed = True
                 if p.records.health is not None:
                     verdicts.update(p.records.health.counter_fields())
@@ -335,6 +391,11 @@ class Lander:
                 planned = int(state.get(PLANNED, "0"))
                 landed.add(pipe, st.sid, planned, new_keys, from_env().live_key_ttl_s)
                 pipe.hincrby(keys.shard_counts(st.sid), "landed", len(new_keys))
+                for kind, n in kinds.items():
+                    if kind in ("masked", "unscored"):
+                        pipe.hincrby(keys.shard_counts(st.sid), f"landed_{kind}", n)
+                    elif kind.startswith(AGENT_COUNTER):
+                        pipe.hincrby(keys.shard_counts(st.sid), kind, n)
                 for name, n in verdicts.items():  # live health: each new result counted once
                     pipe.hincrby(keys.shard_health(st.sid), name, n)
                 st.commit_size(pipe, st.files.results, state)
@@ -368,7 +429,8 @@ class Lander:
         counts: dict[str, int] = defaultdict(int)
         digests: list[tuple[str, bytes]] = []
         for p in accepted:
-            for line, name in zip(p.records.failure_lines, p.records.counters(), strict=True):
+            names = zip(p.records.counters(), p.records.agent_counters(), strict=True)
+            for line, (name, by_agent) in zip(p.records.failure_lines, names, strict=True):
                 if p.lease is not None:
                     digest = (p.lease.attempt, hashlib.blake2b(line, digest_size=16).digest())
                     if digest in self._written:
@@ -376,6 +438,7 @@ class Lander:
                     digests.append(digest)
                 lines.append(line)
                 counts[name] += 1
+                counts[by_agent] += 1
                 reports[id(p)].failures_written += 1
         if not lines:
             return

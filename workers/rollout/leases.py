@@ -77,6 +77,13 @@ class Lease:
     """This attempt's token: the lander lands only the current attempt's records."""
 
     @property
+    def number(self) -> int:
+        """The attempt's number in its generation (the first is 1; 0 for a delivery without a
+        lease): the second half of its records' execution, reserved when the lease was taken."""
+        parts = self.attempt.split("/")
+        return int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else 0
+
+    @property
     def member(self) -> str:
         """Its member of `keys.ROLLOUT_LEASES`."""
         return f"{self.sid}|{self.key}"

@@ -36,6 +36,12 @@ def stamp_timing(records: list[dict[str, Any]], started_at: float, run_ms: float
         record[F.RUN_MS] = round(run_ms, 3)
 
 
+def stamp_execution(records: list[dict[str, Any]], generation: int, attempt: int) -> None:
+    """Stamp the records a delivery lands with the execution that wrote them (`_ng_execution`)."""
+    for record in records:
+        record[F.EXECUTION] = {"generation": generation, "attempt": attempt}
+
+
 def drained_row(row: dict[str, Any], message: str) -> dict[str, Any]:
     """What a rollout that never started resolves to (docs/reference/failures.md#drained-rows); it lands nowhere."""
     return {

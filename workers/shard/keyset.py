@@ -104,6 +104,48 @@ class KeySet(MutableSet[Key]):
             if end:
                 yield rollout, bytes(bits[:end])
 
+    def add_bitmap(self, rollout: int, bits: bytes) -> None:
+        """Add the keys of a bitmap of rollout index `rollout` (as `bitmaps` gives it) at once."""
+        if not 0 <= rollout < BIT_ROLLOUTS:
+            raise ValueError(f"rollout index {rollout} has no bitmap")
+        while len(self._bits) <= rollout:
+            self._bits.append(bytearray())
+        mine = self._bits[rollout]
+        if len(mine) < len(bits):
+            mine.extend(bytes(len(bits) - len(mine)))
+        before = int.from_bytes(mine[: len(bits)]).bit_count()
+        merged = int.from_bytes(mine[: len(bits)]) | int.from_bytes(bits)
+        mine[: len(bits)] = merged.to_bytes(len(bits))
+        self._count += merged.bit_count() - before
+
+    def count_common(self, *others: KeySet) -> int:
+        """How many keys are in this set and in every one of `others` (bitmaps ANDed at once)."""
+        n = 0
+        for rollout, bits in enumerate(self._bits):
+            common = int.from_bytes(bits)
+            for other in others:
+                theirs = other._bits[rollout] if rollout < len(other._bits) else b""
+                common &= int.from_bytes(theirs[: len(bits)].ljust(len(bits), b"\0"))
+                if not common:
+                    break
+            n += common.bit_count()
+        # Keys held outside a bitmap in any of the sets (a sparse task index): asked one by one,
+        # leaving out those that are a bit in every set (counted above).
+        candidates = set(self._other).union(*(other._other for other in others))
+        for key in candidates:
+            sets = (self, *others)
+            if all(key in s for s in sets) and not all(s._in_bits(key) for s in sets):
+                n += 1
+        return n
+
+    def _in_bits(self, key: Key) -> bool:
+        task, rollout = key
+        if not (type(task) is int and type(rollout) is int and 0 <= rollout < len(self._bits)):
+            return False
+        bits = self._bits[rollout]
+        byte = task >> 3
+        return task >= 0 and byte < len(bits) and bool(bits[byte] & (0x80 >> (task & 7)))
+
     def others(self) -> set[Key]:
         """The keys held outside the bitmaps."""
         return self._other

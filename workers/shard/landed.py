@@ -90,6 +90,22 @@ def add_keyset(pipe: redis.client.Pipeline, sid: str, found: MutableSet[Key], tt
         pipe.expire(keys.shard_landed(sid), ttl_s)
 
 
+def read_keyset(r: redis.Redis, sid: str) -> KeySet:
+    """Every landed key of the shard, read from Redis into a `KeySet` (bitmaps as they are)."""
+    pipe = r.pipeline(transaction=False)
+    for rollout in range(keys.LANDED_BITS_ROLLOUTS):
+        pipe.get(keys.shard_landed_bits(sid, rollout))
+    pipe.smembers(keys.shard_landed(sid))
+    *bitmaps, members = pipe.execute()
+    out = KeySet()
+    for rollout, bits in enumerate(bitmaps):
+        if bits:
+            out.add_bitmap(rollout, bytes(bits))
+    for member in members:
+        out.add(split_key(member.decode() if isinstance(member, bytes) else str(member)))
+    return out
+
+
 def names(sid: str) -> list[str]:
     """Every key that holds the shard's landed keys."""
     return [

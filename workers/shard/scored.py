@@ -12,7 +12,7 @@ number it is handed). They go to `/aggregate_metrics` only: no file changes.
 from __future__ import annotations
 
 import logging
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -23,7 +23,14 @@ from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.finish import Coverage
 from schemas.settings import CollectionSettings
-from workers.shard.ledger import Key, ShardLedger, is_drained, iter_rows, rollout_key
+from workers.shard.ledger import (
+    Key,
+    ShardLedger,
+    execution_of,
+    is_drained,
+    iter_rows,
+    rollout_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -175,19 +182,19 @@ class ScoredRows:
         return chunk
 
     def _counted_failures(self) -> dict[Key, dict[str, Any]]:
-        """The latest failure row of each rollout scored as zero (its attempts-th row)."""
+        """The standing failure row of each rollout scored as zero (`ShardLedger.latest`'s rule:
+        the last row of its newest generation)."""
         ledger = self.ledger
         wanted = {k for k in ledger.latest if ledger.settled_as_zero(k, self.zero_classes)}
         if not wanted:
             return {}
-        seen: Counter[Key] = Counter()
         rows: dict[Key, dict[str, Any]] = {}
         for row in iter_rows(self.rd, ledger.files.failures):
             key = rollout_key(row)
-            if key not in wanted or is_drained(row):
+            if key not in wanted or is_drained(row) or row.get(F.OMITTED):
                 continue
-            seen[key] += 1
-            if seen[key] == ledger.attempts[key]:
+            assert key is not None
+            if execution_of(row)[0] == ledger.latest[key].generation:
                 rows[key] = counted_failure(row)
         return rows
 

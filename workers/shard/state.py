@@ -25,7 +25,7 @@ from infra.locks import held
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
-from schemas.records import ShardStatus, rate_limit_waits
+from schemas.records import MemberStatus, ShardStatus, rate_limit_waits
 from workers.shard import landed
 from workers.shard.ledger import ShardLedger, failure_class
 
@@ -58,6 +58,37 @@ def key_str(row: dict[str, Any]) -> str:
 
 def failure_counter(row: dict[str, Any]) -> str:
     return f"failed:{failure_class(row)}"
+
+
+AGENT_COUNTER = "agent:"
+"""Prefix of the per-agent fields of the shard's counts: `agent:planned|<name>`,
+`agent:landed|<name>`, `agent:failed:<class>|<name>` (failure rows), for the status file's
+members."""
+
+
+def agent_counter(agent: str | None, what: str) -> str:
+    return f"{AGENT_COUNTER}{what}|{agent or '?'}"
+
+
+def agent_counts(ledger: ShardLedger) -> dict[str, int]:
+    """The per-agent counters a ledger's reading gives (a rebuild from storage)."""
+    out: dict[str, int] = {}
+    for (agent, _), n in ledger.planned_by.items():
+        name = agent_counter(agent, "planned")
+        out[name] = out.get(name, 0) + n
+    for (agent, _), n in ledger.landed_by.items():
+        name = agent_counter(agent, "landed")
+        out[name] = out.get(name, 0) + n
+    for (agent, cls), n in ledger.failure_rows_by_agent.items():
+        out[agent_counter(agent, f"failed:{cls}")] = n
+    return out
+
+
+def landed_kinds(ledger: ShardLedger) -> dict[str, int]:
+    """The shard counters of landed results that are masked, or unscored and not masked."""
+    masked = len(ledger.masked_keys)
+    unscored = sum(1 for k in ledger.unscored_keys if k not in ledger.masked_keys)
+    return {"landed_masked": masked, "landed_unscored": unscored}
 
 
 def read_state(r: redis.Redis, sid: str) -> dict[str, str]:
@@ -186,10 +217,14 @@ class ShardState:
                 planned = int(self.r.hget(keys.shard_state(self.sid), PLANNED) or 0)
                 landed.add(pipe, self.sid, planned, ks, from_env().live_key_ttl_s)
                 pipe.hincrby(keys.shard_counts(self.sid), "landed", len(ks))
+                for kind, n in landed_kinds(tail).items():
+                    pipe.hincrby(keys.shard_counts(self.sid), kind, n)
         else:
             records = tail.failure_rows
             for cls, n in tail.failure_rows_by_class.items():
                 pipe.hincrby(keys.shard_counts(self.sid), f"failed:{cls}", n)
+        for name_, n in agent_counts(tail).items():
+            pipe.hincrby(keys.shard_counts(self.sid), name_, n)
         pipe.hset(keys.shard_state(self.sid), self.size_field(name), end)
         keep_alive(pipe, self.sid)
         pipe.execute()
@@ -208,7 +243,10 @@ class ShardState:
         ledger = ShardLedger(self.rd, self.files)
         results_end = self._read(ledger, self.files.results, 0)
         failures_end = self._read(ledger, self.files.failures, 0)
+        ledger.read_planned()
         counts: dict[str, int] = {"landed": ledger.landed, "duplicates": ledger.duplicates}
+        counts.update(landed_kinds(ledger))
+        counts.update(agent_counts(ledger))
         for cls, n in ledger.failure_rows_by_class.items():
             counts[f"failed:{cls}"] = n
         pipe = self.r.pipeline(transaction=True)
@@ -267,7 +305,7 @@ def shard_counts(r: redis.Redis, sid: str) -> dict[str, int]:
 
 
 def shard_status(r: redis.Redis, sid: str, state: dict[str, str]) -> ShardStatus:
-    """The status record from the shard's Redis counters."""
+    """The status record from the shard's Redis counters (live: failure rows by class)."""
     counts = shard_counts(r, sid)
     return ShardStatus(
         run_id=state.get(RUN_ID, ""),
@@ -278,7 +316,36 @@ def shard_status(r: redis.Redis, sid: str, state: dict[str, str]) -> ShardStatus
         drained=counts.get("drained", 0),
         duplicates=counts.get("duplicates", 0),
         rate_limit_waits=rate_limit_waits(counts),
+        members=live_members(counts),
     )
+
+
+def live_members(counts: dict[str, int]) -> dict[str, MemberStatus]:
+    """Per agent, the status-tracker counts of a running shard (`agent:` counters)."""
+    fields: dict[str, dict[str, int]] = {}
+    for name, n in counts.items():
+        if name.startswith(AGENT_COUNTER) and "|" in name:
+            what, _, agent = name[len(AGENT_COUNTER) :].partition("|")
+            fields.setdefault(agent, {})[what] = n
+    members = {}
+    for agent, got in sorted(fields.items()):
+        expected = got.get("planned")
+        landed_n = got.get("landed", 0)
+        failures = {k[len("failed:") :]: n for k, n in got.items() if k.startswith("failed:")}
+        members[agent] = MemberStatus(
+            expected_rollout_count=expected,
+            completed_rollout_count=landed_n,
+            remaining_rollout_count=max(0, expected - landed_n) if expected is not None else None,
+            failures_by_class=dict(sorted(failures.items())),
+        )
+    return members
+
+
+def set_planned_by_agent(r: redis.Redis, sid: str, planned: dict[str | None, int]) -> None:
+    """Record the shard's planned rollouts per agent (the status file's expected counts)."""
+    if planned:
+        mapping = {agent_counter(agent, "planned"): n for agent, n in planned.items()}
+        r.hset(keys.shard_counts(sid), mapping=cast("Mapping[Any, Any]", mapping))
 
 
 def open_shard(r: redis.Redis, rd: RunDir, shard: str) -> dict[str, str]:
