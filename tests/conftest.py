@@ -102,10 +102,12 @@ def example_servers() -> Iterator[ExampleServers]:
 @pytest.fixture
 def make_run(
     example_servers: ExampleServers, start_workers: StartWorkers, redis_url: str, tmp_path: Path
-) -> MakeRun:
+) -> Iterator[MakeRun]:
     """The run builder (`tests/runs.py`): example servers and started workers for a run of rows
-    in the test's folder."""
-    return MakeRun(example_servers, start_workers, redis_url, tmp_path)
+    in the test's folder; a `rollouts run` it left running is killed after the test."""
+    made = MakeRun(example_servers, start_workers, redis_url, tmp_path)
+    yield made
+    made.close()
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ and hands out a `Run`; the test writes its rows and runs them as a user does (`r
 from __future__ import annotations
 
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,8 @@ class Run:
     folder: Path
     workers: Workers
     """The test's worker processes (`start_workers`)."""
+    producers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    """The `rollouts run` processes `start` left running."""
 
     @property
     def out(self) -> Path:
@@ -76,7 +78,16 @@ class Run:
         self, rows: list[Any], *extra: str, env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
         """`rollouts run` in a subprocess left running, its output to `log_path`."""
-        return cli_background(*self.args(rows, *extra), log=self.log_path, env=env)
+        producer = cli_background(*self.args(rows, *extra), log=self.log_path, env=env)
+        self.producers.append(producer)
+        return producer
+
+    def stop_producers(self) -> None:
+        """Kill what `start` left running (a test that failed before its run ended)."""
+        for producer in self.producers:
+            if producer.poll() is None:
+                producer.kill()
+                producer.wait()
 
     def log(self) -> str:
         return self.log_path.read_text()
@@ -108,6 +119,7 @@ class MakeRun:
     start_workers: StartWorkers
     broker: str
     folder: Path
+    made: list[Run] = field(default_factory=list)
 
     def __call__(
         self,
@@ -121,4 +133,9 @@ class MakeRun:
     ) -> Run:
         servers = self.example_servers(topology, knobs, **server_options)
         started = self.start_workers(workers, concurrency, env=env)
-        return Run(servers, self.broker, self.folder, started)
+        self.made.append(Run(servers, self.broker, self.folder, started))
+        return self.made[-1]
+
+    def close(self) -> None:
+        for run in self.made:
+            run.stop_producers()

@@ -110,6 +110,7 @@ def test_chaos_run_then_resume_settles_every_rollout(
         events.append(f"resume took {time.monotonic() - started:.0f}s")
         print("\n".join(events))
     finally:
+        run.stop_producers()
         workers.stop()
         servers.stop()
 

@@ -70,6 +70,7 @@ def test_a_host_cut_off_mid_run_is_taken_over_and_its_late_outcomes_change_nothi
         others = workers.logs[1].read_text() + workers.logs[2].read_text()
         assert "went silent; published it again" in others
     finally:
+        run.stop_producers()
         workers.stop()
         servers.stop()
         server.close()
