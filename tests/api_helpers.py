@@ -14,12 +14,7 @@ import redis
 
 from infra import keys
 from schemas import fields as F
-from tests.ops_helpers import Key, key
-
-LEASE_TTL_S = 3.0
-ENV = {"ROLLOUTS_LEASE_TTL_S": str(LEASE_TTL_S)}
-"""Short leases, so that a takeover takes seconds; every other setting is the default (the
-prefetch included: each worker takes a quarter of its slots ahead)."""
+from tests.ops_helpers import LEASE_TTL_S, Key, key
 
 
 def liveness_bound_s(rollout_s: float) -> float:
@@ -56,6 +51,34 @@ def row_key(row: dict[str, Any]) -> Key:
     """A row's (task, rollout); for a row given without identity, its `n` (its index in the
     call), as an unrecorded call's leases key it (`n:0`)."""
     return key(row) if F.TASK_INDEX in row else (int(row["n"]), 0)
+
+
+async def first(completions: Any, n: int) -> list[Any]:
+    """The first `n` outcomes of a call, in the order they complete; the others are left."""
+    got = []
+    for future in completions:
+        got.append(await future)
+        if len(got) == n:
+            break
+    return got
+
+
+def first_then_close(
+    rows: list[dict[str, Any]], config: Any, n: int, **options: Any
+) -> tuple[list[Any], Any]:
+    """A `run_examples` call's first `n` outcomes, then the call closed: those outcomes and
+    what the call finished with (`completions.finished`)."""
+    from producer import run_examples
+
+    async def go() -> tuple[list[Any], Any]:
+        completions = run_examples(rows, config, **options)
+        try:
+            got = await first(completions, n)
+        finally:
+            await completions.aclose()
+        return got, completions.finished
+
+    return asyncio.run(go())
 
 
 async def consume(completions: Any, got: Got, rows: list[dict[str, Any]]) -> None:

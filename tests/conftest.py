@@ -11,21 +11,23 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
-import orjson
 import pytest
 import redis
 
-from examples.servers import RunningServers, start_servers
-from examples.tasks import make_row
+from examples.servers import RunningServers, free_port
 from infra.embedded import EmbeddedRedis
+from infra.store import RunDir
+from tests.cluster import ExampleServers, StartWorkers, Workers
+from tests.helpers import ROOT
 from tests.netns_hosts import TestHosts, available
+from tests.runs import MakeRun
 
-ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["Workers"]  # importable from here as before; new code imports tests.cluster
 
 
 @pytest.fixture(scope="session")
@@ -49,11 +51,9 @@ def redis_url(redis_server: EmbeddedRedis) -> Iterator[str]:
 
 
 @pytest.fixture
-def servers() -> Iterator[RunningServers]:
+def servers(example_servers: ExampleServers) -> RunningServers:
     """The demo topology of example servers (math_agent/math_env, count_agent/count_env)."""
-    running = start_servers()
-    yield running
-    running.stop()
+    return example_servers()
 
 
 @pytest.fixture
@@ -61,130 +61,53 @@ def config_file(servers: RunningServers, tmp_path: Path) -> str:
     return servers.write_config(str(tmp_path / "servers.yaml"))
 
 
-def write_rows(path: Path, rows: list[dict[str, Any]]) -> str:
-    with open(path, "wb") as f:
-        for row in rows:
-            f.write(orjson.dumps(row) + b"\n")
-    return str(path)
-
-
-def demo_rows(n: int) -> list[dict[str, Any]]:
-    """n rows alternating between the demo's two agents."""
-    agents = [("math_agent", "arithmetic"), ("count_agent", "counting")]
-    return [make_row(agents[i % 2][1], i, agents[i % 2][0]) for i in range(n)]
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    out = []
-    with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                out.append(orjson.loads(line))
-    return out
-
-
-def agent_stats(servers: RunningServers, agent: str) -> dict[str, Any]:
-    stats: dict[str, Any] = httpx.get(servers.urls[agent] + "/stats").json()
-    return stats
-
-
-class Workers:
-    """Celery worker subprocesses with their output captured to files."""
-
-    def __init__(self, redis_url: str, log_dir: Path) -> None:
-        self.redis_url = redis_url
-        self.log_dir = log_dir
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.logs: list[Path] = []
-
-    def start(
-        self,
-        count: int = 2,
-        concurrency: int = 32,
-        extra: list[str] | None = None,
-        command: list[str] | None = None,
-        env: dict[str, str] | None = None,
-        prefix: list[str] | None = None,
-    ) -> None:
-        """`prefix` runs each worker under another command (`ip netns exec NS`)."""
-        base_env = dict(os.environ)
-        base_env.update(ROLLOUTS_BROKER_URL=self.redis_url, ROLLOUTS_REDIS_URL=self.redis_url)
-        base_env.update(env or {})
-        for _ in range(count):
-            i = len(self.procs)
-            cmd = command or [
-                sys.executable, "-m", "celery", "-A", "workers.app", "worker",
-                "-c", str(concurrency), "-n", f"test{i}-{os.getpid()}@%h",
-                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
-            ]  # fmt: skip
-            log = self.log_dir / f"worker-{i}.log"
-            self.logs.append(log)
-            out = open(log, "wb")  # noqa: SIM115 - handed to the child process
-            self.procs.append(
-                subprocess.Popen(
-                    (prefix or []) + cmd + (extra or []),
-                    env=base_env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=ROOT,
-                )
-            )
-            out.close()
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(
-                p.poll() is None and "ready." in log.read_text(errors="replace")
-                for p, log in zip(self.procs, self.logs, strict=True)
-            ):
-                return
-            for p, log in zip(self.procs, self.logs, strict=True):
-                if p.poll() is not None:
-                    raise RuntimeError(f"worker exited: {log.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.1)
-        raise RuntimeError("workers did not become ready")
-
-    def output(self) -> str:
-        return "\n".join(log.read_text(errors="replace") for log in self.logs)
-
-    def stop(self, graceful: bool = True) -> None:
-        """SIGTERM (Celery's warm shutdown: running tasks finish) and wait; `graceful=False`
-        SIGKILLs them, for a test that is over and whose Redis is flushed next."""
-        for p in self.procs:
-            if p.poll() is None:
-                if graceful:
-                    p.terminate()
-                else:
-                    p.kill()
-        for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.procs = []
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    """A client of the session Redis (flushed before and after the test)."""
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture
-def workers(redis_url: str, tmp_path: Path) -> Iterator[Workers]:
-    """Start with `workers.start(count=...)`; killed after the test.
+def private_redis() -> Iterator[EmbeddedRedis]:
+    """A Redis of this test alone, for a test that restarts it (or changes its settings)."""
+    server = EmbeddedRedis()
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def start_workers(redis_url: str, tmp_path: Path) -> Iterator[StartWorkers]:
+    """Starts worker processes on the session Redis and hands them out ready (`Workers.start`);
+    every one is killed after the test.
 
     Killed, not shut down warm: a warm shutdown waits for running tasks (a second or two per
     test even when idle), and after the test whatever they would still do is flushed anyway;
     a test that needs a clean stop calls `workers.stop()` itself."""
-    w = Workers(redis_url, tmp_path)
-    yield w
-    w.stop(graceful=False)
+    group = Workers(redis_url, tmp_path)
+    yield group.start
+    group.stop(graceful=False)
 
 
-def _free_port() -> int:
-    import socket
+@pytest.fixture
+def example_servers() -> Iterator[ExampleServers]:
+    """Starts example servers (`examples.servers.start_servers`); all stopped after the test."""
+    started = ExampleServers()
+    yield started
+    started.close()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+
+@pytest.fixture
+def make_run(
+    example_servers: ExampleServers, start_workers: StartWorkers, redis_url: str, tmp_path: Path
+) -> Iterator[MakeRun]:
+    """The run builder (`tests/runs.py`): example servers and started workers for a run of rows
+    in the test's folder; a `rollouts run` it left running is killed after the test."""
+    made = MakeRun(example_servers, start_workers, redis_url, tmp_path)
+    yield made
+    made.close()
 
 
 @pytest.fixture(scope="session")
@@ -193,7 +116,7 @@ def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     Its log goes to the session's temp folder, never into the checkout.
     """
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("moto") / "moto-server.log"
     log = open(log_path, "wb")  # noqa: SIM115 - handed to the child process
     proc = subprocess.Popen(
@@ -251,13 +174,17 @@ def run_dir_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return f"{bucket}/runs/run"
 
 
-def read_object_jsonl(run_dir: str, name: str) -> list[dict[str, Any]]:
-    """The rows of `name` read as one plain object/file, as any JSONL reader would read it."""
-    from infra.store import RunDir
-
-    rd = RunDir(run_dir)
-    data: bytes = rd.fs.cat_file(rd.path(name))
-    return [orjson.loads(line) for line in data.splitlines() if line.strip()]
+@pytest.fixture(params=["local", "memory"])
+def rd(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunDir]:
+    """A run directory made for the test: a local folder, then in fsspec's memory filesystem."""
+    if request.param == "local":
+        run = RunDir(str(tmp_path / "run"))
+    else:
+        run = RunDir(f"memory://run-{uuid.uuid4().hex}")
+    run.makedirs()
+    yield run
+    if not run.is_local:
+        run.fs.rm(run.root, recursive=True)
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import orjson
 
-from examples.servers import RunningServers, free_port, start_servers
-from producer.shard.runner import RunOptions, execute_run
-from tests.conftest import ROOT, Workers, demo_rows, read_jsonl, write_rows
+from examples.servers import free_port
+from tests.helpers import ROOT, demo_rows, read_jsonl
 from tests.ops_helpers import cli
+from tests.runs import MakeRun
 
 # Task index -> {call index: fault} (faults the example model server answers with).
 FAULTS: dict[int, dict[str, str]] = {
@@ -102,40 +102,34 @@ def poll_status(
         time.sleep(0.2)
 
 
-def run_evidence(redis_url: str, workers: Workers, tmp: Path) -> EvidenceRun:
+def run_evidence(make_run: MakeRun) -> EvidenceRun:
     """The run, with `rollouts status --json` polled while it runs."""
+    tmp, redis_url = make_run.folder, make_run.broker
     capture_dir = tmp / "model-calls"
     capture_dir.mkdir()
-    servers: RunningServers = start_servers(capture_dir=str(capture_dir))
+    run = make_run(capture_dir=str(capture_dir), workers=0)
+    servers = run.servers
     assert servers.model is not None
     servers.model.latency_ms = MODEL_LATENCY_MS
     proxy, proxy_url = start_proxy(servers.urls["model_server"], capture_dir, tmp / "proxy.log")
     for agent in servers.agents.values():
         agent.knobs.model_url = proxy_url  # through the real `rollouts capture-proxy`
-    out = tmp / "run"
+    out = run.out
     statuses: list[dict[str, Any]] = []
     done = threading.Event()
     poller = threading.Thread(target=poll_status, args=(out, redis_url, statuses, done))
     try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
+        run.workers.start()
         poller.start()
-        code = execute_run(
-            RunOptions(
-                config_path=servers.write_config(str(tmp / "servers.yaml")),
-                input_path=write_rows(tmp / "rows.jsonl", evidence_rows()),
-                output_dir=str(out),
-                broker_url=redis_url,
-                settings={
-                    "num_repeats": REPEATS,
-                    "observability_enabled": True,
-                    "model_call_capture_dir": str(capture_dir),
-                    "route_failures_to_sidecar": True,
-                    "rollout_timeout_s": TIME_LIMIT_S,
-                    "retry_requests": False,
-                },
-            )
-        )
+        settings = {
+            "num_repeats": REPEATS,
+            "observability_enabled": True,
+            "model_call_capture_dir": str(capture_dir),
+            "route_failures_to_sidecar": True,
+            "rollout_timeout_s": TIME_LIMIT_S,
+            "retry_requests": False,
+        }
+        code = run.execute(evidence_rows(), settings)
     finally:
         done.set()
         if poller.is_alive():

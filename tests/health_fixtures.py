@@ -7,16 +7,25 @@ from typing import Any
 
 import orjson
 
-TRAJECTORY_CHECKS = [
-    "rollout_missing_agent_turns",
-    "rollout_ended_on_failed_model_call",
-    "agent_turn_hollow",
+from infra.store import RunDir
+from workers.health import make_plan, run_local
+from workers.health.sources import source_for
+
+CALL_CHECKS = [
     "model_call_zero_completion_tokens",
     "model_call_missing_token_counts",
     "trajectory_capture_mismatch",
     "model_call_failed",
     "rollout_token_count_mismatch",
     "model_call_runaway_generation",
+]
+"""The trajectory checks that read the rollout's model calls (those it owns or binds to turns):
+unobserved where the calls' population is unknown."""
+TRAJECTORY_CHECKS = [
+    "rollout_missing_agent_turns",
+    "rollout_ended_on_failed_model_call",
+    "agent_turn_hollow",
+    *CALL_CHECKS,
 ]
 
 
@@ -182,6 +191,18 @@ def failure(task: int, rollout: int, cls: str, agent: str = "math_agent") -> dic
         "_ng_failure_class": cls,
         "_ng_failure_message": "boom",
     }
+
+
+def check_rollouts_file(folder: Path) -> None:
+    """The health check of `folder`'s `rollouts.jsonl` alone, run here (its scratch in `s`)."""
+    rd = RunDir(str(folder))
+    run_local(
+        make_plan(
+            rd.url,
+            [source_for(rd, "rollouts.jsonl", "rollouts.jsonl")],
+            scratch=str(folder / "s"),
+        )
+    )
 
 
 def read_verdicts(folder: Path) -> list[dict[str, Any]]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import yaml
+
+from tests.helpers import QuietHandler, serve_in_thread
 
 
 class StandInHeadServer:
@@ -22,24 +22,15 @@ class StandInHeadServer:
         self.requests: list[str] = []
         requests = self.requests
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 requests.append(self.path)
                 if self.path != "/global_config_dict_yaml":
                     self.send_error(404)
                     return
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.reply(200, body)
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._server, self._thread, self.url = serve_in_thread(Handler)
 
     def __enter__(self) -> StandInHeadServer:
         self._thread.start()

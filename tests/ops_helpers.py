@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -14,9 +15,14 @@ from typing import Any
 import orjson
 
 from schemas import fields as F
-from tests.conftest import ROOT, read_jsonl
+from tests.helpers import ROOT, read_jsonl
 
 Key = tuple[int, int]
+
+LEASE_TTL_S = 3.0
+ENV = {"ROLLOUTS_LEASE_TTL_S": str(LEASE_TTL_S)}
+"""Short leases for workers, so that a takeover takes seconds; every other setting is the
+default (the prefetch included: each worker takes a quarter of its slots ahead)."""
 
 
 def cli(
@@ -48,6 +54,21 @@ def cli_background(
         )  # fmt: skip
     finally:
         out.close()
+
+
+def run_split(config: str, rows: str, folder: Path, broker: str, *extra: str) -> list[Path]:
+    """`rollouts run` of `rows` as 2 shards (`--num-shards 2`), into `folder/split/0` and
+    `folder/split/1`, each run to the end; their run directories."""
+    outs = []
+    for index in (0, 1):
+        out = folder / "split" / str(index)
+        proc = cli(
+            "run", "--config", config, "--input", rows, "--output-dir", str(out),
+            "--num-shards", "2", "--shard-index", str(index), *extra, "--broker", broker,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        outs.append(out)
+    return outs
 
 
 def key(row: dict[str, Any]) -> Key:
@@ -86,6 +107,28 @@ def wait_for(
             return
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def landed_lines(out: Path) -> int:
+    """The lines of shard 0's results file so far."""
+    path = out / "rollouts-0.jsonl"
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def results_once(out: Path, planned: int) -> None:
+    """Each of the `planned` rollouts of shard 0 landed, and once."""
+    landed = Counter(key(r) for r in read_jsonl(out / "rollouts-0.jsonl"))
+    assert len(landed) == planned, f"{planned - len(landed)} rollouts did not land"
+    assert max(landed.values()) == 1, "a rollout landed twice"
+
+
+def snapshot(out: Path) -> dict[str, str]:
+    """Every file of the run directory and its hash: what a late worker must not change."""
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file()
+    }
 
 
 def manifest(out: Path, shard: str = "0") -> dict[str, Any]:

@@ -11,7 +11,6 @@ import gzip
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -26,6 +25,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from infra import telemetry
+from tests.helpers import QuietHandler, serve_in_thread
 
 
 def in_memory_sdk(monkeypatch: Any) -> InMemorySpanExporter:
@@ -132,7 +132,7 @@ class OtlpReceiver:
         received = self.received
         owner = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
                 if self.headers.get("content-encoding") == "gzip":
@@ -145,23 +145,12 @@ class OtlpReceiver:
                     received.add_metrics(ExportMetricsServiceRequest.FromString(body))
                     answer = ExportMetricsServiceResponse().SerializeToString
                 else:
-                    self.send_response(404)
-                    self.end_headers()
+                    self.reply(404)
                     return
                 owner.requests += 1
-                data = answer()
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self.reply(200, answer(), "application/x-protobuf")
 
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.server, self.thread, self.url = serve_in_thread(Handler)
         self.thread.start()
 
     def env(self) -> dict[str, str]:

@@ -5,20 +5,18 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import redis
-import yaml
 
 from examples.agent_server import AgentKnobs
-from examples.servers import start_servers
 from examples.tasks import make_row
 from infra import keys
 from infra.store import RunDir
-from tests.conftest import Workers, write_rows
-from tests.ops_helpers import cli, cli_background, manifest, rows_by_key, wait_for
+from tests.helpers import agent_stats
+from tests.ops_helpers import manifest, rows_by_key, wait_for
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
@@ -47,22 +45,19 @@ class InFlightSampler:
 
 
 def test_max_resident_tasks_caps_the_cluster_and_recovers_after_a_worker_dies(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, r: redis.Redis
 ) -> None:
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(latency_ms=300))
-    sampler = InFlightSampler(servers.urls["math_agent"])
-    r = redis.Redis.from_url(redis_url)
+    run = make_run(
+        {"math_agent": "math_env"}, AgentKnobs(latency_ms=300),
+        workers=3, concurrency=16, env={"ROLLOUTS_LEASE_TTL_S": "3"},
+    )  # fmt: skip
+    sampler = InFlightSampler(run.servers.urls["math_agent"])
+    out = run.out
     try:
-        workers.start(count=3, concurrency=16, env={"ROLLOUTS_LEASE_TTL_S": "3"})
-        workers.wait_ready()
         rows = [make_row("arithmetic", i, "math_agent") for i in range(160)]
-        out = tmp_path / "run"
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        run = cli_background(
-            "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
-            "--output-dir", str(out), "--broker", redis_url, "--max-resident-tasks", "5",
-            "+route_failures_to_sidecar=true", "+stall_timeout_s=8",
-            log=tmp_path / "run.log",
+        producer = run.start(
+            rows, "--max-resident-tasks", "5", "+route_failures_to_sidecar=true",
+            "+stall_timeout_s=8",
         )  # fmt: skip
         wait_for(
             lambda: (
@@ -76,7 +71,7 @@ def test_max_resident_tasks_caps_the_cluster_and_recovers_after_a_worker_dies(
         sid = keys.shard_id(RunDir(str(out)).url, "0")
         held: list[bytes] = r.zrange(keys.shard_leases(sid), 0, -1)  # type: ignore[assignment]
         holders = [m.decode().split("|")[0].split(":")[1] for m in held]
-        victim = next(p for p in workers.procs if str(p.pid) in holders)
+        victim = next(p for p in run.workers.procs if str(p.pid) in holders)
         victim.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         victim.wait(10)
@@ -89,17 +84,16 @@ def test_max_resident_tasks_caps_the_cluster_and_recovers_after_a_worker_dies(
             20,
             "dead leases to go",
         )
-        code = run.wait(240)
-        log = (tmp_path / "run.log").read_text()
+        code = producer.wait(240)
+        log = run.log()
         # The killed worker's rollouts (running or waiting for a slot) are taken over by the
         # live workers once their rollout leases expire: the run finishes by itself.
         assert code == 0, log
         assert "the run stalled" not in log
     finally:
         sampler.stop()
-        stats = httpx.get(servers.urls["math_agent"] + "/stats").json()
-        servers.stop()
-        r.close()
+        stats = agent_stats(run.servers, "math_agent")
+        run.servers.stop()
     assert stats["max_in_flight"] <= 5
     assert stats["max_in_flight"] == 5
     after = [n for t, n in sampler.samples if t > killed_at]
@@ -109,60 +103,37 @@ def test_max_resident_tasks_caps_the_cluster_and_recovers_after_a_worker_dies(
     assert manifest(out)["state"] == "completed"
 
 
-def test_agent_max_concurrency_caps_calls_to_that_agent(
-    redis_url: str, workers: Workers, tmp_path: Path
-) -> None:
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(latency_ms=200))
-    try:
-        workers.start(count=2, concurrency=8)
-        workers.wait_ready()
-        config = servers.config()
-        config["agents"]["math_agent"]["max_concurrency"] = 3
-        (tmp_path / "servers.yaml").write_text(yaml.safe_dump(config))
-        rows = [make_row("arithmetic", i, "math_agent") for i in range(40)]
-        proc = cli(
-            "run", "--config", str(tmp_path / "servers.yaml"),
-            "--input", write_rows(tmp_path / "rows.jsonl", rows),
-            "--output-dir", str(tmp_path / "run"), "--broker", redis_url,
-        )  # fmt: skip
-        stats = httpx.get(servers.urls["math_agent"] + "/stats").json()
-    finally:
-        servers.stop()
+def test_agent_max_concurrency_caps_calls_to_that_agent(make_run: MakeRun) -> None:
+    run = make_run({"math_agent": "math_env"}, AgentKnobs(latency_ms=200), workers=2)
+    config = run.servers.config()
+    config["agents"]["math_agent"]["max_concurrency"] = 3
+    run.write_config(config)
+    rows = [make_row("arithmetic", i, "math_agent") for i in range(40)]
+    proc = run.cli(rows)
+    stats = agent_stats(run.servers, "math_agent")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert stats["max_in_flight"] == 3
     assert stats["completed"] == 40
 
 
 def test_rollouts_waiting_in_line_stay_listed_as_waiting_past_a_lease_ttl(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, r: redis.Redis
 ) -> None:
     """Only the first of a worker's waiting rollouts polls (`WaitingLines`); the others still
     ask within a lease TTL, so `rollouts status` and the stall check keep seeing them wait."""
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(latency_ms=2500))
-    r = redis.Redis.from_url(redis_url)
-    try:
-        workers.start(count=1, concurrency=8, env={"ROLLOUTS_LEASE_TTL_S": "3"})
-        workers.wait_ready()
-        rows = [make_row("arithmetic", i, "math_agent") for i in range(6)]
-        out = tmp_path / "run"
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        run = cli_background(
-            "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
-            "--output-dir", str(out), "--broker", redis_url, "--max-resident-tasks", "1",
-            log=tmp_path / "run.log",
-        )  # fmt: skip
-        stats_url = servers.urls["math_agent"] + "/stats"
-        wait_for(lambda: httpx.get(stats_url).json()["requests"] >= 1, 60, "the first call")
-        sid = keys.shard_id(RunDir(str(out)).url, "0")
-        # Past a lease TTL from the first call, three or four of the six are still waiting.
-        time.sleep(4.0)
-        now = float(r.time()[0])
-        waiting = r.zcount(keys.shard_waiting(sid), now, "+inf")
-        started = httpx.get(stats_url).json()["requests"]
-        assert run.wait(120) == 0, (tmp_path / "run.log").read_text()
-    finally:
-        servers.stop()
-        r.close()
+    run = make_run(
+        {"math_agent": "math_env"}, AgentKnobs(latency_ms=2500), env={"ROLLOUTS_LEASE_TTL_S": "3"}
+    )
+    rows = [make_row("arithmetic", i, "math_agent") for i in range(6)]
+    producer = run.start(rows, "--max-resident-tasks", "1")
+    wait_for(lambda: agent_stats(run.servers, "math_agent")["requests"] >= 1, 60, "the first call")
+    sid = keys.shard_id(RunDir(str(run.out)).url, "0")
+    # Past a lease TTL from the first call, three or four of the six are still waiting.
+    time.sleep(4.0)
+    now = float(r.time()[0])
+    waiting = r.zcount(keys.shard_waiting(sid), now, "+inf")
+    started = agent_stats(run.servers, "math_agent")["requests"]
+    assert producer.wait(120) == 0, run.log()
     assert started <= 3
     assert waiting == 6 - started
-    assert len(rows_by_key(out / "rollouts-0.jsonl")) == 6
+    assert len(rows_by_key(run.out / "rollouts-0.jsonl")) == 6

@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from examples.servers import start_servers
 from examples.tasks import make_row
 from infra.capture import CaptureStore
 from producer import preprocess_examples, run_examples, run_outcomes
 from schemas import fields as F
 from schemas.errors import PlanningError
 from schemas.settings import CollectionSettings
-from tests.conftest import Workers, read_jsonl
+from tests.helpers import math_rows, read_jsonl
 from tests.nemo_gym_head import StandInHeadServer, as_nemo_gym
 from tests.ops_helpers import manifest
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
@@ -38,38 +38,34 @@ def collect(rows: list[dict[str, Any]], config: Any, broker: str, **options: Any
 
 @pytest.mark.timeout(180)
 def test_recorded_shards_sharing_a_capture_dir_and_the_capture_options(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
     calls = tmp_path / "model-calls"
-    servers = start_servers({"math_agent": "math_env"}, capture_dir=str(calls))
+    servers = make_run({"math_agent": "math_env"}, capture_dir=str(calls)).servers
     capture = {"observability_enabled": True, "model_call_capture_dir": str(calls)}
     store = CaptureStore(str(calls))
-    try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
-        config = servers.config()
-        raw = [make_row("arithmetic", i, "math_agent") for i in range(4)]
-        rows = preprocess_examples(raw, config)
-        # Two recorded shards of the same rows (two training steps), one capture directory.
-        shards = {}
-        for shard in ("step1", "step2"):
-            out = tmp_path / shard
-            got = collect(rows, config, redis_url, record_output_dir=str(out),
-                          record_shard=shard, settings=capture)  # fmt: skip
-            shards[shard] = (out, manifest(out, shard)["run_id"], got)
-        # Payloads off, on an unrecorded call.
-        bare = collect(rows, config, redis_url, settings=capture, include_model_call_payloads=False)
-        # Capture files deleted once merged.
-        deleted = collect(
-            rows, config, redis_url, record_output_dir=str(tmp_path / "deleted"),
-            record_shard="d", settings=capture, delete_model_call_capture=True,
-        )  # fmt: skip
-        with pytest.raises(PlanningError, match="needs include_model_call_payloads"):
-            run_examples(rows, config, broker_url=redis_url, settings=capture,
-                         delete_model_call_capture=True, include_model_call_payloads=False)  # fmt: skip
-        deleted_run = manifest(tmp_path / "deleted", "d")["run_id"]
-    finally:
-        servers.stop()
+    config = servers.config()
+    raw = math_rows(4)
+    rows = preprocess_examples(raw, config)
+    # Two recorded shards of the same rows (two training steps), one capture directory.
+    shards = {}
+    for shard in ("step1", "step2"):
+        out = tmp_path / shard
+        got = collect(rows, config, redis_url, record_output_dir=str(out),
+                      record_shard=shard, settings=capture)  # fmt: skip
+        shards[shard] = (out, manifest(out, shard)["run_id"], got)
+    # Payloads off, on an unrecorded call.
+    bare = collect(rows, config, redis_url, settings=capture, include_model_call_payloads=False)
+    # Capture files deleted once merged.
+    deleted = collect(
+        rows, config, redis_url, record_output_dir=str(tmp_path / "deleted"),
+        record_shard="d", settings=capture, delete_model_call_capture=True,
+    )  # fmt: skip
+    with pytest.raises(PlanningError, match="needs include_model_call_payloads"):
+        run_examples(rows, config, broker_url=redis_url, settings=capture,
+                     delete_model_call_capture=True, include_model_call_payloads=False)  # fmt: skip
+    deleted_run = manifest(tmp_path / "deleted", "d")["run_id"]
+    servers.stop()
 
     run_ids = {shard: run_id for shard, (_, run_id, _) in shards.items()}
     assert run_ids["step1"] != run_ids["step2"]
@@ -100,22 +96,18 @@ def test_recorded_shards_sharing_a_capture_dir_and_the_capture_options(
 
 @pytest.mark.timeout(120)
 def test_task_sources_preprocessed_without_a_config_resolve_against_the_head_server(
-    redis_url: str, workers: Workers
+    make_run: MakeRun, redis_url: str
 ) -> None:
-    servers = start_servers({"math_agent": "math_env"})
-    try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
-        raw = [
-            {**make_row("arithmetic", i), "task_source": "math_env"} for i in range(3)
-        ]  # no agent_ref: the environment's one agent runs them
-        rows = preprocess_examples(raw, settings=CollectionSettings(num_repeats=2))
-        assert all(F.AGENT_REF not in row for row in rows)
-        with StandInHeadServer(as_nemo_gym(servers.config(), "sk-secret")) as head:
-            got = collect(rows, head.url, redis_url)
-        stats = servers.agents["math_agent"].stats.requests
-    finally:
-        servers.stop()
+    servers = make_run({"math_agent": "math_env"}).servers
+    raw = [
+        {**make_row("arithmetic", i), "task_source": "math_env"} for i in range(3)
+    ]  # no agent_ref: the environment's one agent runs them
+    rows = preprocess_examples(raw, settings=CollectionSettings(num_repeats=2))
+    assert all(F.AGENT_REF not in row for row in rows)
+    with StandInHeadServer(as_nemo_gym(servers.config(), "sk-secret")) as head:
+        got = collect(rows, head.url, redis_url)
+    stats = servers.agents["math_agent"].stats.requests
+    servers.stop()
     assert len(got) == 6 and stats == 6
     assert sorted((r[F.TASK_INDEX], r[F.ROLLOUT_INDEX]) for r, _ in got) == [
         (t, k) for t in range(3) for k in range(2)

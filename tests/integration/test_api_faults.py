@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -15,16 +14,15 @@ import pytest
 import redis
 
 from examples.agent_server import AgentKnobs
-from examples.servers import start_servers
 from examples.tasks import make_row
 from infra import keys
 from producer import RolloutFailedError, preprocess_examples, run_examples
 from producer.api.replies import UNREADABLE
 from producer.api.transport import Invocation
 from schemas import fields as F
-from tests.api_helpers import ENV, Got, consume, the_call
-from tests.conftest import Workers
-from tests.ops_helpers import wait_for
+from tests.api_helpers import Got, consume, the_call
+from tests.ops_helpers import ENV, wait_for
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
@@ -36,39 +34,36 @@ def rows_of(config: dict[str, Any], n: int, latency_ms: list[float]) -> list[dic
     return rows
 
 
+def call_config(make_run: MakeRun) -> dict[str, Any]:
+    """The config of a call to the math agent alone, on one worker with short leases."""
+    return make_run({"math_agent": "math_env"}, AgentKnobs(), env=ENV).servers.config()
+
+
 @pytest.mark.timeout(120)
 def test_a_reply_of_the_wrong_shape_fails_its_row_alone(
-    redis_url: str, workers: Workers, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    make_run: MakeRun, redis_url: str, r: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs())
-    r = redis.Redis.from_url(redis_url)
-    try:
-        workers.start(count=1, concurrency=8, env=ENV)
-        workers.wait_ready()
-        config = servers.config()
-        rows = rows_of(config, 6, [2000] * 6)
-        got = Got()
+    config = call_config(make_run)
+    rows = rows_of(config, 6, [2000] * 6)
+    got = Got()
 
-        async def go() -> None:
-            completions = run_examples(rows, config, broker_url=redis_url)
-            try:
-                consumer = asyncio.ensure_future(consume(completions, got, rows))
-                await asyncio.to_thread(wait_for, lambda: bool(list(r.scan_iter(
-                    match=keys.api_call("*")))), 10, "the call")  # fmt: skip
-                replies = keys.api_replies(the_call(r))
-                # Before the real replies (the agent takes 2 s): one of another shape for row 2,
-                # one that names no row, and one that is not JSON.
-                r.rpush(replies, orjson.dumps({"index": 2, "outcome": {"ended": "exploded"}}))
-                r.rpush(replies, b'{"outcome": null}', b"\xff not json")
-                await consumer
-            finally:
-                await completions.aclose()
+    async def go() -> None:
+        completions = run_examples(rows, config, broker_url=redis_url)
+        try:
+            consumer = asyncio.ensure_future(consume(completions, got, rows))
+            await asyncio.to_thread(wait_for, lambda: bool(list(r.scan_iter(
+                match=keys.api_call("*")))), 10, "the call")  # fmt: skip
+            replies = keys.api_replies(the_call(r))
+            # Before the real replies (the agent takes 2 s): one of another shape for row 2,
+            # one that names no row, and one that is not JSON.
+            r.rpush(replies, orjson.dumps({"index": 2, "outcome": {"ended": "exploded"}}))
+            r.rpush(replies, b'{"outcome": null}', b"\xff not json")
+            await consumer
+        finally:
+            await completions.aclose()
 
-        with caplog.at_level(logging.ERROR, logger="producer.api.transport"):
-            asyncio.run(asyncio.wait_for(go(), 60))
-    finally:
-        servers.stop()
-        r.close()
+    with caplog.at_level(logging.ERROR, logger="producer.api.transport"):
+        asyncio.run(asyncio.wait_for(go(), 60))
     outcomes = dict(zip(got.keys, got.values, strict=True))
     assert len(got.values) == 6
     failed = outcomes.pop((2, 0))
@@ -84,9 +79,9 @@ def test_a_reply_of_the_wrong_shape_fails_its_row_alone(
 
 @pytest.mark.timeout(120)
 def test_a_listener_that_dies_resolves_every_waiting_row_at_once_with_the_cause(
-    redis_url: str, workers: Workers, monkeypatch: pytest.MonkeyPatch
+    make_run: MakeRun, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs())
+    config = call_config(make_run)
     pops = 0
     pop = Invocation._pop
 
@@ -98,25 +93,19 @@ def test_a_listener_that_dies_resolves_every_waiting_row_at_once_with_the_cause(
         return pop(self, key)
 
     monkeypatch.setattr(Invocation, "_pop", failing_pop)
-    try:
-        workers.start(count=1, concurrency=8, env=ENV)
-        workers.wait_ready()
-        config = servers.config()
-        rows = rows_of(config, 4, [8000] * 4)
-        got = Got()
+    rows = rows_of(config, 4, [8000] * 4)
+    got = Got()
 
-        async def go() -> float:
-            completions = run_examples(rows, config, broker_url=redis_url, close_timeout_s=5)
-            try:
-                started = time.monotonic()
-                await consume(completions, got, rows)
-                return time.monotonic() - started
-            finally:
-                await completions.aclose()
+    async def go() -> float:
+        completions = run_examples(rows, config, broker_url=redis_url, close_timeout_s=5)
+        try:
+            started = time.monotonic()
+            await consume(completions, got, rows)
+            return time.monotonic() - started
+        finally:
+            await completions.aclose()
 
-        took = asyncio.run(asyncio.wait_for(go(), 60))
-    finally:
-        servers.stop()
+    took = asyncio.run(asyncio.wait_for(go(), 60))
     assert took < 5, took  # at once, not after the rollouts' 8 s
     assert len(got.values) == 4
     for error in got.values:
@@ -126,28 +115,22 @@ def test_a_listener_that_dies_resolves_every_waiting_row_at_once_with_the_cause(
 
 @pytest.mark.timeout(120)
 def test_a_row_without_an_outcome_in_time_raises_timeout_error_and_the_others_go_on(
-    redis_url: str, workers: Workers
+    make_run: MakeRun, redis_url: str
 ) -> None:
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs())
-    try:
-        workers.start(count=1, concurrency=8, env=ENV)
-        workers.wait_ready()
-        config = servers.config()
-        rows = rows_of(config, 4, [0, 500, 8000, 0])
-        got = Got()
+    config = call_config(make_run)
+    rows = rows_of(config, 4, [0, 500, 8000, 0])
+    got = Got()
 
-        async def go() -> None:
-            completions = run_examples(
-                rows, config, broker_url=redis_url, result_timeout_s=3, close_timeout_s=5
-            )
-            try:
-                await consume(completions, got, rows)
-            finally:
-                await completions.aclose()
+    async def go() -> None:
+        completions = run_examples(
+            rows, config, broker_url=redis_url, result_timeout_s=3, close_timeout_s=5
+        )
+        try:
+            await consume(completions, got, rows)
+        finally:
+            await completions.aclose()
 
-        asyncio.run(asyncio.wait_for(go(), 60))
-    finally:
-        servers.stop()
+    asyncio.run(asyncio.wait_for(go(), 60))
     results = [v for v in got.values if isinstance(v, dict)]
     timeouts = [v for v in got.values if isinstance(v, TimeoutError)]
     assert len(results) == 3 and len(timeouts) == 1

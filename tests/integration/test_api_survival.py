@@ -11,7 +11,6 @@ once, a failed worker's rows within the lease TTL, a third of it and the rollout
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import re
 import signal
@@ -19,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +27,12 @@ import pytest
 import redis
 
 from examples.agent_server import AgentKnobs
-from examples.servers import RunningServers, start_servers
+from examples.servers import RunningServers
 from examples.tasks import make_row
 from infra import keys
 from infra.embedded import EmbeddedRedis
 from producer import preprocess_examples, run_examples
 from tests.api_helpers import (
-    ENV,
-    LEASE_TTL_S,
     SLACK_S,
     Got,
     consume,
@@ -43,13 +40,22 @@ from tests.api_helpers import (
     liveness_bound_s,
     row_key,
 )
-from tests.conftest import ROOT, Workers, read_jsonl
+from tests.cluster import ExampleServers, Workers
+from tests.helpers import ROOT, read_jsonl
 from tests.netns_hosts import SERVICE_ADDRESS, TestHosts
-from tests.ops_helpers import key, manifest, requests_per_key, wait_for
+from tests.ops_helpers import ENV, LEASE_TTL_S, key, manifest, requests_per_key, snapshot, wait_for
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
 ROLLOUT_S = 1.0
+
+
+def slow_agent(tmp_path: Path) -> tuple[dict[str, str], AgentKnobs]:
+    """The math agent alone, answering in 1 s and logging its requests to `requests.jsonl`."""
+    return {"math_agent": "math_env"}, AgentKnobs(
+        1000, request_log=str(tmp_path / "requests.jsonl")
+    )
 
 
 def planned(servers: RunningServers, n: int) -> list[dict[str, Any]]:
@@ -65,14 +71,6 @@ def results_once(out: Path, rows: list[dict[str, Any]]) -> None:
     landed = Counter(key(r) for r in read_jsonl(out / "rollouts-0.jsonl"))
     assert set(landed) == {key(r) for r in rows}, "a row did not land"
     assert max(landed.values()) == 1, "a row landed twice"
-
-
-def snapshot(out: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(out.rglob("*"))
-        if p.is_file()
-    }
 
 
 def run_call(
@@ -120,38 +118,32 @@ def within_bound(got: Got, since: float, held: set[tuple[int, int]], what: str) 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("recorded", [False, True], ids=["unrecorded", "recorded-window"])
 def test_a_sigkilled_worker_s_rows_resolve_once_within_the_lease_bound(
-    redis_url: str, workers: Workers, tmp_path: Path, recorded: bool
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path, recorded: bool
 ) -> None:
     """150 rows of 1 s on two workers of 32 slots (and 8 taken ahead each); one worker SIGKILLed
     after 60 `/run` calls. Recorded with `max_resident_tasks`; or neither, the rows given as a
     trainer has them (not planned: no identity, so no rollout id in any reply, the case whose
     replies once killed the caller's listener)."""
     log = tmp_path / "requests.jsonl"
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(1000, request_log=str(log)))
-    r = redis.Redis.from_url(redis_url)
-    out = tmp_path / "run"
-    try:
-        workers.start(count=2, concurrency=32, env=ENV)
-        workers.wait_ready()
-        victim = workers.procs[0]
-        if recorded:
-            rows = planned(servers, 150)
-        else:
-            rows = [{**make_row("arithmetic", i, "math_agent"), "n": i} for i in range(150)]
+    run = make_run(*slow_agent(tmp_path), workers=2, concurrency=32, env=ENV)
+    servers, out = run.servers, run.out
+    victim = run.workers.procs[0]
+    if recorded:
+        rows = planned(servers, 150)
+    else:
+        rows = [{**make_row("arithmetic", i, "math_agent"), "n": i} for i in range(150)]
 
-        def kill() -> dict[str, Any]:
-            wait_for(lambda: calls_started(log) >= 60, 60, "60 calls")
-            held = held_by(r, victim.pid)
-            victim.send_signal(signal.SIGKILL)
-            return {"at": time.monotonic(), "held": held}
+    def kill() -> dict[str, Any]:
+        wait_for(lambda: calls_started(log) >= 60, 60, "60 calls")
+        held = held_by(r, victim.pid)
+        victim.send_signal(signal.SIGKILL)
+        return {"at": time.monotonic(), "held": held}
 
-        options: dict[str, Any] = (
-            {"record_output_dir": str(out), "max_resident_tasks": 64} if recorded else {}
-        )
-        got, killed = run_call(rows, servers.config(), redis_url, kill, **options)
-    finally:
-        servers.stop()
-        r.close()
+    options: dict[str, Any] = (
+        {"record_output_dir": str(out), "max_resident_tasks": 64} if recorded else {}
+    )
+    got, killed = run_call(rows, servers.config(), redis_url, kill, **options)
+    servers.stop()
     once_each(got, rows)
     assert killed["held"], "the killed worker held no row: the test proves nothing"
     within_bound(got, killed["at"], killed["held"], "SIGKILL")
@@ -162,24 +154,19 @@ def test_a_sigkilled_worker_s_rows_resolve_once_within_the_lease_bound(
 
 @pytest.mark.timeout(240)
 def test_a_sigstopped_worker_s_rows_resolve_once_and_its_late_work_changes_nothing(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     """A worker SIGSTOPped mid-call on a recorded shard, then SIGCONTed after the call ended:
     every row resolved once within the bound; the woken worker's attempts were taken over, so
     it replies nothing (the call's reply list is never written again) and lands nothing."""
     log = tmp_path / "requests.jsonl"
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(1000, request_log=str(log)))
-    r = redis.Redis.from_url(redis_url)
-    out = tmp_path / "run"
-    frozen = None
+    run = make_run(*slow_agent(tmp_path), workers=2, concurrency=16, env=ENV)
+    servers, workers, out = run.servers, run.workers, run.out
+    frozen = workers.procs[0]
     try:
-        workers.start(count=2, concurrency=16, env=ENV)
-        workers.wait_ready()
-        frozen = workers.procs[0]
         rows = planned(servers, 80)
 
         def freeze() -> dict[str, Any]:
-            assert frozen is not None
             wait_for(lambda: calls_started(log) >= 24, 60, "24 calls")
             held = held_by(r, frozen.pid)
             frozen.send_signal(signal.SIGSTOP)
@@ -197,10 +184,8 @@ def test_a_sigstopped_worker_s_rows_resolve_once_and_its_late_work_changes_nothi
         assert frozen.poll() is None
         late = r.exists(keys.api_replies(invocation), keys.api_active(invocation))
     finally:
-        if frozen is not None:
-            frozen.send_signal(signal.SIGCONT)
+        frozen.send_signal(signal.SIGCONT)
         servers.stop()
-        r.close()
     once_each(got, rows)
     assert stopped["held"], "the frozen worker held no row: the test proves nothing"
     within_bound(got, stopped["at"], stopped["held"], "SIGSTOP")
@@ -210,19 +195,10 @@ def test_a_sigstopped_worker_s_rows_resolve_once_and_its_late_work_changes_nothi
     assert "went silent; published it again" in workers.logs[1].read_text()
 
 
-@pytest.fixture
-def private_redis() -> Iterator[EmbeddedRedis]:
-    """A Redis of this test alone: it is restarted empty mid-call."""
-    server = EmbeddedRedis()
-    server.start()
-    yield server
-    server.close()
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("recorded", [False, True], ids=["unrecorded", "recorded"])
 def test_a_redis_restarted_without_its_data_mid_call_leaves_no_row_hanging(
-    private_redis: EmbeddedRedis, tmp_path: Path, recorded: bool
+    private_redis: EmbeddedRedis, example_servers: ExampleServers, tmp_path: Path, recorded: bool
 ) -> None:
     """80 rows of 1 s on two workers of 16; Redis (broker and state) killed and started empty
     once 20 rows resolved: queued rows, leases, replies and the call's state are gone. The
@@ -231,12 +207,11 @@ def test_a_redis_restarted_without_its_data_mid_call_leaves_no_row_hanging(
     that had landed before the restart is not run again (read back from the shard)."""
     url = private_redis.url
     log = tmp_path / "requests.jsonl"
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(1000, request_log=str(log)))
+    servers = example_servers(*slow_agent(tmp_path))
     workers = Workers(url, tmp_path)
     out = tmp_path / "run"
     try:
         workers.start(count=2, concurrency=16, env=ENV)
-        workers.wait_ready()
         rows = planned(servers, 80)
         landed_first: set[tuple[int, int]] = set()
 
@@ -266,7 +241,7 @@ def test_a_redis_restarted_without_its_data_mid_call_leaves_no_row_hanging(
 
 @pytest.mark.timeout(240)
 def test_a_caller_sigkilled_mid_call_is_taken_over_by_reattach_from_another_process(
-    redis_url: str, workers: Workers, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    make_run: MakeRun, redis_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A recorded call of 60 rows of 1 s under `max_resident_tasks=16`, in a process of its own
     that takes 10 outcomes, stops taking (its listener goes on popping replies) and is
@@ -276,8 +251,8 @@ def test_a_caller_sigkilled_mid_call_is_taken_over_by_reattach_from_another_proc
     from producer import reattach
 
     log = tmp_path / "requests.jsonl"
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(1000, request_log=str(log)))
-    out = tmp_path / "run"
+    run = make_run(*slow_agent(tmp_path), workers=2, env=ENV)
+    servers, out = run.servers, run.out
     config = servers.config()
     rows = planned(servers, 60)
     spec = tmp_path / "caller.json"
@@ -288,8 +263,6 @@ def test_a_caller_sigkilled_mid_call_is_taken_over_by_reattach_from_another_proc
     printed = tmp_path / "caller.out"
     caller = None
     try:
-        workers.start(count=2, concurrency=8, env=ENV)
-        workers.wait_ready()
         with open(printed, "wb") as sink:
             caller = subprocess.Popen([sys.executable, "-m", "tests.api_caller", str(spec)],
                                       stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
@@ -330,7 +303,7 @@ def test_a_caller_sigkilled_mid_call_is_taken_over_by_reattach_from_another_proc
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 def test_a_worker_cut_off_from_redis_mid_call_has_its_rows_resolved_once_within_the_bound(
-    hosts: TestHosts, tmp_path: Path
+    hosts: TestHosts, example_servers: ExampleServers, tmp_path: Path
 ) -> None:
     """Two worker hosts in network namespaces, Redis and the agent on the service address, the
     caller in the root namespace; host 1's link is cut after 24 `/run` calls of a recorded call
@@ -338,15 +311,13 @@ def test_a_worker_cut_off_from_redis_mid_call_has_its_rows_resolved_once_within_
     server = EmbeddedRedis(host=SERVICE_ADDRESS)  # a password: it listens beyond loopback
     server.start()
     log = tmp_path / "requests.jsonl"
-    servers = start_servers(
-        {"math_agent": "math_env"}, AgentKnobs(1000, request_log=str(log)), host=SERVICE_ADDRESS
-    )
+    servers = example_servers(*slow_agent(tmp_path), host=SERVICE_ADDRESS)
     workers = Workers(server.url, tmp_path)
     r = redis.Redis.from_url(server.url)
     out = tmp_path / "run"
     try:
         for i in (1, 2):
-            workers.start(count=1, concurrency=16, env=ENV, prefix=hosts.prefix(i))
+            workers.start(concurrency=16, env=ENV, prefix=hosts.prefix(i), wait=False)
         workers.wait_ready()
         cut_off = workers.procs[0]
         rows = planned(servers, 80)

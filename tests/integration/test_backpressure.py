@@ -12,14 +12,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from examples.agent_server import AgentKnobs
-from examples.servers import start_servers
-from examples.tasks import make_row
 from infra.backoff import MIN_WAIT_S
-from tests.conftest import Workers, write_rows
+from tests.helpers import agent_stats, math_rows, write_rows
 from tests.ops_helpers import (
     cli,
     cli_background,
@@ -29,6 +26,7 @@ from tests.ops_helpers import (
     rows_by_key,
     wait_for,
 )
+from tests.runs import MakeRun
 from workers.rollout.admission import DEFAULT_WINDOW_CAP
 
 pytestmark = pytest.mark.integration
@@ -67,31 +65,22 @@ def too_soon(log: list[dict[str, Any]]) -> list[tuple[Any, float]]:
     [(300, 64), pytest.param(2000, 256, marks=pytest.mark.bench)],
 )
 def test_a_rate_limited_agent_is_waited_out_by_the_fleet(
-    redis_url: str, workers: Workers, tmp_path: Path, rollouts: int, concurrency: int
+    make_run: MakeRun, redis_url: str, tmp_path: Path, rollouts: int, concurrency: int
 ) -> None:
     log = tmp_path / "requests.jsonl"
     knobs = AgentKnobs(
         latency_ms=200, rate_limit_above=K, retry_after_s=RETRY_AFTER_S, request_log=str(log)
     )
-    servers = start_servers({"math_agent": "math_env"}, knobs)
-    try:
-        workers.start(count=2, concurrency=concurrency)
-        workers.wait_ready()
-        rows = [make_row("arithmetic", i, "math_agent") for i in range(rollouts)]
-        out = tmp_path / "run"
-        run = cli_background(
-            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
-            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(out),
-            "--broker", redis_url, log=tmp_path / "run.log",
-        )  # fmt: skip
-        wait_for(lambda: landed(out) >= rollouts // 4, 120, "a quarter of the results")
-        during = cli("status", str(out), "--json", "--broker", redis_url)
-        code = run.wait(600)
-        stats = httpx.get(servers.urls["math_agent"] + "/stats").json()
-        after = cli("status", str(out), "--json", "--broker", redis_url)
-    finally:
-        servers.stop()
-    assert code == 0, (tmp_path / "run.log").read_text()
+    run = make_run({"math_agent": "math_env"}, knobs, workers=2, concurrency=concurrency)
+    out = run.out
+    producer = run.start(math_rows(rollouts))
+    wait_for(lambda: landed(out) >= rollouts // 4, 120, "a quarter of the results")
+    during = cli("status", str(out), "--json", "--broker", redis_url)
+    code = producer.wait(600)
+    stats = agent_stats(run.servers, "math_agent")
+    after = cli("status", str(out), "--json", "--broker", redis_url)
+    run.servers.stop()
+    assert code == 0, run.log()
     assert len(rows_by_key(out / "rollouts-0.jsonl")) == rollouts
     assert rows_by_key(out / "rollouts-0_failures.jsonl") == {}
     assert manifest(out)["state"] == "completed"
@@ -129,25 +118,17 @@ def test_a_rate_limited_agent_is_waited_out_by_the_fleet(
 
 
 def test_an_agent_that_rate_limits_forever_fails_each_rollout_within_the_bound(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, tmp_path: Path
 ) -> None:
     log = tmp_path / "requests.jsonl"
     knobs = AgentKnobs(rate_limit_above=0, retry_after_s=RETRY_AFTER_S, request_log=str(log))
-    servers = start_servers({"math_agent": "math_env"}, knobs)
+    run = make_run({"math_agent": "math_env"}, knobs, concurrency=16)
     budget_s = 3.0
-    try:
-        workers.start(count=1, concurrency=16)
-        workers.wait_ready()
-        rows = [make_row("arithmetic", i, "math_agent") for i in range(20)]
-        out = tmp_path / "run"
-        proc = cli(
-            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
-            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(out),
-            "--broker", redis_url, "+route_failures_to_sidecar=true",
-            f"+rate_limit_budget_s={budget_s:g}",
-        )  # fmt: skip
-    finally:
-        servers.stop()
+    out = run.out
+    proc = run.cli(
+        math_rows(20), "+route_failures_to_sidecar=true", f"+rate_limit_budget_s={budget_s:g}"
+    )
+    run.servers.stop()
     assert manifest(out)["state"] in ("completed", "failed"), proc.stdout + proc.stderr
     assert rows_by_key(out / "rollouts-0.jsonl") == {}
     failures = rows_by_key(out / "rollouts-0_failures.jsonl")
@@ -176,29 +157,23 @@ def most_concurrent(log: list[dict[str, Any]], after: float) -> int:
 
 
 def test_three_runs_at_once_share_the_agents_window(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
     log = tmp_path / "requests.jsonl"
     knobs = AgentKnobs(
         latency_ms=200, rate_limit_above=K, retry_after_s=RETRY_AFTER_S, request_log=str(log)
     )
-    servers = start_servers({"math_agent": "math_env"}, knobs)
-    try:
-        workers.start(count=2, concurrency=64)
-        workers.wait_ready()
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        runs = []
-        for i in range(3):
-            rows = [make_row("arithmetic", j, "math_agent") for j in range(PER_RUN)]
-            run = cli_background(
-                "run", "--config", config, "--output-dir", str(tmp_path / f"run{i}"),
-                "--input", write_rows(tmp_path / f"rows{i}.jsonl", rows),
-                "--broker", redis_url, log=tmp_path / f"run{i}.log",
-            )  # fmt: skip
-            runs.append(run)
-        codes = [run.wait(600) for run in runs]
-    finally:
-        servers.stop()
+    run = make_run({"math_agent": "math_env"}, knobs, workers=2, concurrency=64)
+    producers = []
+    for i in range(3):
+        producer = cli_background(
+            "run", "--config", run.config, "--output-dir", str(tmp_path / f"run{i}"),
+            "--input", write_rows(tmp_path / f"rows{i}.jsonl", math_rows(PER_RUN)),
+            "--broker", redis_url, log=tmp_path / f"run{i}.log",
+        )  # fmt: skip
+        producers.append(producer)
+    codes = [producer.wait(600) for producer in producers]
+    run.servers.stop()
     assert codes == [0, 0, 0], [(tmp_path / f"run{i}.log").read_text() for i in range(3)]
     for i in range(3):
         assert len(rows_by_key(tmp_path / f"run{i}" / "rollouts-0.jsonl")) == PER_RUN
@@ -208,24 +183,14 @@ def test_three_runs_at_once_share_the_agents_window(
     assert too_soon(events) == []
 
 
-def test_rollouts_sleeping_out_a_long_retry_after_are_not_a_stall(
-    redis_url: str, workers: Workers, tmp_path: Path
-) -> None:
+def test_rollouts_sleeping_out_a_long_retry_after_are_not_a_stall(make_run: MakeRun) -> None:
     knobs = AgentKnobs(rate_limit_above=0, retry_after_s=3.0)
-    servers = start_servers({"math_agent": "math_env"}, knobs)
-    try:
-        workers.start(count=1, concurrency=4)
-        workers.wait_ready()
-        rows = [make_row("arithmetic", i, "math_agent") for i in range(4)]
-        out = tmp_path / "run"
-        proc = cli(
-            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
-            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(out),
-            "--broker", redis_url, "+route_failures_to_sidecar=true",
-            "+rate_limit_budget_s=7", "+stall_timeout_s=2",
-        )  # fmt: skip
-    finally:
-        servers.stop()
+    run = make_run({"math_agent": "math_env"}, knobs, concurrency=4)
+    out = run.out
+    proc = run.cli(
+        math_rows(4), "+route_failures_to_sidecar=true", "+rate_limit_budget_s=7",
+        "+stall_timeout_s=2",
+    )  # fmt: skip
     assert "stalled" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     failures = rows_by_key(out / "rollouts-0_failures.jsonl")
     assert sorted(failures) == [(i, 0) for i in range(4)]

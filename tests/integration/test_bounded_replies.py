@@ -8,14 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from examples.agent_server import AgentKnobs
-from examples.servers import start_servers
-from producer.shard.runner import RunOptions, execute_run
-from tests.conftest import Workers, demo_rows, write_rows
+from tests.helpers import agent_stats, demo_rows
 from tests.ops_helpers import manifest, requests_per_key, rows_by_key
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
@@ -41,39 +39,26 @@ def peak_rss_kb(pid: int) -> int:
 
 
 def test_hostile_replies_fail_alone_and_the_worker_stays_small(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, tmp_path: Path
 ) -> None:
     log = tmp_path / "agent-requests.jsonl"
-    servers = start_servers(knobs=AgentKnobs(request_log=str(log), huge_reply_mb=HUGE_MB))
-    try:
-        workers.start(count=1, concurrency=16)
-        workers.wait_ready()
-        rows = demo_rows(ROWS)
-        for index, kind in FAULTS.items():
-            rows[index]["fault"] = {"kind": kind, "times": 9}
-        out = tmp_path / "run"
-        code = execute_run(
-            RunOptions(
-                config_path=servers.write_config(str(tmp_path / "servers.yaml")),
-                input_path=write_rows(tmp_path / "rows.jsonl", rows),
-                output_dir=str(out),
-                broker_url=redis_url,
-                settings={
-                    "route_failures_to_sidecar": True,
-                    "read_idle_timeout_s": 3.0,
-                    "max_attempts": 2,
-                    "retry_backoff_s": 0.05,
-                },
-            )
-        )
-        peak_kb = peak_rss_kb(workers.procs[0].pid)
-        redirected = {
-            name: httpx.get(url + "/stats").json()["redirected"]
-            for name, url in servers.urls.items()
-            if name in servers.agents
-        }
-    finally:
-        servers.stop()
+    run = make_run(knobs=AgentKnobs(request_log=str(log), huge_reply_mb=HUGE_MB), concurrency=16)
+    rows = demo_rows(ROWS)
+    for index, kind in FAULTS.items():
+        rows[index]["fault"] = {"kind": kind, "times": 9}
+    out = run.out
+    settings = {
+        "route_failures_to_sidecar": True,
+        "read_idle_timeout_s": 3.0,
+        "max_attempts": 2,
+        "retry_backoff_s": 0.05,
+    }
+    code = run.execute(rows, settings)
+    peak_kb = peak_rss_kb(run.workers.procs[0].pid)
+    redirected = {
+        agent: agent_stats(run.servers, agent)["redirected"] for agent in run.servers.agents
+    }
+    run.servers.stop()
 
     assert code == 0
     assert manifest(out)["state"] == "completed"

@@ -28,6 +28,7 @@ from examples.model_server import ModelServer
 from examples.servers import free_port
 from infra.capture import CaptureStore
 from infra.capture_proxy import CaptureProxy
+from tests.helpers import serve_app
 from tests.ops_helpers import cli, cli_background
 from workers.capture.records import parse_capture
 
@@ -38,20 +39,12 @@ LINE_KEYS = [
 ]  # fmt: skip
 
 
-async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port, backlog=4096).start()
-    return runner, f"http://127.0.0.1:{port}"
-
-
 @asynccontextmanager
 async def servers(capture_dir: str) -> AsyncIterator[tuple[str, str, CaptureProxy, ModelServer]]:
     model = ModelServer()
-    model_runner, model_url = await _start(model.app())
+    model_runner, model_url = await serve_app(model.app())
     proxy = CaptureProxy(model_url, capture_dir)
-    proxy_runner, proxy_url = await _start(proxy.app())
+    proxy_runner, proxy_url = await serve_app(proxy.app())
     try:
         yield model_url, proxy_url, proxy, model
     finally:
@@ -211,9 +204,9 @@ def test_an_upstream_error_and_an_unreachable_upstream_are_captured(tmp_path: Pa
     async def scenario() -> None:
         app = web.Application()
         app.router.add_post("/v1/responses", failing)
-        runner, url = await _start(app)
+        runner, url = await serve_app(app)
         proxy = CaptureProxy(url, capture_dir)
-        proxy_runner, proxy_url = await _start(proxy.app())
+        proxy_runner, proxy_url = await serve_app(proxy.app())
         try:
             async with aiohttp.ClientSession() as session:
                 status, data, _ = await post(

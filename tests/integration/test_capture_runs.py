@@ -4,66 +4,40 @@ for both the run directory and the capture dir (issue 18, acceptance 1 and 4).""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
 import pytest
 
-from examples.servers import RunningServers, start_servers
 from infra.capture import CaptureStore
 from infra.store import RunDir
 from producer.shard.resume import ResumeOptions, execute_resume
-from producer.shard.runner import RunOptions, execute_run
 from schemas.trajectory import TrajectoryRecord
-from tests.conftest import Workers, demo_rows, read_object_jsonl, write_rows
 from tests.health_fixtures import TRAJECTORY_CHECKS
+from tests.helpers import demo_rows, read_object_jsonl
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def capture_dir(run_dir_url: str) -> str:
-    return f"{run_dir_url}/model-calls"
-
-
-@pytest.fixture
-def capture_servers(capture_dir: str) -> Iterator[RunningServers]:
-    running = start_servers(capture_dir=capture_dir)
-    yield running
-    running.stop()
-
-
 def test_every_rollout_lands_with_its_trajectory_and_is_observed(
-    redis_url: str,
-    workers: Workers,
-    capture_servers: RunningServers,
-    capture_dir: str,
-    run_dir_url: str,
-    tmp_path: Path,
+    make_run: MakeRun, run_dir_url: str
 ) -> None:
-    workers.start(count=2, concurrency=16)
-    workers.wait_ready()
+    capture_dir = f"{run_dir_url}/model-calls"
+    run = make_run(capture_dir=capture_dir, workers=2, concurrency=16)
+    workers = run.workers
     rows = demo_rows(20)
     rows[1]["fault"] = {"kind": "http502", "times": 1}  # its first attempt fails: key 1-r-a1
     store = CaptureStore(capture_dir)
     stale = b'{"model_call_id": "stale", "dialect": "responses"}\n'
     store.append("0-0", stale)  # an earlier delivery's call, cleared before dispatch
-    config = capture_servers.write_config(str(tmp_path / "servers.yaml"))
+    settings = {
+        "num_repeats": 2,
+        "observability_enabled": True,
+        "model_call_capture_dir": capture_dir,
+    }
 
-    code = execute_run(
-        RunOptions(
-            config_path=config,
-            input_path=write_rows(tmp_path / "rows.jsonl", rows),
-            output_dir=run_dir_url,
-            settings={
-                "num_repeats": 2,
-                "observability_enabled": True,
-                "model_call_capture_dir": capture_dir,
-            },
-            broker_url=redis_url,
-        )
-    )
+    code = run.execute(rows, settings, output_dir=run_dir_url)
 
     assert code == 0, workers.output()[-3000:]
     results = read_object_jsonl(run_dir_url, "rollouts-0.jsonl")
@@ -101,35 +75,22 @@ def test_every_rollout_lands_with_its_trajectory_and_is_observed(
 
 
 def test_a_resumed_rollout_reads_its_own_attempts_capture(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
     run_dir, capture_dir = str(tmp_path / "run"), str(tmp_path / "calls")
-    servers = start_servers(capture_dir=capture_dir)
-    try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
-        rows = demo_rows(4)
-        rows[2]["fault"] = {"kind": "http500", "times": 1}  # not replayed: a failure row
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        settings = {
-            "observability_enabled": True,
-            "model_call_capture_dir": capture_dir,
-            "route_failures_to_sidecar": True,
-        }
-        code = execute_run(
-            RunOptions(
-                config_path=config,
-                input_path=write_rows(tmp_path / "rows.jsonl", rows),
-                output_dir=run_dir,
-                settings=settings,
-                broker_url=redis_url,
-            )
-        )
-        assert code == 0
-        assert len(read_object_jsonl(run_dir, "rollouts-0.jsonl")) == 3
-        assert execute_resume(ResumeOptions(output_dir=run_dir, broker_url=redis_url)) == 0
-    finally:
-        servers.stop()
+    run = make_run(capture_dir=capture_dir)
+    rows = demo_rows(4)
+    rows[2]["fault"] = {"kind": "http500", "times": 1}  # not replayed: a failure row
+    settings = {
+        "observability_enabled": True,
+        "model_call_capture_dir": capture_dir,
+        "route_failures_to_sidecar": True,
+    }
+    code = run.execute(rows, settings)
+    assert code == 0
+    assert len(read_object_jsonl(run_dir, "rollouts-0.jsonl")) == 3
+    assert execute_resume(ResumeOptions(output_dir=run_dir, broker_url=redis_url)) == 0
+    run.servers.stop()
     resumed = [
         r for r in read_object_jsonl(run_dir, "rollouts-0.jsonl") if r["_ng_task_index"] == 2
     ]

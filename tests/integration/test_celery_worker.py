@@ -17,43 +17,35 @@ from producer.config.loading import load_servers_config
 from producer.shard.celery_client import client_app
 from producer.shard.dispatch import call_policy
 from producer.shard.opening import iter_materialized, open_run, reset_shard_state
-from producer.shard.runner import RunOptions, execute_run
 from schemas.messages import COLLECT_TASK, QUEUE
 from schemas.settings import CollectionSettings
-from tests.conftest import Workers, agent_stats, demo_rows, read_jsonl, write_rows
+from tests.cluster import StartWorkers
+from tests.helpers import agent_stats, demo_rows, read_jsonl, write_rows
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
 CELERY = str(Path(sys.executable).parent / "celery")
+PLAIN = [CELERY, "-A", "workers.app", "worker", "-l", "INFO"]
+"""The worker command as the ecosystem writes it: no option of ours."""
 
 
-def test_plain_celery_worker_command_runs_a_run(
-    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
-) -> None:
-    workers.start(count=1, command=[CELERY, "-A", "workers.app", "worker", "-l", "INFO"])
-    workers.wait_ready()
-    data = write_rows(tmp_path / "rows.jsonl", demo_rows(10))
+def test_plain_celery_worker_command_runs_a_run(make_run: MakeRun) -> None:
+    run = make_run(workers=0)
+    workers = run.workers.start(command=PLAIN)
 
-    code = execute_run(
-        RunOptions(
-            config_file,
-            data,
-            str(tmp_path / "run"),
-            settings={"num_repeats": 2},
-            broker_url=redis_url,
-        )
-    )
+    code = run.execute(demo_rows(10), {"num_repeats": 2})
 
     assert code == 0
-    assert len(read_jsonl(tmp_path / "run" / "rollouts-0.jsonl")) == 20
+    assert len(read_jsonl(run.out / "rollouts-0.jsonl")) == 20
     assert "[tasks]" in workers.output() and "rollouts.collect" in workers.output()
 
 
 def test_pickle_payload_is_refused(
-    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
-) -> None:
-    workers.start(count=1, command=[CELERY, "-A", "workers.app", "worker", "-l", "INFO"])
-    workers.wait_ready()
+    redis_url: str, start_workers: StartWorkers, servers: RunningServers, config_file: str,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    workers = start_workers(command=PLAIN)
     config = load_servers_config(config_file)
     settings = CollectionSettings()
     data = write_rows(tmp_path / "rows.jsonl", demo_rows(2))
@@ -98,7 +90,9 @@ def test_pickle_payload_is_refused(
     )
 
 
-def test_worker_tunes_its_garbage_collector_and_prefetch(redis_url: str, workers: Workers) -> None:
+def test_worker_tunes_its_garbage_collector_and_prefetch(
+    redis_url: str, start_workers: StartWorkers
+) -> None:
     """A ready worker has frozen its start-up objects and set the collector's thresholds
     (`workers/gc_tuning.py`); `ROLLOUTS_GC_THRESHOLDS` sets others. It takes a quarter more
     deliveries than its slots (`workers/pool.py`); `ROLLOUTS_PREFETCH_AHEAD` sets how many. Seen
@@ -106,11 +100,11 @@ def test_worker_tunes_its_garbage_collector_and_prefetch(redis_url: str, workers
     from workers.gc_tuning import GC_THRESHOLDS
 
     worker = [CELERY, "-A", "workers.app", "worker", "-c", "4", "-l", "INFO"]
-    workers.start(count=1, command=[*worker, "-n", "tuned@%h"])
+    workers = start_workers(command=[*worker, "-n", "tuned@%h"], wait=False)
     workers.start(
-        count=1,
         command=[*worker, "-n", "plain@%h"],
         env={"ROLLOUTS_GC_THRESHOLDS": "700,10,10", "ROLLOUTS_PREFETCH_AHEAD": "0"},
+        wait=False,
     )
     workers.wait_ready()
     app = client_app(redis_url, redis_url)

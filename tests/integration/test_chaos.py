@@ -18,7 +18,6 @@ import signal
 import socket
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -26,13 +25,14 @@ import pytest
 import redis
 
 from examples.agent_server import AgentKnobs
-from examples.servers import start_servers
 from infra import keys
 from infra.embedded import EmbeddedRedis
 from infra.store import RunDir
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
-from tests.ops_helpers import cli, cli_background, key, manifest, requests_per_key, wait_for
+from tests.cluster import ExampleServers, Workers
+from tests.helpers import demo_rows, read_jsonl
+from tests.ops_helpers import cli, key, landed_lines, manifest, requests_per_key, wait_for
+from tests.runs import Run
 from workers.shard.leases import lease_rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -40,22 +40,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 MAX_ATTEMPTS = 3
 
 
-@pytest.fixture
-def private_redis() -> Iterator[EmbeddedRedis]:
-    """A Redis of this test alone: it is restarted empty mid-run."""
-    server = EmbeddedRedis()
-    server.start()
-    yield server
-    server.close()
-
-
-def lines(path: Path) -> int:
-    return path.read_bytes().count(b"\n") if path.exists() else 0
-
-
 @pytest.mark.timeout(600)
 def test_chaos_run_then_resume_settles_every_rollout(
-    private_redis: EmbeddedRedis, tmp_path: Path
+    private_redis: EmbeddedRedis, example_servers: ExampleServers, tmp_path: Path
 ) -> None:
     url = private_redis.url
     log = tmp_path / "agent-requests.jsonl"
@@ -66,33 +53,30 @@ def test_chaos_run_then_resume_settles_every_rollout(
         seed=7,
         request_log=str(log),
     )
-    servers = start_servers(knobs=knobs)
+    servers = example_servers(knobs=knobs)
     workers = Workers(url, tmp_path)
+    run = Run(servers, url, tmp_path, workers)
     env = {"ROLLOUTS_LEASE_TTL_S": "5"}
-    out = tmp_path / "run"
+    out = run.out
     results_file = out / "rollouts-0.jsonl"
     events: list[str] = []
     try:
         workers.start(count=2, concurrency=32, env=env)
-        workers.wait_ready()
-        run = cli_background(
-            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
-            "--input", write_rows(tmp_path / "rows.jsonl", demo_rows(1000)),
-            "--output-dir", str(out), "--broker", url, "--num-repeats", "2",
-            "+route_failures_to_sidecar=true", "+stall_timeout_s=15",
-            log=tmp_path / "run.log",
+        producer = run.start(
+            demo_rows(1000), "--num-repeats", "2", "+route_failures_to_sidecar=true",
+            "+stall_timeout_s=15",
         )  # fmt: skip
         for threshold, victim in ((300, 0), (700, 1)):
 
             def enough(t: int = threshold) -> bool:
-                return lines(results_file) >= t
+                return landed_lines(out) >= t
 
             wait_for(enough, 120, f"{threshold} results")
             workers.procs[victim].send_signal(signal.SIGKILL)
             workers.procs[victim].wait(10)
-            events.append(f"killed worker {victim} at {lines(results_file)} results")
-            workers.start(count=1, concurrency=32, env=env)
-        wait_for(lambda: lines(results_file) >= 1100, 120, "1100 results")
+            events.append(f"killed worker {victim} at {landed_lines(out)} results")
+            workers.start(concurrency=32, env=env, wait=False)
+        wait_for(lambda: landed_lines(out) >= 1100, 120, "1100 results")
         # The takeover waits out the dead holders' leases (a few seconds): the agent slows
         # down so that the run is still far from its end when Redis restarts. (At 200 ms it
         # could land all but a few dozen rollouts first, or all of them.)
@@ -108,16 +92,16 @@ def test_chaos_run_then_resume_settles_every_rollout(
 
         wait_for(taken_over, 60, "the killed workers' rollouts to be taken over")
         r.close()
-        events.append(f"killed workers' rollouts taken over at {lines(results_file)} results")
+        events.append(f"killed workers' rollouts taken over at {landed_lines(out)} results")
         private_redis.restart_empty()
-        events.append(f"restarted Redis empty at {lines(results_file)} results")
+        events.append(f"restarted Redis empty at {landed_lines(out)} results")
         httpx.post(agent + "/admin/knobs", json={"latency_ms": 200}).raise_for_status()
 
         # The chord and the queue are gone: the producer notices the stall and says to resume.
-        assert run.wait(300) == 1, (tmp_path / "run.log").read_text()
-        run_log = (tmp_path / "run.log").read_text()
+        assert producer.wait(300) == 1, run.log()
+        run_log = run.log()
         assert "the run stalled" in run_log and f"rollouts resume file://{out}" in run_log
-        before_resume = lines(results_file)
+        before_resume = landed_lines(out)
         assert before_resume < 2000, events
 
         started = time.monotonic()
@@ -126,6 +110,7 @@ def test_chaos_run_then_resume_settles_every_rollout(
         events.append(f"resume took {time.monotonic() - started:.0f}s")
         print("\n".join(events))
     finally:
+        run.stop_producers()
         workers.stop()
         servers.stop()
 

@@ -10,7 +10,6 @@ omissions and unrouted failures.
 
 from __future__ import annotations
 
-import asyncio
 import signal
 from pathlib import Path
 from typing import Any
@@ -19,15 +18,25 @@ import orjson
 import pytest
 
 from examples.agent_server import AgentKnobs
-from examples.servers import RunningServers, start_servers
 from infra.store import RunDir
-from producer import preprocess_examples, run_examples
+from producer import preprocess_examples
 from producer.api.calls import RUN_ERROR
 from schemas import fields as F
 from schemas.errors import RolloutFailedError
 from schemas.settings import CollectionSettings
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
-from tests.ops_helpers import cli, cli_background, manifest, request_log, rows_by_key, wait_for
+from tests.api_helpers import first_then_close
+from tests.cluster import StartWorkers
+from tests.helpers import demo_rows, read_jsonl, write_rows
+from tests.ops_helpers import (
+    cli,
+    landed_lines,
+    manifest,
+    request_log,
+    rows_by_key,
+    run_split,
+    wait_for,
+)
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
@@ -54,23 +63,17 @@ def assert_invariants(c: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(240)
 def test_sigterm_exits_75_and_a_resume_completes_the_run_to_0(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str
 ) -> None:
-    servers = start_servers(knobs=AgentKnobs(latency_ms=300))
+    run = make_run(knobs=AgentKnobs(latency_ms=300), workers=2)
+    out = run.out
     try:
-        workers.start(count=2, concurrency=8)
-        workers.wait_ready()
-        out = tmp_path / "run"
-        run = cli_background(
-            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
-            "--input", write_rows(tmp_path / "rows.jsonl", demo_rows(120)),
-            "--output-dir", str(out), "--broker", redis_url, log=tmp_path / "run.log",
-        )  # fmt: skip
+        producer = run.start(demo_rows(120))
         results = out / "rollouts-0.jsonl"
-        wait_for(lambda: results.exists() and results.read_bytes().count(b"\n") >= 20, 60, "20")
-        run.send_signal(signal.SIGTERM)
-        assert run.wait(60) == 75, (tmp_path / "run.log").read_text()
-        assert "stopped by SIGTERM" in (tmp_path / "run.log").read_text()
+        wait_for(lambda: landed_lines(out) >= 20, 60, "20")
+        producer.send_signal(signal.SIGTERM)
+        assert producer.wait(60) == 75, run.log()
+        assert "stopped by SIGTERM" in run.log()
         stopped = coverage_of(out)
         assert_invariants(stopped)
         assert stopped["unknown"] > 0 and not stopped["complete"]
@@ -91,7 +94,7 @@ def test_sigterm_exits_75_and_a_resume_completes_the_run_to_0(
         proc = cli("resume", str(out), "--broker", redis_url)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     finally:
-        servers.stop()
+        run.servers.stop()
     done = coverage_of(out)
     assert_invariants(done)
     assert done["complete"] and done["measured"] == 120 and done["unknown"] == 0
@@ -101,21 +104,14 @@ def test_sigterm_exits_75_and_a_resume_completes_the_run_to_0(
     assert [g["kind"] for g in manifest(out)["generations"]] == ["run", "resume"]
 
 
-def test_a_rejected_strict_run_publishes_no_metric_values_and_exits_1(
-    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
-) -> None:
-    workers.start(count=1, concurrency=8)
-    workers.wait_ready()
+def test_a_rejected_strict_run_publishes_no_metric_values_and_exits_1(make_run: MakeRun) -> None:
+    run = make_run()
+    servers, out = run.servers, run.out
     rows = demo_rows(10)
     for i in (2, 5):  # terminal: nothing a resume could run
         rows[i]["result_extra"] = {"_ng_failure_class": "reference_missing",
                                    "_ng_failure_terminal": True}  # fmt: skip
-    out = tmp_path / "run"
-    proc = cli(
-        "run", "--config", config_file, "--input", write_rows(tmp_path / "rows.jsonl", rows),
-        "--output-dir", str(out), "--broker", redis_url, "+route_failures_to_sidecar=true",
-        "+require_complete=true",
-    )  # fmt: skip
+    proc = run.cli(rows, "+route_failures_to_sidecar=true", "+require_complete=true")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "EVAL FAILED: 8/10 samples completed" in proc.stderr
     assert "no rollout is left that can run" in proc.stderr
@@ -131,27 +127,23 @@ def test_a_rejected_strict_run_publishes_no_metric_values_and_exits_1(
     assert (c["states"]["terminal"], c["failed"], c["complete"]) == (2, 2, False)
     # Completeness is the coverage's to say, not the health verdict's: the summary points at it,
     # and the two terminal failures are no health reason (no failure limit is set).
-    run = summary_of(out)
-    assert run["coverage"]["complete"] is False and run["coverage"]["failed"] == 2
-    assert run["healthy"] is None and not any("complete" in r for r in run["reasons"])
+    summary = summary_of(out)
+    assert summary["coverage"]["complete"] is False and summary["coverage"]["failed"] == 2
+    assert summary["healthy"] is None and not any("complete" in r for r in summary["reasons"])
     assert manifest(out)["state"] == "failed"
     status = orjson.loads((out / "rollouts-0_status.json").read_bytes())
     assert {m["aggregation_status"] for m in status["members"].values()} == {"deferred"}
 
 
-def test_scored_zeros_complete_a_strict_run(
-    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
-) -> None:
-    workers.start(count=1, concurrency=8)
-    workers.wait_ready()
+def test_scored_zeros_complete_a_strict_run(make_run: MakeRun) -> None:
+    run = make_run()
+    out = run.out
     rows = demo_rows(10)
     for i in (1, 4):
         rows[i]["result_extra"] = {"_ng_failure_class": "judge_failed"}
-    out = tmp_path / "run"
-    proc = cli(
-        "run", "--config", config_file, "--input", write_rows(tmp_path / "rows.jsonl", rows),
-        "--output-dir", str(out), "--broker", redis_url, "+route_failures_to_sidecar=true",
-        "+require_complete=true", "+count_failure_classes_as_zero=[judge_failed]",
+    proc = run.cli(
+        rows, "+route_failures_to_sidecar=true", "+require_complete=true",
+        "+count_failure_classes_as_zero=[judge_failed]",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     c = coverage_of(out)
@@ -175,19 +167,16 @@ def test_scored_zeros_complete_a_strict_run(
 
 
 def test_resume_plan_accounts_for_every_rollout_on_any_store_and_runs_nothing(
-    redis_url: str, workers: Workers, run_dir_url: str, tmp_path: Path
+    make_run: MakeRun, redis_url: str, run_dir_url: str, tmp_path: Path
 ) -> None:
     log = tmp_path / "requests.jsonl"
-    servers = start_servers(knobs=AgentKnobs(request_log=str(log)))
+    run = make_run(knobs=AgentKnobs(request_log=str(log)))
     try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
         rows = demo_rows(8)
         rows[0]["fault"] = {"kind": "http500", "times": 9}  # one failed attempt: the limit is 1
         rows[1]["result_extra"] = {"_ng_failure_class": "x", "_ng_failure_terminal": True}
         proc = cli(
-            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
-            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", run_dir_url,
+            "run", "--config", run.config, "--input", run.input(rows), "--output-dir", run_dir_url,
             "--broker", redis_url, "+route_failures_to_sidecar=true", "+max_attempts=1",
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -197,7 +186,7 @@ def test_resume_plan_accounts_for_every_rollout_on_any_store_and_runs_nothing(
         text = cli("resume", run_dir_url, "--plan")
         after = len(request_log(log))
     finally:
-        servers.stop()
+        run.servers.stop()
     assert plan.returncode == 0, plan.stderr
     body = orjson.loads(plan.stdout)
     assert body["rollouts"]["exhausted"] == [[0, 0]] and body["rollouts"]["terminal"] == [[1, 0]]
@@ -223,18 +212,10 @@ def _generations(run_dir: str) -> list[Any]:
 
 
 def test_resume_plan_on_a_merged_folder_plans_each_shard(
-    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
+    redis_url: str, start_workers: StartWorkers, config_file: str, tmp_path: Path
 ) -> None:
-    workers.start(count=1, concurrency=16)
-    workers.wait_ready()
-    rows = write_rows(tmp_path / "rows.jsonl", demo_rows(8))
-    for index in (0, 1):
-        proc = cli(
-            "run", "--config", config_file, "--input", rows, "--output-dir",
-            str(tmp_path / "split" / str(index)), "--num-shards", "2", "--shard-index", str(index),
-            "--broker", redis_url,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+    start_workers(concurrency=16)
+    run_split(config_file, write_rows(tmp_path / "rows.jsonl", demo_rows(8)), tmp_path, redis_url)
     merged = tmp_path / "merged"
     proc = cli(
         "aggregate", "-i", f"{tmp_path}/split/*/rollouts-*.jsonl", "-o", str(merged / "all.jsonl")
@@ -250,13 +231,11 @@ def test_resume_plan_on_a_merged_folder_plans_each_shard(
 
 
 def test_the_python_api_records_omissions_and_hands_back_unrouted_failures(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str
 ) -> None:
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(latency_ms=60_000))
-    out = tmp_path / "run"
+    run = make_run({"math_agent": "math_env"}, AgentKnobs(latency_ms=60_000))
+    servers, out = run.servers, run.out
     try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
         raw = [{**r, "agent_ref": {"name": "math_agent"}} for r in demo_rows(6)]
         rows = preprocess_examples(raw, servers.config(), CollectionSettings())
         for row in rows[:2]:
@@ -264,23 +243,11 @@ def test_the_python_api_records_omissions_and_hands_back_unrouted_failures(
         rows[2]["agent_latency_ms"] = 0
         rows[2]["fault"] = {"kind": "http500", "times": 9}
 
-        async def go() -> tuple[list[Any], Any]:
-            completions = run_examples(
-                rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
-                record_unrouted_failures=True, record_omitted_rollouts=True,
-                settings={"require_complete": True},
-            )  # fmt: skip
-            got = []
-            try:
-                for future in completions:
-                    got.append(await future)
-                    if len(got) == 3:
-                        break
-            finally:
-                await completions.aclose()
-            return got, completions.finished
-
-        got, finished = asyncio.run(go())
+        got, finished = first_then_close(
+            rows, servers.config(), 3, broker_url=redis_url, record_output_dir=str(out),
+            record_unrouted_failures=True, record_omitted_rollouts=True,
+            settings={"require_complete": True},
+        )  # fmt: skip
     finally:
         servers.stop()
     failed = [result for _, result in got if F.FAILURE_CLASS in result]

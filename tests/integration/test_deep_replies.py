@@ -7,18 +7,16 @@ The example agent answers every fifth task with JSON nested 300 levels deep: orj
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import redis
 
 from examples.agent_server import AgentKnobs
-from examples.servers import start_servers
 from infra import keys
 from infra.store import RunDir
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, write_rows
-from tests.ops_helpers import cli, manifest, rows_by_key, wait_for
+from tests.helpers import demo_rows
+from tests.ops_helpers import manifest, rows_by_key, wait_for
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
@@ -27,21 +25,13 @@ EVERY = 5
 
 
 def test_deep_replies_fail_alone_and_every_rollout_has_an_outcome(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, r: redis.Redis
 ) -> None:
-    servers = start_servers(knobs=AgentKnobs(deep_reply_every=EVERY, deep_reply_depth=300))
-    try:
-        workers.start(count=2, concurrency=16)
-        workers.wait_ready()
-        out = tmp_path / "run"
-        proc = cli(
-            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
-            "--input", write_rows(tmp_path / "rows.jsonl", demo_rows(ROWS)),
-            "--output-dir", str(out), "--broker", redis_url, "+route_failures_to_sidecar=true",
-            timeout=180,
-        )  # fmt: skip
-    finally:
-        servers.stop()
+    knobs = AgentKnobs(deep_reply_every=EVERY, deep_reply_depth=300)
+    run = make_run(knobs=knobs, workers=2, concurrency=16)
+    out = run.out
+    proc = run.cli(demo_rows(ROWS), "+route_failures_to_sidecar=true", timeout=180)
+    run.servers.stop()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert manifest(out)["state"] == "completed"
 
@@ -59,13 +49,11 @@ def test_deep_replies_fail_alone_and_every_rollout_has_an_outcome(
         assert "nested" not in row and "response" not in row  # identity and cause only
 
     # No task outlives the run: every delivery ended, no slot is held, no message is unacked.
-    r = redis.Redis.from_url(redis_url)
     sid = keys.shard_id(RunDir(str(out)).url, "0")
     assert r.hlen(keys.shard_starts(sid)) == 0
     assert r.zcard(keys.shard_leases(sid)) == 0
     wait_for(lambda: r.hlen("unacked") == 0, 10, "the last acks")  # written in batches
     counts = {k.decode(): int(v) for k, v in r.hgetall(keys.shard_counts(sid)).items()}  # type: ignore[union-attr]
-    r.close()
     assert counts["landed"] == ROWS - len(deep)
     assert counts["failed:result_not_stored"] == len(deep)
-    assert "Traceback" not in workers.output()
+    assert "Traceback" not in run.workers.output()

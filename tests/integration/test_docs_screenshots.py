@@ -29,8 +29,7 @@ import pytest
 
 from examples.agent_server import AgentKnobs
 from examples.demo import run_demo
-from examples.servers import free_port, start_servers
-from tests.conftest import Workers, demo_rows, write_rows
+from examples.servers import free_port
 from tests.docs_helpers import (
     SCREENSHOTS,
     SCREENSHOTS_DIR,
@@ -38,7 +37,9 @@ from tests.docs_helpers import (
     chromium_path,
     screenshot_sources,
 )
+from tests.helpers import demo_rows
 from tests.ops_helpers import cli, cli_background, wait_for
+from tests.runs import MakeRun
 
 pytestmark = [pytest.mark.integration, pytest.mark.screenshots]
 
@@ -76,11 +77,11 @@ def test_the_report(browser: Any, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_status_watch_and_flower(
-    browser: Any, redis_url: str, workers: Workers, tmp_path: Path
+    browser: Any, make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
     assert shutil.which("tmux"), "tmux is needed: apt-get install -y tmux"
     knobs = AgentKnobs(latency_ms=1500, latency_jitter_ms=1000, fault_rate=0.04, seed=3)
-    servers = start_servers(knobs=knobs)
+    run = make_run(knobs=knobs, workers=0)
     port = free_port()
     flower = cli_background(
         "flower", "--broker", redis_url, "--port", str(port), "--unauthenticated-api",
@@ -88,14 +89,12 @@ def test_status_watch_and_flower(
     )  # fmt: skip
     socket = f"rollouts-docs-{os.getpid()}"
     try:
-        workers.start(count=2, concurrency=48, extra=["-E"])
-        workers.wait_ready()
+        run.workers.start(count=2, concurrency=48, extra=["-E"])
         wait_for(lambda: _answers(f"http://127.0.0.1:{port}/api/workers"), 60, "Flower")
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        rows = write_rows(tmp_path / "rows.jsonl", demo_rows(120))
         run_dir = tmp_path / "runs" / "eval1"
         started = cli(
-            "run", "--config", config, "--input", rows, "--output-dir", str(run_dir),
+            "run", "--config", run.config, "--input", run.input(demo_rows(120)),
+            "--output-dir", str(run_dir),
             "--num-repeats", "4", "--broker", redis_url, "--no-wait",
             "--route-failures-to-sidecar", "+max_failed_fraction=0.1",
         )  # fmt: skip
@@ -111,7 +110,7 @@ def test_status_watch_and_flower(
         subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)
         flower.terminate()
         flower.wait(20)
-        servers.stop()
+        run.servers.stop()
 
 
 def _answers(url: str) -> bool:

@@ -18,8 +18,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from examples.servers import DEMO_TASKSETS, start_servers
-from tests.conftest import Workers
+from examples.servers import DEMO_TASKSETS
 from tests.docs_helpers import ROOT, Page, page_script, pages
 
 RUNNABLE = [p for p in pages() if p.runnable]
@@ -39,28 +38,19 @@ def test_the_pages_blocks_run(page: Page, tmp_path: Path, request: pytest.Fixtur
         env.pop(name, None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["NO_MKDOCS_2_WARNING"] = "1"
-    stops = []
-    try:
-        if "servers" in page.needs:
-            # As `python -m examples.servers` starts them: the demo's task set too.
-            servers = start_servers(tasksets=DEMO_TASKSETS)
-            stops.append(servers.stop)
-            servers.write_config(str(work / "servers.yaml"))
-        if "redis" in page.needs or "cluster" in page.needs:
-            env["ROLLOUTS_BROKER_URL"] = request.getfixturevalue("redis_url")
-        if "cluster" in page.needs:
-            workers = Workers(env["ROLLOUTS_BROKER_URL"], tmp_path)
-            stops.append(lambda: workers.stop(graceful=False))
-            workers.start(count=1, concurrency=64)
-            workers.wait_ready()
-        if "s3" in page.needs:
-            _s3(page.needs["s3"], request.getfixturevalue("moto_server"), env)
-        script = tmp_path / "page.sh"
-        script.write_text(page_script(page, scratch))
-        _run(script, work, env)
-    finally:
-        for stop in reversed(stops):
-            stop()
+    if "servers" in page.needs:
+        # As `python -m examples.servers` starts them: the demo's task set too.
+        servers = request.getfixturevalue("example_servers")(tasksets=DEMO_TASKSETS)
+        servers.write_config(str(work / "servers.yaml"))
+    if "redis" in page.needs or "cluster" in page.needs:
+        env["ROLLOUTS_BROKER_URL"] = request.getfixturevalue("redis_url")
+    if "cluster" in page.needs:
+        request.getfixturevalue("start_workers")(concurrency=64)
+    if "s3" in page.needs:
+        _s3(page.needs["s3"], request.getfixturevalue("moto_server"), env)
+    script = tmp_path / "page.sh"
+    script.write_text(page_script(page, scratch))
+    _run(script, work, env)
 
 
 def _s3(bucket: str, endpoint: str, env: dict[str, str]) -> None:

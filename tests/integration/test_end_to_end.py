@@ -13,37 +13,20 @@ import pytest
 from examples.metrics import aggregate_metrics
 from examples.servers import RunningServers
 from infra.store import RunDir
-from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
-from tests.conftest import Workers, agent_stats, demo_rows, read_object_jsonl, write_rows
+from tests.helpers import agent_stats, demo_rows, read_object_jsonl
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
 
-def test_500_rollouts_land_exactly_once_and_aggregate(
-    redis_url: str,
-    workers: Workers,
-    servers: RunningServers,
-    config_file: str,
-    tmp_path: Path,
-    run_dir_url: str,
-) -> None:
-    workers.start(count=2, concurrency=32)
-    workers.wait_ready()
-    rows = demo_rows(125)
-    data = write_rows(tmp_path / "rows.jsonl", rows)
+def test_500_rollouts_land_exactly_once_and_aggregate(make_run: MakeRun, run_dir_url: str) -> None:
+    run = make_run(workers=2, concurrency=32)
+    servers, workers = run.servers, run.workers
     out = run_dir_url
     rd = RunDir(out)
 
-    code = execute_run(
-        RunOptions(
-            config_path=config_file,
-            input_path=data,
-            output_dir=out,
-            settings={"num_repeats": 4},
-            broker_url=redis_url,
-        )
-    )
+    code = run.execute(demo_rows(125), {"num_repeats": 4}, output_dir=out)
 
     assert code == 0
     planned = read_object_jsonl(out, "rollouts-0_materialized_inputs.jsonl")

@@ -17,10 +17,11 @@ import redis
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from infra.embedded import EmbeddedRedis
-from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, write_rows
+from tests.cluster import Workers
+from tests.helpers import demo_rows
 from tests.ops_helpers import Key, manifest, requests_per_key, rows_by_key
+from tests.runs import Run
 
 pytestmark = pytest.mark.integration
 
@@ -67,26 +68,19 @@ def fault_run(
     log = tmp / "agent-requests.jsonl"
     servers = start_servers(knobs=AgentKnobs(request_log=str(log)))
     workers = Workers(redis_server.url, tmp)
+    run = Run(servers, redis_server.url, tmp, workers)
     try:
-        workers.start(count=1, concurrency=16)
-        workers.wait_ready()
+        workers.start(concurrency=16)
         rows = demo_rows(len(FAULTS) + CLEAN)
         for row, extra in zip(rows, FAULTS.values(), strict=False):
             row.update(extra)
-        out = tmp / "run"
-        code = execute_run(
-            RunOptions(
-                config_path=servers.write_config(str(tmp / "servers.yaml")),
-                input_path=write_rows(tmp / "rows.jsonl", rows),
-                output_dir=str(out),
-                broker_url=redis_server.url,
-                settings={
-                    "route_failures_to_sidecar": True,
-                    "rollout_timeout_s": 1.5,
-                    "retry_backoff_s": 0.05,
-                },
-            )
-        )
+        out = run.out
+        settings = {
+            "route_failures_to_sidecar": True,
+            "rollout_timeout_s": 1.5,
+            "retry_backoff_s": 0.05,
+        }
+        code = run.execute(rows, settings)
         run_id = manifest(out)["run_id"]
         yield FaultRun(
             out=out,

@@ -10,49 +10,36 @@ from pathlib import Path
 
 import orjson
 import pytest
-import yaml
 from aiohttp import web
 
 from examples.agent_server import AgentKnobs, AgentServer
-from examples.servers import RunningServers, start_servers
 from examples.tasks import make_row
 from infra.embedded import free_port
-from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
 from schemas.errors import RunPartialError
-from tests.conftest import Workers, agent_stats, demo_rows, write_rows
-from tests.ops_helpers import cli, cli_background, manifest, requests_per_key, rows_by_key, wait_for
+from tests.helpers import agent_stats, demo_rows
+from tests.ops_helpers import cli, manifest, requests_per_key, rows_by_key, wait_for
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
 
 def test_retry_requests_off_does_not_replay_after_sending(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, tmp_path: Path
 ) -> None:
     log = tmp_path / "requests.jsonl"
-    servers = start_servers(knobs=AgentKnobs(request_log=str(log)))
-    try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
-        rows = demo_rows(6)
-        for row, kind in zip(rows, ("hang", "http502", "reset"), strict=False):
-            row["fault"] = {"kind": kind, "times": 9}
-        out = tmp_path / "run"
-        code = execute_run(
-            RunOptions(
-                config_path=servers.write_config(str(tmp_path / "servers.yaml")),
-                input_path=write_rows(tmp_path / "rows.jsonl", rows),
-                output_dir=str(out),
-                broker_url=redis_url,
-                settings={
-                    "route_failures_to_sidecar": True,
-                    "retry_requests": False,
-                    "rollout_timeout_s": 1.0,
-                },
-            )
-        )
-    finally:
-        servers.stop()
+    run = make_run(knobs=AgentKnobs(request_log=str(log)))
+    rows = demo_rows(6)
+    for row, kind in zip(rows, ("hang", "http502", "reset"), strict=False):
+        row["fault"] = {"kind": kind, "times": 9}
+    out = run.out
+    settings = {
+        "route_failures_to_sidecar": True,
+        "retry_requests": False,
+        "rollout_timeout_s": 1.0,
+    }
+    code = run.execute(rows, settings)
+    run.servers.stop()
     assert code == 0
     requests = requests_per_key(log)
     failures = rows_by_key(out / "rollouts-0_failures.jsonl")
@@ -63,12 +50,12 @@ def test_retry_requests_off_does_not_replay_after_sending(
         assert failures[k][0][F.FAILURE_CLASS] == "agent_request_failed"
     assert failures[(0, 0)][0]["failure_kind"] == "agent_timeout"
     # The time limit did not kill the worker: it went on with the other rows.
-    assert all(p.poll() is None for p in workers.procs)
+    assert all(p.poll() is None for p in run.workers.procs)
     assert set(results) == {(3, 0), (4, 0), (5, 0)}
 
 
 def test_a_connection_never_established_is_retried_with_backoff(
-    redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path
+    make_run: MakeRun, tmp_path: Path
 ) -> None:
     # The late agent's socket is bound now and listens after a second: until then a connect is
     # refused. (Starting an agent process then made the wait its interpreter's start-up time, and
@@ -77,15 +64,15 @@ def test_a_connection_never_established_is_retried_with_backoff(
     late_sock.bind(("127.0.0.1", 0))
     late_port, dead_port = late_sock.getsockname()[1], free_port()
     log = tmp_path / "late.jsonl"
-    config = servers.config()
+    run = make_run(workers=0)
+    config = run.servers.config()
     config["agents"]["late_agent"] = {
         "url": f"http://127.0.0.1:{late_port}", "type": "simple_agent", "environment": "math_env",
     }  # fmt: skip
     config["agents"]["dead_agent"] = {
         "url": f"http://127.0.0.1:{dead_port}", "type": "simple_agent", "environment": "math_env",
     }  # fmt: skip
-    config_path = tmp_path / "servers.yaml"
-    config_path.write_text(yaml.safe_dump(config))
+    run.write_config(config)
     rows = [make_row("arithmetic", i, "late_agent") for i in range(3)]
     rows.append(make_row("arithmetic", 3, "dead_agent"))
     late = AgentServer("late_agent", AgentKnobs(request_log=str(log)))
@@ -99,26 +86,18 @@ def test_a_connection_never_established_is_retried_with_backoff(
         asyncio.run_coroutine_threadsafe(web.SockSite(runner, late_sock).start(), loop).result(30)
 
     timer = threading.Timer(1.0, start_late_agent)
-    workers.start(count=1, concurrency=8)
-    workers.wait_ready()
+    run.workers.start()
     timer.start()
-    out = tmp_path / "run"
+    out = run.out
+    settings = {
+        "route_failures_to_sidecar": True,
+        "retry_requests": False,  # connect retries do not depend on it
+        # Up to 25 s of backoff in all (about 13 s expected) before giving up.
+        "connect_retries": 8,
+        "retry_backoff_s": 0.1,
+    }
     try:
-        code = execute_run(
-            RunOptions(
-                config_path=str(config_path),
-                input_path=write_rows(tmp_path / "rows.jsonl", rows),
-                output_dir=str(out),
-                broker_url=redis_url,
-                settings={
-                    "route_failures_to_sidecar": True,
-                    "retry_requests": False,  # connect retries do not depend on it
-                    # Up to 25 s of backoff in all (about 13 s expected) before giving up.
-                    "connect_retries": 8,
-                    "retry_backoff_s": 0.1,
-                },
-            )
-        )
+        code = run.execute(rows, settings)
     finally:
         timer.cancel()
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
@@ -142,38 +121,29 @@ def test_a_connection_never_established_is_retried_with_backoff(
 
 
 def test_a_rollout_its_workers_keep_dying_on_becomes_worker_lost(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, tmp_path: Path
 ) -> None:
     log = tmp_path / "requests.jsonl"
-    servers = start_servers(knobs=AgentKnobs(request_log=str(log)))
     # Short lease and visibility timeouts: a dead worker's rollout is taken over in seconds (its
     # message, redelivered by the broker meanwhile, is a copy and is acknowledged).
     env = {"ROLLOUTS_LEASE_TTL_S": "3", "ROLLOUTS_VISIBILITY_TIMEOUT_S": "3"}
+    run = make_run(knobs=AgentKnobs(request_log=str(log)), concurrency=1, env=env)
     rows = demo_rows(2)
     rows[1]["fault"] = {"kind": "hang", "times": 99}
-    out = tmp_path / "run"
-    try:
-        workers.start(count=1, concurrency=1, env=env)
-        workers.wait_ready()
-        run = cli_background(
-            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
-            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(out),
-            "--broker", redis_url, "+max_attempts=2", "+route_failures_to_sidecar=true",
-            log=tmp_path / "run.log",
-        )  # fmt: skip
-        for death in (1, 2):
+    out = run.out
+    producer = run.start(rows, "+max_attempts=2", "+route_failures_to_sidecar=true")
+    for death in (1, 2):
 
-            def delivered(d: int = death) -> bool:
-                return requests_per_key(log)[(1, 0)] == d
+        def delivered(d: int = death) -> bool:
+            return requests_per_key(log)[(1, 0)] == d
 
-            wait_for(delivered, 60, f"delivery {death}")
-            victim = workers.procs[-1]
-            victim.send_signal(signal.SIGKILL)
-            victim.wait(10)
-            workers.start(count=1, concurrency=1, env=env)
-        assert run.wait(120) == 0, (tmp_path / "run.log").read_text()
-    finally:
-        servers.stop()
+        wait_for(delivered, 60, f"delivery {death}")
+        victim = run.workers.procs[-1]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        run.workers.start(concurrency=1, env=env, wait=False)
+    assert producer.wait(120) == 0, run.log()
+    run.servers.stop()
     failures = rows_by_key(out / "rollouts-0_failures.jsonl")
     [lost] = failures[(1, 0)]
     assert lost[F.FAILURE_CLASS] == "worker_lost"
@@ -185,19 +155,15 @@ def test_a_rollout_its_workers_keep_dying_on_becomes_worker_lost(
 
 
 def test_route_failures_off_fails_the_run_on_the_first_error(
-    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
+    make_run: MakeRun, redis_url: str
 ) -> None:
-    workers.start(count=1, concurrency=4)
-    workers.wait_ready()
+    run = make_run(concurrency=4)
+    servers, out = run.servers, run.out
     rows = demo_rows(40)
     for row in rows:
         row["agent_latency_ms"] = 1500
     rows[2].update({"fault": {"kind": "http500", "times": 9}, "agent_latency_ms": 0})
-    out = tmp_path / "run"
-    proc = cli(
-        "run", "--config", config_file, "--input", write_rows(tmp_path / "rows.jsonl", rows),
-        "--output-dir", str(out), "--broker", redis_url,
-    )  # fmt: skip
+    proc = run.cli(rows)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "rollout 2-0 failed: agent_run_error: /run returned HTTP 500" in proc.stderr
     # The evidence row is written.
@@ -218,26 +184,15 @@ def test_route_failures_off_fails_the_run_on_the_first_error(
     assert status["failed"] == {"agent_run_error": 1}
 
 
-def test_require_complete_rejects_a_run_with_missing_results(
-    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
-) -> None:
-    workers.start(count=1, concurrency=8)
-    workers.wait_ready()
+def test_require_complete_rejects_a_run_with_missing_results(make_run: MakeRun) -> None:
+    run = make_run()
     rows = demo_rows(10)
     rows[3]["fault"] = {"kind": "http500", "times": 9}
     rows[7]["fault"] = {"kind": "list", "times": 9}
-    out = tmp_path / "run"
+    out = run.out
     # Both missing rollouts can still run and this run made progress: a resume can complete it.
     with pytest.raises(RunPartialError, match=r"EVAL FAILED: 8/10 samples completed"):
-        execute_run(
-            RunOptions(
-                config_path=config_file,
-                input_path=write_rows(tmp_path / "rows.jsonl", rows),
-                output_dir=str(out),
-                broker_url=redis_url,
-                settings={"route_failures_to_sidecar": True, "require_complete": True},
-            )
-        )
+        run.execute(rows, {"route_failures_to_sidecar": True, "require_complete": True})
     entries = orjson.loads((out / "rollouts-0_aggregate_metrics.json").read_bytes())
     assert entries, "the partial aggregate is written"
     for entry in entries:

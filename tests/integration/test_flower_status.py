@@ -13,11 +13,11 @@ import orjson
 import pytest
 
 from examples.agent_server import AgentKnobs
-from examples.servers import start_servers
 from infra.embedded import free_port
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.helpers import demo_rows, read_jsonl
 from tests.ops_helpers import cli, cli_background, manifest, wait_for
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
@@ -31,17 +31,17 @@ def flower_get(port: int, path: str) -> Any:
 
 
 def test_flower_finds_the_runs_tasks_and_status_matches_the_files(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
-    servers = start_servers(knobs=AgentKnobs(latency_ms=400))
+    run = make_run(knobs=AgentKnobs(latency_ms=400), workers=0)
+    out = run.out
     port = free_port()
     flower = cli_background(
         "flower", "--broker", redis_url, "--port", str(port), "--unauthenticated-api",
         log=tmp_path / "flower.log",
     )  # fmt: skip
     try:
-        workers.start(count=1, concurrency=4, extra=["-E"])
-        workers.wait_ready()
+        run.workers.start(concurrency=4, extra=["-E"])
 
         def flower_up() -> bool:
             try:
@@ -56,13 +56,7 @@ def test_flower_finds_the_runs_tasks_and_status_matches_the_files(
         rows = demo_rows(40)
         rows[5]["fault"] = {"kind": "http500", "times": 9}
         rows[6]["fault"] = {"kind": "list", "times": 9}
-        out = tmp_path / "run"
-        run = cli_background(
-            "run", "--config", servers.write_config(str(tmp_path / "servers.yaml")),
-            "--input", write_rows(tmp_path / "rows.jsonl", rows), "--output-dir", str(out),
-            "--broker", redis_url, "+route_failures_to_sidecar=true",
-            log=tmp_path / "run.log",
-        )  # fmt: skip
+        producer = run.start(rows, "+route_failures_to_sidecar=true")
         wait_for(lambda: (out / "rollouts-0_manifest.json").exists(), 30, "the manifest")
         run_id = manifest(out)["run_id"]
 
@@ -71,11 +65,11 @@ def test_flower_finds_the_runs_tasks_and_status_matches_the_files(
             return {tid: t for tid, t in tasks.items() if f"run={run_id}" in (t.get("args") or "")}
 
         wait_for(lambda: len(run_tasks()) >= 3, 30, "the run's tasks in Flower", interval=0.5)
-        in_flight = run.poll() is None
+        in_flight = producer.poll() is None
         seen = run_tasks()
         names = flower_get(port, "/api/workers?refresh=1")
         assert any(name.startswith("test0-") for name in names), names
-        assert run.wait(120) == 0, (tmp_path / "run.log").read_text()
+        assert producer.wait(120) == 0, run.log()
 
         def judged() -> list[str]:
             """The results of the run's rollout tasks that landed a result (its verdict in them)."""
@@ -92,7 +86,7 @@ def test_flower_finds_the_runs_tasks_and_status_matches_the_files(
     finally:
         flower.send_signal(signal.SIGTERM)
         flower.wait(20)
-        servers.stop()
+        run.servers.stop()
     assert in_flight, "the run ended before Flower was asked"
     assert all("'verdict': 'unobserved'" in result for result in verdicts), verdicts[:3]
     assert totals and all(set(total) <= FIXED_NAMES for total in totals.values()), totals

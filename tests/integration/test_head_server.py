@@ -11,7 +11,8 @@ import pytest
 
 from examples.servers import RunningServers
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import StartWorkers
+from tests.helpers import demo_rows, read_jsonl, write_rows
 from tests.nemo_gym_head import StandInHeadServer, as_nemo_gym
 
 pytestmark = pytest.mark.integration
@@ -20,11 +21,11 @@ SECRET = "sk-head-server-secret-42"
 
 
 def test_run_from_a_head_server_matches_the_normalised_config_and_keeps_secrets_out(
-    servers: RunningServers, config_file: str, redis_url: str, workers: Workers, tmp_path: Path
-) -> None:
+    servers: RunningServers, config_file: str, redis_url: str, start_workers: StartWorkers,
+    tmp_path: Path,
+) -> None:  # fmt: skip
     data = write_rows(tmp_path / "rows.jsonl", demo_rows(10))
-    workers.start(count=1, concurrency=16)
-    workers.wait_ready()
+    workers = start_workers(concurrency=16)
     outs = {}
     with StandInHeadServer(as_nemo_gym(servers.config(), SECRET)) as head:
         for name, source in (

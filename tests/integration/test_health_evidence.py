@@ -11,7 +11,6 @@ empty intermediate calls and rollouts cut by their time limit.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,10 @@ import orjson
 import pytest
 
 from schemas import fields as F
-from tests.conftest import Workers, read_jsonl
 from tests.evidence_run import FAULTS, HANGS, REPEATS, TASKS, EvidenceRun, calls_of, run_evidence
+from tests.helpers import read_jsonl
 from tests.ops_helpers import cli
+from tests.runs import MakeRun
 from workers.health.timeouts import in_calls_s
 
 pytestmark = pytest.mark.integration
@@ -31,8 +31,8 @@ FAULT_CHECKS = {"truncated": ["rollout_response_truncated"], "empty": ["rollout_
 
 
 @pytest.fixture
-def evidence(redis_url: str, workers: Workers, tmp_path: Path) -> Iterator[EvidenceRun]:
-    yield run_evidence(redis_url, workers, tmp_path)
+def evidence(make_run: MakeRun) -> EvidenceRun:
+    return run_evidence(make_run)
 
 
 def call_ids(record: dict[str, Any]) -> list[str]:

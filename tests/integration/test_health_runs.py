@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +16,12 @@ import pytest
 from rich.console import Console
 
 from examples.agent_server import AgentKnobs
-from examples.servers import RunningServers, start_servers
 from producer.shard.runner import RunOptions, execute_run
 from schemas import fields as F
-from tests.conftest import ROOT, Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import ExampleServers, StartWorkers
 from tests.health_fixtures import crafted_folder
+from tests.helpers import ROOT, demo_rows, read_jsonl, write_rows
+from tests.runs import MakeRun
 from workers.health import plan_recheck, run_local
 
 pytestmark = pytest.mark.integration
@@ -39,24 +39,12 @@ def summary(folder: Path) -> dict[str, Any]:
     return data
 
 
-def test_run_ends_with_health_summary_and_verdict_line(
-    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
-) -> None:
-    workers.start(count=1, concurrency=32)
-    workers.wait_ready()
-    data = write_rows(tmp_path / "rows.jsonl", demo_rows(20))
-    out = tmp_path / "run"
+def test_run_ends_with_health_summary_and_verdict_line(make_run: MakeRun) -> None:
+    run = make_run(concurrency=32)
+    out, workers = run.out, run.workers
     buffer = io.StringIO()
-    code = execute_run(
-        RunOptions(
-            config_path=config_file,
-            input_path=data,
-            output_dir=str(out),
-            settings={"num_repeats": 2, "max_failed_fraction": 0.1},
-            broker_url=redis_url,
-        ),
-        Console(file=buffer, width=200),
-    )
+    settings = {"num_repeats": 2, "max_failed_fraction": 0.1}
+    code = run.execute(demo_rows(20), settings, console=Console(file=buffer, width=200))
     assert code == 0
     run = summary(out)["run"]
     assert run["state"] == "complete"
@@ -83,25 +71,16 @@ def test_run_ends_with_health_summary_and_verdict_line(
     assert printed.index("environment math_env") < printed.index("Run health")
 
 
-@pytest.fixture
-def failing_servers() -> Iterator[RunningServers]:
-    running = start_servers(failing_environments=("count_env",))
-    yield running
-    running.stop()
+FAILING = ("count_env",)
 
 
 def test_failed_environment_keeps_its_entry_and_the_cli_exits_1(
-    redis_url: str, workers: Workers, failing_servers: RunningServers, tmp_path: Path
+    make_run: MakeRun, tmp_path: Path
 ) -> None:
-    workers.start(count=1, concurrency=32)
-    workers.wait_ready()
-    config = failing_servers.write_config(str(tmp_path / "servers.yaml"))
-    data = write_rows(tmp_path / "rows.jsonl", demo_rows(10))
-    out = tmp_path / "run"
+    run = make_run(failing_environments=FAILING, concurrency=32)
+    failing_servers, config, out = run.servers, run.config, run.out
 
-    proc = cli(
-        "run", "--config", config, "--input", data, "--output-dir", str(out), "--broker", redis_url
-    )
+    proc = cli(*run.args(demo_rows(10)))
 
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "aggregation failed" in proc.stderr
@@ -137,10 +116,9 @@ def test_failed_environment_keeps_its_entry_and_the_cli_exits_1(
 
 
 def test_aggregate_then_recheck_refuses_a_changed_shard(
-    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
+    redis_url: str, start_workers: StartWorkers, config_file: str, tmp_path: Path
 ) -> None:
-    workers.start(count=1, concurrency=32)
-    workers.wait_ready()
+    start_workers(concurrency=32)
     for shard, rows in (("a", demo_rows(8)), ("b", demo_rows(6))):
         data = write_rows(tmp_path / f"{shard}.jsonl", rows)
         code = execute_run(
@@ -189,7 +167,7 @@ def test_aggregate_then_recheck_refuses_a_changed_shard(
 
 
 def test_distributed_recheck_is_identical_to_local(
-    redis_url: str, workers: Workers, tmp_path: Path
+    redis_url: str, start_workers: StartWorkers, tmp_path: Path
 ) -> None:
     folder = crafted_folder(tmp_path)
     proc = cli("health-check", str(folder), "--limit", "max_failed_rollouts=1")
@@ -197,8 +175,7 @@ def test_distributed_recheck_is_identical_to_local(
     local = [(folder / n).read_bytes() for n in ("quality_summary.json", "rollout_verdicts.jsonl")]
     for name in ("quality_summary.json", "rollout_verdicts.jsonl"):
         (folder / name).unlink()
-    workers.start(count=2, concurrency=2)
-    workers.wait_ready()
+    workers = start_workers(count=2, concurrency=2)
 
     env = {**os.environ, "ROLLOUTS_HEALTH_RANGE_BYTES": "300"}  # many jobs: lines straddle ranges
     proc = subprocess.run(
@@ -217,20 +194,13 @@ def test_distributed_recheck_is_identical_to_local(
     assert not [p for p in folder.iterdir() if p.name.startswith(".health-scratch")]
 
 
-def test_sigterm_writes_a_provisional_summary_within_5_seconds(
-    redis_url: str, workers: Workers, tmp_path: Path
-) -> None:
-    slow = start_servers(knobs=AgentKnobs(latency_ms=3000))
+def test_sigterm_writes_a_provisional_summary_within_5_seconds(make_run: MakeRun) -> None:
+    slow = make_run(knobs=AgentKnobs(latency_ms=3000), workers=2, concurrency=32)
+    out = slow.out
     try:
-        config = slow.write_config(str(tmp_path / "servers.yaml"))
-        data = write_rows(tmp_path / "rows.jsonl", demo_rows(250))
-        out = tmp_path / "run"
-        workers.start(count=2, concurrency=32)
-        workers.wait_ready()
+        args = slow.args(demo_rows(250), "--num-repeats", "4", "+max_failed_rollouts=5")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "producer.cli", "run", "--config", config, "--input", data,
-             "--output-dir", str(out), "--broker", redis_url, "--num-repeats", "4",
-             "+max_failed_rollouts=5"],
+            [sys.executable, "-m", "producer.cli", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         )  # fmt: skip
         results = out / "rollouts-0.jsonl"
@@ -279,12 +249,12 @@ def test_sigterm_writes_a_provisional_summary_within_5_seconds(
         assert len(keys) < 1000, "the run was stopped before it finished"
         assert summary(out)["run"]["state"] == "provisional"  # the finish step kept it
     finally:
-        workers.stop()  # closes their connections first, so the slow agent has nothing in flight
-        slow.stop()
+        slow.workers.stop()  # closes their connections first, so the slow agent has nothing in flight
+        slow.servers.stop()
 
 
 def test_aggregation_error_is_saved_then_reraised_for_callers_that_ask(
-    failing_servers: RunningServers, tmp_path: Path
+    example_servers: ExampleServers, tmp_path: Path
 ) -> None:
     import httpx
 
@@ -292,6 +262,7 @@ def test_aggregation_error_is_saved_then_reraised_for_callers_that_ask(
     from schemas.config import ServersConfig
     from workers.finish import write_aggregate_file
 
+    failing_servers = example_servers(failing_environments=FAILING)
     config = ServersConfig.model_validate(failing_servers.config())
     rows = [
         {F.TASK_INDEX: t, F.ROLLOUT_INDEX: 0, "reward": 1.0, F.AGENT_REF: {"name": agent},

@@ -13,12 +13,11 @@ import copy
 from pathlib import Path
 
 import pytest
-import yaml
 
-from examples.servers import RunningServers
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.helpers import demo_rows, read_jsonl
 from tests.idle_proxy import IdleDroppingProxy
 from tests.ops_helpers import cli_background
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
@@ -28,20 +27,17 @@ IDLE_S = 5.0
 
 @pytest.mark.timeout(180)
 def test_a_heartbeat_keeps_long_calls_alive_through_an_idle_dropping_proxy(
-    redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
+    run = make_run(concurrency=32)
     rows = [{**row, "agent_ref": {"name": "math_agent"}, "agent_latency_ms": ROLLOUT_MS}
             for row in demo_rows(10)]  # fmt: skip
-    data = write_rows(tmp_path / "rows.jsonl", rows)
-    host, port = servers.urls["math_agent"].removeprefix("http://").split(":")
-    workers.start(count=1, concurrency=32)
-    workers.wait_ready()
+    data = run.input(rows)
+    host, port = run.servers.urls["math_agent"].removeprefix("http://").split(":")
     with IdleDroppingProxy((host, int(port)), idle_s=IDLE_S) as proxy:
-        config = copy.deepcopy(servers.config())
+        config = copy.deepcopy(run.servers.config())
         config["agents"]["math_agent"]["url"] = proxy.url
-        config_path = tmp_path / "servers.yaml"
-        config_path.write_text(yaml.safe_dump(config))
-        common = ["--config", str(config_path), "--input", data, "--broker", redis_url,
+        common = ["--config", run.write_config(config), "--input", data, "--broker", redis_url,
                   "+route_failures_to_sidecar=true"]  # fmt: skip
         beating = cli_background(
             "run", *common, "--output-dir", str(tmp_path / "on"), "+http_heartbeat_s=2",

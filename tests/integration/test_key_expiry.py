@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from examples.servers import RunningServers
 from infra import keys
 from infra.store import RunDir
-from tests.conftest import Workers, demo_rows, write_rows
-from tests.ops_helpers import cli, cli_background, wait_for
+from tests.helpers import demo_rows
+from tests.ops_helpers import cli, wait_for
+from tests.runs import MakeRun, Run
 
 pytestmark = pytest.mark.integration
 
@@ -23,39 +23,25 @@ def shard_keys(r: redis.Redis, out: Path) -> dict[str, int]:
     return {k.decode(): int(r.ttl(k)) for k in r.scan_iter(f"{keys.PREFIX}:shard:{sid}:*")}
 
 
-def start_slow_run(
-    redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path, *settings: str
-) -> tuple[subprocess.Popen[bytes], Path, str]:
+def start_slow_run(make_run: MakeRun, *settings: str) -> tuple[Run, subprocess.Popen[bytes], str]:
     """One worker and a background `rollouts run` of 40 rollouts of 1 s, 4 at a time (10 s: a
-    window wide enough for a `rollouts cancel` to start in): the producer, the run directory
-    and the shard's id."""
-    workers.start(count=1, concurrency=4)
-    workers.wait_ready()
-    config = servers.write_config(str(tmp_path / "servers.yaml"))
+    window wide enough for a `rollouts cancel` to start in): the run, its producer and the
+    shard's id."""
+    run = make_run(concurrency=4)
     rows = demo_rows(40)
     for row in rows:
         row["agent_latency_ms"] = 1000
-    out = tmp_path / "run"
-    producer = cli_background(
-        "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
-        "--output-dir", str(out), "--broker", redis_url, *settings, log=tmp_path / "producer.log",
-    )  # fmt: skip
-    return producer, out, keys.shard_id(RunDir(str(out)).url, "0")
+    producer = run.start(rows, *settings)
+    return run, producer, keys.shard_id(RunDir(str(run.out)).url, "0")
 
 
 def test_every_key_of_a_finished_run_or_resume_expires(
-    redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, r: redis.Redis
 ) -> None:
-    workers.start(count=1, concurrency=8)
-    workers.wait_ready()
-    config = servers.write_config(str(tmp_path / "servers.yaml"))
-    out = tmp_path / "run"
-    proc = cli(
-        "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", demo_rows(12)),
-        "--output-dir", str(out), "--broker", redis_url, "+redis_key_ttl_s=3600",
-    )  # fmt: skip
+    run = make_run()
+    out = run.out
+    proc = run.cli(demo_rows(12), "+redis_key_ttl_s=3600")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    r = redis.Redis.from_url(redis_url)
     left = shard_keys(r, out)
     assert left and all(0 < ttl <= 3600 for ttl in left.values()), left
     assert not any(k.endswith((":leases", ":waiting")) for k in left)
@@ -69,37 +55,31 @@ def test_every_key_of_a_finished_run_or_resume_expires(
     assert min(after.values()) <= 1800, after
 
 
-def test_every_key_of_a_stalled_run_expires(
-    redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path
-) -> None:
+def test_every_key_of_a_stalled_run_expires(make_run: MakeRun, r: redis.Redis) -> None:
     """The producer and its only worker are SIGKILLed mid-run: no finish step will ever run, and
     still no key of the shard (landed set, leases, attempts, settled, counters, ...) is permanent."""
-    producer, out, sid = start_slow_run(redis_url, workers, servers, tmp_path)
-    r = redis.Redis.from_url(redis_url)
+    run, producer, sid = start_slow_run(make_run)
     try:
         wait_for(lambda: int(r.hget(keys.shard_counts(sid), "landed") or 0) >= 8, 120, "8 landed")
     finally:
-        for proc in (producer, *workers.procs):
+        for proc in (producer, *run.workers.procs):
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
-        workers.procs = []
-    left = shard_keys(r, out)
+        run.workers.procs = []
+    left = shard_keys(r, run.out)
     written = {k.split(":")[3] for k in left}
     assert {"landed_bits", "settled", "attempts", "generation", "state", "counts"} <= written, left
     assert all(ttl > 0 for ttl in left.values()), left
 
 
 def test_every_key_of_a_cancelled_run_expires(
-    redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, r: redis.Redis
 ) -> None:
-    producer, out, sid = start_slow_run(
-        redis_url, workers, servers, tmp_path, "+redis_key_ttl_s=3600"
-    )
-    r = redis.Redis.from_url(redis_url)
+    run, producer, sid = start_slow_run(make_run, "+redis_key_ttl_s=3600")
     wait_for(lambda: int(r.hget(keys.shard_counts(sid), "landed") or 0) >= 4, 120, "4 landed")
-    proc = cli("cancel", str(out), "--broker", redis_url)
+    proc = cli("cancel", str(run.out), "--broker", redis_url)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     producer.wait(120)
-    left = shard_keys(r, out)
+    left = shard_keys(r, run.out)
     assert keys.shard_cancel(sid) in left, left
     assert all(0 < ttl <= 3600 for ttl in left.values()), left

@@ -27,9 +27,9 @@ from examples.demo import run_demo, write_dataset
 from examples.servers import DEMO_TASKSETS, start_servers
 from producer.shard.runner import RunOptions, execute_run
 from schemas.health import NEMO_CHECKS
-from tests.conftest import Workers
 from tests.evidence_run import run_evidence
 from tests.nemo_gym_head import StandInHeadServer, as_nemo_gym
+from tests.runs import MakeRun
 
 pytestmark = [pytest.mark.integration, pytest.mark.peer]
 
@@ -110,7 +110,7 @@ def test_nemo_gym_reads_our_coverage_era_runs_and_agrees(tmp_path: Path) -> None
     import yaml
 
     from schemas import fields as F
-    from tests.conftest import demo_rows, read_jsonl, write_rows
+    from tests.helpers import demo_rows, read_jsonl, write_rows
     from tests.ops_helpers import cli
 
     gym = peer_venv()
@@ -204,13 +204,13 @@ def _nemo_findings(line: dict[str, Any]) -> list[tuple[str, Any]]:
 
 @pytest.mark.timeout(2400)
 def test_nemo_gym_sees_the_intermediate_call_faults_its_checks_read(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, tmp_path: Path
 ) -> None:
     """Issue 40, acceptance 2: a run whose rollouts make 3-8 model calls, some intermediate
     ones cut or empty: NeMo Gym 0.7.0's own health check on a copy of its rollouts agrees with
     ours on every check both have, call by call."""
     gym = peer_venv()
-    run = run_evidence(redis_url, workers, tmp_path)
+    run = run_evidence(make_run)
     assert run.code == 0
     peer_dir = tmp_path / "peer"
     peer_dir.mkdir()

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import termios
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +25,13 @@ import pytest
 import redis
 
 from examples.agent_server import AgentKnobs
-from examples.servers import RunningServers, start_servers
-from examples.tasks import make_row
+from examples.servers import RunningServers
 from infra.embedded import EmbeddedRedis, free_port
 from producer.shard.celery_client import client_app
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.cluster import ExampleServers, StartWorkers
+from tests.helpers import demo_rows, math_rows, read_jsonl, write_rows
+from tests.ops_helpers import run_split
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
@@ -52,6 +53,13 @@ def run_args(config_file: str, tmp_path: Path, n: int = 6, out: str = "run") -> 
     return ["run", "--config", config_file, "--input", rows, "--output-dir", str(tmp_path / out)]
 
 
+def no_wait_run(
+    config_file: str, tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`rollouts run` of 6 demo rows into `run` with `args`, without waiting for the run."""
+    return cli(*run_args(config_file, tmp_path), *args, "--no-wait", env=env)
+
+
 def one_line_refusal(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -62,19 +70,17 @@ def one_line_refusal(proc: subprocess.CompletedProcess[str], *fragments: str) ->
 
 
 @pytest.fixture
-def password_redis() -> Iterator[str]:
-    """A private Redis that requires the password `right`; yields its port as a string."""
-    with EmbeddedRedis() as server:
-        redis.Redis.from_url(server.url).config_set("requirepass", "right")
-        yield str(server.port)
+def password_redis(private_redis: EmbeddedRedis) -> str:
+    """A private Redis that requires the password `right`; its port as a string."""
+    redis.Redis.from_url(private_redis.url).config_set("requirepass", "right")
+    return str(private_redis.port)
 
 
 def test_run_refuses_a_broker_nobody_listens_on(
     config_file: str, tmp_path: Path, servers: RunningServers
 ) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
-    proc = cli(*run_args(config_file, tmp_path), "--broker", url, "--no-wait")
-    one_line_refusal(proc, "--broker", url)
+    one_line_refusal(no_wait_run(config_file, tmp_path, "--broker", url), "--broker", url)
     assert not (tmp_path / "run").exists()
 
 
@@ -82,19 +88,16 @@ def test_run_refuses_a_wrong_password_masked(
     config_file: str, tmp_path: Path, password_redis: str, servers: RunningServers
 ) -> None:
     url = f"redis://:wrong-secret@127.0.0.1:{password_redis}/0"
-    proc = cli(*run_args(config_file, tmp_path), "--broker", url, "--no-wait")
+    proc = no_wait_run(config_file, tmp_path, "--broker", url)
     one_line_refusal(proc, "--broker", f"redis://:***@127.0.0.1:{password_redis}/0")
     assert "wrong-secret" not in proc.stdout + proc.stderr
     assert not (tmp_path / "run").exists()
     # A wrong Redis given with --redis is named as --redis; so is one from the environment.
     good = f"redis://:right@127.0.0.1:{password_redis}/0"
-    proc = cli(*run_args(config_file, tmp_path), "--broker", good, "--redis", url, "--no-wait")
+    proc = no_wait_run(config_file, tmp_path, "--broker", good, "--redis", url)
     one_line_refusal(proc, "--redis", "***")
-    proc = cli(
-        *run_args(config_file, tmp_path), "--no-wait",
-        env={"ROLLOUTS_BROKER_URL": good, "ROLLOUTS_REDIS_URL": url},
-    )  # fmt: skip
-    one_line_refusal(proc, "ROLLOUTS_REDIS_URL", "***")
+    env = {"ROLLOUTS_BROKER_URL": good, "ROLLOUTS_REDIS_URL": url}
+    one_line_refusal(no_wait_run(config_file, tmp_path, env=env), "ROLLOUTS_REDIS_URL", "***")
     assert not (tmp_path / "run").exists()
 
 
@@ -102,12 +105,10 @@ def test_an_amqp_broker_without_redis_says_to_pass_redis(
     config_file: str, tmp_path: Path, redis_url: str, servers: RunningServers
 ) -> None:
     amqp = f"amqp://guest:guest@127.0.0.1:{free_port()}//"
-    proc = cli(*run_args(config_file, tmp_path), "--broker", amqp, "--no-wait")
+    proc = no_wait_run(config_file, tmp_path, "--broker", amqp)
     one_line_refusal(proc, "--broker", "amqp://guest:***@", "--redis URL")
     # With a Redis that answers, the AMQP broker itself is checked: nothing listens there.
-    proc = cli(
-        *run_args(config_file, tmp_path), "--broker", amqp, "--redis", redis_url, "--no-wait"
-    )
+    proc = no_wait_run(config_file, tmp_path, "--broker", amqp, "--redis", redis_url)
     one_line_refusal(proc, "--broker", "cannot reach this broker")
     assert not (tmp_path / "run").exists()
 
@@ -115,7 +116,7 @@ def test_an_amqp_broker_without_redis_says_to_pass_redis(
 def test_resume_refuses_an_unusable_cluster_and_writes_nothing(
     config_file: str, tmp_path: Path, redis_url: str, servers: RunningServers
 ) -> None:
-    proc = cli(*run_args(config_file, tmp_path), "--broker", redis_url, "--no-wait")
+    proc = no_wait_run(config_file, tmp_path, "--broker", redis_url)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = tmp_path / "run"
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
@@ -127,20 +128,11 @@ def test_resume_refuses_an_unusable_cluster_and_writes_nothing(
     assert len(manifest["generations"]) == 1
 
 
-@pytest.fixture
-def faulty_servers() -> Iterator[RunningServers]:
-    """The demo servers with agents that answer HTTP 500 to half the /run calls."""
-    running = start_servers(knobs=AgentKnobs(fault_rate=0.5, seed=7))
-    yield running
-    running.stop()
-
-
 def test_fail_on_unhealthy_gates_run_and_health_check(
-    redis_url: str, workers: Workers, faulty_servers: RunningServers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
-    workers.start(count=1, concurrency=16)
-    workers.wait_ready()
-    config = faulty_servers.write_config(str(tmp_path / "servers.yaml"))
+    # The demo servers with agents that answer HTTP 500 to half the /run calls.
+    config = make_run(knobs=AgentKnobs(fault_rate=0.5, seed=7), concurrency=16).config
     args = run_args(config, tmp_path, n=12)
     limit = ["--route-failures-to-sidecar", "+max_failed_rollouts=1", "--broker", redis_url]
     proc = cli(*args, *limit, "+fail_on_unhealthy=true")
@@ -181,8 +173,9 @@ def manifest_of(run_dir: Path) -> dict[str, Any]:
 
 
 def test_resume_status_cancel_find_the_run_cluster_in_the_manifest(
-    config_file: str, tmp_path: Path, redis_url: str, workers: Workers, servers: RunningServers
-) -> None:
+    config_file: str, tmp_path: Path, redis_url: str, start_workers: StartWorkers,
+    servers: RunningServers,
+) -> None:  # fmt: skip
     run_dir = tmp_path / "run"
     proc = cli(*run_args(config_file, tmp_path, n=10), "--broker", redis_url, "--no-wait")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -195,8 +188,7 @@ def test_resume_status_cancel_find_the_run_cluster_in_the_manifest(
     # No worker has taken a task yet: the cancel (no --broker) reaches the recorded Redis.
     proc = cli("cancel", str(run_dir))
     assert proc.returncode == 0 and "cancelling" in proc.stdout, proc.stdout + proc.stderr
-    workers.start(count=1, concurrency=8)
-    workers.wait_ready()
+    start_workers()
     deadline = time.monotonic() + 60
     while manifest_of(run_dir)["state"] == "running" and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -259,7 +251,7 @@ def test_a_masked_recorded_redis_asks_for_the_flags(
 ) -> None:
     url = f"redis://:right@127.0.0.1:{password_redis}/0"
     run_dir = tmp_path / "run"
-    proc = cli(*run_args(config_file, tmp_path), "--broker", url, "--no-wait")
+    proc = no_wait_run(config_file, tmp_path, "--broker", url)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     before = (run_dir / "rollouts-0_manifest.json").read_bytes()
     assert b"right" not in before
@@ -276,20 +268,13 @@ def test_a_masked_recorded_redis_asks_for_the_flags(
     assert proc.returncode == 0 and "cancelling" in proc.stdout, proc.stdout + proc.stderr
 
 
-@pytest.fixture
-def failing_agents() -> Iterator[RunningServers]:
-    """The demo servers with agents that answer every /run with HTTP 500."""
-    running = start_servers(knobs=AgentKnobs(fault_rate=1.0))
-    yield running
-    running.stop()
-
-
 def test_nemo_gym_readers_find_their_files(
-    redis_url: str, workers: Workers, failing_agents: RunningServers, servers: RunningServers,
-    config_file: str, tmp_path: Path,
+    redis_url: str, start_workers: StartWorkers, example_servers: ExampleServers,
+    servers: RunningServers, config_file: str, tmp_path: Path,
 ) -> None:  # fmt: skip
-    workers.start(count=1, concurrency=8)
-    workers.wait_ready()
+    # The demo servers with agents that answer every /run with HTTP 500.
+    failing_agents = example_servers(knobs=AgentKnobs(fault_rate=1.0))
+    start_workers()
     # A failed run with nothing landed still has its (empty) rollouts file.
     config = failing_agents.write_config(str(tmp_path / "failing.yaml"))
     proc = cli(*run_args(config, tmp_path, n=4, out="failed"), "--broker", redis_url)
@@ -322,12 +307,11 @@ def test_nemo_gym_readers_find_their_files(
 
 
 def test_two_rollouts_workers_on_one_host_have_their_own_node_names(
-    redis_url: str, workers: Workers
+    redis_url: str, start_workers: StartWorkers
 ) -> None:
     command = [sys.executable, "-m", "producer.cli", "worker", "--broker", redis_url,
                "--concurrency", "2"]  # fmt: skip
-    workers.start(count=2, command=command)
-    workers.wait_ready()
+    workers = start_workers(count=2, command=command)
     app = client_app(redis_url, redis_url)
     names: set[str] = set()
     deadline = time.monotonic() + 30
@@ -372,18 +356,13 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
 
 
 def test_status_watch_fits_80_columns_with_bar_rate_and_eta(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
-    slow = start_servers(knobs=AgentKnobs(latency_ms=250))
-    try:
-        workers.start(count=1, concurrency=2)
-        workers.wait_ready()
-        config = slow.write_config(str(tmp_path / "servers.yaml"))
-        proc = cli(*run_args(config, tmp_path, n=40), "--broker", redis_url, "--no-wait")
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        screen = run_in_terminal(["status", str(tmp_path / "run"), "--watch", "--interval", "0.3"])
-    finally:
-        slow.stop()
+    slow = make_run(knobs=AgentKnobs(latency_ms=250), concurrency=2)
+    proc = cli(*run_args(slow.config, tmp_path, n=40), "--broker", redis_url, "--no-wait")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    screen = run_in_terminal(["status", str(tmp_path / "run"), "--watch", "--interval", "0.3"])
+    slow.servers.stop()
     (tmp_path / "screen.txt").write_text(screen)  # what the terminal drew, to look at
     lines = [line for line in re.split(r"[\r\n]", ANSI.sub("", screen)) if line.strip()]
     assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
@@ -394,21 +373,13 @@ def test_status_watch_fits_80_columns_with_bar_rate_and_eta(
 
 
 def test_one_input_split_across_shards_merges_and_colliding_shards_are_refused(
-    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
+    redis_url: str, start_workers: StartWorkers, config_file: str, tmp_path: Path
 ) -> None:
-    workers.start(count=1, concurrency=16)
-    workers.wait_ready()
+    start_workers(concurrency=16)
     rows = write_rows(tmp_path / "rows.jsonl", demo_rows(8))
-    for index in (0, 1):
-        proc = cli(
-            "run", "--config", config_file, "--input", rows, "--output-dir",
-            str(tmp_path / "split" / str(index)), "--num-shards", "2", "--shard-index", str(index),
-            "--num-repeats", "2", "--broker", redis_url,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        planned = read_jsonl(
-            tmp_path / "split" / str(index) / f"rollouts-{index}_materialized_inputs.jsonl"
-        )
+    shards = run_split(config_file, rows, tmp_path, redis_url, "--num-repeats", "2")
+    for index, out in enumerate(shards):
+        planned = read_jsonl(out / f"rollouts-{index}_materialized_inputs.jsonl")
         assert sorted({r["_ng_task_index"] for r in planned}) == list(range(index, 8, 2))
     merged = tmp_path / "merged"
     proc = cli(
@@ -438,15 +409,13 @@ def test_one_input_split_across_shards_merges_and_colliding_shards_are_refused(
 
 
 def test_status_and_cancel_reach_a_running_local_run_from_another_terminal(
-    tmp_path: Path,
+    example_servers: ExampleServers, tmp_path: Path
 ) -> None:
-    slow = start_servers({"math_agent": "math_env"}, AgentKnobs(latency_ms=1500))
+    slow = example_servers({"math_agent": "math_env"}, AgentKnobs(latency_ms=1500))
     runtime = tmp_path / "runtime"
     env = {"XDG_RUNTIME_DIR": str(runtime)}
     run_dir = tmp_path / "run"
-    rows = write_rows(
-        tmp_path / "rows.jsonl", [make_row("arithmetic", i, "math_agent") for i in range(60)]
-    )
+    rows = write_rows(tmp_path / "rows.jsonl", math_rows(60))
     full = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")} | env
     config = slow.write_config(str(tmp_path / "servers.yaml"))
     with open(tmp_path / "run.log", "wb") as log:

@@ -16,17 +16,18 @@ import pytest
 from examples.agent_server import AgentKnobs
 from examples.servers import start_servers
 from infra.embedded import EmbeddedRedis
-from tests.conftest import Workers, demo_rows
-from tests.integration.test_recovery import (
+from tests.cluster import Workers
+from tests.helpers import demo_rows
+from tests.netns_hosts import SERVICE_ADDRESS, TestHosts
+from tests.ops_helpers import (
     ENV,
     LEASE_TTL_S,
     landed_lines,
     results_once,
     snapshot,
-    start_run,
+    wait_for,
 )
-from tests.netns_hosts import SERVICE_ADDRESS, TestHosts
-from tests.ops_helpers import wait_for
+from tests.runs import Run
 
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
 
@@ -39,17 +40,18 @@ def test_a_host_cut_off_mid_run_is_taken_over_and_its_late_outcomes_change_nothi
     server.start()
     servers = start_servers(knobs=AgentKnobs(latency_ms=400), host=SERVICE_ADDRESS)
     workers = Workers(server.url, tmp_path)
+    run = Run(servers, server.url, tmp_path, workers)
+    out = run.out
     try:
         for i in (1, 2, 3):
-            workers.start(count=1, concurrency=8, env=ENV, prefix=hosts.prefix(i))
+            workers.start(env=ENV, prefix=hosts.prefix(i), wait=False)
         workers.wait_ready()
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        run, out = start_run(tmp_path, server.url, demo_rows(150), config)
+        producer = run.start(demo_rows(150), "+route_failures_to_sidecar=true")
         wait_for(lambda: landed_lines(out) >= 30, 60, "30 results")
         hosts.cut(1)
         try:
-            code = run.wait(180)
-            assert code == 0, (tmp_path / "run.log").read_text()
+            code = producer.wait(180)
+            assert code == 0, run.log()
             before = snapshot(out)
         finally:
             hosts.restore(1)
@@ -68,6 +70,7 @@ def test_a_host_cut_off_mid_run_is_taken_over_and_its_late_outcomes_change_nothi
         others = workers.logs[1].read_text() + workers.logs[2].read_text()
         assert "went silent; published it again" in others
     finally:
+        run.stop_producers()
         workers.stop()
         servers.stop()
         server.close()

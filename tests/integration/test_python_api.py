@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from examples.agent_server import AgentKnobs
-from examples.servers import RunningServers, start_servers
+from examples.servers import RunningServers
 from examples.tasks import make_row
 from producer import (
     RolloutFailedError,
@@ -32,8 +32,10 @@ from schemas import fields as F
 from schemas.errors import PlanningError, UsageError
 from schemas.messages import QUEUE
 from schemas.settings import CollectionSettings
-from tests.conftest import ROOT, Workers, agent_stats, read_object_jsonl
+from tests.api_helpers import first, first_then_close
+from tests.helpers import ROOT, agent_stats, read_object_jsonl
 from tests.ops_helpers import cli, manifest, request_log, wait_for
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
@@ -55,36 +57,42 @@ def key(row: dict[str, Any]) -> tuple[int, int]:
     return F.rollout_key(row)
 
 
-def math_agent(tmp_path: Path, latency_ms: float = 0.0) -> RunningServers:
+def math_agent(
+    make_run: MakeRun,
+    tmp_path: Path,
+    latency_ms: float = 0.0,
+    workers: int = 1,
+    concurrency: int = 8,
+) -> RunningServers:
+    """The math agent alone, logging its requests to `agent.log`, and `workers` started."""
     log = str(tmp_path / "agent.log")
-    return start_servers({"math_agent": "math_env"}, AgentKnobs(latency_ms, request_log=log))
+    knobs = AgentKnobs(latency_ms, request_log=log)
+    return make_run(
+        {"math_agent": "math_env"}, knobs, workers=workers, concurrency=concurrency
+    ).servers
 
 
 def test_results_arrive_in_completion_order(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
-    servers = math_agent(tmp_path)
-    try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
-        rows = planned(servers, 6)
-        for i, row in enumerate(rows):  # row 0 is the slow one; the others finish in their order
-            row["agent_latency_ms"] = 1500 if i == 0 else 150 * i
+    servers = math_agent(make_run, tmp_path)
+    rows = planned(servers, 6)
+    for i, row in enumerate(rows):  # row 0 is the slow one; the others finish in their order
+        row["agent_latency_ms"] = 1500 if i == 0 else 150 * i
 
-        async def consume() -> list[tuple[dict[str, Any], Any]]:
-            completions = run_examples(
-                rows, servers.config(), broker_url=redis_url, enrich_results=True
-            )
-            try:
-                return [await future for future in completions]
-            finally:
-                await completions.aclose()
+    async def consume() -> list[tuple[dict[str, Any], Any]]:
+        completions = run_examples(
+            rows, servers.config(), broker_url=redis_url, enrich_results=True
+        )
+        try:
+            return [await future for future in completions]
+        finally:
+            await completions.aclose()
 
-        got = asyncio.run(consume())
-        time.sleep(0.2)  # the workers' batched slot releases
-        left = redis.Redis.from_url(redis_url).keys("rollouts:*")
-    finally:
-        servers.stop()
+    got = asyncio.run(consume())
+    time.sleep(0.2)  # the workers' batched slot releases
+    left = redis.Redis.from_url(redis_url).keys("rollouts:*")
+    servers.stop()
     assert [row[F.TASK_INDEX] for row, _ in got] == [1, 2, 3, 4, 5, 0]
     assert left == []  # a call that settled every row leaves no state in Redis
     for row, result in got:
@@ -97,42 +105,32 @@ def test_results_arrive_in_completion_order(
 
 
 def test_aclose_after_10_of_100_closes_running_calls_and_starts_nothing_more(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
-    servers = math_agent(tmp_path)
+    servers = math_agent(make_run, tmp_path)
     agent = servers.urls["math_agent"]
-    r = redis.Redis.from_url(redis_url)
-    try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
-        rows = planned(servers, 100)
-        with_latency(rows, fast=10)
+    rows = planned(servers, 100)
+    with_latency(rows, fast=10)
 
-        async def go() -> tuple[list[Any], float]:
-            completions = run_examples(rows, servers.config(), broker_url=redis_url)
-            got = []
-            for future in completions:
-                got.append(await future)
-                if len(got) == 10:
-                    break
-            # Every worker thread now holds a slow /run call.
-            await asyncio.to_thread(
-                wait_for, lambda: agent_stats(servers, "math_agent")["in_flight"] == 8, 30, "8"
-            )
-            await completions.aclose()
-            return got, time.time()
+    async def go() -> tuple[list[Any], float]:
+        completions = run_examples(rows, servers.config(), broker_url=redis_url)
+        got = await first(completions, 10)
+        # Every worker thread now holds a slow /run call.
+        await asyncio.to_thread(
+            wait_for, lambda: agent_stats(servers, "math_agent")["in_flight"] == 8, 30, "8"
+        )
+        await completions.aclose()
+        return got, time.time()
 
-        got, closed_at = asyncio.run(go())
-        stats = httpx.get(agent + "/stats").json()
-        wait_for(lambda: agent_stats(servers, "math_agent")["in_flight"] == 0, 5, "calls closed")
-        # The 82 rows still queued are taken by the worker and stop at admission.
-        wait_for(lambda: r.llen(QUEUE) == 0, 60, "the queue to empty")
-        time.sleep(1.0)
-        final = httpx.get(agent + "/stats").json()
-        ttls = {k: r.ttl(k) for k in r.keys("rollouts:*")}
-    finally:
-        servers.stop()
-        r.close()
+    got, closed_at = asyncio.run(go())
+    stats = httpx.get(agent + "/stats").json()
+    wait_for(lambda: agent_stats(servers, "math_agent")["in_flight"] == 0, 5, "calls closed")
+    # The 82 rows still queued are taken by the worker and stop at admission.
+    wait_for(lambda: r.llen(QUEUE) == 0, 60, "the queue to empty")
+    time.sleep(1.0)
+    final = httpx.get(agent + "/stats").json()
+    ttls = {k: r.ttl(k) for k in r.keys("rollouts:*")}
+    servers.stop()
     assert sorted(key(row) for row, _ in got) == [(i, 0) for i in range(10)]
     assert stats["requests"] == 18
     assert final["requests"] == 18 and final["cancelled"] == 8, final
@@ -144,36 +142,28 @@ def test_aclose_after_10_of_100_closes_running_calls_and_starts_nothing_more(
 
 
 def test_aclose_and_drain_returns_the_completed_unconsumed_outcomes_once(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
-    servers = math_agent(tmp_path)
-    try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
-        rows = planned(servers, 30)
-        with_latency(rows, fast=14)
+    servers = math_agent(make_run, tmp_path)
+    rows = planned(servers, 30)
+    with_latency(rows, fast=14)
 
-        def settled() -> bool:
-            stats = agent_stats(servers, "math_agent")
-            return bool(stats["completed"] == 14 and stats["in_flight"] == 8)
-
-        async def go() -> tuple[list[Any], list[Any], list[Any]]:
-            completions = run_examples(rows, servers.config(), broker_url=redis_url)
-            consumed = []
-            for future in completions:
-                consumed.append(await future)
-                if len(consumed) == 10:
-                    break
-            await asyncio.to_thread(wait_for, settled, 30, "14 completed and 8 running")
-            await asyncio.sleep(0.3)  # the 4 completed outcomes reach the caller
-            drained = [await f for f in await completions.aclose_and_drain()]
-            again = await completions.aclose_and_drain()
-            return consumed, drained, again
-
-        consumed, drained, again = asyncio.run(go())
+    def settled() -> bool:
         stats = agent_stats(servers, "math_agent")
-    finally:
-        servers.stop()
+        return bool(stats["completed"] == 14 and stats["in_flight"] == 8)
+
+    async def go() -> tuple[list[Any], list[Any], list[Any]]:
+        completions = run_examples(rows, servers.config(), broker_url=redis_url)
+        consumed = await first(completions, 10)
+        await asyncio.to_thread(wait_for, settled, 30, "14 completed and 8 running")
+        await asyncio.sleep(0.3)  # the 4 completed outcomes reach the caller
+        drained = [await f for f in await completions.aclose_and_drain()]
+        again = await completions.aclose_and_drain()
+        return consumed, drained, again
+
+    consumed, drained, again = asyncio.run(go())
+    stats = agent_stats(servers, "math_agent")
+    servers.stop()
     consumed_keys = {key(row) for row, _ in consumed}
     assert sorted(key(row) for row, _ in drained) == sorted(
         {(i, 0) for i in range(14)} - consumed_keys
@@ -184,29 +174,25 @@ def test_aclose_and_drain_returns_the_completed_unconsumed_outcomes_once(
 
 
 def test_max_resident_tasks_caps_rollouts_running_at_once(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
-    servers = math_agent(tmp_path, latency_ms=300)
-    try:
-        workers.start(count=1, concurrency=16)
-        workers.wait_ready()
-        rows = planned(servers, 24)
+    servers = math_agent(make_run, tmp_path, latency_ms=300, concurrency=16)
+    rows = planned(servers, 24)
 
-        async def go() -> tuple[int, list[Any]]:
-            completions = run_examples(
-                rows, servers.config(), broker_url=redis_url, max_resident_tasks=4
-            )
-            first = next(completions)
-            await asyncio.sleep(0.5)
-            before = agent_stats(servers, "math_agent")["requests"]
-            results = [await first] + [await future for future in completions]
-            await completions.aclose()
-            return before, results
+    async def go() -> tuple[int, list[Any]]:
+        completions = run_examples(
+            rows, servers.config(), broker_url=redis_url, max_resident_tasks=4
+        )
+        first = next(completions)
+        await asyncio.sleep(0.5)
+        before = agent_stats(servers, "math_agent")["requests"]
+        results = [await first] + [await future for future in completions]
+        await completions.aclose()
+        return before, results
 
-        before, results = asyncio.run(go())
-        stats = agent_stats(servers, "math_agent")
-    finally:
-        servers.stop()
+    before, results = asyncio.run(go())
+    stats = agent_stats(servers, "math_agent")
+    servers.stop()
     assert before == 0  # admission starts at the first await
     assert sorted(key(row) for row, _ in results) == [(i, 0) for i in range(24)]
     assert stats["requests"] == 24
@@ -214,44 +200,28 @@ def test_max_resident_tasks_caps_rollouts_running_at_once(
 
 
 def test_recorded_shard_passes_health_check_and_resume_runs_only_what_it_lacks(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
     # Rows without their own latency take the agent's (slow while recording, then instant).
-    servers = math_agent(tmp_path, latency_ms=SLOW_MS)
+    servers = math_agent(make_run, tmp_path, latency_ms=SLOW_MS)
     agent = servers.urls["math_agent"]
     out = tmp_path / "run"
-    try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
-        rows = planned(servers, 10, repeats=2)
-        for row in rows[:8]:
-            row["agent_latency_ms"] = 0
+    rows = planned(servers, 10, repeats=2)
+    for row in rows[:8]:
+        row["agent_latency_ms"] = 0
 
-        async def go() -> tuple[list[Any], Any]:
-            completions = run_examples(
-                rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
-                record_shard="step1", settings={"max_failed_fraction": 0.1},
-            )  # fmt: skip
-            got = []
-            try:
-                for future in completions:
-                    got.append(await future)
-                    if len(got) == 8:
-                        break
-            finally:
-                await completions.aclose()
-            return got, completions.finished
-
-        got, finished = asyncio.run(go())
-        status = cli("status", str(out), "--shard", "step1", "--json", "--redis", redis_url)
-        check = cli("health-check", str(out))
-        first_summary = orjson.loads((out / "quality_summary.json").read_bytes())["run"]
-        resumed_at = time.time()
-        httpx.post(agent + "/admin/knobs", json={"latency_ms": 0})
-        resume = cli("resume", str(out), "--shard", "step1", "--broker", redis_url)
-        recheck = cli("health-check", str(out))
-    finally:
-        servers.stop()
+    got, finished = first_then_close(
+        rows, servers.config(), 8, broker_url=redis_url, record_output_dir=str(out),
+        record_shard="step1", settings={"max_failed_fraction": 0.1},
+    )  # fmt: skip
+    status = cli("status", str(out), "--shard", "step1", "--json", "--redis", redis_url)
+    check = cli("health-check", str(out))
+    first_summary = orjson.loads((out / "quality_summary.json").read_bytes())["run"]
+    resumed_at = time.time()
+    httpx.post(agent + "/admin/knobs", json={"latency_ms": 0})
+    resume = cli("resume", str(out), "--shard", "step1", "--broker", redis_url)
+    recheck = cli("health-check", str(out))
+    servers.stop()
     m = manifest(out, "step1")
     materialized = [
         orjson.loads(x)
@@ -284,51 +254,47 @@ def test_recorded_shard_passes_health_check_and_resume_runs_only_what_it_lacks(
 
 
 def test_failures_become_records_or_errors_and_budget_drains_before_any_call(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
-    servers = math_agent(tmp_path)
+    servers = math_agent(make_run, tmp_path)
     config = servers.config()
-    try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
-        rows = planned(servers, 5)
-        for i, fault in {1: "http500", 2: "malformed", 3: "list", 4: "reset"}.items():
-            rows[i]["fault"] = {"kind": fault, "times": 99}
+    rows = planned(servers, 5)
+    for i, fault in {1: "http500", 2: "malformed", 3: "list", 4: "reset"}.items():
+        rows[i]["fault"] = {"kind": fault, "times": 99}
 
-        async def outcomes() -> list[Any]:
-            it = run_outcomes(
-                rows, config, broker_url=redis_url, retry_requests=False, run_id="trainer-7"
-            )
-            try:
-                return [pair async for pair in it]
-            finally:
-                await it.aclose()
+    async def outcomes() -> list[Any]:
+        it = run_outcomes(
+            rows, config, broker_url=redis_url, retry_requests=False, run_id="trainer-7"
+        )
+        try:
+            return [pair async for pair in it]
+        finally:
+            await it.aclose()
 
-        async def examples() -> list[Any]:
-            completions = run_examples(rows, config, broker_url=redis_url)
-            try:
-                return await asyncio.gather(*completions, return_exceptions=True)
-            finally:
-                await completions.aclose()
+    async def examples() -> list[Any]:
+        completions = run_examples(rows, config, broker_url=redis_url)
+        try:
+            return await asyncio.gather(*completions, return_exceptions=True)
+        finally:
+            await completions.aclose()
 
-        async def drained(records: bool) -> list[Any]:
-            call: Callable[..., Any] = run_outcomes if records else run_examples
-            it = call(rows, config, broker_url=redis_url, dispatch_budget_s=0)
-            try:
-                return [pair async for pair in it] if records else [await f for f in it]
-            finally:
-                await it.aclose()
+    async def drained(records: bool) -> list[Any]:
+        call: Callable[..., Any] = run_outcomes if records else run_examples
+        it = call(rows, config, broker_url=redis_url, dispatch_budget_s=0)
+        try:
+            return [pair async for pair in it] if records else [await f for f in it]
+        finally:
+            await it.aclose()
 
-        got = {key(row): result for row, result in asyncio.run(outcomes())}
-        raised = asyncio.run(examples())
-        requests = agent_stats(servers, "math_agent")["requests"]
-        budget_rows = asyncio.run(drained(False))
-        budget_records = asyncio.run(drained(True))
-        with pytest.raises(PlanningError) as bad:
-            run_examples([{"agent_ref": {"name": "math_agnt"}}, rows[0]], config)
-        after = agent_stats(servers, "math_agent")["requests"]
-    finally:
-        servers.stop()
+    got = {key(row): result for row, result in asyncio.run(outcomes())}
+    raised = asyncio.run(examples())
+    requests = agent_stats(servers, "math_agent")["requests"]
+    budget_rows = asyncio.run(drained(False))
+    budget_records = asyncio.run(drained(True))
+    with pytest.raises(PlanningError) as bad:
+        run_examples([{"agent_ref": {"name": "math_agnt"}}, rows[0]], config)
+    after = agent_stats(servers, "math_agent")["requests"]
+    servers.stop()
     assert "reward" in got[(0, 0)]
     records = {k: v for k, v in got.items() if isinstance(v, RolloutFailureRecord)}
     assert sorted(records) == [(1, 0), (2, 0), (3, 0), (4, 0)]
@@ -384,28 +350,24 @@ def test_example_trainer_loop_stops_early() -> None:
 
 
 def test_a_fully_consumed_call_records_a_completed_shard_on_s3(
-    redis_url: str, workers: Workers, tmp_path: Path, s3_bucket: str
+    make_run: MakeRun, redis_url: str, tmp_path: Path, s3_bucket: str
 ) -> None:
-    servers = math_agent(tmp_path)
+    servers = math_agent(make_run, tmp_path)
     out = f"{s3_bucket}/runs/api"
-    try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
-        rows = planned(servers, 3, repeats=2)
+    rows = planned(servers, 3, repeats=2)
 
-        async def go() -> tuple[list[Any], Any]:
-            completions = run_examples(
-                rows, servers.config(), broker_url=redis_url, record_output_dir=out,
-                settings={"max_failed_fraction": 0.1},
-            )  # fmt: skip
-            got = [await future for future in completions]
-            await completions.aclose()
-            return got, completions.finished
+    async def go() -> tuple[list[Any], Any]:
+        completions = run_examples(
+            rows, servers.config(), broker_url=redis_url, record_output_dir=out,
+            settings={"max_failed_fraction": 0.1},
+        )  # fmt: skip
+        got = [await future for future in completions]
+        await completions.aclose()
+        return got, completions.finished
 
-        got, finished = asyncio.run(go())
-        check = cli("health-check", out)
-    finally:
-        servers.stop()
+    got, finished = asyncio.run(go())
+    check = cli("health-check", out)
+    servers.stop()
     assert len(got) == 6 and finished is not None and finished["state"] == "completed"
     assert finished["health"]["healthy"] is True
     results = read_object_jsonl(out, "rollouts-0.jsonl")  # one plain object, compacted
@@ -418,29 +380,25 @@ def test_a_fully_consumed_call_records_a_completed_shard_on_s3(
 
 
 def test_a_reply_too_deep_to_store_is_a_result_not_stored_failure_recorded_or_not(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(deep_reply_every=2))
+    servers = make_run({"math_agent": "math_env"}, AgentKnobs(deep_reply_every=2)).servers
     config = servers.config()
     out = tmp_path / "recorded"
-    try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
-        rows = planned(servers, 4)
+    rows = planned(servers, 4)
 
-        async def outcomes(**recording: Any) -> dict[tuple[int, int], Any]:
-            it = run_outcomes(rows, config, broker_url=redis_url, **recording)
-            try:
-                return {key(row): result async for row, result in it}
-            finally:
-                await it.aclose()
+    async def outcomes(**recording: Any) -> dict[tuple[int, int], Any]:
+        it = run_outcomes(rows, config, broker_url=redis_url, **recording)
+        try:
+            return {key(row): result async for row, result in it}
+        finally:
+            await it.aclose()
 
-        unrecorded = asyncio.run(asyncio.wait_for(outcomes(), 120))
-        recorded = asyncio.run(
-            asyncio.wait_for(outcomes(record_output_dir=str(out), record_shard="deep"), 120)
-        )
-    finally:
-        servers.stop()
+    unrecorded = asyncio.run(asyncio.wait_for(outcomes(), 120))
+    recorded = asyncio.run(
+        asyncio.wait_for(outcomes(record_output_dir=str(out), record_shard="deep"), 120)
+    )
+    servers.stop()
     for got in (unrecorded, recorded):
         assert sorted(got) == [(0, 0), (1, 0), (2, 0), (3, 0)]  # every rollout has its outcome
         assert "reward" in got[(1, 0)] and "reward" in got[(3, 0)]
@@ -456,28 +414,26 @@ def test_a_reply_too_deep_to_store_is_a_result_not_stored_failure_recorded_or_no
 
 
 def test_an_unreachable_cluster_is_one_usage_error_before_anything_is_dispatched(
-    redis_url: str, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
-    servers = math_agent(tmp_path)
-    try:
-        rows = planned(servers, 2)
-        with socket.socket() as s:  # a port nothing listens on
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dead = f"redis://:hunter2@127.0.0.1:{port}/0"
-        out = tmp_path / "run"
-        with pytest.raises(UsageError) as info:
-            run_examples(rows, servers.config(), broker_url=dead, record_output_dir=str(out))
-        message = str(info.value)
-        assert message.startswith(f"broker_url= redis://:***@127.0.0.1:{port}/0: cannot use this")
-        assert "hunter2" not in message and "\n" not in message
-        with pytest.raises(UsageError, match=r"^redis_url= redis://127\.0\.0\.1:\d+/0: cannot"):
-            run_examples(
-                rows, servers.config(), broker_url=redis_url,
-                redis_url=f"redis://127.0.0.1:{port}/0",
-            )  # fmt: skip
-        assert not out.exists()
-        assert redis.Redis.from_url(redis_url).llen(QUEUE) == 0
-        assert agent_stats(servers, "math_agent")["requests"] == 0
-    finally:
-        servers.stop()
+    servers = math_agent(make_run, tmp_path, workers=0)
+    rows = planned(servers, 2)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = f"redis://:hunter2@127.0.0.1:{port}/0"
+    out = tmp_path / "run"
+    with pytest.raises(UsageError) as info:
+        run_examples(rows, servers.config(), broker_url=dead, record_output_dir=str(out))
+    message = str(info.value)
+    assert message.startswith(f"broker_url= redis://:***@127.0.0.1:{port}/0: cannot use this")
+    assert "hunter2" not in message and "\n" not in message
+    with pytest.raises(UsageError, match=r"^redis_url= redis://127\.0\.0\.1:\d+/0: cannot"):
+        run_examples(
+            rows, servers.config(), broker_url=redis_url,
+            redis_url=f"redis://127.0.0.1:{port}/0",
+        )  # fmt: skip
+    assert not out.exists()
+    assert redis.Redis.from_url(redis_url).llen(QUEUE) == 0
+    assert agent_stats(servers, "math_agent")["requests"] == 0
+    servers.stop()

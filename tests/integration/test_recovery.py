@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import signal
 import subprocess
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,31 +25,32 @@ from celery import Celery
 from kombu.connection import Connection
 
 from examples.agent_server import AgentKnobs
-from examples.servers import start_servers
-from examples.tasks import make_row
 from infra import keys
 from infra.store import RunDir
 from schemas import fields as F
 from schemas.messages import QUEUE
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.helpers import demo_rows, math_rows, read_jsonl
 from tests.ops_helpers import (
+    ENV,
+    LEASE_TTL_S,
     cli,
     cli_background,
     key,
+    landed_lines,
     manifest,
     requests_per_key,
+    results_once,
     rows_by_key,
+    snapshot,
     wait_for,
 )
+from tests.runs import MakeRun, Run
 from workers.redispatch import CollectTaskMessage, UnackedSweep, publish_collect
 from workers.rollout.admission import Gate
 from workers.rollout.leases import Lease, ReplyPush, RolloutLeases, Settled
 from workers.shard.leases import lease_rows
 
 pytestmark = pytest.mark.integration
-
-LEASE_TTL_S = 3.0
-ENV = {"ROLLOUTS_LEASE_TTL_S": str(LEASE_TTL_S)}
 
 
 def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
@@ -197,41 +196,13 @@ def as_key(member: str) -> tuple[int, int]:
     return int(task), int(rollout)
 
 
-def results_once(out: Path, planned: int) -> None:
-    landed = Counter(key(r) for r in read_jsonl(out / "rollouts-0.jsonl"))
-    assert len(landed) == planned, f"{planned - len(landed)} rollouts did not land"
-    assert max(landed.values()) == 1, "a rollout landed twice"
-
-
-def snapshot(out: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(out.rglob("*"))
-        if p.is_file()
-    }
-
-
-def start_run(
-    tmp_path: Path, url: str, rows: list[dict[str, Any]], config: str, *extra: str
-) -> tuple[Any, Path]:
-    out = tmp_path / "run"
-    run = cli_background(
-        "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
-        "--output-dir", str(out), "--broker", url, "+route_failures_to_sidecar=true", *extra,
-        log=tmp_path / "run.log",
-    )  # fmt: skip
-    return run, out
-
-
-def landed_lines(out: Path) -> int:
-    path = out / "rollouts-0.jsonl"
-    return path.read_bytes().count(b"\n") if path.exists() else 0
+ON_SIDECAR = "+route_failures_to_sidecar=true"
 
 
 @contextlib.contextmanager
 def mid_run(
-    tmp_path: Path, redis_url: str, workers: Workers, planned: int, settle_s: float = 0.2
-) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    make_run: MakeRun, planned: int, settle_s: float = 0.2
+) -> Iterator[tuple[Run, subprocess.Popen[bytes]]]:
     """Two workers of 8 threads running `planned` rollouts of 400 ms, 30 of them landed.
 
     It yields `settle_s` after a batch landed: 0.2 s is mid-call; 0 is while the workers
@@ -239,32 +210,30 @@ def mid_run(
     then a second round trip recording the message as unacknowledged) would lose a message to a
     kill; ours pops and records in one script (docs/explanation/recovery.md, "Popped, never recorded").
     """
-    servers = start_servers(knobs=AgentKnobs(latency_ms=400))
+    run = make_run(knobs=AgentKnobs(latency_ms=400), workers=2, env=ENV)
     try:
-        workers.start(count=2, concurrency=8, env=ENV)
-        workers.wait_ready()
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        run, out = start_run(tmp_path, redis_url, demo_rows(planned), config)
-        wait_for(lambda: landed_lines(out) >= 30, 60, "30 results")
+        producer = run.start(demo_rows(planned), ON_SIDECAR)
+        wait_for(lambda: landed_lines(run.out) >= 30, 60, "30 results")
         time.sleep(settle_s)
-        yield run, out
+        yield run, producer
     finally:
-        servers.stop()
+        run.servers.stop()
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("settle_s", [0.2, 0.0], ids=["mid-call", "between-messages"])
 def test_a_sigkilled_worker_s_rollouts_are_taken_over_and_the_run_finishes_by_itself(
-    redis_url: str, workers: Workers, tmp_path: Path, settle_s: float
+    make_run: MakeRun, settle_s: float
 ) -> None:
-    with mid_run(tmp_path, redis_url, workers, 120, settle_s) as (run, out):
+    with mid_run(make_run, 120, settle_s) as (run, producer):
+        workers = run.workers
         workers.procs[0].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         workers.procs[0].wait(10)
-        code = run.wait(150)
+        code = producer.wait(150)
         after_kill = time.monotonic() - killed
-    assert code == 0, (tmp_path / "run.log").read_text()
-    results_once(out, 120)
+    assert code == 0, run.log()
+    results_once(run.out, 120)
     # The acceptance bound: lease TTL + the longest rollout + 30 s after the kill.
     print(f"run finished {after_kill:.1f}s after the SIGKILL (lease TTL {LEASE_TTL_S:g}s)")
     assert "went silent; published it again" in workers.logs[1].read_text()
@@ -272,18 +241,19 @@ def test_a_sigkilled_worker_s_rollouts_are_taken_over_and_the_run_finishes_by_it
 
 @pytest.mark.timeout(180)
 def test_a_frozen_worker_is_taken_over_and_changes_no_file_when_it_wakes(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun,
 ) -> None:
-    with mid_run(tmp_path, redis_url, workers, 120) as (run, out):
-        frozen = workers.procs[0]
+    with mid_run(make_run, 120) as (run, producer):
+        out = run.out
+        frozen = run.workers.procs[0]
         frozen.send_signal(signal.SIGSTOP)
         try:
-            code = run.wait(150)
-            assert code == 0, (tmp_path / "run.log").read_text()
+            code = producer.wait(150)
+            assert code == 0, run.log()
             before = snapshot(out)
         finally:
             frozen.send_signal(signal.SIGCONT)
-        log = workers.logs[0]
+        log = run.workers.logs[0]
 
         def tried() -> bool:
             return "this attempt was taken over" in log.read_text(errors="replace")
@@ -300,21 +270,17 @@ def test_a_frozen_worker_is_taken_over_and_changes_no_file_when_it_wakes(
 
 @pytest.mark.timeout(120)
 def test_rollouts_longer_than_the_visibility_timeout_run_once_each(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, tmp_path: Path
 ) -> None:
     log = tmp_path / "requests.jsonl"
-    servers = start_servers(knobs=AgentKnobs(latency_ms=6000, request_log=str(log)))
     # The broker redelivers every unacknowledged message after 2 s; each rollout takes 6 s.
     env = {**ENV, "ROLLOUTS_VISIBILITY_TIMEOUT_S": "2"}
-    try:
-        workers.start(count=2, concurrency=8, env=env)
-        workers.wait_ready()
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        run, out = start_run(tmp_path, redis_url, demo_rows(6), config)
-        code = run.wait(90)
-    finally:
-        servers.stop()
-    assert code == 0, (tmp_path / "run.log").read_text()
+    knobs = AgentKnobs(latency_ms=6000, request_log=str(log))
+    run = make_run(knobs=knobs, workers=2, env=env)
+    out, workers = run.out, run.workers
+    code = run.start(demo_rows(6), ON_SIDECAR).wait(90)
+    run.servers.stop()
+    assert code == 0, run.log()
     results_once(out, 6)
     assert set(requests_per_key(log).values()) == {1}, requests_per_key(log)
     assert not (out / "rollouts-0_failures.jsonl").exists() or not [
@@ -327,81 +293,75 @@ def test_rollouts_longer_than_the_visibility_timeout_run_once_each(
 
 @contextlib.contextmanager
 def one_waiting_ahead(
-    tmp_path: Path, redis_url: str, workers: Workers, latency_ms: float
-) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
-    """A run of 3 rollouts on one worker of 2 slots: it yields (the producer, the run directory,
-    the agent's request log) once two calls are in flight and the third message is out of the
+    make_run: MakeRun, r: redis.Redis, latency_ms: float
+) -> Iterator[tuple[Run, subprocess.Popen[bytes], Path]]:
+    """A run of 3 rollouts on one worker of 2 slots: it yields (the run, its producer, the
+    agent's request log) once two calls are in flight and the third message is out of the
     queue, taken ahead by the worker (`workers/pool.py`) and waiting for a slot."""
-    log = tmp_path / "requests.jsonl"
-    servers = start_servers(knobs=AgentKnobs(latency_ms=latency_ms, request_log=str(log)))
-    r = redis.Redis.from_url(redis_url)
+    log = make_run.folder / "requests.jsonl"
+    run = make_run(
+        knobs=AgentKnobs(latency_ms=latency_ms, request_log=str(log)), concurrency=2, env=ENV
+    )
     try:
-        workers.start(count=1, concurrency=2, env=ENV)
-        workers.wait_ready()
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        run, out = start_run(tmp_path, redis_url, demo_rows(3), config)
+        producer = run.start(demo_rows(3), ON_SIDECAR)
         wait_for(lambda: sum(requests_per_key(log).values()) >= 2, 30, "two calls")
         time.sleep(0.5)
         assert sum(requests_per_key(log).values()) == 2 and r.llen(QUEUE) == 0
-        yield run, out, log
+        yield run, producer, log
     finally:
-        servers.stop()
-        r.close()
+        run.servers.stop()
 
 
 @pytest.mark.timeout(120)
 def test_a_delivery_taken_ahead_waits_for_its_slot_without_being_swept_as_a_frozen_worker_s(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, r: redis.Redis
 ) -> None:
     """The delivery taken ahead waits 6 s for a slot with no lease: twice the lease TTL after
     which the sweep publishes again a message a silent worker took and never started. The
     worker keeps marking it held, so it is not published again; each rollout is requested once."""
-    with one_waiting_ahead(tmp_path, redis_url, workers, 6000) as (run, out, log):
-        code = run.wait(90)
-    assert code == 0, (tmp_path / "run.log").read_text()
-    results_once(out, 3)
+    with one_waiting_ahead(make_run, r, 6000) as (run, producer, log):
+        code = producer.wait(90)
+    assert code == 0, run.log()
+    results_once(run.out, 3)
     assert set(requests_per_key(log).values()) == {1}, requests_per_key(log)
-    text = "".join(p.read_text(errors="replace") for p in workers.logs)
+    text = "".join(p.read_text(errors="replace") for p in run.workers.logs)
     assert "never started it" not in text
 
 
 @pytest.mark.timeout(120)
 def test_a_warm_shutdown_leaves_a_delivery_taken_ahead_to_another_worker(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, r: redis.Redis
 ) -> None:
     """A worker stopped with SIGTERM (warm) finishes the rollouts in its slots and does not
     start the one it took ahead: that one runs on the worker started after, once."""
-    with one_waiting_ahead(tmp_path, redis_url, workers, 4000) as (run, out, log):
-        first = workers.procs[0]
+    with one_waiting_ahead(make_run, r, 4000) as (run, producer, log):
+        first = run.workers.procs[0]
         first.send_signal(signal.SIGTERM)
         assert first.wait(30) == 0
         assert sum(requests_per_key(log).values()) == 2  # the third was not started
-        workers.start(count=1, concurrency=2, env=ENV)
-        code = run.wait(90)
-    assert code == 0, (tmp_path / "run.log").read_text()
-    results_once(out, 3)
+        run.workers.start(concurrency=2, env=ENV, wait=False)
+        code = producer.wait(90)
+    assert code == 0, run.log()
+    results_once(run.out, 3)
     assert set(requests_per_key(log).values()) == {1}, requests_per_key(log)
 
 
 @pytest.mark.timeout(180)
 def test_a_rollout_that_kills_every_worker_running_it_ends_worker_lost_without_its_producer(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, r: redis.Redis, tmp_path: Path
 ) -> None:
     """The producer is killed once it enqueued: `status` shows who holds what, and `status
     --watch`, re-attached, ends with the run's exit code."""
     log = tmp_path / "requests.jsonl"
-    servers = start_servers(knobs=AgentKnobs(request_log=str(log)))
+    run = make_run(knobs=AgentKnobs(request_log=str(log)), workers=2, concurrency=2, env=ENV)
+    out, workers = run.out, run.workers
     rows = demo_rows(4)
     rows[1]["fault"] = {"kind": "hang", "times": 99}
-    r = redis.Redis.from_url(redis_url)
     try:
-        workers.start(count=2, concurrency=2, env=ENV)
-        workers.wait_ready()
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        run, out = start_run(tmp_path, redis_url, rows, config, "+max_attempts=2")
-        wait_for(lambda: "enqueued 4" in (tmp_path / "run.log").read_text(), 60, "the enqueue")
-        run.send_signal(signal.SIGKILL)
-        run.wait(10)
+        producer = run.start(rows, ON_SIDECAR, "+max_attempts=2")
+        wait_for(lambda: "enqueued 4" in run.log(), 60, "the enqueue")
+        producer.send_signal(signal.SIGKILL)
+        producer.wait(10)
         watch = cli_background("status", str(out), "--watch", "--interval", "0.5",
                                log=tmp_path / "watch.log")  # fmt: skip
         sid = keys.shard_id(RunDir(str(out)).url, "0")
@@ -431,11 +391,10 @@ def test_a_rollout_that_kills_every_worker_running_it_ends_worker_lost_without_i
             lost_holders.append(mine_holder(r, sid))
             victim.send_signal(signal.SIGKILL)
             victim.wait(10)
-            workers.start(count=1, concurrency=2, env=ENV)
+            workers.start(concurrency=2, env=ENV, wait=False)
         code = watch.wait(120)
     finally:
-        r.close()
-        servers.stop()
+        run.servers.stop()
     assert code == 0, (tmp_path / "watch.log").read_text()
     assert manifest(out)["state"] == "completed"
     [lost] = rows_by_key(out / "rollouts-0_failures.jsonl")[(1, 0)]
@@ -446,24 +405,21 @@ def test_a_rollout_that_kills_every_worker_running_it_ends_worker_lost_without_i
 
 @pytest.mark.timeout(120)
 def test_with_every_worker_dead_the_stall_verdict_names_the_silent_holders(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, tmp_path: Path
 ) -> None:
     log = tmp_path / "requests.jsonl"
-    servers = start_servers(knobs=AgentKnobs(latency_ms=60_000, request_log=str(log)))
-    try:
-        workers.start(count=1, concurrency=4, env=ENV)
-        workers.wait_ready()
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        run, _ = start_run(tmp_path, redis_url, demo_rows(4), config, "+stall_timeout_s=5")
-        # Every message is taken (the queue is empty) and every rollout calls the agent.
-        wait_for(lambda: len(requests_per_key(log)) == 4, 60, "4 calls")
-        victim = workers.procs[0]
-        victim.send_signal(signal.SIGKILL)
-        victim.wait(10)
-        code = run.wait(90)
-    finally:
-        servers.stop()
-    text = (tmp_path / "run.log").read_text()
+    run = make_run(
+        knobs=AgentKnobs(latency_ms=60_000, request_log=str(log)), concurrency=4, env=ENV
+    )
+    producer = run.start(demo_rows(4), ON_SIDECAR, "+stall_timeout_s=5")
+    # Every message is taken (the queue is empty) and every rollout calls the agent.
+    wait_for(lambda: len(requests_per_key(log)) == 4, 60, "4 calls")
+    victim = run.workers.procs[0]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(10)
+    code = producer.wait(90)
+    run.servers.stop()
+    text = run.log()
     assert code == 1, text
     # Nobody was left to take its rollouts over: the producer says who went silent.
     assert "the run stalled" in text and "holders that went silent: " in text
@@ -471,10 +427,9 @@ def test_with_every_worker_dead_the_stall_verdict_names_the_silent_holders(
 
 
 @pytest.mark.timeout(180)
-def test_a_frozen_worker_woken_mid_run_is_fenced_attempt_by_attempt(
-    redis_url: str, workers: Workers, tmp_path: Path
-) -> None:
-    with mid_run(tmp_path, redis_url, workers, 400) as (run, out):
+def test_a_frozen_worker_woken_mid_run_is_fenced_attempt_by_attempt(make_run: MakeRun) -> None:
+    with mid_run(make_run, 400) as (run, producer):
+        workers = run.workers
         frozen = workers.procs[0]
         frozen.send_signal(signal.SIGSTOP)
         try:
@@ -485,14 +440,14 @@ def test_a_frozen_worker_woken_mid_run_is_fenced_attempt_by_attempt(
             )
         finally:
             frozen.send_signal(signal.SIGCONT)  # woken while the run goes on
-        code = run.wait(150)
-    assert code == 0, (tmp_path / "run.log").read_text()
-    results_once(out, 400)
+        code = producer.wait(150)
+    assert code == 0, run.log()
+    results_once(run.out, 400)
     text = workers.logs[0].read_text(errors="replace")
     # Refused from the shard for its attempt (not because the shard had finished), and kept
     # apart as evidence: the late records of older attempts.
     assert "was taken over by" in text and "kept as evidence" in text
-    assert_late_records_kept_and_not_selected(out, 400)
+    assert_late_records_kept_and_not_selected(run.out, 400)
 
 
 def assert_late_records_kept_and_not_selected(out: Path, planned: int) -> None:
@@ -527,7 +482,7 @@ def assert_late_records_kept_and_not_selected(out: Path, planned: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     """`run_examples` on two workers, one frozen mid-call. Its rollouts are taken over and run
     by the other; every row replies once and lands once; and with a visibility timeout shorter
@@ -543,17 +498,15 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
     from schemas.settings import CollectionSettings
 
     log = tmp_path / "requests.jsonl"
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(4000, request_log=str(log)))
-    out = tmp_path / "run"
-    r = redis.Redis.from_url(redis_url)
-    frozen = None
+    env = {**ENV, "ROLLOUTS_VISIBILITY_TIMEOUT_S": "2"}
+    run = make_run(
+        {"math_agent": "math_env"}, AgentKnobs(4000, request_log=str(log)),
+        workers=2, concurrency=4, env=env,
+    )  # fmt: skip
+    servers, workers, out = run.servers, run.workers, run.out
+    frozen = workers.procs[0]
     try:
-        env = {**ENV, "ROLLOUTS_VISIBILITY_TIMEOUT_S": "2"}
-        workers.start(count=2, concurrency=4, env=env)
-        workers.wait_ready()
-        frozen = workers.procs[0]
-        raw = [make_row("arithmetic", i, "math_agent") for i in range(6)]
-        rows = preprocess_examples(raw, servers.config(), CollectionSettings())
+        rows = preprocess_examples(math_rows(6), servers.config(), CollectionSettings())
 
         def holders() -> dict[str, str]:
             """Each leased rollout's holder (`host:pid`)."""
@@ -590,10 +543,8 @@ def test_the_python_api_s_rollouts_hold_leases_taken_over_from_a_frozen_worker(
         time.sleep(2 * LEASE_TTL_S)  # and its renewal thread to run again
         assert frozen.poll() is None
     finally:
-        if frozen is not None:
-            frozen.send_signal(signal.SIGCONT)
+        frozen.send_signal(signal.SIGCONT)
         servers.stop()
-        r.close()
     assert snapshot(out) == before, "the woken worker changed the run directory"
     assert len(got) == 6 and all(isinstance(g, tuple) for g in got), got
     results_once(out, 6)

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import redis
 
 from examples.agent_server import AgentKnobs
-from examples.servers import start_servers
-from examples.tasks import make_row
-from tests.conftest import Workers, write_rows
-from tests.ops_helpers import cli_background, wait_for
+from tests.helpers import math_rows
+from tests.ops_helpers import wait_for
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
@@ -31,45 +29,34 @@ def clients(r: redis.Redis) -> int:
 
 
 def test_a_busy_worker_holds_a_bounded_number_of_connections_and_lets_them_go_when_idle(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, r: redis.Redis
 ) -> None:
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(latency_ms=400))
-    r = redis.Redis.from_url(redis_url)
+    env = {"ROLLOUTS_REDIS_MAX_CONNECTIONS": str(CAP), "ROLLOUTS_REDIS_IDLE_S": "2"}
+    knobs = AgentKnobs(latency_ms=400)
+    run = make_run({"math_agent": "math_env"}, knobs, concurrency=THREADS, env=env)
+    time.sleep(1)
+    idle = clients(r)  # the worker's broker connections, this test's own
+    producer = run.start(math_rows(4 * THREADS), env=env)
+    peak = [idle]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], clients(r))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     try:
-        env = {"ROLLOUTS_REDIS_MAX_CONNECTIONS": str(CAP), "ROLLOUTS_REDIS_IDLE_S": "2"}
-        workers.start(count=1, concurrency=THREADS, env=env)
-        workers.wait_ready()
-        time.sleep(1)
-        idle = clients(r)  # the worker's broker connections, this test's own
-        rows = [make_row("arithmetic", i, "math_agent") for i in range(4 * THREADS)]
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        run = cli_background(
-            "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", rows),
-            "--output-dir", str(tmp_path / "run"), "--broker", redis_url,
-            log=tmp_path / "run.log", env=env,
-        )  # fmt: skip
-        peak = [idle]
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                peak[0] = max(peak[0], clients(r))
-                time.sleep(0.05)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
-            assert run.wait(180) == 0, (tmp_path / "run.log").read_text()
-        finally:
-            stop.set()
-            sampler.join(5)
-        # Beyond the idle worker: its state pool and its result backend's pool (CAP each), and
-        # the producer's. Celery's own pool alone held a connection per busy thread.
-        assert peak[0] - idle <= 2 * CAP + 12, (idle, peak[0])
-        assert peak[0] - idle >= 10, "the run never kept connections busy: nothing to release"
-        # Idle, it keeps what an idle worker has (its broker connections, a lease renewer's) and
-        # closes the rest; the first measure was before its first rollout, so allow a few more.
-        wait_for(lambda: clients(r) <= idle + 4, timeout=20, what="the idle worker's connections")
+        assert producer.wait(180) == 0, run.log()
     finally:
-        r.close()
-        servers.stop()
+        stop.set()
+        sampler.join(5)
+    # Beyond the idle worker: its state pool and its result backend's pool (CAP each), and
+    # the producer's. Celery's own pool alone held a connection per busy thread.
+    assert peak[0] - idle <= 2 * CAP + 12, (idle, peak[0])
+    assert peak[0] - idle >= 10, "the run never kept connections busy: nothing to release"
+    # Idle, it keeps what an idle worker has (its broker connections, a lease renewer's) and
+    # closes the rest; the first measure was before its first rollout, so allow a few more.
+    wait_for(lambda: clients(r) <= idle + 4, timeout=20, what="the idle worker's connections")
+    run.servers.stop()

@@ -12,7 +12,8 @@ import orjson
 import pytest
 
 from examples.servers import RunningServers
-from tests.conftest import Workers, demo_rows, read_jsonl
+from tests.cluster import StartWorkers
+from tests.helpers import demo_rows, read_jsonl
 from tests.ops_helpers import cli, manifest
 
 pytestmark = pytest.mark.integration
@@ -30,13 +31,11 @@ def put(bucket: str, key: str, data: bytes) -> str:
 
 
 def test_rows_from_s3_run_and_the_manifest_records_their_url_and_digest(
-    s3_bucket: str, redis_url: str, workers: Workers, servers: RunningServers,
-    config_file: str, tmp_path: Path,
-) -> None:  # fmt: skip
+    s3_bucket: str, redis_url: str, start_workers: StartWorkers, config_file: str, tmp_path: Path
+) -> None:
     data = b"".join(orjson.dumps(row) + b"\n" for row in demo_rows(6))
     url = put(s3_bucket, "inputs/rows.jsonl", data)
-    workers.start(count=1, concurrency=8)
-    workers.wait_ready()
+    start_workers()
     out = tmp_path / "run"
     proc = cli("run", "--config", config_file, "--input", url, "--output-dir", str(out),
                "--num-repeats", "2", "--broker", redis_url)  # fmt: skip

@@ -17,12 +17,11 @@ import pytest
 
 from bench.report import synthetic_run
 from examples.demo import run_demo
-from examples.servers import RunningServers
 from infra.store import RunDir
 from producer.ops.compare import compare_runs, text
 from producer.shard.resume import ResumeOptions, execute_resume
-from producer.shard.runner import RunOptions, execute_run
-from tests.conftest import Workers, demo_rows, write_rows
+from tests.helpers import demo_rows
+from tests.runs import MakeRun, Run
 from workers.health.sources import discover
 from workers.report import write_report
 from workers.report.page import SECTIONS
@@ -130,32 +129,24 @@ def test_the_demo_report_opens_in_chromium(browser: Any, tmp_path: Path) -> None
 
 
 def test_a_run_with_failures_and_a_resume_opens_in_chromium(
-    browser: Any, redis_url: str, workers: Workers, servers: RunningServers, config_file: str,
-    tmp_path: Path,
-) -> None:  # fmt: skip
-    workers.start(count=2, concurrency=16)
-    workers.wait_ready()
-    knobs = servers.agents["math_agent"].knobs
+    browser: Any, make_run: MakeRun, redis_url: str, tmp_path: Path
+) -> None:
+    run = make_run(workers=2, concurrency=16)
+    knobs = run.servers.agents["math_agent"].knobs
     knobs.fault_rate, knobs.fault_kinds, knobs.latency_ms, knobs.latency_jitter_ms = (
         0.3,
         ["http500"],
         30,
         25,
     )
-    out = tmp_path / "run"
+    out = run.out
     rows = demo_rows(60)
     # Task 1's rollouts answer with no output: rollout_response_empty findings to link.
     rows[1]["result_extra"] = {
         "response": {"id": "r", "object": "response", "status": "completed", "output": []}
     }
-    code = execute_run(
-        RunOptions(
-            config_path=config_file, input_path=write_rows(tmp_path / "rows.jsonl", rows),
-            output_dir=str(out), broker_url=redis_url,
-            settings={"num_repeats": 3, "route_failures_to_sidecar": True, "max_failed_fraction": 0.05},
-        )
-    )  # fmt: skip
-    assert code == 0
+    settings = {"num_repeats": 3, "route_failures_to_sidecar": True, "max_failed_fraction": 0.05}
+    assert run.execute(rows, settings) == 0
     first = orjson.loads((out / "rollouts-0_status.json").read_bytes())
     assert first["failed"].get("agent_run_error", 0) > 0
     knobs.fault_rate = 0.0
@@ -190,36 +181,22 @@ def test_report_of_an_s3_run_directory(s3_bucket: str, tmp_path: Path) -> None:
     assert page.startswith(b"<!DOCTYPE html>") and b'<section id="throughput">' in page
 
 
-def _run(
-    servers: RunningServers, config: str, rows: str, out: Path, redis_url: str, **knobs: Any
-) -> str:
-    agent = servers.agents["math_agent"].knobs
+def _run(run: Run, rows: list[dict[str, Any]], out: Path, **knobs: Any) -> str:
+    agent = run.servers.agents["math_agent"].knobs
     for name, value in knobs.items():
         setattr(agent, name, value)
-    code = execute_run(
-        RunOptions(config_path=config, input_path=rows, output_dir=str(out), broker_url=redis_url,
-                   settings={"num_repeats": 4})
-    )  # fmt: skip
-    assert code == 0
+    assert run.execute(rows, {"num_repeats": 4}, output_dir=str(out)) == 0
     return str(out)
 
 
 def test_compare_finds_a_known_accuracy_difference_and_no_invented_one(
-    redis_url: str, workers: Workers, servers: RunningServers, config_file: str, tmp_path: Path
+    make_run: MakeRun, tmp_path: Path
 ) -> None:
-    workers.start(count=2, concurrency=32)
-    workers.wait_ready()
-    rows = write_rows(
-        tmp_path / "rows.jsonl",
-        [r for r in demo_rows(240) if r["agent_ref"]["name"] == "math_agent"],
-    )
-    a = _run(servers, config_file, rows, tmp_path / "a", redis_url, sample_seed=1, wrong_rate=0.0)
-    worse = _run(
-        servers, config_file, rows, tmp_path / "b", redis_url, sample_seed=1, wrong_rate=0.4
-    )
-    again = _run(
-        servers, config_file, rows, tmp_path / "c", redis_url, sample_seed=2, wrong_rate=0.0
-    )
+    run = make_run(workers=2, concurrency=32)
+    rows = [r for r in demo_rows(240) if r["agent_ref"]["name"] == "math_agent"]
+    a = _run(run, rows, tmp_path / "a", sample_seed=1, wrong_rate=0.0)
+    worse = _run(run, rows, tmp_path / "b", sample_seed=1, wrong_rate=0.4)
+    again = _run(run, rows, tmp_path / "c", sample_seed=2, wrong_rate=0.0)
 
     known = compare_runs(a, worse)
     [side] = known.envs

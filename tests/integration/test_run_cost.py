@@ -4,47 +4,32 @@ example model server through the capture proxy."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
-from examples.servers import RunningServers, start_servers
 from infra.store import RunDir
 from producer.ops.status import StatusReader, tokens_line
-from producer.shard.runner import RunOptions, execute_run
 from schemas.errors import RunFailedError
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
+from tests.helpers import demo_rows, read_jsonl
+from tests.runs import MakeRun, Run
 
 pytestmark = pytest.mark.integration
 
 PRICES = {"stand-in-1": {"input": 2.0, "output": 8.0, "cached_input": 0.5}}
 
 
-@pytest.fixture
-def capture_servers(tmp_path: Path) -> Iterator[RunningServers]:
-    running = start_servers(capture_dir=str(tmp_path / "calls"))
-    yield running
-    running.stop()
+def captured(make_run: MakeRun, concurrency: int) -> Run:
+    """A run of the demo servers whose agents' model calls are captured into `calls`."""
+    return make_run(capture_dir=str(make_run.folder / "calls"), concurrency=concurrency)
 
 
-def options(
-    servers: RunningServers, tmp_path: Path, redis_url: str, rows: int, **settings: Any
-) -> RunOptions:
-    return RunOptions(
-        config_path=servers.write_config(str(tmp_path / "servers.yaml")),
-        input_path=write_rows(tmp_path / "rows.jsonl", demo_rows(rows)),
-        output_dir=str(tmp_path / "run"),
-        settings={
-            "observability_enabled": True,
-            "model_call_capture_dir": str(tmp_path / "calls"),
-            "model_prices": PRICES,
-            **settings,
-        },
-        broker_url=redis_url,
-    )
+def execute(run: Run, rows: int, **settings: Any) -> int:
+    """The captured run of `rows` demo rows, priced."""
+    capture = {"observability_enabled": True, "model_call_capture_dir": str(run.folder / "calls")}
+    return run.execute(demo_rows(rows), {**capture, "model_prices": PRICES, **settings})
 
 
 def sums(records: list[dict[str, Any]], by: str | None = None) -> dict[str, dict[str, float]]:
@@ -71,11 +56,9 @@ def picked(counts: dict[str, Any]) -> dict[str, float]:
 
 
 def test_token_totals_equal_the_sums_over_the_landed_records(
-    redis_url: str, workers: Workers, capture_servers: RunningServers, tmp_path: Path
+    make_run: MakeRun, tmp_path: Path
 ) -> None:
-    workers.start(count=1, concurrency=8)
-    workers.wait_ready()
-    assert execute_run(options(capture_servers, tmp_path, redis_url, 12, num_repeats=2)) == 0
+    assert execute(captured(make_run, concurrency=8), 12, num_repeats=2) == 0
 
     rd = RunDir(str(tmp_path / "run"))
     records = read_jsonl(tmp_path / "run" / "rollouts-0.jsonl")
@@ -98,20 +81,14 @@ def test_token_totals_equal_the_sums_over_the_landed_records(
 
 
 def test_max_cost_usd_stops_dispatch_and_says_so(
-    redis_url: str,
-    workers: Workers,
-    capture_servers: RunningServers,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    make_run: MakeRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert capture_servers.model is not None
-    capture_servers.model.latency_ms = 200  # about 10 rollouts a second at 2 in flight
-    workers.start(count=1, concurrency=2)
-    workers.wait_ready()
-    run = options(capture_servers, tmp_path, redis_url, 120, max_cost_usd=0.00001)
+    run = captured(make_run, concurrency=2)
+    assert run.servers.model is not None
+    run.servers.model.latency_ms = 200  # about 10 rollouts a second at 2 in flight
 
     with pytest.raises(RunFailedError, match=r"stopped at max_cost_usd=1e-05: the landed"):
-        execute_run(run)
+        execute(run, 120, max_cost_usd=0.00001)
 
     rd = RunDir(str(tmp_path / "run"))
     records = read_jsonl(tmp_path / "run" / "rollouts-0.jsonl")

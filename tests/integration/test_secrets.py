@@ -8,11 +8,10 @@ from typing import Any
 
 import orjson
 import pytest
-import yaml
 
-from examples.servers import RunningServers
-from tests.conftest import Workers, demo_rows, write_rows
+from tests.helpers import demo_rows
 from tests.ops_helpers import cli
+from tests.runs import MakeRun, Run
 
 pytestmark = pytest.mark.integration
 
@@ -27,8 +26,9 @@ def secret(name: str) -> str:
     return f"s3cr3t-{name.lower().replace('_', '').replace('-', '')}"
 
 
-def config_with_secrets(servers: RunningServers, path: Path) -> list[str]:
-    config: dict[str, Any] = servers.config()
+def config_with_secrets(run: Run) -> list[str]:
+    """The run's servers config, with secrets written in every place a config holds one."""
+    config: dict[str, Any] = run.servers.config()
     for agent in config["agents"].values():
         # A URL password (the example agents ignore it) and a secret query parameter.
         agent["url"] = agent["url"].replace("http://", "http://user:s3cr3t-urlpw@", 1)
@@ -41,7 +41,7 @@ def config_with_secrets(servers: RunningServers, path: Path) -> list[str]:
     config["resources_servers"] = {
         "verifier": {"url": "http://127.0.0.1:9?api_key=s3cr3t-verifier", "api_key": "s3cr3t-rs"}
     }
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    run.write_config(config)
     return [
         "s3cr3t-urlpw", "s3cr3t-query", "s3cr3t-bearer", "s3cr3t-verifier", "s3cr3t-rs",
         *(secret(n) for n in NAMES),
@@ -49,18 +49,12 @@ def config_with_secrets(servers: RunningServers, path: Path) -> list[str]:
 
 
 def test_no_secret_in_the_run_directory_logs_or_ps_and_resume_needs_the_config(
-    redis_url: str, workers: Workers, servers: RunningServers, tmp_path: Path
+    make_run: MakeRun, redis_url: str
 ) -> None:
-    config = tmp_path / "servers.yaml"
-    secrets = config_with_secrets(servers, config)
-    workers.start(count=1, concurrency=8)
-    workers.wait_ready()
-    out = tmp_path / "run"
-    rows = write_rows(tmp_path / "rows.jsonl", demo_rows(8))
-    proc = cli(
-        "run", "--config", str(config), "--input", rows, "--output-dir", str(out),
-        "--broker", redis_url,
-    )  # fmt: skip
+    run = make_run()
+    secrets = config_with_secrets(run)
+    config, out, workers = run.config, run.out, run.workers
+    proc = run.cli(demo_rows(8))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout
 

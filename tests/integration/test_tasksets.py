@@ -20,12 +20,13 @@ import orjson
 import pytest
 
 from examples.agent_server import AgentKnobs
-from examples.servers import RunningServers, start_servers
+from examples.servers import RunningServers
 from examples.tasks import task_row
 from producer import RolloutFailureRecord, preprocess_examples, run_examples, run_outcomes
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
-from tests.ops_helpers import cli, cli_background, key, manifest, rows_by_key, wait_for
+from tests.helpers import demo_rows, read_jsonl
+from tests.ops_helpers import cli, key, landed_lines, manifest, rows_by_key, wait_for
+from tests.runs import MakeRun, Run
 
 pytestmark = pytest.mark.integration
 
@@ -42,13 +43,14 @@ def mixed_rows(latency_ms: float = 0) -> list[dict[str, Any]]:
     return [*demo_rows(6), *arith, *count]
 
 
-def task_servers(latency_ms: float = 0) -> RunningServers:
+def task_run(make_run: MakeRun, latency_ms: float = 0, concurrency: int = 8) -> Run:
     """The demo servers and the two task sets' environment servers, every one of them answering
-    HTTP 411 to a request body without a Content-Length."""
-    servers = start_servers(knobs=AgentKnobs(latency_ms=latency_ms), tasksets=TASKSETS)
-    for env in servers.environments.values():
+    HTTP 411 to a request body without a Content-Length; and a worker."""
+    knobs = AgentKnobs(latency_ms=latency_ms)
+    run = make_run(knobs=knobs, tasksets=TASKSETS, concurrency=concurrency)
+    for env in run.servers.environments.values():
         env.require_content_length = True
-    return servers
+    return run
 
 
 def episodes(servers: RunningServers, env: str) -> list[dict[str, Any]]:
@@ -63,50 +65,35 @@ def failing(row: dict[str, Any]) -> bool:
 
 @pytest.mark.timeout(300)
 def test_a_run_mixing_flat_rows_and_two_task_sets_survives_a_producer_sigkill(
-    redis_url: str, workers: Workers, tmp_path: Path
+    make_run: MakeRun, redis_url: str, tmp_path: Path
 ) -> None:
-    servers = task_servers(latency_ms=250)
-    try:
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        rows = write_rows(tmp_path / "rows.jsonl", mixed_rows(latency_ms=250))
-        workers.start(count=1, concurrency=3)
-        workers.wait_ready()
-        out = tmp_path / "run"
-        run = cli_background(
-            "run", "--config", config, "--input", rows, "--output-dir", str(out),
-            "--num-repeats", "2", "--broker", redis_url, "+route_failures_to_sidecar=true",
-            log=tmp_path / "run.log",
-        )  # fmt: skip
-        results = out / "rollouts-0.jsonl"
-        wait_for(
-            lambda: results.exists() and results.read_bytes().count(b"\n") >= 10, 60, "10 results"
-        )
-        # The producer and the only worker die mid-run (the machine went away).
-        run.send_signal(signal.SIGKILL)
-        run.wait(10)
-        workers.stop(graceful=False)
-        assert manifest(out)["state"] == "running"
-        landed_before = results.read_bytes().count(b"\n")
-        assert landed_before < 28
-        again = Workers(redis_url, tmp_path / "again")
-        again.log_dir.mkdir()
-        again.start(count=1, concurrency=8)
-        again.wait_ready()
-        proc = cli("resume", str(out), "--broker", redis_url)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        planned = read_jsonl(out / "rollouts-0_materialized_inputs.jsonl")
-        # Round-robin across the four servers that run rows (interleave_by_agent, on for run).
-        assert len({F.dispatch_target(r) for r in planned[:4]}) == 4
-        status = orjson.loads(cli("status", str(out), "--json").stdout)
-        report = cli("report", str(out), "--output", str(tmp_path / "report.html"))
-        merged = tmp_path / "merged" / "all.jsonl"
-        aggregated = cli("aggregate", "-i", str(results), "-o", str(merged))
-        bodies = {env: episodes(servers, env) for env in TASKSETS.values()}
-        refused = sum(env.refused_chunked for env in servers.environments.values())
-    finally:
-        servers.stop()
-        if "again" in locals():
-            again.stop(graceful=False)
+    run = task_run(make_run, latency_ms=250, concurrency=3)
+    servers, out = run.servers, run.out
+    producer = run.start(
+        mixed_rows(latency_ms=250), "--num-repeats", "2", "+route_failures_to_sidecar=true"
+    )
+    results = out / "rollouts-0.jsonl"
+    wait_for(lambda: landed_lines(out) >= 10, 60, "10 results")
+    # The producer and the only worker die mid-run (the machine went away).
+    producer.send_signal(signal.SIGKILL)
+    producer.wait(10)
+    run.workers.stop(graceful=False)
+    assert manifest(out)["state"] == "running"
+    landed_before = landed_lines(out)
+    assert landed_before < 28
+    run.workers.start()
+    proc = cli("resume", str(out), "--broker", redis_url)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    planned = read_jsonl(out / "rollouts-0_materialized_inputs.jsonl")
+    # Round-robin across the four servers that run rows (interleave_by_agent, on for run).
+    assert len({F.dispatch_target(r) for r in planned[:4]}) == 4
+    status = orjson.loads(cli("status", str(out), "--json").stdout)
+    report = cli("report", str(out), "--output", str(tmp_path / "report.html"))
+    merged = tmp_path / "merged" / "all.jsonl"
+    aggregated = cli("aggregate", "-i", str(results), "-o", str(merged))
+    bodies = {env: episodes(servers, env) for env in TASKSETS.values()}
+    refused = sum(env.refused_chunked for env in servers.environments.values())
+    servers.stop()
 
     # 15 tasks x 2 repeats: every rollout landed once, but the two of the failing task.
     assert len(planned) == 30
@@ -176,35 +163,29 @@ def test_a_run_mixing_flat_rows_and_two_task_sets_survives_a_producer_sigkill(
     ]  # fmt: skip
 
 
-def test_the_python_api_runs_task_rows_beside_flat_rows(
-    redis_url: str, workers: Workers, tmp_path: Path
-) -> None:
-    servers = task_servers()
-    try:
-        workers.start(count=1, concurrency=8)
-        workers.wait_ready()
-        config = servers.config()
-        rows = preprocess_examples(mixed_rows(), config)
-        assert [F.dispatch_target(r) for r in rows[6:8]] == ["arith_tasks", "arith_tasks"]
+def test_the_python_api_runs_task_rows_beside_flat_rows(make_run: MakeRun, redis_url: str) -> None:
+    servers = task_run(make_run).servers
+    config = servers.config()
+    rows = preprocess_examples(mixed_rows(), config)
+    assert [F.dispatch_target(r) for r in rows[6:8]] == ["arith_tasks", "arith_tasks"]
 
-        async def consume() -> tuple[list[Any], list[Any]]:
-            completions = run_examples(
-                [r for r in rows if not failing(r)], config, broker_url=redis_url
-            )
-            try:
-                examples = [await future for future in completions]
-            finally:
-                await completions.aclose()
-            outcomes = run_outcomes(rows, config, broker_url=redis_url)
-            try:
-                return examples, [pair async for pair in outcomes]
-            finally:
-                await outcomes.aclose()
+    async def consume() -> tuple[list[Any], list[Any]]:
+        completions = run_examples(
+            [r for r in rows if not failing(r)], config, broker_url=redis_url
+        )
+        try:
+            examples = [await future for future in completions]
+        finally:
+            await completions.aclose()
+        outcomes = run_outcomes(rows, config, broker_url=redis_url)
+        try:
+            return examples, [pair async for pair in outcomes]
+        finally:
+            await outcomes.aclose()
 
-        examples, outcomes = asyncio.run(consume())
-        bodies = episodes(servers, "count_tasks")
-    finally:
-        servers.stop()
+    examples, outcomes = asyncio.run(consume())
+    bodies = episodes(servers, "count_tasks")
+    servers.stop()
     assert len(examples) == 14
     for row, result in examples:
         assert result[F.TASK_INDEX] == row[F.TASK_INDEX]

@@ -25,16 +25,14 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind
 
 from examples.agent_server import AgentKnobs
-from examples.servers import start_servers
-from examples.tasks import make_row
 from infra.capture import CaptureStore
 from infra.capture_proxy import CaptureProxy
 from infra.telemetry import TraceParent
 from schemas import fields as F
-from tests.conftest import Workers, demo_rows, read_jsonl, write_rows
-from tests.integration.test_capture_proxy import _start
-from tests.ops_helpers import cli, cli_background, key, request_log, wait_for
+from tests.helpers import demo_rows, math_rows, read_jsonl, serve_app
+from tests.ops_helpers import key, landed_lines, request_log, wait_for
 from tests.otlp_receiver import CLIENT, CONSUMER, PRODUCER, OtlpReceiver, Span, in_memory_sdk
+from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
@@ -78,26 +76,17 @@ def names(spans: list[Span]) -> list[str]:
 
 @pytest.mark.timeout(180)
 def test_a_run_is_one_job_span_and_one_linked_trace_per_rollout(
-    redis_url: str, workers: Workers, receiver: OtlpReceiver, tmp_path: Path
+    make_run: MakeRun, receiver: OtlpReceiver, tmp_path: Path
 ) -> None:
     log = tmp_path / "requests.jsonl"
-    servers = start_servers(knobs=AgentKnobs(request_log=str(log)))
-    try:
-        # The workers are asked by their environment; the producer by the run setting.
-        env = receiver.env()
-        workers.start(count=2, concurrency=16, env=env)
-        workers.wait_ready()
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        out = tmp_path / "run"
-        producer_env = {k: v for k, v in env.items() if k != "ROLLOUTS_OTEL_ENABLED"}
-        done = cli(
-            "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", demo_rows(50)),
-            "--output-dir", str(out), "--broker", redis_url, "+telemetry_enabled=true",
-            env=producer_env,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
-    finally:
-        servers.stop()
+    # The workers are asked by their environment; the producer by the run setting.
+    env = receiver.env()
+    run = make_run(knobs=AgentKnobs(request_log=str(log)), workers=2, concurrency=16, env=env)
+    out = run.out
+    producer_env = {k: v for k, v in env.items() if k != "ROLLOUTS_OTEL_ENABLED"}
+    done = run.cli(demo_rows(50), "+telemetry_enabled=true", env=producer_env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run.servers.stop()
 
     def exported() -> bool:
         return len(receiver.spans("rollouts.land")) >= 50 and bool(
@@ -179,47 +168,35 @@ def test_a_run_is_one_job_span_and_one_linked_trace_per_rollout(
 
 @pytest.mark.timeout(180)
 def test_a_rollout_taken_over_from_a_killed_worker_keeps_its_trace(
-    redis_url: str, workers: Workers, receiver: OtlpReceiver, tmp_path: Path
+    make_run: MakeRun, receiver: OtlpReceiver, tmp_path: Path
 ) -> None:
     log = tmp_path / "requests.jsonl"
-    servers = start_servers(knobs=AgentKnobs(latency_ms=400, request_log=str(log)))
     planned = 80
-    try:
-        env = {**receiver.env(), "ROLLOUTS_LEASE_TTL_S": "3"}
-        workers.start(count=2, concurrency=8, env=env)
-        workers.wait_ready()
-        killed_pid = workers.procs[0].pid
-        config = servers.write_config(str(tmp_path / "servers.yaml"))
-        out = tmp_path / "run"
-        run = cli_background(
-            "run", "--config", config, "--input", write_rows(tmp_path / "rows.jsonl", demo_rows(planned)),
-            "--output-dir", str(out), "--broker", redis_url, "+route_failures_to_sidecar=true",
-            log=tmp_path / "run.log", env=receiver.env(),
-        )  # fmt: skip
+    env = {**receiver.env(), "ROLLOUTS_LEASE_TTL_S": "3"}
+    knobs = AgentKnobs(latency_ms=400, request_log=str(log))
+    run = make_run(knobs=knobs, workers=2, env=env)
+    out, workers = run.out, run.workers
+    killed_pid = workers.procs[0].pid
+    producer = run.start(demo_rows(planned), "+route_failures_to_sidecar=true", env=receiver.env())
 
-        def landed() -> int:
-            path = out / "rollouts-0.jsonl"
-            return path.read_bytes().count(b"\n") if path.exists() else 0
+    def exported_in_flight() -> set[Key]:
+        """Rollouts the worker to kill has exported a delivery span of and not landed: what
+        it holds mid-call whose spans reached the receiver (a span still in the exporter's
+        queue at the kill dies with the process)."""
+        results = (out / "rollouts-0.jsonl").read_bytes().splitlines(keepends=True)
+        landed_keys = {key(orjson.loads(line)) for line in results if line.endswith(b"\n")}
+        delivered = receiver.spans("rollouts.queue_wait")
+        mine = {rollout_key(s) for s in delivered if s.resource["process.pid"] == killed_pid}
+        return mine - landed_keys
 
-        def exported_in_flight() -> set[Key]:
-            """Rollouts the worker to kill has exported a delivery span of and not landed: what
-            it holds mid-call whose spans reached the receiver (a span still in the exporter's
-            queue at the kill dies with the process)."""
-            results = (out / "rollouts-0.jsonl").read_bytes().splitlines(keepends=True)
-            landed_keys = {key(orjson.loads(line)) for line in results if line.endswith(b"\n")}
-            delivered = receiver.spans("rollouts.queue_wait")
-            mine = {rollout_key(s) for s in delivered if s.resource["process.pid"] == killed_pid}
-            return mine - landed_keys
-
-        wait_for(lambda: landed() >= 20, 60, "20 results")
-        wait_for(lambda: bool(exported_in_flight()), 30, "an exported delivery mid-call")
-        victims = exported_in_flight()
-        workers.procs[0].send_signal(signal.SIGKILL)
-        workers.procs[0].wait(10)
-        code = run.wait(150)
-    finally:
-        servers.stop()
-    assert code == 0, (tmp_path / "run.log").read_text()
+    wait_for(lambda: landed_lines(out) >= 20, 60, "20 results")
+    wait_for(lambda: bool(exported_in_flight()), 30, "an exported delivery mid-call")
+    victims = exported_in_flight()
+    workers.procs[0].send_signal(signal.SIGKILL)
+    workers.procs[0].wait(10)
+    code = producer.wait(150)
+    run.servers.stop()
+    assert code == 0, run.log()
     assert "went silent; published it again" in workers.logs[1].read_text()
 
     sent = agent_traceparents(log)
@@ -271,9 +248,9 @@ def test_the_capture_proxy_records_a_model_call_in_its_rollout_s_trace(
     async def go() -> None:
         upstream = web.Application()
         upstream.router.add_post("/v1/responses", model)
-        model_runner, model_url = await _start(upstream)
+        model_runner, model_url = await serve_app(upstream)
         proxy = CaptureProxy(model_url, str(tmp_path / "capture"))
-        proxy_runner, proxy_url = await _start(proxy.app())
+        proxy_runner, proxy_url = await serve_app(proxy.app())
         try:
             async with aiohttp.ClientSession() as session:
                 for headers in ({"Traceparent": parent.header()}, {}):
@@ -304,7 +281,7 @@ def test_the_capture_proxy_records_a_model_call_in_its_rollout_s_trace(
 
 @pytest.mark.timeout(120)
 def test_a_recorded_python_api_call_is_a_job_span_and_a_trace_per_rollout(
-    redis_url: str, workers: Workers, receiver: OtlpReceiver, tmp_path: Path,
+    make_run: MakeRun, redis_url: str, receiver: OtlpReceiver, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """`run_examples` in this process (traced in memory), its rollouts on a worker process."""
@@ -313,27 +290,23 @@ def test_a_recorded_python_api_call_is_a_job_span_and_a_trace_per_rollout(
 
     producer_spans = in_memory_sdk(monkeypatch)
     log = tmp_path / "requests.jsonl"
-    servers = start_servers({"math_agent": "math_env"}, AgentKnobs(request_log=str(log)))
-    out = tmp_path / "run"
-    try:
-        workers.start(count=1, concurrency=8, env=receiver.env())
-        workers.wait_ready()
-        raw = [make_row("arithmetic", i, "math_agent") for i in range(6)]
-        rows = preprocess_examples(raw, servers.config(), CollectionSettings())
+    knobs = AgentKnobs(request_log=str(log))
+    run = make_run({"math_agent": "math_env"}, knobs, env=receiver.env())
+    servers, out = run.servers, run.out
+    rows = preprocess_examples(math_rows(6), servers.config(), CollectionSettings())
 
-        async def go() -> list[Any]:
-            completions = run_examples(
-                rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
-                settings={"telemetry_enabled": True},
-            )  # fmt: skip
-            try:
-                return [await f for f in completions]
-            finally:
-                await completions.aclose()  # the call's finish step has run
+    async def go() -> list[Any]:
+        completions = run_examples(
+            rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
+            settings={"telemetry_enabled": True},
+        )  # fmt: skip
+        try:
+            return [await f for f in completions]
+        finally:
+            await completions.aclose()  # the call's finish step has run
 
-        got = asyncio.run(go())
-    finally:
-        servers.stop()
+    got = asyncio.run(go())
+    servers.stop()
     assert len(got) == 6
     local = producer_spans.get_finished_spans()
     [job] = [s for s in local if s.name == "gym.job"]

@@ -13,6 +13,7 @@ import copy
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,35 +24,9 @@ import yaml
 
 from examples.servers import RunningServers
 from examples.tasks import task_row
-from tests.conftest import agent_stats, demo_rows
+from tests.helpers import agent_stats, demo_rows
 
 pytestmark = pytest.mark.integration
-
-
-def run_cli(
-    config: dict[str, Any] | str,
-    rows: list[Any],
-    tmp_path: Path,
-    redis_url: str,
-    *extra: str,
-    out: Path | None = None,
-) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
-    """`rollouts run` on `rows` (dicts, or raw strings written as they are); returns (proc, input, out)."""
-    if isinstance(config, dict):
-        config_path = tmp_path / "servers.yaml"
-        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        config = str(config_path)
-    data = tmp_path / "rows.jsonl"
-    with open(data, "wb") as f:
-        for row in rows:
-            f.write((row.encode() if isinstance(row, str) else orjson.dumps(row)) + b"\n")
-    out = out or tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "producer.cli", "run", "--config", config, "--input", str(data),
-        "--output-dir", str(out), "--broker", redis_url, "--no-wait", *extra,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    return proc, data, out
 
 
 def named_lines(stderr: str, data: Path) -> set[int]:
@@ -64,32 +39,90 @@ def named_lines(stderr: str, data: Path) -> set[int]:
     return lines
 
 
-def assert_refused(
-    proc: subprocess.CompletedProcess[str],
-    data: Path,
-    out: Path,
-    servers: RunningServers,
-    redis_url: str,
-    bad_lines: set[int],
-    *fragments: str,
-) -> None:
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert named_lines(proc.stderr, data) == bad_lines, proc.stderr
-    for fragment in fragments:
-        assert fragment in proc.stderr, proc.stderr
-    assert not out.exists()
-    assert_nothing_dispatched(servers, redis_url)
+Ran = tuple[subprocess.CompletedProcess[str], Path, Path]
+"""What `rollouts run` did: its process, its input file, its run directory."""
 
 
-def assert_nothing_dispatched(servers: RunningServers, redis_url: str) -> None:
-    for agent in servers.agents:
-        assert agent_stats(servers, agent)["requests"] == 0
-    assert all(env.requests == env.episodes == 0 for env in servers.environments.values())
-    r = redis.Redis.from_url(redis_url)
-    try:
-        assert r.dbsize() == 0, r.keys()
-    finally:
-        r.close()
+@dataclass
+class Cli:
+    """`rollouts run --no-wait` against the demo servers and the session Redis (no worker), and
+    what a refused run must have left untouched."""
+
+    servers: RunningServers
+    redis_url: str
+    tmp_path: Path
+
+    @property
+    def input(self) -> Path:
+        """Where `run` writes the rows (in the test's folder)."""
+        return self.tmp_path / "rows.jsonl"
+
+    def run(
+        self,
+        config: dict[str, Any] | str | None,
+        rows: list[Any],
+        *extra: str,
+        folder: Path | None = None,
+        out: Path | None = None,
+    ) -> Ran:
+        """`rollouts run` on `rows` (dicts, or raw strings written as they are) written in
+        `folder` (the test's), with `config` (the servers' own when None)."""
+        folder = folder or self.tmp_path
+        if not isinstance(config, str):
+            config_path = folder / "servers.yaml"
+            config_path.write_text(yaml.safe_dump(config or self.servers.config(), sort_keys=False))
+            config = str(config_path)
+        data = folder / "rows.jsonl"
+        with open(data, "wb") as f:
+            for row in rows:
+                f.write((row.encode() if isinstance(row, str) else orjson.dumps(row)) + b"\n")
+        out = out or folder / "run"
+        cmd = [
+            sys.executable, "-m", "producer.cli", "run", "--config", config, "--input", str(data),
+            "--output-dir", str(out), "--broker", self.redis_url, "--no-wait", *extra,
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        return proc, data, out
+
+    def refused(
+        self,
+        config: dict[str, Any] | str | None,
+        rows: list[Any],
+        bad_lines: set[int],
+        *fragments: str,
+        extra: tuple[str, ...] = (),
+        out: Path | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """`run`, refused (`assert_refused`)."""
+        ran = self.run(config, rows, *extra, out=out)
+        self.assert_refused(ran, bad_lines, *fragments)
+        return ran[0]
+
+    def assert_refused(self, ran: Ran, bad_lines: set[int], *fragments: str) -> None:
+        """Exit 2, one message naming exactly `bad_lines` of the input and holding each of
+        `fragments`, no run directory, nothing dispatched."""
+        proc, data, out = ran
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert named_lines(proc.stderr, data) == bad_lines, proc.stderr
+        for fragment in fragments:
+            assert fragment in proc.stderr, proc.stderr
+        assert not out.exists()
+        self.nothing_dispatched()
+
+    def nothing_dispatched(self) -> None:
+        for agent in self.servers.agents:
+            assert agent_stats(self.servers, agent)["requests"] == 0
+        assert all(env.requests == env.episodes == 0 for env in self.servers.environments.values())
+        r = redis.Redis.from_url(self.redis_url)
+        try:
+            assert r.dbsize() == 0, r.keys()
+        finally:
+            r.close()
+
+
+@pytest.fixture
+def cli(servers: RunningServers, redis_url: str, tmp_path: Path) -> Cli:
+    return Cli(servers, redis_url, tmp_path)
 
 
 def rows_with(bad: dict[int, Any], n: int = 6) -> list[Any]:
@@ -112,10 +145,8 @@ def with_resources(servers: RunningServers) -> dict[str, Any]:
     return config
 
 
-def test_control_good_input_is_dispatched(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
-    proc, _, out = run_cli(servers.config(), demo_rows(6), tmp_path, redis_url)
+def test_control_good_input_is_dispatched(cli: Cli, redis_url: str) -> None:
+    proc, _, out = cli.run(None, demo_rows(6))
 
     assert proc.returncode == 0, proc.stderr
     assert "enqueued 6 rollouts" in proc.stdout
@@ -127,75 +158,60 @@ def test_control_good_input_is_dispatched(
         r.close()
 
 
-def test_line_that_is_not_json(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+def test_line_that_is_not_json(cli: Cli) -> None:
     rows = rows_with({2: '{"responses_create_params": ', 5: "not json at all"})
-    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
-    assert_refused(proc, data, out, servers, redis_url, {2, 5}, "not valid JSON")
+    cli.refused(None, rows, {2, 5}, "not valid JSON")
 
 
-def test_row_that_is_not_an_object(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+def test_row_that_is_not_an_object(cli: Cli) -> None:
     rows = rows_with({1: "[1, 2]", 4: '"text"', 6: "42"})
-    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
-    assert_refused(proc, data, out, servers, redis_url, {1, 4, 6}, "must be a JSON object")
+    cli.refused(None, rows, {1, 4, 6}, "must be a JSON object")
 
 
-def test_row_without_responses_create_params(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_row_without_responses_create_params(cli: Cli) -> None:
     rows = rows_with({3: {"agent_ref": {"name": "math_agent"}}, 4: {"task_source": "math_env"}})
-    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
-    assert_refused(proc, data, out, servers, redis_url, {3, 4}, "missing responses_create_params")
+    cli.refused(None, rows, {3, 4}, "missing responses_create_params")
 
 
-def test_row_with_no_resolvable_agent(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_row_with_no_resolvable_agent(cli: Cli) -> None:
     rows = rows_with(
         {2: {"responses_create_params": rcp()}, 6: {"responses_create_params": rcp("y")}}
     )
-    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
-    assert_refused(proc, data, out, servers, redis_url, {2, 6}, "no agent for this row")
+    cli.refused(None, rows, {2, 6}, "no agent for this row")
 
 
-def test_agent_absent_from_the_config_with_did_you_mean(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_agent_absent_from_the_config_with_did_you_mean(cli: Cli) -> None:
     rows = rows_with(
         {
             1: {"responses_create_params": rcp(), "agent_ref": {"name": "math_agnet"}},
             5: {"responses_create_params": rcp("z"), "agent_ref": {"name": "math_agnet"}},
         }
     )
-    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {1, 5}, "'math_agnet'", "did you mean 'math_agent'?"
-    )
+    cli.refused(None, rows, {1, 5}, "'math_agnet'", "did you mean 'math_agent'?")
 
 
-def test_agent_map_naming_an_absent_agent(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_agent_map_naming_an_absent_agent(cli: Cli) -> None:
     # Every count_agent row (even lines) is re-routed to an agent the config lacks.
-    proc, data, out = run_cli(
-        servers.config(), demo_rows(6), tmp_path, redis_url, "+agent_map.count_agent=cnt_agent"
+    cli.refused(
+        None,
+        demo_rows(6),
+        {2, 4, 6},
+        "agent_map['count_agent']",
+        extra=("+agent_map.count_agent=cnt_agent",),
     )
-    assert_refused(proc, data, out, servers, redis_url, {2, 4, 6}, "agent_map['count_agent']")
 
 
-def test_unknown_task_source(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+def test_unknown_task_source(cli: Cli) -> None:
     rows = rows_with(
         {
             2: {"responses_create_params": rcp(), "task_source": "math_enf"},
             3: {"responses_create_params": rcp("q"), "task_source": "nowhere"},
         }
     )
-    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {2, 3}, "did you mean 'math_env'?", "'nowhere'"
-    )
+    cli.refused(None, rows, {2, 3}, "did you mean 'math_env'?", "'nowhere'")
 
 
-def test_unroutable_task_source(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+def test_unroutable_task_source(cli: Cli, servers: RunningServers) -> None:
     # Both agents bind shared_rs, and nothing pins one of them: task_source alone cannot choose.
     config = copy.deepcopy(servers.config())
     for agent in config["agents"].values():
@@ -207,15 +223,17 @@ def test_unroutable_task_source(servers: RunningServers, redis_url: str, tmp_pat
             4: {"responses_create_params": rcp("b"), "task_source": "lonely_rs"},
         }
     )
-    proc, data, out = run_cli(config, rows, tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {3, 4},
-        "agents count_agent, math_agent are bound", "no agent is bound to it",
+    cli.refused(
+        config,
+        rows,
+        {3, 4},
+        "agents count_agent, math_agent are bound",
+        "no agent is bound to it",
         "+agent_map.shared_rs=<agent>",
-    )  # fmt: skip
+    )
 
 
-def test_conflicting_dataset_pins(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+def test_conflicting_dataset_pins(cli: Cli, servers: RunningServers) -> None:
     config = with_resources(servers)
     config["resources_servers"]["math_rs"]["datasets"] = [
         {"name": "gsm8k", "agent": "math_agent"},
@@ -223,21 +241,10 @@ def test_conflicting_dataset_pins(servers: RunningServers, redis_url: str, tmp_p
     ]
     rows = rows_with({1: {"responses_create_params": rcp(), "task_source": "math_rs"}})
     rows.append({"responses_create_params": rcp("c"), "task_source": "math_rs"})
-    proc, data, out = run_cli(config, rows, tmp_path, redis_url)
-    assert_refused(
-        proc,
-        data,
-        out,
-        servers,
-        redis_url,
-        {1, 7},
-        "pin conflicting agents (count_agent, math_agent)",
-    )
+    cli.refused(config, rows, {1, 7}, "pin conflicting agents (count_agent, math_agent)")
 
 
-def test_allowed_agents_of_the_task_source(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_allowed_agents_of_the_task_source(cli: Cli, servers: RunningServers) -> None:
     # Rows from math_rs (which admits only judge_agent) are sent to count_agent by agent_ref.
     config = with_resources(servers)
     config["resources_servers"]["math_rs"]["allowed_agents"] = ["judge_agent"]
@@ -248,40 +255,34 @@ def test_allowed_agents_of_the_task_source(
             5: {"responses_create_params": rcp("t"), "task_source": "math_rs", "agent_ref": {"name": "math_agent"}},
         }
     )  # fmt: skip
-    proc, data, out = run_cli(config, rows, tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {2, 5},
+    cli.refused(
+        config,
+        rows,
+        {2, 5},
         "resources server 'math_rs' (the row's task_source), which accepts only: judge_agent",
-    )  # fmt: skip
+    )
 
 
-def test_allowed_agents_of_the_bound_environment(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_allowed_agents_of_the_bound_environment(cli: Cli, servers: RunningServers) -> None:
     config = copy.deepcopy(servers.config())
     config["environments"]["count_env"]["allowed_agents"] = ["tool_agent"]
-    proc, data, out = run_cli(config, demo_rows(5), tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {2, 4},
+    cli.refused(
+        config,
+        demo_rows(5),
+        {2, 4},
         "environment 'count_env', which fronts agent 'count_agent', which accepts only: tool_agent",
-    )  # fmt: skip
+    )
 
 
-def test_allowed_agents_of_the_bound_resources_server(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_allowed_agents_of_the_bound_resources_server(cli: Cli, servers: RunningServers) -> None:
     config = with_resources(servers)
     config["resources_servers"]["math_rs"]["allowed_agents"] = ["tool_agent"]
-    proc, data, out = run_cli(config, demo_rows(4), tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {1, 3},
-        "resources server 'math_rs', which agent 'math_agent' binds",
-    )  # fmt: skip
+    cli.refused(
+        config, demo_rows(4), {1, 3}, "resources server 'math_rs', which agent 'math_agent' binds"
+    )
 
 
-def test_allowed_agents_of_the_dataset_entry(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_allowed_agents_of_the_dataset_entry(cli: Cli, servers: RunningServers) -> None:
     # An agent edited to another harness after the dataset admitted one (the seeds' Harbor case):
     # the entry of the row's task_source, and every entry the agent itself declares.
     config = copy.deepcopy(servers.config())
@@ -294,75 +295,65 @@ def test_allowed_agents_of_the_dataset_entry(
         {"name": "counting", "allowed_agents": ["counting_agent"]}
     ]
     rows = rows_with({3: {"responses_create_params": rcp(), "task_source": "math_env"}})
-    proc, data, out = run_cli(config, rows, tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {2, 3, 4, 6},
+    cli.refused(
+        config,
+        rows,
+        {2, 3, 4, 6},
         "dataset 'harbor' declared by 'math_env', which accepts only: simple_agent",
         "dataset 'counting' declared by agent 'count_agent', which accepts only: counting_agent",
-    )  # fmt: skip
+    )
 
 
-def test_pairing_bypass_lets_the_run_through(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_pairing_bypass_lets_the_run_through(cli: Cli, servers: RunningServers) -> None:
     config = copy.deepcopy(servers.config())
     config["environments"]["count_env"]["allowed_agents"] = ["tool_agent"]
-    proc, _, out = run_cli(config, demo_rows(4), tmp_path, redis_url, "--allow-unsupported-pairing")
+    proc, _, out = cli.run(config, demo_rows(4), "--allow-unsupported-pairing")
     assert proc.returncode == 0, proc.stderr
     assert (out / "rollouts-0_materialized_inputs.jsonl").exists()
 
 
-def test_agent_without_an_environment_server(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_agent_without_an_environment_server(cli: Cli, servers: RunningServers) -> None:
     config = copy.deepcopy(servers.config())
     config["agents"]["count_agent"]["environment"] = "count_envv"
-    proc, data, out = run_cli(config, demo_rows(4), tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {2, 4},
+    cli.refused(
+        config,
+        demo_rows(4),
+        {2, 4},
         "Agent 'count_agent' has no environment server, so collection cannot reach it: it names "
         "environment 'count_envv', which is not in the config",
-    )  # fmt: skip
+    )
 
 
-def test_agent_with_several_environment_servers(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_agent_with_several_environment_servers(cli: Cli, servers: RunningServers) -> None:
     config = copy.deepcopy(servers.config())
     del config["agents"]["math_agent"]["environment"]
     config["environments"]["math_env"]["agents"] = ["math_agent"]
     config["environments"]["count_env"]["agents"] = ["math_agent"]
-    proc, data, out = run_cli(config, demo_rows(5), tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {1, 3, 5},
+    cli.refused(
+        config,
+        demo_rows(5),
+        {1, 3, 5},
         "Agent 'math_agent' is fronted by several environment servers: ['count_env', 'math_env']. "
         "Rows that route by agent cannot choose between them.",
-    )  # fmt: skip
+    )
 
 
-def test_invalid_rollout_id(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+def test_invalid_rollout_id(cli: Cli) -> None:
     rows = rows_with({})
     rows[1] = {**rows[1], "_ng_rollout_id": ".hidden"}
     rows[2] = {**rows[2], "_ng_rollout_id": "has space"}
     rows[3] = {**rows[3], "_ng_rollout_id": "fine-id"}
     rows[4] = {**rows[4], "_ng_rollout_id": "fine-id"}
-    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {2, 3, 5},
-        "invalid rollout id '.hidden'", "is already used on line 4",
-    )  # fmt: skip
+    cli.refused(None, rows, {2, 3, 5}, "invalid rollout id '.hidden'", "is already used on line 4")
 
 
-def test_invalid_shard_label(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+def test_invalid_shard_label(cli: Cli) -> None:
     rows = rows_with({4: "{broken"})
-    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url, "--shard", "a/b")
-    assert_refused(proc, data, out, servers, redis_url, {4}, "invalid shard label 'a/b'")
+    cli.refused(None, rows, {4}, "invalid shard label 'a/b'", extra=("--shard", "a/b"))
 
 
-def test_run_directory_holding_another_runs_shard(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
-    first, _, out = run_cli(servers.config(), demo_rows(4), tmp_path, redis_url)
+def test_run_directory_holding_another_runs_shard(cli: Cli, redis_url: str, tmp_path: Path) -> None:
+    first, _, out = cli.run(None, demo_rows(4))
     assert first.returncode == 0, first.stderr
     manifest = orjson.loads((out / "rollouts-0_manifest.json").read_bytes())
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -372,22 +363,20 @@ def test_run_directory_holding_another_runs_shard(
 
     second = tmp_path / "second"
     second.mkdir()
-    proc, data, _ = run_cli(servers.config(), rows_with({2: "[]"}), second, redis_url, out=out)
+    proc, data, _ = cli.run(None, rows_with({2: "[]"}), folder=second, out=out)
 
     assert proc.returncode == 2, proc.stderr
     assert f"already holds shard 0 of run {manifest['run_id']}" in proc.stderr
     assert "--overwrite" in proc.stderr
     assert named_lines(proc.stderr, data) == {2}
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert_nothing_dispatched(servers, redis_url)
+    cli.nothing_dispatched()
 
     # Alone, the same problem is still exit 2; --overwrite replaces the earlier run.
-    alone, _, _ = run_cli(servers.config(), demo_rows(4), second, redis_url, out=out)
+    alone, _, _ = cli.run(None, demo_rows(4), folder=second, out=out)
     assert alone.returncode == 2 and manifest["run_id"] in alone.stderr
-    assert_nothing_dispatched(servers, redis_url)
-    replaced, _, _ = run_cli(
-        servers.config(), demo_rows(4), second, redis_url, "--overwrite", out=out
-    )
+    cli.nothing_dispatched()
+    replaced, _, _ = cli.run(None, demo_rows(4), "--overwrite", folder=second, out=out)
     assert replaced.returncode == 0, replaced.stderr
     assert (
         orjson.loads((out / "rollouts-0_manifest.json").read_bytes())["run_id"]
@@ -395,9 +384,7 @@ def test_run_directory_holding_another_runs_shard(
     )
 
 
-def test_every_problem_in_one_error(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_every_problem_in_one_error(cli: Cli) -> None:
     rows = rows_with(
         {
             2: "{oops",
@@ -408,52 +395,55 @@ def test_every_problem_in_one_error(
         },
         n=10,
     )  # fmt: skip
-    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url, "--shard", "bad label")
-    assert_refused(
-        proc, data, out, servers, redis_url, {2, 3, 5, 7, 9},
-        "not valid JSON", "missing responses_create_params", "'nobody'", "'nowhere'",
-        "invalid rollout id '-x'", "invalid shard label 'bad label'",
-    )  # fmt: skip
+    proc = cli.refused(
+        None,
+        rows,
+        {2, 3, 5, 7, 9},
+        "not valid JSON",
+        "missing responses_create_params",
+        "'nobody'",
+        "'nowhere'",
+        "invalid rollout id '-x'",
+        "invalid shard label 'bad label'",
+        extra=("--shard", "bad label"),
+    )
     assert proc.stderr.count("error:") == 1
 
 
-def test_shard_label_ending_in_an_artifact_suffix(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
-    proc, data, out = run_cli(
-        servers.config(), demo_rows(4), tmp_path, redis_url, "--shard", "0_failures"
-    )
-    assert_refused(
-        proc, data, out, servers, redis_url, set(),
+def test_shard_label_ending_in_an_artifact_suffix(cli: Cli, redis_url: str) -> None:
+    proc = cli.refused(
+        None,
+        demo_rows(4),
+        set(),
         "invalid shard label '0_failures' (--shard): it ends in '_failures'",
-    )  # fmt: skip
+        extra=("--shard", "0_failures"),
+    )
     assert proc.stderr.count("error:") == 1
 
     # Beside a shard 0, a label naming its inputs leaves every file of it as it was.
-    first, _, out = run_cli(servers.config(), demo_rows(4), tmp_path, redis_url)
+    first, _, out = cli.run(None, demo_rows(4))
     assert first.returncode == 0, first.stderr
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     r = redis.Redis.from_url(redis_url)
     r.flushall()
     r.close()
     label = "0_materialized_inputs"
-    proc, _, _ = run_cli(
-        servers.config(), demo_rows(4), tmp_path, redis_url, "--shard", label, "--overwrite"
-    )
+    proc, _, _ = cli.run(None, demo_rows(4), "--shard", label, "--overwrite")
     assert proc.returncode == 2, proc.stderr
     assert (
         f"invalid shard label '{label}' (--shard): it ends in '_materialized_inputs'" in proc.stderr
     )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert_nothing_dispatched(servers, redis_url)
+    cli.nothing_dispatched()
 
 
-def test_shard_label_too_long(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
-    proc, data, out = run_cli(
-        servers.config(), demo_rows(4), tmp_path, redis_url, "--shard", "s" * 300
-    )
-    assert_refused(
-        proc, data, out, servers, redis_url, set(), "(--shard): 300 characters, at most 128 allowed"
+def test_shard_label_too_long(cli: Cli) -> None:
+    proc = cli.refused(
+        None,
+        demo_rows(4),
+        set(),
+        "(--shard): 300 characters, at most 128 allowed",
+        extra=("--shard", "s" * 300),
     )
     assert "Traceback" not in proc.stderr
 
@@ -462,41 +452,34 @@ def test_shard_label_too_long(servers: RunningServers, redis_url: str, tmp_path:
     ("field", "value"),
     [("_ng_failure_class", "agent_run_error"), ("_ng_no_persist", True), ("_ng_attempt_index", 2)],
 )
-def test_reserved_field_in_an_input_row(
-    servers: RunningServers, redis_url: str, tmp_path: Path, field: str, value: Any
-) -> None:
+def test_reserved_field_in_an_input_row(cli: Cli, field: str, value: Any) -> None:
     rows = rows_with({})
     for line in (2, 5):
         rows[line - 1] = {**rows[line - 1], field: value}
-    proc, data, out = run_cli(servers.config(), rows, tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {2, 5},
-        f"field {field!r}: reserved field", "fed back as input",
-    )  # fmt: skip
+    cli.refused(None, rows, {2, 5}, f"field {field!r}: reserved field", "fed back as input")
 
 
-def test_row_nested_too_deep(servers: RunningServers, redis_url: str, tmp_path: Path) -> None:
+def test_row_nested_too_deep(cli: Cli) -> None:
     good = orjson.dumps(demo_rows(1)[0])
     deep = good[:-1] + b', "deep": ' + b"[" * 600 + b"1" + b"]" * 600 + b"}"
-    proc, data, out = run_cli(servers.config(), rows_with({3: deep.decode()}), tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {3},
+    proc = cli.refused(
+        None,
+        rows_with({3: deep.decode()}),
+        {3},
         "the row nests objects and arrays more than 100 levels deep",
-    )  # fmt: skip
+    )
     assert "Traceback" not in proc.stderr
 
 
-def test_row_larger_than_max_row_bytes(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_row_larger_than_max_row_bytes(cli: Cli) -> None:
     big = {**demo_rows(1)[0], "padding": "x" * 50_000}
-    proc, data, out = run_cli(
-        servers.config(), rows_with({2: big, 6: big}), tmp_path, redis_url, "+max_row_bytes=20000"
-    )
-    assert_refused(
-        proc, data, out, servers, redis_url, {2, 6},
+    cli.refused(
+        None,
+        rows_with({2: big, 6: big}),
+        {2, 6},
         "the row is larger than max_row_bytes (20000 bytes)",
-    )  # fmt: skip
+        extra=("+max_row_bytes=20000",),
+    )
 
 
 # --- NeMo Gym's routing mistakes (issue 38) -----------------------------------------------------
@@ -513,83 +496,79 @@ def config_line(config: Path, key: str) -> str:
     return f"{config}:{next(i for i, line in enumerate(lines, 1) if line.startswith(key + ':'))}"
 
 
-def test_a_task_row_whose_taskset_has_no_route(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_a_task_row_whose_taskset_has_no_route(cli: Cli, servers: RunningServers) -> None:
     rows = rows_with(
         {2: task_row("arith:v1", "arithmetic", 1), 5: task_row("arith:v2", "arithmetic", 2)}
     )
-    proc, data, out = run_cli(with_routes(servers), rows, tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {5},
-        f"{data}:5, field 'task_id.taskset': No environment server route is configured for "
+    cli.refused(
+        with_routes(servers),
+        rows,
+        {5},
+        f"{cli.input}:5, field 'task_id.taskset': No environment server route is configured for "
         "taskset 'arith:v2'",
-    )  # fmt: skip
+    )
 
 
-def test_taskset_mode_with_a_flat_row(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_taskset_mode_with_a_flat_row(cli: Cli, servers: RunningServers) -> None:
     rows = [task_row("arith:v1", "arithmetic", i) for i in range(4)]
     rows[2] = demo_rows(1)[0]
     config = with_routes(servers, environment_routing_mode="taskset")
-    proc, data, out = run_cli(config, rows, tmp_path, redis_url)
-    assert_refused(
-        proc, data, out, servers, redis_url, {3},
-        f"{data}:3, field 'task_id': taskset routing requires rows containing task_id.taskset and "
+    cli.refused(
+        config,
+        rows,
+        {3},
+        f"{cli.input}:3, field 'task_id': taskset routing requires rows containing task_id.taskset and "
         "task_input; use environment_routing_mode=agent to mix materialized and flat rows in one "
         "batch",
-    )  # fmt: skip
+    )
 
 
 def test_legacy_mode_without_a_server_name(
-    servers: RunningServers, redis_url: str, tmp_path: Path
+    cli: Cli, servers: RunningServers, tmp_path: Path
 ) -> None:
-    proc, data, out = run_cli(
-        with_routes(servers, environment_routing_mode="legacy"), demo_rows(4), tmp_path, redis_url
-    )
+    ran = cli.run(with_routes(servers, environment_routing_mode="legacy"), demo_rows(4))
+    proc = ran[0]
     where = config_line(tmp_path / "servers.yaml", "environment_routing_mode")
-    assert_refused(
-        proc, data, out, servers, redis_url, set(),
+    cli.assert_refused(
+        ran, set(),
         f"{where}, field 'environment_routing_mode': environment_server_name is required when "
         "environment_routing_mode=legacy",
     )  # fmt: skip
     assert proc.stderr.count("\n  - ") == 1  # one problem, on one line
 
 
-def test_taskset_mode_without_routes(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_taskset_mode_without_routes(cli: Cli, servers: RunningServers, tmp_path: Path) -> None:
     config = {**servers.config(), "environment_routing_mode": "taskset"}
     rows = [task_row("arith:v1", "arithmetic", 1)]
-    proc, data, out = run_cli(config, rows, tmp_path, redis_url)
+    ran = cli.run(config, rows)
     where = config_line(tmp_path / "servers.yaml", "environment_routing_mode")
-    assert_refused(
-        proc, data, out, servers, redis_url, {1},
+    cli.assert_refused(
+        ran, {1},
         f"{where}, field 'environment_routing_mode': environment_server_routes are required "
         "when environment_routing_mode=taskset",
-        f"{data}:1, field 'task_id.taskset': No environment server route is configured",
+        f"{cli.input}:1, field 'task_id.taskset': No environment server route is configured",
     )  # fmt: skip
     # The same mistake made on the command line names the key.
-    proc, data, out = run_cli(
-        servers.config(), rows, tmp_path, redis_url, "+environment_routing_mode=taskset",
-        out=tmp_path / "run2",
-    )  # fmt: skip
-    assert_refused(
-        proc, data, out, servers, redis_url, {1},
+    cli.refused(
+        None,
+        rows,
+        {1},
         "field 'environment_routing_mode': environment_server_routes are required",
-    )  # fmt: skip
+        extra=("+environment_routing_mode=taskset",),
+        out=tmp_path / "run2",
+    )
 
 
-def test_routing_keys_as_overrides_run_a_legacy_batch(
-    servers: RunningServers, redis_url: str, tmp_path: Path
-) -> None:
+def test_routing_keys_as_overrides_run_a_legacy_batch(cli: Cli) -> None:
     rows = [*demo_rows(2), task_row("arith:v1", "arithmetic", 1)]
     rows[1] = {k: v for k, v in rows[1].items() if k != "agent_ref"}
-    proc, _, out = run_cli(
-        servers.config(), rows, tmp_path, redis_url, "+environment_routing_mode=legacy",
-        "+environment_server_name=math_env", "+environment_server_routes={arith:v1: count_env}",
-    )  # fmt: skip
+    proc, _, out = cli.run(
+        None,
+        rows,
+        "+environment_routing_mode=legacy",
+        "+environment_server_name=math_env",
+        "+environment_server_routes={arith:v1: count_env}",
+    )
     assert proc.returncode == 0, proc.stderr
     planned = [
         orjson.loads(line)

@@ -5,38 +5,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import redis
 
 from infra import keys
-from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
+from tests.shard_helpers import SID, TOKEN, open_generation, request
 from workers.rollout.admission import Gate, p75
-
-TOKEN = "tok-1"
-URL = "file:///tmp/run-admission"
-SID = keys.shard_id(URL, "0")
-
-
-def request(
-    task: int, rollout: int = 0, agent_url: str = "http://127.0.0.1:1", **admission: Any
-) -> CollectRequest:
-    return CollectRequest(
-        run=RunRef(run_id="r", output_dir=URL, shard="0", token=TOKEN),
-        agent_url=agent_url,
-        policy=CallPolicy(max_attempts=admission.pop("max_attempts", 3)),
-        row={"_ng_task_index": task, "_ng_rollout_index": rollout, "agent_ref": {"name": "a"}},
-        admission=Admission(**admission),
-    )
 
 
 @pytest.fixture
-def r(redis_url: str) -> Iterator[redis.Redis]:
-    conn = redis.Redis.from_url(redis_url)
-    conn.hset(keys.shard_generation(SID), mapping={"token": TOKEN, "enqueued": 10})
-    yield conn
-    conn.close()
+def r(r: redis.Redis) -> redis.Redis:
+    return open_generation(r)
 
 
 @pytest.fixture

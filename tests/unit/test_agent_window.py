@@ -11,31 +11,21 @@ import pytest
 import redis
 
 from infra import keys
-from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
+from schemas.messages import CollectRequest
+from tests.shard_helpers import SID, TOKEN, open_generation
+from tests.shard_helpers import request as shard_request
 from workers.rollout.admission import INITIAL_WINDOW, WINDOW_DECREASE, Gate, Ticket
 
-TOKEN = "tok-1"
-URL = "file:///tmp/run-window"
-SID = keys.shard_id(URL, "0")
 AGENT = "http://127.0.0.1:9"
 
 
 def request(task: int, **admission: Any) -> CollectRequest:
-    return CollectRequest(
-        run=RunRef(run_id="r", output_dir=URL, shard="0", token=TOKEN),
-        agent_url=AGENT,
-        policy=CallPolicy(),
-        row={"_ng_task_index": task, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}},
-        admission=Admission(**admission),
-    )
+    return shard_request(task, agent_url=AGENT, **admission)
 
 
 @pytest.fixture
-def r(redis_url: str) -> Iterator[redis.Redis]:
-    conn = redis.Redis.from_url(redis_url)
-    conn.hset(keys.shard_generation(SID), mapping={"token": TOKEN, "enqueued": 10})
-    yield conn
-    conn.close()
+def r(r: redis.Redis) -> redis.Redis:
+    return open_generation(r)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 
 from infra import jsonl
 from infra.store import RunDir
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from workers.aggregate_file import Listed, entry_heads, read_answer, read_heads, write_entries
 
 

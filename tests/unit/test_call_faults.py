@@ -13,15 +13,20 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from infra.store import RunDir
 from schemas.health import CheckInput, CheckScope, CheckSpec, CheckSubject
-from tests.conftest import ROOT
-from tests.health_fixtures import call, read_verdicts, record, trajectory, turn, write_lines
-from workers.health import make_plan, run_local
+from tests.health_fixtures import (
+    call,
+    check_rollouts_file,
+    read_verdicts,
+    record,
+    trajectory,
+    turn,
+    write_lines,
+)
+from tests.helpers import ROOT
 from workers.health.record_checks import check_record
 from workers.health.reduce import verdict_of
 from workers.health.registry import REGISTRY, checks_in, validate_registry
-from workers.health.sources import source_for
 
 FAULTS = ["rollout_response_truncated", "rollout_response_empty"]
 
@@ -159,14 +164,7 @@ def test_the_verdict_line_holds_call_ids_and_no_text(tmp_path: Path) -> None:
         call("c2", raw=cut("SECRET-CUT"), finish="length"),
     ]
     write_lines(tmp_path / "rollouts.jsonl", [record(0, 0, traj=multi_turn(calls))])
-    rd = RunDir(str(tmp_path))
-    run_local(
-        make_plan(
-            rd.url,
-            [source_for(rd, "rollouts.jsonl", "rollouts.jsonl")],
-            scratch=str(tmp_path / "s"),
-        )
-    )
+    check_rollouts_file(tmp_path)
     (line,) = read_verdicts(tmp_path)
     assert line["calls"] == {"selected": ["c1", "c2"], "faulted": ["c2"]}
     assert [f for f in line["findings"] if f["check"] in FAULTS] == [

@@ -22,7 +22,14 @@ from producer.planning.materialize import new_manifest
 from schemas.health import Limits
 from schemas.records import InputSource
 from schemas.settings import CollectionSettings
-from tests.health_fixtures import healthy_trajectory, owed, read_summary, record, write_lines
+from tests.health_fixtures import (
+    check_rollouts_file,
+    healthy_trajectory,
+    owed,
+    read_summary,
+    record,
+    write_lines,
+)
 from workers.health import make_plan, run_local
 from workers.health.sources import source_for
 
@@ -215,14 +222,7 @@ def test_the_summary_records_the_facts_and_binds_the_gate_to_the_inputs(tmp_path
 
 def test_a_folder_without_a_manifest_has_no_config_facts(tmp_path: Path) -> None:
     write_lines(tmp_path / "rollouts.jsonl", [record(0, 0)])
-    rd = RunDir(str(tmp_path))
-    run_local(
-        make_plan(
-            rd.url,
-            [source_for(rd, "rollouts.jsonl", "rollouts.jsonl")],
-            scratch=str(tmp_path / "s"),
-        )
-    )
+    check_rollouts_file(tmp_path)
     run = read_summary(tmp_path)["run"]
     assert run["config"] is None
     assert [i["kind"] for i in run["gate"]["inputs"]] == ["results"]

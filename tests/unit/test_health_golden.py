@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from tests.health_fixtures import (
+    CALL_CHECKS,
     TRAJECTORY_CHECKS,
     crafted_folder,
     failure,
@@ -39,14 +40,6 @@ def f(check: str, detail: dict[str, Any], locator: dict[str, Any] | None = None)
     return out
 
 
-OWNED_UNOBSERVED = [
-    "model_call_zero_completion_tokens",
-    "model_call_missing_token_counts",
-    "trajectory_capture_mismatch",
-    "model_call_failed",
-    "rollout_token_count_mismatch",
-    "model_call_runaway_generation",
-]
 FAILED_500 = {"status": 500, "error_category": None}
 DUP = f("rollout_duplicate_identity", {"duplicate_count": 2})
 FAULTS = ["rollout_response_truncated", "rollout_response_empty"]
@@ -78,7 +71,7 @@ EXPECTED: list[tuple[Any, int, str, str, list[dict[str, Any]], list[str]]] = [
             f("agent_turn_hollow", {"reason": "agent turn has no message or tool calls"}, {"turn": 1}),
         ],
         # Its one turn references no call: the calls' population is unknown.
-        [*OWNED_UNOBSERVED, *FAULTS],
+        [*CALL_CHECKS, *FAULTS],
     ),
     (
         1, 1, "1-1", "unhealthy",

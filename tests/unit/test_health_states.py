@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from unittest.mock import Mock
 
 import fakeredis
 import pytest
@@ -47,10 +48,7 @@ def test_disabled_setting_writes_the_disabled_summary(tmp_path: Path) -> None:
 def test_a_failing_check_is_logged_and_never_raises(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken(*args: object, **kwargs: object) -> None:
-        raise OSError("disk on fire")
-
-    monkeypatch.setattr(finish, "check_sources_here", broken)
+    monkeypatch.setattr(finish, "check_sources_here", Mock(side_effect=OSError("disk on fire")))
     brief = finish.check_shard_health(
         RunDir(str(shard_folder(tmp_path))), "0", CollectionSettings()
     )

@@ -3,15 +3,13 @@ and every reader (pipeline, `LANDED_LUA`, admission, the lock's first read) sees
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import redis
 
 from infra import keys
 from infra.locks import held_reading
 from infra.scripts import LANDED_LUA
-from tests.unit.test_admission import SID, TOKEN, request
+from tests.shard_helpers import SID, open_generation, request
 from workers.rollout.admission import Gate
 from workers.shard import landed
 
@@ -19,12 +17,8 @@ PLANNED = 100
 
 
 @pytest.fixture
-def r(redis_url: str) -> Iterator[redis.Redis]:
-    conn = redis.Redis.from_url(redis_url)
-    conn.flushdb()
-    conn.hset(keys.shard_generation(SID), mapping={"token": TOKEN, "enqueued": 10})
-    yield conn
-    conn.close()
+def r(r: redis.Redis) -> redis.Redis:
+    return open_generation(r)
 
 
 def add(r: redis.Redis, ks: list[str]) -> None:

@@ -9,7 +9,6 @@ import concurrent.futures
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,8 @@ from infra.store import RunDir, ShardFiles
 from schemas import fields as F
 from schemas.errors import ShardFencedError
 from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
-from schemas.records import Generation, InputSource, Manifest, RateLimitWaits, utc_now
+from schemas.records import Generation, RateLimitWaits, utc_now
+from tests.shard_helpers import open_run
 from workers.rollout.admission import Gate, Ticket
 from workers.rollout.encoding import RESULT_NOT_STORED
 from workers.rollout.landing import Lander, LandReport
@@ -34,46 +34,9 @@ from workers.shard.state import compact_shard, open_shard, shard_status
 FILES = ShardFiles("0")
 
 
-@pytest.fixture(params=["local", "memory"])
-def rd(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunDir]:
-    if request.param == "local":
-        run = RunDir(str(tmp_path / "run"))
-    else:
-        run = RunDir(f"memory://landing-{uuid.uuid4().hex}")
-    run.makedirs()
-    yield run
-    if not run.is_local:
-        run.fs.rm(run.root, recursive=True)
-
-
-@pytest.fixture
-def r(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
-
-
 @pytest.fixture
 def lander(redis_url: str) -> Lander:
     return Lander(redis_url)
-
-
-def open_run(r: redis.Redis, rd: RunDir, planned: int = 100) -> RunRef:
-    token = uuid.uuid4().hex
-    manifest = Manifest(
-        run_id="run-test",
-        shard="0",
-        created_at=utc_now(),
-        input=InputSource(path="rows.jsonl", sha256="0"),
-        config={},
-        settings={},
-        planned=planned,
-        materialized_sha256="0",
-        generations=[Generation(token=token, kind="run", started_at=utc_now(), enqueued=planned)],
-    )
-    write_manifest(rd, manifest)
-    open_shard(r, rd, "0")
-    return RunRef(run_id="run-test", output_dir=rd.url, shard="0", token=token)
 
 
 def resume(r: redis.Redis, rd: RunDir) -> RunRef:

@@ -6,7 +6,6 @@ Redis is the session's real server; storage a tmp dir.
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,17 +14,15 @@ import orjson
 import redis
 
 from infra import keys
-from infra.runs import write_manifest
 from infra.store import RunDir
 from producer.shard.live import live_health, snapshot
 from schemas.health import LiveHealth, RolloutVerdict
 from schemas.messages import HealthRef, RunRef
-from schemas.records import Generation, InputSource, Manifest, utc_now
 from tests.health_fixtures import crafted_folder, crafted_records, read_verdicts
+from tests.shard_helpers import open_run
 from workers.health import plan_recheck, run_local
 from workers.health.live import judge, rollout_verdict
 from workers.rollout.landing import Lander
-from workers.shard.state import open_shard
 
 
 def test_the_live_verdict_is_the_finish_steps_for_every_crafted_record(tmp_path: Path) -> None:
@@ -61,19 +58,6 @@ def test_judge_is_off_without_health_and_never_raises() -> None:
     assert judge(ignored, empty) == RolloutVerdict("unobserved")
 
 
-def open_run(r: redis.Redis, rd: RunDir) -> RunRef:
-    token = uuid.uuid4().hex
-    manifest = Manifest(
-        run_id="run-live", shard="0", created_at=utc_now(),
-        input=InputSource(path="rows.jsonl", sha256="0"), config={}, settings={}, planned=10,
-        materialized_sha256="0",
-        generations=[Generation(token=token, kind="run", started_at=utc_now(), enqueued=10)],
-    )  # fmt: skip
-    write_manifest(rd, manifest)
-    open_shard(r, rd, "0")
-    return RunRef(run_id="run-live", output_dir=rd.url, shard="0", token=token)
-
-
 def land(lander: Lander, run: RunRef, task: int, verdict: RolloutVerdict | None) -> Any:
     encoded = lander.encode({"_ng_task_index": task, "_ng_rollout_index": 0, "reward": 1.0}, [])
     encoded.health = verdict
@@ -84,7 +68,7 @@ def test_the_lander_counts_each_new_result_once(redis_url: str, tmp_path: Path) 
     r = redis.Redis.from_url(redis_url)
     rd = RunDir(str(tmp_path / "run"))
     rd.makedirs()
-    run = open_run(r, rd)
+    run = open_run(r, rd, "run-live", planned=10)
     lander = Lander(redis_url)
     bad = RolloutVerdict(
         "unhealthy", ("model_call_failed", "model_call_failed", "agent_turn_hollow")

@@ -20,8 +20,10 @@ from producer.shard.local_cluster import worker_env
 from schemas.errors import UsageError
 from schemas.records import Generation, InputSource, Manifest
 from schemas.settings import CollectionSettings
-from tests.unit.test_planning_rules import plan, ref, row
+from tests.planning_helpers import Planner, config, ref, row
 from workers.health.summary import console_line
+
+plan = Planner(config)
 
 
 def test_num_shards_keeps_task_numbers_global_to_the_input() -> None:

@@ -11,63 +11,12 @@ import pytest
 
 from producer.planning.planner import PlanContext, plan_file, preprocess_examples
 from schemas import fields as F
-from schemas.config import ServersConfig
 from schemas.errors import PlanningError
 from schemas.settings import CollectionSettings
+from tests.planning_helpers import Planner, config, ref, row
 
-CONFIG: dict[str, Any] = {
-    "agents": {
-        "math_agent": {"url": "http://m", "type": "simple_agent", "environment": "math_env",
-                       "resources_server": "math_rs"},
-        "code_agent": {"url": "http://c", "type": "codex_agent", "environment": "code_env"},
-        "solo_agent": {"url": "http://s", "type": "simple_agent"},
-    },
-    "environments": {
-        "math_env": {"url": "http://me", "resources_server": "math_rs"},
-        "code_env": {"url": "http://ce"},
-    },
-    "resources_servers": {"math_rs": {}, "empty_rs": {}},
-}  # fmt: skip
-
-
-def config(**changes: Any) -> ServersConfig:
-    data = copy.deepcopy(CONFIG)
-    for path, value in changes.items():
-        node = data
-        *parents, last = path.split("__")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return ServersConfig.model_validate(data)
-
-
-def row(text: str = "q", **fields: Any) -> dict[str, Any]:
-    return {"responses_create_params": {"input": text}, **fields}
-
-
-def ref(name: str) -> dict[str, str]:
-    return {"name": name}
-
-
-def plan(
-    rows: list[dict[str, Any]], cfg: ServersConfig | None = None, **settings: Any
-) -> list[dict[str, Any]]:
-    warnings: list[str] = []
-    out = preprocess_examples(
-        rows,
-        cfg or config(),
-        CollectionSettings(**settings),
-        run_id="r",
-        on_warning=warnings.append,
-    )
-    plan.warnings = warnings  # type: ignore[attr-defined]
-    return out
-
-
-def problems(rows: list[dict[str, Any]], cfg: ServersConfig | None = None, **settings: Any) -> str:
-    with pytest.raises(PlanningError) as info:
-        plan(rows, cfg, **settings)
-    return str(info.value)
+plan = Planner(config)
+problems = plan.problems
 
 
 def keys(out: list[dict[str, Any]]) -> list[tuple[int, int, str]]:
@@ -103,7 +52,7 @@ def test_remapped_agent_ref_is_restamped_and_warned_about() -> None:
     assert same[F.AGENT_REF] == {"name": "math_agent", "type": "x"}  # unchanged: extra keys kept
     moved = plan([r], agent_map={"math_agent": "solo_agent"})[0]
     assert moved[F.AGENT_REF] == {"name": "solo_agent"}
-    assert plan.warnings == [  # type: ignore[attr-defined]
+    assert plan.warnings == [
         "agent_map overrode the agent_ref of rows that named an agent: math_agent -> solo_agent (1 rows)"
     ]
 
@@ -218,7 +167,7 @@ def test_num_repeats_lookup_order_target_then_basis_then_default() -> None:
     out = plan(rows, num_repeats={"math_agent": 3, "code_env": 2, "_default": 1, "typo_agent": 9})
     counts = {t: sum(1 for k in keys(out) if k[0] == t) for t in (0, 1, 2)}
     assert counts == {0: 3, 1: 2, 2: 1}
-    assert plan.warnings == ["num_repeats names keys that no row used (possible typo?): typo_agent"]  # type: ignore[attr-defined]
+    assert plan.warnings == ["num_repeats names keys that no row used (possible typo?): typo_agent"]
 
 
 def test_num_repeats_dict_without_a_match_is_an_error() -> None:
@@ -290,7 +239,7 @@ def test_task_ids_select_each_task_once_before_repetition() -> None:
         (3, 0),
         (3, 1),
     ]
-    assert plan.warnings == ["task_ids matched no row: missing"]  # type: ignore[attr-defined]
+    assert plan.warnings == ["task_ids matched no row: missing"]
     assert CollectionSettings(task_ids="a, b").task_ids == ["a", "b"]  # type: ignore[arg-type]
 
 

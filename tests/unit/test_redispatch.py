@@ -3,41 +3,21 @@ the chord's collect task and the Python API's reply task alike."""
 
 from __future__ import annotations
 
-import base64
 import json
 import time
 from typing import Any
 
 import fakeredis
-from celery import Celery
 
 from infra import keys
 from schemas import fields as F
 from schemas.messages import COLLECT_TASK, QUEUE
 from schemas.replies import COLLECT_REPLY_TASK, admission_row
-from workers.redispatch import CollectTaskMessage, UnackedSweep, from_delivered, publish_collect
+from tests.engine_helpers import as_kept
+from workers.redispatch import CollectTaskMessage, UnackedSweep, from_delivered
 
 RUN = {"run_id": "r", "output_dir": "file:///nowhere", "shard": "0", "token": "gen-1"}
 ROW = {F.TASK_INDEX: 7, F.ROLLOUT_INDEX: 2, F.AGENT_REF: {"name": "a"}}
-
-
-def as_kept(m: CollectTaskMessage) -> dict[str, Any]:
-    """`m` as published, then as kombu's Redis transport keeps a delivered message."""
-    app = Celery("t", set_as_current=False)
-    sent: list[dict[str, Any]] = []
-
-    class Producer:
-        def publish(self, body: Any, **kw: Any) -> None:
-            sent.append({"body": body, **kw})
-
-    publish_collect(app, Producer(), app.amqp.queues[QUEUE], m)
-    app.close()
-    [out] = sent
-    return {
-        "headers": out["headers"],
-        "properties": {"body_encoding": "base64"},
-        "body": base64.b64encode(json.dumps(out["body"]).encode()).decode(),
-    }
 
 
 def test_a_reply_task_s_message_is_published_again_under_its_own_name_without_a_chord() -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest.mock import Mock
 
 import orjson
 import pytest
@@ -113,10 +114,7 @@ def test_health_findings_link_the_offending_rollouts_transcripts(tmp_path: Path)
 def test_a_report_that_fails_never_fails_the_shard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("disk on fire")
-
-    monkeypatch.setattr(finish, "write_report", broken)
+    monkeypatch.setattr(finish, "write_report", Mock(side_effect=RuntimeError("disk on fire")))
     with caplog.at_level(logging.ERROR):
         assert finish.write_shard_report(RunDir(str(tmp_path)), "0") is None
     assert "the run is not affected" in caplog.text

@@ -11,7 +11,7 @@ import dataclasses
 import gc
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -25,26 +25,15 @@ from schemas.errors import StorageError
 from schemas.messages import Admission, CallPolicy, CollectRequest, HealthRef, RunRef
 from schemas.outcomes import Ended, RolloutOutcome
 from schemas.replies import RolloutReply, admission_row
+from tests.engine_helpers import RESULT, ROW, Handler, Harness, limited, replies
 from workers.replies import reply_body
 from workers.rollout import (
-    RECORDED,
-    AgentCaller,
-    Blocking,
     Delivery,
-    RolloutContext,
-    StopWatch,
-    run_rollout,
     run_rollout_async,
 )
-from workers.rollout.context import SLOT, WaitingLines
+from workers.rollout.context import WaitingLines
 from workers.rollout.encoding import RESULT_NOT_STORED
-from workers.rollout.fakes import FakeGate, FakeLander, FakeLeases, FakeShard
 from workers.rollout.leases import Lease, LeaseTicket
-
-Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
-ROW = {F.TASK_INDEX: 3, F.ROLLOUT_INDEX: 1, F.AGENT_REF: {"name": "a"}, "question": "1+1"}
-# The agent's reply with the planned row's identity stamped on it.
-RESULT = {"reward": 1.0, F.TASK_INDEX: 3, F.ROLLOUT_INDEX: 1, F.AGENT_REF: {"name": "a"}}
 
 
 @pytest.fixture(scope="module")
@@ -54,111 +43,6 @@ def loop() -> Iterator[EventLoopThread]:
     thread.loop.call_soon_threadsafe(thread.loop.stop)
     thread.thread.join(5)
     thread.loop.close()
-
-
-class Harness:
-    """A shard, its fake gate and lander, and an agent answering with `handler`."""
-
-    def __init__(self, loop: EventLoopThread) -> None:
-        self.loop = loop
-        self.shard = FakeShard()
-        self.gate = FakeGate(self.shard)
-        self.lander = FakeLander(self.shard)
-        self.leases = FakeLeases(self.shard)
-        self.requests: list[dict[str, Any]] = []
-        self.handler: Handler = self.reply(200, {"reward": 1.0})
-        self.slept: list[float] = []
-        self.clients: list[httpx.AsyncClient] = []
-        self.land_wait_s = 5.0
-        self.refused_because: str | None = None
-        self.checked: list[tuple[RunRef, str]] = []
-        self.row: dict[str, Any] = dict(ROW)
-        """The planned row its rollouts run."""
-
-    def refusal(self, run: RunRef, agent_url: str) -> str | None:
-        """The manifest check (`RunCheck`): records what it was asked."""
-        self.checked.append((run, agent_url))
-        return self.refused_because
-
-    async def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-
-    def reply(self, status: int, body: Any) -> Handler:
-        async def answer(request: httpx.Request) -> httpx.Response:
-            return httpx.Response(status, content=orjson.dumps(body))
-
-        return answer
-
-    def client(self) -> httpx.AsyncClient:
-        async def record(request: httpx.Request) -> httpx.Response:
-            self.requests.append(orjson.loads(request.content))
-            return await self.handler(request)
-
-        made = httpx.AsyncClient(transport=httpx.MockTransport(record))
-        self.clients.append(made)
-        return made
-
-    def context(self) -> RolloutContext:
-        return RolloutContext(
-            gate=self.gate,
-            lander=self.lander,
-            agent=AgentCaller(self.client, StopWatch(self.gate.stop_reason, Blocking(), 0.01)),
-            loop=self.loop,
-            sleep=self.sleep,
-            land_wait_s=self.land_wait_s,
-            leases=self.leases,
-            runs=self,
-        )
-
-    def run(
-        self,
-        delivery: Delivery = RECORDED,
-        token: str = "token-1",
-        slot: Callable[[], Awaitable[bool]] | None = None,
-        **policy: Any,
-    ) -> RolloutOutcome:
-        """Run one delivery; `slot`: it was taken ahead of the pool's slots (`SLOT`)."""
-        admission = policy.pop("admission", Admission())
-        health = policy.pop("health", None)
-        req = CollectRequest(
-            run=RunRef(run_id="r", output_dir="/tmp/nowhere", shard="0", token=token),
-            agent_url="http://agent",
-            policy=CallPolicy(backoff_base_s=0.001, **policy),
-            row=dict(self.row),
-            admission=admission,
-            health=health,
-        )
-        try:
-            if slot is None:
-                outcome = run_rollout(req, self.context(), delivery)
-            else:
-                outcome = self.loop.run(_with_slot(slot, req, self.context(), delivery))
-            # Whatever path it took, the Python API's reply of it reads back as the outcome.
-            assert replied(outcome) == outcome
-            return outcome
-        finally:
-            for c in self.clients:
-                self.loop.run(c.aclose())
-            self.clients.clear()
-
-    def slots_returned(self) -> bool:
-        """Every admitted delivery gave its slot back and ended its delivery count."""
-        return len(self.gate.released) == len(self.gate.admitted) and not self.shard.starts
-
-
-async def _with_slot(
-    slot: Callable[[], Awaitable[bool]], req: CollectRequest, ctx: RolloutContext, d: Delivery
-) -> RolloutOutcome:
-    """A delivery the pool took ahead of its slots: the engine awaits `slot` itself."""
-    SLOT.set(slot)
-    return await run_rollout_async(req, ctx, d)
-
-
-def replied(outcome: RolloutOutcome) -> RolloutOutcome:
-    """The outcome as the caller reads it from its reply (`workers/replies.py`'s encoding)."""
-    return RolloutReply.model_validate_json(
-        reply_body(RolloutReply(index=0, outcome=outcome))
-    ).outcome
 
 
 STAMPS = (F.STARTED_AT, F.RUN_MS, F.EXECUTION)
@@ -512,14 +396,6 @@ def deep_reply(extra: dict[str, Any] | None = None) -> Handler:
     return answer
 
 
-def limited(status: int = 429, retry_after: str | None = "2") -> Handler:
-    async def answer(request: httpx.Request) -> httpx.Response:
-        headers = {} if retry_after is None else {"Retry-After": retry_after}
-        return httpx.Response(status, headers=headers, text="slow down")
-
-    return answer
-
-
 def test_a_result_that_cannot_be_stored_fails_alone_with_its_row(h: Harness) -> None:
     h.handler = deep_reply()
     out = h.run()
@@ -570,15 +446,6 @@ def test_a_lander_that_never_answers_is_an_error_within_the_bound(h: Harness) ->
     # The wait gave up, the lander's future was left alone: its thread may still settle it.
     [pending] = h.lander.unanswered
     assert not pending.cancelled()
-
-
-def replies(*handlers: Handler) -> Handler:
-    it = iter(handlers)
-
-    async def answer(request: httpx.Request) -> httpx.Response:
-        return await next(it)(request)
-
-    return answer
 
 
 def test_a_rate_limit_is_waited_out_without_a_slot_or_an_attempt(h: Harness) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import redis
 from infra import keys
 from infra.runs import write_manifest
 from infra.store import RunDir, ShardFiles
-from schemas.records import Generation, InputSource, Manifest, utc_now
+from tests.shard_helpers import bare_manifest
 from workers.shard import landed
 from workers.shard.ledger import Failure, ShardLedger, count_shard
 from workers.shard.state import BUILT, OPENER, RESULTS_SIZE, ShardState, read_state
@@ -143,28 +142,10 @@ def test_an_absent_shard_is_empty(tmp_path: Path) -> None:
     )
 
 
-@pytest.fixture
-def r(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
-
-
 def test_the_state_is_rebuilt_from_the_ledger_and_a_torn_tail_is_cut(
     shard: RunDir, r: redis.Redis
 ) -> None:
-    manifest = Manifest(
-        run_id="run-x",
-        shard="0",
-        created_at=utc_now(),
-        input=InputSource(path="in.jsonl", sha256="0"),
-        config={},
-        settings={},
-        planned=8,
-        materialized_sha256="0",
-        generations=[Generation(token="tok", kind="run", started_at=utc_now(), enqueued=8)],
-    )
-    write_manifest(shard, manifest)
+    write_manifest(shard, bare_manifest("run-x", 8, "tok"))
     st = ShardState(r, shard, "0")
     state = st.rebuild()
     assert state == read_state(r, st.sid)

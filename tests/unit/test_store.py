@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import os
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -15,18 +14,6 @@ from infra import segments, store
 from infra.store import RunDir, WriteConflictError, write_parts
 
 NAME = "rollouts-0.jsonl"
-
-
-@pytest.fixture(params=["local", "memory"])
-def rd(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunDir]:
-    if request.param == "local":
-        run = RunDir(str(tmp_path / "run"))
-    else:
-        run = RunDir(f"memory://store-{uuid.uuid4().hex}")
-    run.makedirs()
-    yield run
-    if not run.is_local:
-        run.fs.rm(run.root, recursive=True)
 
 
 def lines(n: int, first: int = 0) -> list[bytes]:

@@ -20,6 +20,7 @@ from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError
 from schemas.settings import CollectionSettings
+from tests.planning_helpers import Planner
 
 CONFIG: dict[str, Any] = {
     "agents": {
@@ -52,25 +53,8 @@ def task(taskset: str, ident: str, **task_input: Any) -> dict[str, Any]:
     return {"task_id": {"taskset": taskset, "task_id": ident}, "task_input": task_input}
 
 
-def plan(
-    rows: list[Any], cfg: ServersConfig | None = None, **settings: Any
-) -> list[dict[str, Any]]:
-    warnings: list[str] = []
-    out = preprocess_examples(
-        rows,
-        cfg or config(),
-        CollectionSettings(**settings),
-        run_id="r",
-        on_warning=warnings.append,
-    )
-    plan.warnings = warnings  # type: ignore[attr-defined]
-    return out
-
-
-def problems(rows: list[Any], cfg: ServersConfig | None = None, **settings: Any) -> str:
-    with pytest.raises(PlanningError) as info:
-        plan(rows, cfg, **settings)
-    return str(info.value)
+plan = Planner(config)
+problems = plan.problems
 
 
 def test_task_rows_route_by_taskset_and_mix_with_flat_rows() -> None:
@@ -107,7 +91,7 @@ def test_repeats_of_task_rows_are_keyed_by_taskset_and_routing_knobs_do_not_appl
     )
     # The flat row is mapped (to harbor_agent, which harbor_env fronts); the task rows are not.
     assert [r[F.ENVIRONMENT_SERVER] for r in out] == ["puzzle_env"] * 3 + ["harbor_env"] * 2
-    assert plan.warnings[-1:] == [  # type: ignore[attr-defined]
+    assert plan.warnings[-1:] == [
         "agent_map and fan_out do not apply to the 2 rows routed by environment server "
         "(materialized task rows, and flat rows in legacy mode)"
     ]

@@ -26,10 +26,9 @@ from infra.telemetry import ENQUEUED_AT, TRACEPARENT, TraceParent
 from schemas import fields as F
 from schemas.messages import COLLECT_TASK, QUEUE, CallPolicy
 from schemas.outcomes import Ended, RolloutOutcome
-from tests.conftest import ROOT
+from tests.engine_helpers import Harness, as_kept, limited, replies
+from tests.helpers import ROOT
 from tests.otlp_receiver import in_memory_sdk
-from tests.unit.test_redispatch import as_kept
-from tests.unit.test_rollout_engine import Harness, limited, replies
 from workers import tracing
 from workers.redispatch import CollectTaskMessage, from_delivered, publisher
 from workers.rollout.agent_call import call_run
