@@ -14,6 +14,9 @@ from html import escape
 PALETTE = ("#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#4b5563")
 WIDTH, HEIGHT = 640, 260
 LEFT, RIGHT, TOP, BOTTOM = 56, 16, 16, 44
+# A legend character's width at 11 px, taken wide (underscores and m are wider than the mean), so
+# names never run into the next key; a legend that does not fit the plot's width wraps.
+LEGEND_CHAR_W = 7.4
 
 
 @dataclass(frozen=True)
@@ -100,14 +103,17 @@ class _Frame:
     def legend(self, names: list[str]) -> None:
         if len(names) < 2:
             return
-        x = LEFT + 8
+        x, y = LEFT + 8, TOP
         for i, name in enumerate(names):
+            width = 14 + LEGEND_CHAR_W * len(name)
+            if x > LEFT + 8 and x + width > WIDTH - RIGHT:
+                x, y = LEFT + 8, y + 14
             color = PALETTE[i % len(PALETTE)]
-            self.parts.append(f'<rect x="{x}" y="{TOP}" width="10" height="10" fill="{color}"/>')
+            self.parts.append(f'<rect x="{x:.0f}" y="{y}" width="10" height="10" fill="{color}"/>')
             self.parts.append(
-                f'<text class="legend" x="{x + 14}" y="{TOP + 9}">{escape(name)}</text>'
+                f'<text class="legend" x="{x + 14:.0f}" y="{y + 9}">{escape(name)}</text>'
             )
-            x += 24 + 7 * len(name)
+            x += width + 14
 
     def marker(self, px: float, label: str, y: float) -> None:
         """A dashed vertical line, labelled on its right (on its left near the right edge)."""
