@@ -12,6 +12,7 @@ failure, http_status, exception_type) plus three fields of ours read from the fa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, Literal, cast
 
@@ -125,6 +126,19 @@ _STAGES = frozenset({"admission", "seed", "agent", "verification", "cleanup"})
 
 # Failure kinds of a request that never reached the agent.
 _NOT_SENT_KINDS = frozenset({"transport_unreachable", "transport_local_resource", "cancelled"})
+
+
+def spends_attempt(row: Mapping[str, Any]) -> bool:
+    """Whether a failure row spends one of its rollout's attempts (`max_attempts`): only when the
+    request was delivered or possibly delivered, as its `_ng_failure_record` says (for a row
+    without one, as the record made from it would say). A request that was never sent (the agent
+    unreachable, a local resource exhausted, the call cancelled before sending) spends none."""
+    record = row.get(F.FAILURE_RECORD)
+    delivery = record.get("delivery") if isinstance(record, Mapping) else None
+    if delivery in ("not_sent", "possibly_delivered", "delivered"):
+        return bool(delivery != "not_sent")
+    kind = row.get(F.FAILURE_KIND)
+    return not (row.get(F.DISPATCH_DRAINED) or kind in _NOT_SENT_KINDS)
 
 
 class EpisodeId(BaseModel):

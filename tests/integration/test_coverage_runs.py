@@ -18,6 +18,7 @@ import orjson
 import pytest
 
 from examples.agent_server import AgentKnobs
+from examples.servers import free_port
 from infra.store import RunDir
 from producer import preprocess_examples
 from producer.api.calls import RUN_ERROR
@@ -262,3 +263,28 @@ def test_the_python_api_records_omissions_and_hands_back_unrouted_failures(
     assert c["states"]["omitted"] == 3 and c["unknown"] == 0
     # Strict: the failure is not complete; the omissions are (5 of 6 completed).
     assert finished is not None and "EVAL FAILED: 5/6" in str(finished.get("rejection"))
+
+
+def test_requests_never_sent_spend_no_attempt(make_run: MakeRun, redis_url: str) -> None:
+    """An agent that is not listening (connection refused: the request never left) fails every
+    rollout with a `not_sent` failure record; with an attempt limit of 1 they stay `retryable`,
+    where a delivered failure would have exhausted them, and a resume runs them all."""
+    run = make_run()
+    try:
+        config = run.servers.config()
+        for agent in config["agents"].values():
+            agent["url"] = f"http://127.0.0.1:{free_port()}"
+        run.write_config(config)
+        proc = run.cli(demo_rows(4), "+route_failures_to_sidecar=true", "+max_attempts=1")
+        plan = cli("resume", str(run.out), "--plan", "--json")
+    finally:
+        run.servers.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # failures routed: the run ends 0
+    failures = read_jsonl(run.out / "rollouts-0_failures.jsonl")
+    assert failures and all(row[F.FAILURE_RECORD]["delivery"] == "not_sent" for row in failures), (
+        failures[0]
+    )
+    assert plan.returncode == 0, plan.stderr
+    body = orjson.loads(plan.stdout)
+    assert body["coverage"]["states"]["exhausted"] == 0
+    assert body["coverage"]["states"]["retryable"] == 4

@@ -4,7 +4,7 @@ A history is a fresh run and the resumes after it, over two shards of one folder
 generation dispatches what the one before left runnable (the first, every planned rollout); each
 dispatched rollout lands (measured, masked or unscored), fails (by class, terminal, a judge's
 failure that kept the answer, marked as a scored zero, after several failed attempts in one
-delivery), is omitted, is drained or killed (no row), or is taken over after its holder froze,
+delivery, or never sent: the agent unreachable, which spends no attempt), is omitted, is drained or killed (no row), or is taken over after its holder froze,
 whose late records are kept apart in the `_superseded` folder. Sometimes an older generation's
 failure row reaches the sidecar late, after a newer one (a fence that Redis lost). The files and
 manifest are written as the run would have written them, and then:
@@ -48,7 +48,7 @@ ZERO = "worker_lost"
 
 outcomes = st.sampled_from(
     ["measured", "masked", "unscored", "fail", "fail_judge", "fail_terminal", "fail_zero",
-     "fail_marked_zero", "fail_twice", "omit", "drain", "kill", "takeover_land",
+     "fail_marked_zero", "fail_twice", "fail_unsent", "omit", "drain", "kill", "takeover_land",
      "takeover_fail"]
 )  # fmt: skip
 
@@ -114,6 +114,10 @@ def apply(shard: Shard, key: Key, generation: int, outcome: str, late_row: bool)
                 for i in (0, 1)]  # fmt: skip
     elif outcome == "fail_judge":
         rows = [failure(key, generation, attempt, "judge_failed", response={"output": []})]
+    elif outcome == "fail_unsent":  # the agent unreachable: the request never left
+        rows = [failure(key, generation, attempt, "agent_unreachable",
+                        failure_kind="transport_unreachable",
+                        _ng_failure_record={"delivery": "not_sent"})]  # fmt: skip
     elif outcome == "fail_terminal":
         rows = [failure(key, generation, attempt, "agent_run_error", _ng_failure_terminal=True)]
     elif outcome == "fail_zero":
@@ -134,7 +138,17 @@ def apply(shard: Shard, key: Key, generation: int, outcome: str, late_row: bool)
 
 
 def attempts_of(r: Rollout) -> int:
+    """Its failed attempts: what numbers the next one."""
     return sum(1 for _, row in r.failures if not row.get(F.OMITTED))
+
+
+def spent_of(r: Rollout) -> int:
+    """Its failed attempts that spent the budget: all but omissions and requests never sent."""
+    return sum(
+        1
+        for _, row in r.failures
+        if not row.get(F.OMITTED) and row.get("failure_kind") != "transport_unreachable"
+    )
 
 
 def expected_state(r: Rollout, max_attempts: int) -> RecoveryState:
@@ -155,7 +169,7 @@ def expected_state(r: Rollout, max_attempts: int) -> RecoveryState:
         return "terminal"
     if row[F.FAILURE_CLASS] == "judge_failed" and isinstance(row.get("response"), dict):
         return "judge_recoverable"
-    if attempts_of(r) >= max_attempts:
+    if spent_of(r) >= max_attempts:
         return "exhausted"
     return "retryable"
 

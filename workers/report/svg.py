@@ -103,7 +103,8 @@ class _Frame:
     def legend(self, names: list[str]) -> None:
         if len(names) < 2:
             return
-        x, y = LEFT + 8, TOP
+        x: float = LEFT + 8
+        y = TOP
         for i, name in enumerate(names):
             width = 14 + LEGEND_CHAR_W * len(name)
             if x > LEFT + 8 and x + width > WIDTH - RIGHT:

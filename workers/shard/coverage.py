@@ -35,7 +35,8 @@ class RecoveryPolicy:
     """What a failure's state depends on beyond its row: the attempt limit, the zero classes."""
 
     max_attempts: int
-    """Failed attempts at which a rollout is `exhausted`."""
+    """Failed attempts that spent the budget (delivered or possibly delivered) at which a rollout
+    is `exhausted`."""
     zero_classes: frozenset[str] = frozenset()
     """`count_failure_classes_as_zero`: a standing failure of one is `model_final`."""
 
@@ -60,7 +61,7 @@ def state_of(ledger: ShardLedger, key: Key, policy: RecoveryPolicy) -> RecoveryS
         return "terminal"
     if failure.judge:
         return "judge_recoverable"
-    if ledger.attempts[key] >= policy.max_attempts:
+    if ledger.spent[key] >= policy.max_attempts:
         return "exhausted"
     return "retryable"
 

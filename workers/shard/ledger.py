@@ -18,7 +18,9 @@ The rules every caller shares:
   dispatched again is kept as evidence, and the rollout has no outcome until the new attempt
   writes one;
 - each failure row is an attempt, except a drained row (`_ng_dispatch_drained` or
-  `_ng_no_persist`), never written by design and counted apart when found, and an omission;
+  `_ng_no_persist`), never written by design and counted apart when found, and an omission; an
+  attempt spends the rollout's budget (`max_attempts`) only when its request was delivered or
+  possibly delivered (`schemas.outcomes.spends_attempt`): a request never sent spends none;
 - a line that is not a JSON object is skipped (the caller may be told), and so is a row without
   an integer (task, rollout) key, which still counts as a failure row by its class.
 """
@@ -33,6 +35,7 @@ from typing import Any, NamedTuple
 
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
+from schemas.outcomes import spends_attempt
 from schemas.records import ShardStatus
 from workers.shard.keyset import KeySet
 from workers.shard.tokens import TokenTally
@@ -159,7 +162,9 @@ class ShardLedger:
     failure_rows_by_agent: Counter[tuple[str | None, str]] = field(default_factory=Counter)
     """Failure rows per (agent, class)."""
     attempts: Counter[Key] = field(default_factory=Counter)
-    """Failure rows per rollout: its failed attempts (omissions aside)."""
+    """Failure rows per rollout: its failed attempts (omissions aside), which number its next."""
+    spent: Counter[Key] = field(default_factory=Counter)
+    """Failed attempts per rollout that spent its budget: delivered or possibly delivered."""
     terminal: set[Key] = field(default_factory=set)
     """Rollouts with a failure row marked `_ng_failure_terminal`."""
     latest: dict[Key, Failure] = field(default_factory=dict)
@@ -309,6 +314,8 @@ class ShardLedger:
             return None
         if not failure.omitted:
             self.attempts[key] += 1
+            if spends_attempt(row):
+                self.spent[key] += 1
             self.by_generation[failure.generation] += 1
         if failure.terminal:
             self.terminal.add(key)
