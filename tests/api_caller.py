@@ -19,6 +19,7 @@ async def main(spec: dict[str, object]) -> None:
         broker_url=str(spec["broker"]),
         record_output_dir=str(spec["out"]),
         max_resident_tasks=int(spec["window"]),  # type: ignore[call-overload]
+        record_omitted_rollouts=bool(spec.get("record_omitted")),
     )
     for taken, future in enumerate(completions, start=1):
         row, _ = await future

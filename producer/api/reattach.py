@@ -64,6 +64,7 @@ def reattach(
     config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     *,
     records: bool = False,
+    record_omitted_rollouts: bool = False,
     max_resident_tasks: int | None = None,
     result_timeout_s: float | None = None,
     broker_url: str | None = None,
@@ -77,6 +78,8 @@ def reattach(
     materialized row (a copy stamped with the run's identity). Rollouts that ended while nobody
     listened come first, read from the shard; the rest come as they land. `records`: failures
     and drained rows come back as `RolloutFailureRecord`s, as `run_outcomes` yields them.
+    `record_omitted_rollouts`: as for `run_examples`, the rows this call's close leaves without
+    an outcome get `_ng_omitted` rows in the shard's sidecar (pass what the dead caller passed).
     `config`: the servers (default: the manifest's snapshot, secrets redacted). The call's
     other settings are the manifest's; `max_resident_tasks` caps the rows this process
     publishes again. Reattach only once the caller is gone: two listeners would share the
@@ -108,8 +111,9 @@ def reattach(
     deadline = _deadline(r, sid, token, len(rows), running)
     agents = [str((row.get(F.AGENT_REF) or {}).get("name")) for row in rows]
     target = Target(
-        client_app(broker, state_url), state_url, run, servers, settings, deadline, True
-    )
+        client_app(broker, state_url), state_url, run, servers, settings, deadline, True,
+        record_omitted_rollouts,
+    )  # fmt: skip
     invocation = Invocation(
         token, rows, agents, target, window=settings.max_resident_tasks,
         close_timeout_s=close_timeout_s, result_timeout_s=result_timeout_s,

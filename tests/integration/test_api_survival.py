@@ -300,6 +300,61 @@ def test_a_caller_sigkilled_mid_call_is_taken_over_by_reattach_from_another_proc
     assert manifest(out)["state"] == "completed" and aggregated == 1
 
 
+@pytest.mark.timeout(180)
+def test_a_reattached_call_closed_early_records_the_rows_it_leaves_as_omitted(
+    make_run: MakeRun, redis_url: str, tmp_path: Path
+) -> None:
+    """A recorded call with `record_omitted_rollouts` whose caller is SIGKILLed after two
+    outcomes, taken over by `reattach(..., record_omitted_rollouts=True)` that takes three more
+    and closes: every row ends with one result line or one `_ng_omitted` row, never both."""
+    from producer import reattach
+
+    run = make_run(*slow_agent(tmp_path), workers=1, env=ENV)
+    servers, out = run.servers, run.out
+    config = servers.config()
+    rows = planned(servers, 24)
+    spec = tmp_path / "caller.json"
+    spec.write_bytes(orjson.dumps(
+        {"rows": rows, "config": config, "broker": redis_url, "out": str(out), "take": 2,
+         "window": 4, "record_omitted": True}
+    ))  # fmt: skip
+    printed = tmp_path / "caller.out"
+    caller = None
+    try:
+        with open(printed, "wb") as sink:
+            caller = subprocess.Popen([sys.executable, "-m", "tests.api_caller", str(spec)],
+                                      stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
+        wait_for(lambda: printed.read_bytes().count(b"\n") >= 2, 60, "2 outcomes taken")
+        time.sleep(1.0)  # its consumed marks reach Redis
+        caller.send_signal(signal.SIGKILL)
+        caller.wait(10)
+
+        async def go() -> None:
+            completions = reattach(out, "0", config, broker_url=redis_url, max_resident_tasks=2,
+                                   record_omitted_rollouts=True)  # fmt: skip
+            try:
+                for taken, future in enumerate(completions, start=1):
+                    await future
+                    if taken == 3:
+                        break
+            finally:
+                await completions.aclose()
+
+        asyncio.run(asyncio.wait_for(go(), 120))
+    finally:
+        if caller is not None and caller.poll() is None:
+            caller.kill()
+        servers.stop()
+    landed = [key(r) for r in read_jsonl(out / "rollouts-0.jsonl")]
+    omitted = [
+        key(r) for r in read_jsonl(out / "rollouts-0_failures.jsonl") if r.get("_ng_omitted")
+    ]
+    assert omitted, "the close left rows without an outcome and recorded none"
+    assert len(landed) == len(set(landed)) and len(omitted) == len(set(omitted))
+    assert not set(landed) & set(omitted)
+    assert sorted([*landed, *omitted]) == sorted(key(r) for r in rows)
+
+
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 def test_a_worker_cut_off_from_redis_mid_call_has_its_rows_resolved_once_within_the_bound(
