@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infra.capture import CaptureStore
+from schemas.quality_summary import TimeoutGroup, TimeoutsSection
 from workers.capture.records import INCOMPLETE, RECORDS_UNREADABLE, parse_capture
 from workers.health.scan import KEY, OWN, RUN_MS, STARTED
 
@@ -146,22 +147,20 @@ class Timeouts:
         g.other_s += max(0.0, run_ms / 1000 - in_calls)
         return None
 
-    def section(self) -> dict[str, Any]:
+    def section(self) -> TimeoutsSection:
         """`run.timeouts`: per (failure class, agent), the failed rollouts and their time split."""
         observed = self.observed
-        groups = []
+        groups: list[TimeoutGroup] = []
         for (cls, agent), g in sorted(
             self.groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))
         ):
-            entry: dict[str, Any] = {"failure_class": cls, "agent": agent, "rollouts": g.rollouts}
+            entry: TimeoutGroup = {"failure_class": cls, "agent": agent, "rollouts": g.rollouts}
             if observed:
-                entry.update(
-                    measured=g.measured,
-                    model_calls=g.model_calls,
-                    model_call_s=round(g.model_call_s, 3),
-                    other_s=round(g.other_s, 3),
-                    unmeasured={k: g.unmeasured[k] for k in UNMEASURED if g.unmeasured[k]},
-                )
+                entry["measured"] = g.measured
+                entry["model_calls"] = g.model_calls
+                entry["model_call_s"] = round(g.model_call_s, 3)
+                entry["other_s"] = round(g.other_s, 3)
+                entry["unmeasured"] = {k: g.unmeasured[k] for k in UNMEASURED if g.unmeasured[k]}
             groups.append(entry)
         return {
             "state": "observed" if observed else "unobserved",
