@@ -57,6 +57,19 @@ class CallRef(TypedDict):
     response_id: str | None
 
 
+class ProjectedCall(TypedDict):
+    """A captured call as a trajectory's model call: timings, payloads, metadata, tokens."""
+
+    model_call_id: str | None
+    started_at: Any
+    completed_at: Any
+    duration_ms: Any
+    request: Any
+    response: Any
+    response_metadata: dict[str, Any]
+    token_stats: dict[str, int]
+
+
 class Perf(TypedDict):
     """`ng_perf`: turns, tool calls and the owned calls' token sums (each only when known)."""
 
@@ -166,7 +179,7 @@ def join(invocations: list[dict[str, Any]], calls: list[dict[str, Any]]) -> list
     return gaps
 
 
-def _projected(call: dict[str, Any]) -> dict[str, Any]:
+def _projected(call: dict[str, Any]) -> ProjectedCall:
     def payload(key: str) -> Any:
         value = call.get(key)
         return value if value is not None else call.get(f"{key}_raw")
@@ -297,7 +310,8 @@ def trajectory(
     calls: list[dict[str, Any]] = list((capture or {}).get("calls") or [])
     gaps += join(invocations, calls)
     producer = result.get("ng_trajectory")
-    model_calls: list[dict[str, Any]] = []
+    model_calls: list[Mapping[str, Any]] = []
+    producer_calls: list[dict[str, Any]] = []
     turns: list[dict[str, Any]] = []
     if isinstance(producer, dict):
         try:
@@ -314,8 +328,9 @@ def trajectory(
             known = {i["invocation_id"] for i in invocations}
             invocations += [i for i in given["invocations"] if i["invocation_id"] not in known]
             tool_calls += given["tool_calls"]
-            model_calls = given["model_calls"]
-    producer_ids = {c.get("model_call_id"): c for c in model_calls if c.get("model_call_id")}
+            producer_calls = given["model_calls"]
+            model_calls = list(producer_calls)
+    producer_ids = {c.get("model_call_id"): c for c in producer_calls if c.get("model_call_id")}
     for call in map(_projected, calls):
         mine = producer_ids.get(call["model_call_id"])
         if mine is None:

@@ -8,7 +8,7 @@ line with its fields in NeMo Gym's order, the sums of `metrics`, and the gaps.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NotRequired, TypedDict
 
 import orjson
@@ -32,6 +32,43 @@ class TokenStats(TypedDict):
     cache_creation_tokens: int | None
 
 
+class ModelCallRecord(TypedDict):
+    """NeMo Gym's `ModelCallRecord` of one capture line; what the line does not say is null."""
+
+    model_call_id: str | None
+    response_id: str | None
+    client_session_id: str | None
+    call_index: int
+    model_ref: dict[str, Any] | None
+    model: str | None
+    dialect: str | None
+    status_code: Any
+    response_status: str | None
+    finish_reason: str | None
+    upstream_attempted: Any
+    response_source: Any
+    upstream_status_code: Any
+    local_response_reason: Any
+    started_at: Any
+    completed_at: Any
+    tokens_in: int | None
+    tokens_out: int | None
+    tokens_reasoning: int | None
+    tokens_total: int | None
+    request: Any
+    response: Any
+    request_raw: Any
+    response_raw: Any
+    tool_calls: list[dict[str, Any]]
+    reasoning_content: str | None
+    cache_hit: bool | None
+    cached_tokens: int | None
+    cache_creation_tokens: int | None
+    error_category: Any
+    latency_total_ms: Any
+    latency_ttft_ms: Any
+
+
 class CaptureMetrics(TypedDict):
     """`ng_model_call_capture.metrics`: sums over the captured calls (null: no call has it)."""
 
@@ -49,7 +86,7 @@ class CaptureBlock(TypedDict):
 
     rollout_id: str
     metrics: CaptureMetrics
-    calls: list[dict[str, Any]]
+    calls: list[ModelCallRecord]
     gaps: NotRequired[list[dict[str, Any]]]
 
 
@@ -190,7 +227,7 @@ def _finish_reason(response: dict[str, Any]) -> str | None:
     return None
 
 
-def model_call_record(line: dict[str, Any], call_index: int) -> dict[str, Any]:
+def model_call_record(line: dict[str, Any], call_index: int) -> ModelCallRecord:
     """One `ModelCallRecord` from one capture line, keys in NeMo Gym's order."""
     request = line.get("request")
     response = line.get("response")
@@ -232,13 +269,13 @@ def model_call_record(line: dict[str, Any], call_index: int) -> dict[str, Any]:
     }
 
 
-def _sum(calls: list[dict[str, Any]], key: str) -> int | float | None:
+def _sum(calls: Sequence[Mapping[str, Any]], key: str) -> int | float | None:
     values = [c[key] for c in calls if isinstance(c.get(key), int | float)]
     total = sum(values) if values else None
     return round(total, 2) if isinstance(total, float) else total
 
 
-def metrics(calls: list[dict[str, Any]]) -> CaptureMetrics:
+def metrics(calls: list[ModelCallRecord]) -> CaptureMetrics:
     """Sums over every captured call; a sum is None when no call has the field."""
     return {
         "tokens_in": _sum(calls, "tokens_in"),
@@ -253,9 +290,9 @@ def metrics(calls: list[dict[str, Any]]) -> CaptureMetrics:
 
 def parse_capture(
     data: bytes | None, incomplete: bool
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[ModelCallRecord], list[dict[str, Any]]]:
     """(model-call records, capture gaps) of one capture file's bytes and marker."""
-    calls: list[dict[str, Any]] = []
+    calls: list[ModelCallRecord] = []
     invalid = 0
     index = 0
     for raw in (data or b"").splitlines():
@@ -285,7 +322,7 @@ def parse_capture(
 
 
 def capture_block(
-    key: str, calls: list[dict[str, Any]], gaps: list[dict[str, Any]]
+    key: str, calls: list[ModelCallRecord], gaps: list[dict[str, Any]]
 ) -> CaptureBlock:
     """`ng_model_call_capture`: `gaps` only when there are some."""
     block: CaptureBlock = {"rollout_id": key, "metrics": metrics(calls), "calls": calls}

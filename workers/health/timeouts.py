@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from infra.capture import CaptureStore
 from schemas.quality_summary import TimeoutGroup, TimeoutsSection
-from workers.capture.records import INCOMPLETE, RECORDS_UNREADABLE, parse_capture
+from workers.capture.records import (
+    INCOMPLETE,
+    RECORDS_UNREADABLE,
+    ModelCallRecord,
+    parse_capture,
+)
 from workers.health.scan import KEY, OWN, RUN_MS, STARTED
 
 log = logging.getLogger(__name__)
@@ -51,7 +57,7 @@ class Group:
     unmeasured: Counter[str] = field(default_factory=Counter)
 
 
-def in_calls_s(calls: list[dict[str, Any]]) -> float | None:
+def in_calls_s(calls: Sequence[Mapping[str, Any]]) -> float | None:
     """Wall time spent in model calls: the union of their spans (parallel calls count once), or
     the sum of their latencies when a span is not known; None when neither is."""
     spans: list[tuple[float, float]] = []
@@ -125,7 +131,7 @@ class Timeouts:
         keys = list(dict.fromkeys(row[KEY] for row in rows))
         if None in keys:
             return "unreadable"
-        calls: list[dict[str, Any]] = []
+        calls: list[ModelCallRecord] = []
         for key in keys:
             try:
                 data, incomplete = store.read(key)
