@@ -88,7 +88,8 @@ class FinishResult(BaseModel):
     aggregation_error: str | None = None
     """The first `/aggregate_metrics` error, if any."""
     health: Mapping[str, Any] | None = None
-    """The health check's brief (state, verdict, reasons, verdict counts, path) or its error."""
+    """The health check's brief (state, verdict, reasons, verdict counts, path) or its error: a
+    `schemas.quality_summary.HealthBrief` or `HealthError` when written, any mapping read back."""
     coverage: Coverage | None = None
     """The metrics' coverage of the planned rollouts; None when aggregation did not run."""
     run_coverage: RunCoverage | None = None
