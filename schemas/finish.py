@@ -6,6 +6,7 @@ it back (the waiting producer, the Python API) validates it into the model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -86,8 +87,9 @@ class FinishResult(BaseModel):
     """Rollouts of the generation not started because the run failed or was cancelled."""
     aggregation_error: str | None = None
     """The first `/aggregate_metrics` error, if any."""
-    health: dict[str, Any] | None = None
-    """The health check's brief (state, verdict, reasons, verdict counts, path) or its error."""
+    health: Mapping[str, Any] | None = None
+    """The health check's brief (state, verdict, reasons, verdict counts, path) or its error: a
+    `schemas.quality_summary.HealthBrief` or `HealthError` when written, any mapping read back."""
     coverage: Coverage | None = None
     """The metrics' coverage of the planned rollouts; None when aggregation did not run."""
     run_coverage: RunCoverage | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -47,7 +47,7 @@ RESPONSE_CHECKS: tuple[str, ...] = (
     "rollout_response_empty",
     "rollout_context_window_exceeded",
 )
-RUN_CHECK = "run_excessive_failures"
+RUN_CHECK: Final = "run_excessive_failures"
 ALL_CHECKS: tuple[str, ...] = (*NEMO_CHECKS, *RESPONSE_CHECKS, RUN_CHECK)
 TASK_CHECKS: tuple[str, ...] = ("task_consistently_unhealthy", "task_no_successful_model_calls")
 ROLLOUT_CHECKS: tuple[str, ...] = tuple(

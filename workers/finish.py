@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
 
 from infra import keys
 from infra.locks import held
@@ -21,6 +20,7 @@ from schemas.errors import RunPartialError
 from schemas.finish import FinishResult
 from schemas.health import QUALITY_SUMMARY, STOPPED_BY_SIGTERM, Limits
 from schemas.messages import RunRef
+from schemas.quality_summary import HealthBrief, HealthError, SummaryRun
 from schemas.records import (
     Finished,
     rate_limit_waits,
@@ -57,27 +57,35 @@ def settings_limits(settings: CollectionSettings) -> Limits:
     )
 
 
-def health_brief(run: dict[str, Any], path: str) -> dict[str, Any]:
+def health_brief(run: SummaryRun, path: str) -> HealthBrief:
     """The part of a summary a caller prints: state, verdict, reasons, verdict counts, the
     timeouts section, and the checks no record had the evidence for (what the unobserved count
     means)."""
-    keys_ = ("state", "healthy", "reasons", "verdicts", "ignored_checks", "timeouts")
-    brief = {k: run.get(k) for k in keys_}
-    return {**brief, "path": path, "blind_checks": blind_checks(run)}
+    return {
+        "state": run["state"],
+        "healthy": run["healthy"],
+        "reasons": run["reasons"],
+        "verdicts": run["verdicts"],
+        "ignored_checks": run["ignored_checks"],
+        "timeouts": run["timeouts"],
+        "path": path,
+        "blind_checks": blind_checks(run),
+    }
 
 
 def check_shard_health(
     rd: RunDir, shard: str, settings: CollectionSettings, folded: FoldedCheck | None = None
-) -> dict[str, Any]:
+) -> HealthBrief | HealthError:
     """Write the shard's quality summary (or the disabled one); never raises. `folded`: the
     check whose results scan the finish step's pass fed."""
     files = ShardFiles(shard)
     path = rd.path(QUALITY_SUMMARY)
     with step("rollouts.health_check", **{"rollouts.shard": shard}) as traced:
         brief = _check_shard_health(rd, shard, settings, files, path, folded)
-        traced.set("rollouts.health.state", brief.get("state"))
         if "error" in brief:
             traced.fail(str(brief["error"]))
+        else:
+            traced.set("rollouts.health.state", brief["state"])
         return brief
 
 
@@ -88,7 +96,7 @@ def _check_shard_health(
     files: ShardFiles,
     path: str,
     folded: FoldedCheck | None,
-) -> dict[str, Any]:
+) -> HealthBrief | HealthError:
     try:
         if settings.disable_health_check:
             run = write_disabled(
@@ -190,7 +198,7 @@ def _finish_in(
     run_error = failed_raw.decode() if isinstance(failed_raw, bytes) else None
     cancelled = cancel_raw.decode() if isinstance(cancel_raw, bytes) else None
 
-    health: dict[str, Any] | None = None
+    health: HealthBrief | HealthError | None = None
     # The health check's scan of the results and the report ride on the counting's pass (one
     # parse of each row, not three) when they will run.
     folded = None

@@ -186,7 +186,7 @@ def count_and_aggregate(
         read.append(True)
         return done.coverage
 
-    def stamp() -> dict[str, Any]:
+    def stamp() -> dict[str, dict[str, int]]:
         return {"coverage": counted().metrics()}
 
     def reject() -> str | None:

@@ -28,6 +28,7 @@ from schemas.messages import (
     OmitRequest,
 )
 from schemas.outcomes import VOID_ENDS, RolloutOutcome
+from schemas.quality_summary import HealthBrief
 from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
 from workers import tracing
 from workers.app import app, state_redis_url
@@ -120,7 +121,7 @@ def health_scan_task(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 @app.task(name=HEALTH_COMBINE_TASK, acks_late=True)
-def health_combine_task(results: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
+def health_combine_task(results: list[dict[str, Any]], plan: dict[str, Any]) -> HealthBrief:
     """The chord callback of a distributed recheck: write the reports, return the verdict."""
     checked = HealthPlan.model_validate(plan)
     run = combine(checked, [ScanResult.model_validate(r) for r in results])

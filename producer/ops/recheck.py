@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -84,6 +85,7 @@ def health_check(
         distributed=distributed,
         capture_dir=capture_dir,
     )
+    run: Mapping[str, Any]
     if distributed:
         if not broker_url:
             raise UsageError("--distributed needs a broker (--broker or ROLLOUTS_BROKER_URL)")

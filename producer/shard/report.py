@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Console
@@ -61,7 +62,7 @@ def print_counts(console: Console, result: FinishResult) -> None:
 
 
 def print_health(
-    console: Console, health: dict[str, Any] | None, report: str | None = None
+    console: Console, health: Mapping[str, Any] | None, report: str | None = None
 ) -> None:
     """The health verdict of a finished run (the finish step's brief of its quality summary),
     then where its report is."""
@@ -75,7 +76,9 @@ def print_health(
         console.print(f"report: {escape(report)}", highlight=False)
 
 
-def raise_if_unhealthy(health: dict[str, Any] | None, fail_on_unhealthy: bool, flag: str) -> None:
+def raise_if_unhealthy(
+    health: Mapping[str, Any] | None, fail_on_unhealthy: bool, flag: str
+) -> None:
     """RunFailedError (exit 1) when asked to fail on an UNHEALTHY verdict and it is one."""
     if fail_on_unhealthy and health is not None and health.get("healthy") is False:
         reasons = "; ".join(str(r) for r in health.get("reasons") or [])

@@ -297,12 +297,14 @@ def test_the_health_accounting_selects_outcomes_as_the_coverage_does(h: dict[str
             assert acc["failed"]["by_class"] == c.failed_by_class
             counts = (acc["landed"], acc["failed"]["total"], acc["omitted"], acc["missing"])
             assert counts == (c.successful, c.failed, c.intentionally_omitted, c.unknown)
+            assert run["coverage"] is not None
             assert run["coverage"]["files"][0]["path"] is None  # not written yet
             assert run["coverage"]["complete"] is None
 
             write_coverage(rd, c)
             run = check_sources_here(str(report), [source_for(rd, results, results)])
             pointer = run["coverage"]
+            assert pointer is not None
             assert pointer["files"][0]["path"] == ShardFiles(shard.label).coverage
             assert pointer["complete"] is c.complete
             assert (pointer["expected"], pointer["failed"], pointer["unknown"]) == (

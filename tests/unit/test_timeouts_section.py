@@ -107,6 +107,7 @@ def test_a_missing_capture_dir_leaves_the_section_unobserved(tmp_path: Path) -> 
     folder = folder_with_failures(tmp_path, str(tmp_path / "never-created"))
     run = run_local(plan_recheck(str(folder)))
     timeouts = run["timeouts"]
+    assert timeouts is not None
     assert (timeouts["state"], timeouts["unobserved_reason"]) == ("unobserved", DIR_UNREADABLE)
     assert [(g["failure_class"], g["rollouts"]) for g in timeouts["groups"]] == [
         ("agent_request_failed", 6),
@@ -119,12 +120,13 @@ def test_a_missing_capture_dir_leaves_the_section_unobserved(tmp_path: Path) -> 
 
 def test_capture_off_is_unobserved_and_the_recheck_takes_a_capture_dir(tmp_path: Path) -> None:
     folder = folder_with_failures(tmp_path, None)
-    assert run_local(plan_recheck(str(folder)))["timeouts"]["unobserved_reason"] == CAPTURE_OFF
+    timeouts = run_local(plan_recheck(str(folder)))["timeouts"]
+    assert timeouts is not None and timeouts["unobserved_reason"] == CAPTURE_OFF
     capture = str(tmp_path / "elsewhere")
     write_captures(capture)
-    run = run_local(plan_recheck(str(folder), capture_dir=capture))
-    assert run["timeouts"]["state"] == "observed"
-    assert run["timeouts"]["groups"][0]["measured"] == 3
+    timeouts = run_local(plan_recheck(str(folder), capture_dir=capture))["timeouts"]
+    assert timeouts is not None and timeouts["state"] == "observed"
+    assert timeouts["groups"][0]["measured"] == 3
 
 
 def test_the_report_shows_the_section_and_names_the_faulted_call(tmp_path: Path) -> None:

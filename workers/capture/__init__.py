@@ -93,7 +93,7 @@ def merge(
     block = records.capture_block(key, calls, gaps)
     merged["ng_model_call_capture"] = block
     try:
-        trajectory = project.trajectory(row, merged, key, block)
+        trajectory = project.trajectory(row, merged, key, block).model_dump(mode="json")
     except Exception as exc:
         log.warning("could not project the trajectory of %s: %s", key, exc)
         block.setdefault("gaps", []).append(

@@ -9,7 +9,8 @@ trajectory, and the gaps say what could not be observed. Every trajectory is bui
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, NotRequired, TypedDict
 
 from pydantic import ValidationError
 
@@ -29,7 +30,10 @@ TOKEN_KEYS = (
     ("total_tokens", "tokens_total"),
     ("cached_tokens", "cached_tokens"),
 )
-PERF_TOKENS = (
+PerfToken = Literal[
+    "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "reasoning_tokens"
+]
+PERF_TOKENS: tuple[tuple[PerfToken, str], ...] = (
     ("prompt_tokens", "prompt_tokens"),
     ("cached_prompt_tokens", "cached_tokens"),
     ("completion_tokens", "completion_tokens"),
@@ -37,11 +41,53 @@ PERF_TOKENS = (
 )
 
 
-def _gap(code: str, detail: str | None = None, invocation: str | None = None) -> dict[str, Any]:
+class Gap(TypedDict):
+    """A trajectory gap: what could not be observed, of which invocation, and a detail."""
+
+    code: str
+    invocation_id: str | None
+    detail: str | None
+
+
+class CallRef(TypedDict):
+    """A model-call reference as NeMo Gym resolves it: the call's id, server and response id."""
+
+    model_call_id: str | None
+    model_ref: dict[str, Any] | None
+    response_id: str | None
+
+
+class ProjectedCall(TypedDict):
+    """A captured call as a trajectory's model call: timings, payloads, metadata, tokens."""
+
+    model_call_id: str | None
+    started_at: Any
+    completed_at: Any
+    duration_ms: Any
+    request: Any
+    response: Any
+    response_metadata: dict[str, Any]
+    token_stats: dict[str, int]
+
+
+class Perf(TypedDict):
+    """`ng_perf`: turns, tool calls and the owned calls' token sums (each only when known)."""
+
+    num_turns: int
+    num_tool_calls: int
+    token_observability_coverage: float
+    prompt_tokens: NotRequired[int]
+    cached_prompt_tokens: NotRequired[int]
+    completion_tokens: NotRequired[int]
+    reasoning_tokens: NotRequired[int]
+    total_latency_ms: NotRequired[float]
+
+
+def _gap(code: str, detail: str | None = None, invocation: str | None = None) -> Gap:
     return {"code": code, "invocation_id": invocation, "detail": detail}
 
 
-def _dedupe(gaps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _dedupe(gaps: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     seen: set[tuple[Any, Any, Any]] = set()
     out = []
     for gap in gaps:
@@ -60,7 +106,7 @@ def task_id(row: dict[str, Any]) -> str:
     return str(row.get(F.TASK_INDEX))
 
 
-def _candidates(ref: dict[str, Any], calls: list[dict[str, Any]]) -> list[int]:
+def _candidates(ref: Mapping[str, Any], calls: Sequence[Mapping[str, Any]]) -> list[int]:
     model_ref, response_id = ref.get("model_ref"), ref.get("response_id")
     if ref.get("model_call_id"):
         return [
@@ -85,7 +131,7 @@ def _same_ref(a: Any, b: Any) -> bool:
     return (a.get("type"), a.get("name")) == (b.get("type"), b.get("name"))
 
 
-def _canonical(call: dict[str, Any]) -> dict[str, Any]:
+def _canonical(call: dict[str, Any]) -> CallRef:
     return {
         "model_call_id": call.get("model_call_id"),
         "model_ref": call.get("model_ref"),
@@ -93,14 +139,14 @@ def _canonical(call: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def join(invocations: list[dict[str, Any]], calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def join(invocations: list[dict[str, Any]], calls: list[dict[str, Any]]) -> list[Gap]:
     """Attribute captured calls to invocations in place; returns the join's gaps.
 
     A call whose `client_session_id` is an invocation's id joins it; each reference is then
     resolved to exactly one call (else unmatched/ambiguous), a call claimed twice is a
     conflict, and every call left unowned is an ownership gap.
     """
-    gaps: list[dict[str, Any]] = []
+    gaps: list[Gap] = []
     for inv in invocations:
         refs = inv.setdefault("model_calls", [])
         ids = {r.get("model_call_id") for r in refs}
@@ -133,7 +179,7 @@ def join(invocations: list[dict[str, Any]], calls: list[dict[str, Any]]) -> list
     return gaps
 
 
-def _projected(call: dict[str, Any]) -> dict[str, Any]:
+def _projected(call: dict[str, Any]) -> ProjectedCall:
     def payload(key: str) -> Any:
         value = call.get(key)
         return value if value is not None else call.get(f"{key}_raw")
@@ -231,7 +277,7 @@ def _turns(
 
 def _observations(
     result: dict[str, Any],
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[Mapping[str, Any]]]:
     """(invocations, tool calls, gaps) of the agent's `ng_agent_observations`, validated."""
     bundle = result.get("ng_agent_observations")
     if bundle is None:
@@ -249,22 +295,23 @@ def _observations(
         ids = [i["invocation_id"] for i in invocations]
         if len(ids) != len(set(ids)):
             raise ValueError("invocation_id must be unique within a bundle")
-        gaps = [g for g in bundle.get("gaps") or [] if isinstance(g, dict)]
+        gaps: list[Mapping[str, Any]] = [g for g in bundle.get("gaps") or [] if isinstance(g, dict)]
         return invocations, tools, gaps
     except (ValidationError, ValueError, AttributeError) as exc:
         return [], [], [_gap("agent_observations_invalid", type(exc).__name__)]
 
 
 def trajectory(
-    row: dict[str, Any], result: dict[str, Any], key: str, capture: dict[str, Any] | None
-) -> dict[str, Any]:
+    row: dict[str, Any], result: dict[str, Any], key: str, capture: Mapping[str, Any] | None
+) -> TrajectoryRecord:
     """The rollout's `ng_trajectory` (raises when it cannot be built)."""
     ids = {"task_id": task_id(row), "rollout_id": key}
     invocations, tool_calls, gaps = _observations(result)
     calls: list[dict[str, Any]] = list((capture or {}).get("calls") or [])
     gaps += join(invocations, calls)
     producer = result.get("ng_trajectory")
-    model_calls: list[dict[str, Any]] = []
+    model_calls: list[Mapping[str, Any]] = []
+    producer_calls: list[dict[str, Any]] = []
     turns: list[dict[str, Any]] = []
     if isinstance(producer, dict):
         try:
@@ -281,8 +328,9 @@ def trajectory(
             known = {i["invocation_id"] for i in invocations}
             invocations += [i for i in given["invocations"] if i["invocation_id"] not in known]
             tool_calls += given["tool_calls"]
-            model_calls = given["model_calls"]
-    producer_ids = {c.get("model_call_id"): c for c in model_calls if c.get("model_call_id")}
+            producer_calls = given["model_calls"]
+            model_calls = list(producer_calls)
+    producer_ids = {c.get("model_call_id"): c for c in producer_calls if c.get("model_call_id")}
     for call in map(_projected, calls):
         mine = producer_ids.get(call["model_call_id"])
         if mine is None:
@@ -299,7 +347,7 @@ def trajectory(
         gaps.append(_gap("turns_unavailable"))
     if not any(i.get("conversation") for i in invocations):
         gaps.append(_gap("conversation_unavailable"))
-    record = TrajectoryRecord.model_validate(
+    return TrajectoryRecord.model_validate(
         {
             **ids,
             "invocations": invocations,
@@ -309,10 +357,9 @@ def trajectory(
             "gaps": _dedupe(gaps),
         }
     )
-    return record.model_dump(mode="json")
 
 
-def perf(t: dict[str, Any], run_latency_ms: float | None) -> dict[str, Any] | None:
+def perf(t: dict[str, Any], run_latency_ms: float | None) -> Perf | None:
     """`ng_perf` over the calls the invocations own; None without invocations."""
     invocations = t["invocations"]
     if not invocations:
@@ -330,7 +377,7 @@ def perf(t: dict[str, Any], run_latency_ms: float | None) -> dict[str, Any] | No
         turns = sum(1 for turn in t["turns"] if turn["invocation_id"] == inv["invocation_id"])
         num_turns += turns or owned or 1
     names = {i["invocation_id"] for i in invocations}
-    out: dict[str, Any] = {
+    out: Perf = {
         "num_turns": num_turns,
         "num_tool_calls": sum(1 for c in t["tool_calls"] if c["invocation_id"] in names),
         "token_observability_coverage": min(1.0, len(claimed) / num_turns),
@@ -345,7 +392,7 @@ def perf(t: dict[str, Any], run_latency_ms: float | None) -> dict[str, Any] | No
     return out
 
 
-def _flat(call: dict[str, Any]) -> dict[str, Any]:
+def _flat(call: dict[str, Any]) -> CallRef:
     meta = call.get("response_metadata") or {}
     return {
         "model_call_id": call.get("model_call_id"),

@@ -8,7 +8,8 @@ line with its fields in NeMo Gym's order, the sums of `metrics`, and the gaps.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NotRequired, TypedDict
 
 import orjson
 
@@ -17,14 +18,76 @@ RECORDS_UNREADABLE = "model_call_capture_records_unreadable"
 INCOMPLETE = "model_call_capture_incomplete"
 UNREADABLE = "model_call_capture_unreadable"
 PAYLOAD_KEYS = ("request", "response", "request_raw", "response_raw")
-METRIC_SUMS = (
-    ("tokens_in", "tokens_in"),
-    ("tokens_out", "tokens_out"),
-    ("tokens_reasoning", "tokens_reasoning"),
-    ("tokens_total", "tokens_total"),
-    ("cached_tokens", "cached_tokens"),
-    ("latency_total_ms", "latency_total_ms"),
-)
+
+
+class TokenStats(TypedDict):
+    """A response's token counts and cache signal (null: the usage does not say)."""
+
+    tokens_in: int | None
+    tokens_out: int | None
+    tokens_reasoning: int | None
+    tokens_total: int | None
+    cached_tokens: int | None
+    cache_hit: bool | None
+    cache_creation_tokens: int | None
+
+
+class ModelCallRecord(TypedDict):
+    """NeMo Gym's `ModelCallRecord` of one capture line; what the line does not say is null."""
+
+    model_call_id: str | None
+    response_id: str | None
+    client_session_id: str | None
+    call_index: int
+    model_ref: dict[str, Any] | None
+    model: str | None
+    dialect: str | None
+    status_code: Any
+    response_status: str | None
+    finish_reason: str | None
+    upstream_attempted: Any
+    response_source: Any
+    upstream_status_code: Any
+    local_response_reason: Any
+    started_at: Any
+    completed_at: Any
+    tokens_in: int | None
+    tokens_out: int | None
+    tokens_reasoning: int | None
+    tokens_total: int | None
+    request: Any
+    response: Any
+    request_raw: Any
+    response_raw: Any
+    tool_calls: list[dict[str, Any]]
+    reasoning_content: str | None
+    cache_hit: bool | None
+    cached_tokens: int | None
+    cache_creation_tokens: int | None
+    error_category: Any
+    latency_total_ms: Any
+    latency_ttft_ms: Any
+
+
+class CaptureMetrics(TypedDict):
+    """`ng_model_call_capture.metrics`: sums over the captured calls (null: no call has it)."""
+
+    tokens_in: int | float | None
+    tokens_out: int | float | None
+    tokens_reasoning: int | float | None
+    tokens_total: int | float | None
+    cached_tokens: int | float | None
+    latency_total_ms: int | float | None
+    num_calls: int
+
+
+class CaptureBlock(TypedDict):
+    """`ng_model_call_capture`: the rollout's model-call records, their sums and the gaps."""
+
+    rollout_id: str
+    metrics: CaptureMetrics
+    calls: list[ModelCallRecord]
+    gaps: NotRequired[list[dict[str, Any]]]
 
 
 def _int(value: Any) -> int | None:
@@ -47,7 +110,7 @@ def _str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def token_stats(response: Any) -> dict[str, Any]:
+def token_stats(response: Any) -> TokenStats:
     """NeMo Gym's `extract_token_stats` and cache signal over a response's `usage`."""
     usage = _dict(_dict(response).get("usage"))
     tokens_in = _first_int(usage.get("input_tokens"), usage.get("prompt_tokens"))
@@ -164,7 +227,7 @@ def _finish_reason(response: dict[str, Any]) -> str | None:
     return None
 
 
-def model_call_record(line: dict[str, Any], call_index: int) -> dict[str, Any]:
+def model_call_record(line: dict[str, Any], call_index: int) -> ModelCallRecord:
     """One `ModelCallRecord` from one capture line, keys in NeMo Gym's order."""
     request = line.get("request")
     response = line.get("response")
@@ -206,22 +269,30 @@ def model_call_record(line: dict[str, Any], call_index: int) -> dict[str, Any]:
     }
 
 
-def metrics(calls: list[dict[str, Any]]) -> dict[str, Any]:
+def _sum(calls: Sequence[Mapping[str, Any]], key: str) -> int | float | None:
+    values = [c[key] for c in calls if isinstance(c.get(key), int | float)]
+    total = sum(values) if values else None
+    return round(total, 2) if isinstance(total, float) else total
+
+
+def metrics(calls: list[ModelCallRecord]) -> CaptureMetrics:
     """Sums over every captured call; a sum is None when no call has the field."""
-    out: dict[str, Any] = {}
-    for name, key in METRIC_SUMS:
-        values = [c[key] for c in calls if isinstance(c.get(key), int | float)]
-        total = sum(values) if values else None
-        out[name] = round(total, 2) if isinstance(total, float) else total
-    out["num_calls"] = len(calls)
-    return out
+    return {
+        "tokens_in": _sum(calls, "tokens_in"),
+        "tokens_out": _sum(calls, "tokens_out"),
+        "tokens_reasoning": _sum(calls, "tokens_reasoning"),
+        "tokens_total": _sum(calls, "tokens_total"),
+        "cached_tokens": _sum(calls, "cached_tokens"),
+        "latency_total_ms": _sum(calls, "latency_total_ms"),
+        "num_calls": len(calls),
+    }
 
 
 def parse_capture(
     data: bytes | None, incomplete: bool
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[ModelCallRecord], list[dict[str, Any]]]:
     """(model-call records, capture gaps) of one capture file's bytes and marker."""
-    calls: list[dict[str, Any]] = []
+    calls: list[ModelCallRecord] = []
     invalid = 0
     index = 0
     for raw in (data or b"").splitlines():
@@ -251,16 +322,16 @@ def parse_capture(
 
 
 def capture_block(
-    key: str, calls: list[dict[str, Any]], gaps: list[dict[str, Any]]
-) -> dict[str, Any]:
+    key: str, calls: list[ModelCallRecord], gaps: list[dict[str, Any]]
+) -> CaptureBlock:
     """`ng_model_call_capture`: `gaps` only when there are some."""
-    block: dict[str, Any] = {"rollout_id": key, "metrics": metrics(calls), "calls": calls}
+    block: CaptureBlock = {"rollout_id": key, "metrics": metrics(calls), "calls": calls}
     if gaps:
         block["gaps"] = gaps
     return block
 
 
-def strip_payloads(block: dict[str, Any]) -> None:
+def strip_payloads(block: Mapping[str, Any]) -> None:
     """Drop the payloads from the capture calls once the trajectory holds them."""
     for call in block.get("calls") or []:
         for key in PAYLOAD_KEYS:

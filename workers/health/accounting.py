@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.health import RUN_CHECK, Limits
+from schemas.quality_summary import AccountingSection
 from schemas.records import RateLimitWaits
 from schemas.usage import TokenCounts, TokenUsage
 from workers.health.scan import OMITTED
@@ -113,7 +114,7 @@ class Accounting:
             a: {"count": w.count, "seconds": round(w.seconds, 3)} for a, w in sorted(total.items())
         }
 
-    def tokens(self) -> dict[str, Any] | None:
+    def tokens(self) -> TokenUsage | None:
         """The inputs' token totals (run, per agent, per environment) summed; None if none knows."""
         known = [s.tokens for s in self.sources if s.tokens is not None]
         if not known:
@@ -130,17 +131,18 @@ class Accounting:
                         table.setdefault(name, TokenCounts()),
                         counts,
                     )
-        return total.model_dump(mode="json")
+        return total
 
     @property
     def inventory_complete(self) -> bool:
         return all(s.has_inventory for s in self.sources)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> AccountingSection:
         complete = self.inventory_complete
         drained_known = [s.drained for s in self.sources if s.drained is not None]
         drained = sum(drained_known) if drained_known else None
         missing = None
+        tokens = self.tokens()
         if complete:
             missing = sum(max(0, s.no_outcome - (s.drained or 0)) for s in self.sources)
         return {
@@ -155,7 +157,7 @@ class Accounting:
             "omitted": self.omitted,
             "drained": drained,
             "rate_limit_waits": self.rate_limit_waits(),
-            "tokens": self.tokens(),
+            "tokens": tokens.model_dump(mode="json") if tokens is not None else None,
             "duplicates": self.duplicates if self.records_read else None,
             "not_owed": (sum(s.not_owed for s in self.sources) + self.failures_not_owed)
             if self.records_read

@@ -26,6 +26,7 @@ from schemas.health import (
     Source,
     SummaryState,
 )
+from schemas.quality_summary import SummaryRun
 from workers.health.accounting import Accounting
 from workers.health.combine import combine
 from workers.health.io import open_writer
@@ -104,7 +105,7 @@ def make_plan(
     )
 
 
-def run_local(plan: HealthPlan) -> dict[str, Any]:
+def run_local(plan: HealthPlan) -> SummaryRun:
     """Every job here, one after another, then the combine step; returns the summary's `run`."""
     return combine(plan, [scan(job) for job in plan.jobs])
 
@@ -149,7 +150,7 @@ def check_sources_here(
     *,
     ignored: list[str] | tuple[str, ...] = (),
     limits: Limits | None = None,
-) -> dict[str, Any]:
+) -> SummaryRun:
     """Check `sources` in this process and write the reports into `report_dir`."""
     scratch = _local_scratch()
     try:
@@ -224,7 +225,7 @@ class FoldedCheck:
             except Exception as exc:
                 self._failed = exc
 
-    def run(self, sources: list[Source], limits: Limits) -> dict[str, Any]:
+    def run(self, sources: list[Source], limits: Limits) -> SummaryRun:
         """Check `sources` (the shard's, read after the pass: its status is written by then) and
         write the reports beside them; returns the summary's `run`."""
         plan = make_plan(
@@ -253,7 +254,7 @@ def write_disabled(
     ignored: list[str],
     limits: Limits,
     coverage_of: list[Source] | None = None,
-) -> dict[str, Any]:
+) -> SummaryRun:
     """The summary of a run with `disable_health_check`: state disabled, nothing counted."""
     return write_summary(
         RunDir(report_dir), "disabled", limits, sources, ignored, coverage_of=coverage_of
@@ -270,7 +271,7 @@ def write_summary(
     accounting: Accounting | None = None,
     check: tuple[str, str | None, list[dict[str, Any]]] | None = None,
     coverage_of: list[Source] | None = None,
-) -> dict[str, Any]:
+) -> SummaryRun:
     """Write a summary whose records were not read (provisional, disabled); returns its `run`."""
     run = run_section(
         state=state,

@@ -22,6 +22,7 @@ from schemas.health import (
     ScanJob,
     ScanResult,
 )
+from schemas.quality_summary import SummaryRun
 from schemas.run_facts import InputDigest
 from workers.health.accounting import Accounting, SourceCounts, excessive_failures
 from workers.health.digest import CHECK_NUMBER, POSITIONAL
@@ -86,7 +87,7 @@ def input_digests(plan: HealthPlan, results: dict[int, ScanResult]) -> list[Inpu
     return out
 
 
-def combine(plan: HealthPlan, results: list[ScanResult]) -> dict[str, Any]:
+def combine(plan: HealthPlan, results: list[ScanResult]) -> SummaryRun:
     """Write `rollout_verdicts.jsonl` and `quality_summary.json`; returns the summary's `run`."""
     scratch = RunDir(plan.scratch)
     try:
@@ -96,7 +97,7 @@ def combine(plan: HealthPlan, results: list[ScanResult]) -> dict[str, Any]:
             scratch.fs.rm(scratch.root, recursive=True)
 
 
-def _combine(plan: HealthPlan, results: dict[int, ScanResult], scratch: RunDir) -> dict[str, Any]:
+def _combine(plan: HealthPlan, results: dict[int, ScanResult], scratch: RunDir) -> SummaryRun:
     names = [n for job in plan.jobs for n in results[job.job].runs]
     names += _key_late(plan, results, scratch)
     accounting = Accounting(

@@ -13,13 +13,13 @@ reached, else null.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 import redis
 
 from infra import keys
 from infra.store import RunDir, ShardFiles
 from schemas.health import RUN_CHECK, Limits, Source
+from schemas.quality_summary import SummaryRun
 from schemas.records import rate_limit_waits
 from workers.health.accounting import Accounting, SourceCounts, excessive_failures
 from workers.health.check import write_summary
@@ -91,7 +91,7 @@ def write_provisional(
     ignored: list[str],
     reserved: Reserved | None = None,
     coverage_of: list[Source] | None = None,
-) -> dict[str, Any]:
+) -> SummaryRun:
     """Write the provisional `quality_summary.json` of a stopped shard; returns its `run`.
     `coverage_of`: the shard's source, when its coverage record was written (`run.coverage`)."""
     acc = provisional_accounting(r, rd, shard, planned, group_owed, reserved)

@@ -12,7 +12,7 @@ completeness: owed rollouts without an outcome are counted (`accounting.missing`
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -26,6 +26,17 @@ from schemas.health import (
     Source,
     SummaryState,
 )
+from schemas.quality_summary import (
+    AccountingSection,
+    Artifacts,
+    CheckCoverage,
+    CoverageFile,
+    CoverageSection,
+    GateSection,
+    LimitsSection,
+    SummaryRun,
+    TimeoutsSection,
+)
 from schemas.run_facts import ConfigFacts, InputDigest
 from workers.health.accounting import NO_LIMIT_SET, Accounting
 from workers.health.reduce import Totals
@@ -37,19 +48,27 @@ PROVISIONAL_REASON = (
 DISABLED_REASON = "the health check is disabled (disable_health_check)"
 
 
-def _limits(limits: Limits, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {**limits.model_dump(), "overrides": overrides}
+def _limits(limits: Limits, overrides: dict[str, dict[str, Any]]) -> LimitsSection:
+    return {
+        "max_failed_rollouts": limits.max_failed_rollouts,
+        "max_failed_fraction": limits.max_failed_fraction,
+        "overrides": overrides,
+    }
 
 
-def _coverage_of_run_check(coverage: str | None) -> dict[str, int | None]:
+def _coverage_of_run_check(coverage: str | None) -> CheckCoverage:
     if coverage is None:
         return {"evaluated": None, "unobserved": None, "ignored": None}
-    return {k: 1 if coverage == k else 0 for k in ("evaluated", "unobserved", "ignored")}
+    return {
+        "evaluated": int(coverage == "evaluated"),
+        "unobserved": int(coverage == "unobserved"),
+        "ignored": int(coverage == "ignored"),
+    }
 
 
 def verdict(
     state: SummaryState,
-    accounting: dict[str, Any],
+    accounting: AccountingSection,
     coverage: str,
     unobserved_reason: str | None,
     findings: list[dict[str, Any]],
@@ -88,15 +107,12 @@ def config_section(facts: list[tuple[str, ConfigFacts | None]]) -> dict[str, Any
     return {"by_source": {label: known.get(label) for label, _ in facts}}
 
 
-COVERAGE_COUNTS = ("expected", "successful", "failed", "intentionally_omitted", "unknown")
-
-
-def coverage_section(sources: list[Source]) -> dict[str, Any]:
+def coverage_section(sources: list[Source]) -> CoverageSection:
     """`run.coverage`: where each source's coverage record is (relative to the reports, as
     `run.sources`) and what it says. Whether the run is complete is the coverage's to say, not
     the verdict's: `complete` is true when every source's record says so, false when one says
     not, null when a source has none; the counts are their sums, null when a source has none."""
-    files = []
+    files: list[CoverageFile] = []
     for source in sources:
         c = source.coverage
         path = posixpath.join(posixpath.dirname(source.label), source.coverage_file or "")
@@ -114,13 +130,27 @@ def coverage_section(sources: list[Source]) -> dict[str, Any]:
     complete = all(c.complete for c in records) if known else None
     if not known and any(not c.complete for c in records):
         complete = False
-    counts = {k: sum(getattr(c, k) for c in records) if known else None for k in COVERAGE_COUNTS}
-    return {"complete": complete, **counts, "files": files}
+
+    def total(count: str) -> int | None:
+        return sum(getattr(c, count) for c in records) if known else None
+
+    return {
+        "complete": complete,
+        "expected": total("expected"),
+        "successful": total("successful"),
+        "failed": total("failed"),
+        "intentionally_omitted": total("intentionally_omitted"),
+        "unknown": total("unknown"),
+        "files": files,
+    }
 
 
 def gate_section(
-    inputs: list[InputDigest], healthy: bool | None, verdicts: dict[str, Any], failed: Any
-) -> dict[str, Any]:
+    inputs: list[InputDigest],
+    healthy: bool | None,
+    verdicts: dict[str, int | None],
+    failed: int | None,
+) -> GateSection:
     """`run.gate`: what a gate judges (the run verdict, its unhealthy and failed rollouts), bound
     to the SHA-256 of every saved rollout input it was read from: not to captures, nor to how
     much of the run was observed."""
@@ -144,25 +174,29 @@ def run_section(
     check: tuple[str, str | None, list[dict[str, Any]]] | None,
     config: dict[str, Any] | None = None,
     inputs: list[InputDigest] | None = None,
-    timeouts: dict[str, Any] | None = None,
+    timeouts: TimeoutsSection | None = None,
     coverage_of: list[Source] | None = None,
-) -> dict[str, Any]:
+) -> SummaryRun:
     """The `run` object; `totals` None leaves the per-record counts null (records not read).
     `inputs`: the digests of the files read (`gate`, null when records were not read);
     `coverage_of`: the sources whose coverage records `run.coverage` points at (null without)."""
     if totals is not None:
-        coverage: dict[str, Any] = {
-            c: {k: totals.coverage[c][k] for k in ("evaluated", "unobserved", "ignored")}
+        coverage: dict[str, CheckCoverage] = {
+            c: {
+                "evaluated": totals.coverage[c]["evaluated"],
+                "unobserved": totals.coverage[c]["unobserved"],
+                "ignored": totals.coverage[c]["ignored"],
+            }
             for c in ALL_CHECKS
             if c != RUN_CHECK
         }
-        issues: dict[str, Any] = {c: totals.issues[c] for c in ALL_CHECKS}
-        artifacts: dict[str, Any] = {
+        issues: dict[str, int | None] = {c: totals.issues[c] for c in ALL_CHECKS}
+        artifacts: Artifacts = {
             "records": totals.records,
             "captures": totals.captures,
             "coverage": coverage,
         }
-        verdicts: dict[str, Any] = {v: totals.verdicts[v] for v in VERDICTS}
+        verdicts: dict[str, int | None] = {v: totals.verdicts[v] for v in VERDICTS}
         stats: dict[str, Any] | None = {
             "model_call_errors": {
                 "total": totals.errors_total,
@@ -220,7 +254,7 @@ def run_section(
     }
 
 
-def _null_accounting() -> dict[str, Any]:
+def _null_accounting() -> AccountingSection:
     return {
         "owed": None,
         "landed": None,
@@ -241,7 +275,7 @@ def _indent(data: bytes, level: int) -> bytes:
     return data.replace(b"\n", b"\n" + b"  " * level)
 
 
-def summary_chunks(run: dict[str, Any], tasks: Iterable[tuple[str, Any]]) -> Iterator[bytes]:
+def summary_chunks(run: Mapping[str, Any], tasks: Iterable[tuple[str, Any]]) -> Iterator[bytes]:
     """The summary as orjson would print it with two-space indents, with `tasks` streamed."""
     yield b'{\n  "run": ' + _indent(orjson.dumps(run, option=orjson.OPT_INDENT_2), 1)
     first = True
@@ -253,7 +287,7 @@ def summary_chunks(run: dict[str, Any], tasks: Iterable[tuple[str, Any]]) -> Ite
     yield b',\n  "tasks": {}\n}\n' if first else b"\n  }\n}\n"
 
 
-def blind_checks(run: dict[str, Any]) -> list[str]:
+def blind_checks(run: Mapping[str, Any]) -> list[str]:
     """The rollout and task checks that no record had the evidence for (all unobserved)."""
     if "blind_checks" in run:
         return list(run["blind_checks"])
@@ -265,7 +299,7 @@ def blind_checks(run: dict[str, Any]) -> list[str]:
     )
 
 
-def unobserved_note(run: dict[str, Any]) -> str:
+def unobserved_note(run: Mapping[str, Any]) -> str:
     """Why records are unobserved, in a few words: the checks that found none of their evidence."""
     # Only NeMo Gym's checks make a record unobserved (ours never do: `reduce.VERDICT_MASK`).
     blind = [c for c in blind_checks(run) if c not in RESPONSE_CHECKS]
@@ -277,7 +311,7 @@ def unobserved_note(run: dict[str, Any]) -> str:
     )
 
 
-def timeouts_lines(section: dict[str, Any] | None) -> list[str]:
+def timeouts_lines(section: Mapping[str, Any] | None) -> list[str]:
     """One line per failure class and agent of an observed timeouts section."""
     if not section or section.get("state") != "observed":
         return []
@@ -293,7 +327,7 @@ RUN_LIMITS_HINT = "+max_failed_fraction=F or +max_failed_rollouts=N"
 """How `rollouts run` and `resume` set a failure limit (the recheck's is `--limit name=value`)."""
 
 
-def console_line(run: dict[str, Any], path: str, set_limit: str = RUN_LIMITS_HINT) -> str:
+def console_line(run: Mapping[str, Any], path: str, set_limit: str = RUN_LIMITS_HINT) -> str:
     """NeMo Gym's two console lines, then ours with the run verdict; an unknown verdict for want
     of a failure limit says how to `set_limit`."""
     v = run["verdicts"]

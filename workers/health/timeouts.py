@@ -17,11 +17,18 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from infra.capture import CaptureStore
-from workers.capture.records import INCOMPLETE, RECORDS_UNREADABLE, parse_capture
+from schemas.quality_summary import TimeoutGroup, TimeoutsSection
+from workers.capture.records import (
+    INCOMPLETE,
+    RECORDS_UNREADABLE,
+    ModelCallRecord,
+    parse_capture,
+)
 from workers.health.scan import KEY, OWN, RUN_MS, STARTED
 
 log = logging.getLogger(__name__)
@@ -50,7 +57,7 @@ class Group:
     unmeasured: Counter[str] = field(default_factory=Counter)
 
 
-def in_calls_s(calls: list[dict[str, Any]]) -> float | None:
+def in_calls_s(calls: Sequence[Mapping[str, Any]]) -> float | None:
     """Wall time spent in model calls: the union of their spans (parallel calls count once), or
     the sum of their latencies when a span is not known; None when neither is."""
     spans: list[tuple[float, float]] = []
@@ -124,7 +131,7 @@ class Timeouts:
         keys = list(dict.fromkeys(row[KEY] for row in rows))
         if None in keys:
             return "unreadable"
-        calls: list[dict[str, Any]] = []
+        calls: list[ModelCallRecord] = []
         for key in keys:
             try:
                 data, incomplete = store.read(key)
@@ -146,22 +153,20 @@ class Timeouts:
         g.other_s += max(0.0, run_ms / 1000 - in_calls)
         return None
 
-    def section(self) -> dict[str, Any]:
+    def section(self) -> TimeoutsSection:
         """`run.timeouts`: per (failure class, agent), the failed rollouts and their time split."""
         observed = self.observed
-        groups = []
+        groups: list[TimeoutGroup] = []
         for (cls, agent), g in sorted(
             self.groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))
         ):
-            entry: dict[str, Any] = {"failure_class": cls, "agent": agent, "rollouts": g.rollouts}
+            entry: TimeoutGroup = {"failure_class": cls, "agent": agent, "rollouts": g.rollouts}
             if observed:
-                entry.update(
-                    measured=g.measured,
-                    model_calls=g.model_calls,
-                    model_call_s=round(g.model_call_s, 3),
-                    other_s=round(g.other_s, 3),
-                    unmeasured={k: g.unmeasured[k] for k in UNMEASURED if g.unmeasured[k]},
-                )
+                entry["measured"] = g.measured
+                entry["model_calls"] = g.model_calls
+                entry["model_call_s"] = round(g.model_call_s, 3)
+                entry["other_s"] = round(g.other_s, 3)
+                entry["unmeasured"] = {k: g.unmeasured[k] for k in UNMEASURED if g.unmeasured[k]}
             groups.append(entry)
         return {
             "state": "observed" if observed else "unobserved",

@@ -11,7 +11,7 @@ one reference and neither.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from pydantic import ValidationError
 
@@ -81,6 +81,13 @@ def response_has_content(response: Any) -> bool:
     )
 
 
+class ServerRef(TypedDict):
+    """A `ModelServerRef` as NeMo Gym reads it: its type and name, whatever the record holds."""
+
+    type: object
+    name: object
+
+
 @dataclass(frozen=True, slots=True)
 class Call:
     """One captured model call, normalised."""
@@ -89,7 +96,7 @@ class Call:
     call_index: int
     model_call_id: str | None
     response_id: str | None
-    model_ref: dict[str, Any] | None
+    model_ref: ServerRef | None
     status_code: Any
     response_status: Any
     finish_reason: Any
@@ -113,7 +120,7 @@ class Call:
         s = self.status_code
         return not self.failed and (s is None or (isinstance(s, int) and 200 <= s < 400))
 
-    def locator(self, fallback: int) -> dict[str, Any]:
+    def locator(self, fallback: int) -> dict[str, str]:
         return {"call_id": str(self.model_call_id or self.response_id or fallback)}
 
     @property
@@ -126,7 +133,7 @@ class Call:
         return f"response::{self.response_id}" if self.response_id else None
 
 
-def _server_ref(value: Any) -> dict[str, Any] | None:
+def _server_ref(value: Any) -> ServerRef | None:
     """A `ModelServerRef` as NeMo Gym reads it: its extra keys are ignored."""
     if not isinstance(value, dict):
         return None

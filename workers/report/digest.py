@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from infra.store import RunDir, ShardFiles
 from schemas import fields as F
@@ -196,7 +196,22 @@ def usage_of(row: dict[str, Any]) -> tuple[int, int, float | None]:
     return int(tin), int(tout), cost
 
 
-def transcript(row: dict[str, Any], label: str) -> dict[str, Any]:
+class Transcript(TypedDict):
+    """What the page shows of one rollout; `locator` names the rollout the dialog opens."""
+
+    locator: NotRequired[str]
+    rollout: str | None
+    source: str
+    agent: str | None
+    env: Any
+    reward: Any
+    run_ms: Any
+    input: str
+    response: str
+    failure: dict[str, Any] | None
+
+
+def transcript(row: dict[str, Any], label: str) -> Transcript:
     """What the page shows of one rollout: input, response text, reward, failure row."""
     failure = {k: row[k] for k in FAILURE_FIELDS if k in row}
     return {
@@ -279,10 +294,10 @@ class RunDigest:
     tokens_in: int = 0
     tokens_out: int = 0
     cost: float | None = None
-    slowest: TopK[dict[str, Any]] = field(default_factory=lambda: TopK(SLOWEST))
-    sample: Reservoir[dict[str, Any]] = field(default_factory=lambda: Reservoir(SAMPLE, seed=20))
-    failure_examples: dict[str, Reservoir[dict[str, Any]]] = field(default_factory=dict)
-    transcripts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    slowest: TopK[Transcript] = field(default_factory=lambda: TopK(SLOWEST))
+    sample: Reservoir[Transcript] = field(default_factory=lambda: Reservoir(SAMPLE, seed=20))
+    failure_examples: dict[str, Reservoir[Transcript]] = field(default_factory=dict)
+    transcripts: dict[str, Transcript] = field(default_factory=dict)
     health: dict[str, Any] | None = None
     shards: list[tuple[str, str]] = field(default_factory=list)
     """(run id, shard label) of each source with a manifest."""
