@@ -27,7 +27,7 @@ from schemas.messages import (
     FinishRequest,
     OmitRequest,
 )
-from schemas.outcomes import VOID_ENDS, RolloutOutcome
+from schemas.outcomes import VOID_ENDS, ChordSummary, RolloutOutcome
 from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
 from workers import tracing
 from workers.app import app, state_redis_url
@@ -37,7 +37,7 @@ from workers.health import combine, scan
 from workers.omissions import omit
 from workers.pool import on_loop, take_ran
 from workers.redispatch import CollectTaskMessage
-from workers.replies import collect_and_reply
+from workers.replies import ReplySummary, collect_and_reply
 from workers.rollout import Delivery, run_rollout, run_rollout_async
 from workers.wiring import process_context
 
@@ -79,7 +79,7 @@ async def _collect_on_loop(request: Any, payload: dict[str, Any]) -> RolloutOutc
 
 
 @app.task(name=COLLECT_TASK, acks_late=True, bind=True)
-def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any]:
+def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> ChordSummary:
     """Run one rollout and land its result exactly once.
 
     A run's delivery takes the rollout's lease, and settling it counts the rollout toward its
@@ -108,7 +108,7 @@ def finish_task(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 @app.task(name=OMIT_TASK, acks_late=True)
-def omit_task(payload: dict[str, Any]) -> dict[str, Any]:
+def omit_task(payload: dict[str, Any]) -> dict[str, int]:
     """Write a recorded call's omissions (`_ng_omitted` rows) in its shard's sidecar."""
     return {"written": omit(OmitRequest.model_validate(payload), state_redis_url())}
 
@@ -128,7 +128,7 @@ def health_combine_task(results: list[dict[str, Any]], plan: dict[str, Any]) -> 
 
 
 @on_loop(COLLECT_REPLY_TASK, own_slot=True)
-async def _reply_on_loop(request: Any, payload: dict[str, Any]) -> dict[str, Any]:
+async def _reply_on_loop(request: Any, payload: dict[str, Any]) -> ReplySummary:
     url = state_redis_url()
     req = ReplyingCollectRequest.model_validate(payload)
     message = CollectTaskMessage.from_request(request, payload, COLLECT_REPLY_TASK).to_json()
@@ -138,9 +138,9 @@ async def _reply_on_loop(request: Any, payload: dict[str, Any]) -> dict[str, Any
 
 # No result stored: the outcome goes back on the invocation's reply list, not through Celery.
 @app.task(name=COLLECT_REPLY_TASK, acks_late=True, ignore_result=True, bind=True)
-def collect_reply_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any]:
+def collect_reply_task(self: Task[Any, Any], payload: dict[str, Any]) -> ReplySummary:
     """Run one rollout for the Python API and push its outcome to the caller."""
-    summary: dict[str, Any] | None = take_ran(self.request)
+    summary: ReplySummary | None = take_ran(self.request)
     if summary is not None:
         return summary
     ctx = process_context(state_redis_url())

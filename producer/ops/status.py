@@ -20,7 +20,7 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypedDict
 
 import redis
 from rich.console import Console, Group
@@ -56,6 +56,15 @@ FINAL_STATES = ("completed", "failed", "cancelled")
 RATE_WINDOW_S = 60.0
 
 
+class GroupCountsJson(TypedDict):
+    """One agent's or environment server's counts in the status report."""
+
+    planned: int
+    landed: int
+    failed: dict[str, int]
+    """Rollouts without a result, by failure class."""
+
+
 @dataclass
 class GroupCounts:
     """Counts of one agent or environment server."""
@@ -64,7 +73,7 @@ class GroupCounts:
     landed: int = 0
     failed: Counter[str] = field(default_factory=Counter)
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> GroupCountsJson:
         return {
             "planned": self.planned,
             "landed": self.landed,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import redis
 from celery import Celery
@@ -23,6 +23,19 @@ from workers.shard.leases import lease_rows
 
 COUNTERS = ("done", "duplicate", "drained", "stopped", "cancelled")
 """The generation's outcome counters; together they are the tasks that reached an end."""
+
+
+class RunningRolloutJson(TypedDict):
+    """A running rollout as `rollouts status --json` shows it."""
+
+    key: str
+    holder: str
+    stage: str
+    attempt: int
+    heartbeat_age_s: float
+    running_s: float
+    lost: list[str]
+    expired: bool
 
 
 @dataclass(frozen=True)
@@ -47,7 +60,7 @@ class RunningRollout:
     expired: bool
     """Its holder went silent and no live process took it over yet."""
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> RunningRolloutJson:
         return {
             "key": self.key, "holder": self.holder, "stage": self.stage, "attempt": self.attempt,
             "heartbeat_age_s": round(self.heartbeat_age_s, 1),

@@ -261,4 +261,4 @@ def test_the_python_api_records_omissions_and_hands_back_unrouted_failures(
     assert (c["successful"], c["failed"], c["intentionally_omitted"]) == (2, 1, 3)
     assert c["states"]["omitted"] == 3 and c["unknown"] == 0
     # Strict: the failure is not complete; the omissions are (5 of 6 completed).
-    assert finished is not None and "EVAL FAILED: 5/6" in str(finished.get("rejection"))
+    assert finished is not None and "EVAL FAILED: 5/6" in str(finished.rejection)
