@@ -20,7 +20,7 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, TypedDict
+from typing import Any
 
 import redis
 from rich.console import Console, Group
@@ -56,15 +56,6 @@ FINAL_STATES = ("completed", "failed", "cancelled")
 RATE_WINDOW_S = 60.0
 
 
-class GroupCountsJson(TypedDict):
-    """One agent's or environment server's counts in the status report."""
-
-    planned: int
-    landed: int
-    failed: dict[str, int]
-    """Rollouts without a result, by failure class."""
-
-
 @dataclass
 class GroupCounts:
     """Counts of one agent or environment server."""
@@ -73,7 +64,7 @@ class GroupCounts:
     landed: int = 0
     failed: Counter[str] = field(default_factory=Counter)
 
-    def as_json(self) -> GroupCountsJson:
+    def as_json(self) -> dict[str, Any]:
         return {
             "planned": self.planned,
             "landed": self.landed,
