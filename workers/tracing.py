@@ -298,7 +298,8 @@ def finishing(request: Any, payload: Mapping[str, Any]) -> contextlib.AbstractCo
 def _finishing(request: Any, payload: Mapping[str, Any]) -> Iterator[None]:
     run = payload.get("run") or {}
     attrs: SpanAttributes = {
-        RUN_ID: str(run.get("run_id", "")), "rollouts.shard": str(run.get("shard", ""))
+        RUN_ID: str(run.get("run_id", "")),
+        "rollouts.shard": str(run.get("shard", "")),
     }
     with _consumed("rollouts.finish", request, attrs, queue_wait=False):
         yield
