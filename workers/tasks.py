@@ -8,6 +8,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Ignore
 from celery.signals import worker_ready
+from pydantic import JsonValue
 
 from infra.environment import from_env
 from infra.store import RunDir
@@ -100,7 +101,7 @@ def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> ChordSummary:
 
 
 @app.task(name=FINISH_TASK, acks_late=True)
-def finish_task(payload: dict[str, Any]) -> dict[str, Any]:
+def finish_task(payload: dict[str, Any]) -> dict[str, JsonValue]:
     """Finish a shard: aggregate metrics, final status, manifest state."""
     with tracing.finishing(finish_task.request, payload):
         finished = finish_shard(FinishRequest.model_validate(payload).run, state_redis_url())
@@ -114,7 +115,7 @@ def omit_task(payload: dict[str, Any]) -> dict[str, int]:
 
 
 @app.task(name=HEALTH_SCAN_TASK, acks_late=True)
-def health_scan_task(payload: dict[str, Any]) -> dict[str, Any]:
+def health_scan_task(payload: dict[str, Any]) -> dict[str, JsonValue]:
     """One recheck job: spool a byte range of one file of a run."""
     return scan(ScanJob.model_validate(payload)).model_dump(mode="json")
 

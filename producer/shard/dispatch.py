@@ -23,6 +23,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from pydantic import JsonValue
 from rich.console import Console
 
 from infra import generation, keys, telemetry
@@ -68,7 +69,7 @@ def call_policy(settings: CollectionSettings) -> CallPolicy:
     )
 
 
-def capture_ref(settings: CollectionSettings) -> dict[str, Any] | None:
+def capture_ref(settings: CollectionSettings) -> dict[str, JsonValue] | None:
     """What each rollout task is told of the capture dir; None with observability off."""
     if not settings.observability_enabled or settings.model_call_capture_dir is None:
         return None
@@ -80,7 +81,7 @@ def capture_ref(settings: CollectionSettings) -> dict[str, Any] | None:
     return ref.model_dump(mode="json", exclude_defaults=True)
 
 
-def health_ref(settings: CollectionSettings) -> dict[str, Any] | None:
+def health_ref(settings: CollectionSettings) -> dict[str, JsonValue] | None:
     """What each rollout task is told of live health: judge and count its result's verdict,
     skipping the run's ignored checks; None when the finish step will not check the run."""
     if settings.disable_health_check or settings.disable_aggregation:
