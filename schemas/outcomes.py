@@ -15,7 +15,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any, Literal, Required, cast
 
-from pydantic import BaseModel, ConfigDict, Field, SkipValidation, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, SkipValidation, model_validator
 from typing_extensions import TypedDict
 
 from schemas import fields as F
@@ -264,7 +264,7 @@ class RolloutFailureRecord(BaseModel):
             dispatch_drained=drained,
         )  # fmt: skip
 
-    def canonical(self) -> dict[str, Any]:
+    def canonical(self) -> dict[str, JsonValue]:
         """NeMo Gym's `RolloutFailure` fields alone, as a failure row's `_ng_failure_record`."""
         return self.model_dump(mode="json", exclude=_OURS)
 
