@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from pydantic import JsonValue
 
 from infra import telemetry
 from infra.capture import CaptureStore, valid_key
@@ -165,7 +166,7 @@ def _ends(chunk: bytes) -> bool:
     return any(mark in chunk for mark in TERMINAL_MARKS)
 
 
-def _json_object(data: bytes) -> dict[str, Any] | None:
+def _json_object(data: bytes) -> dict[str, JsonValue] | None:
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError:

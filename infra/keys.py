@@ -84,10 +84,10 @@ shard_cancel = _shard_key("cancel")
 shard_leases = _shard_key("leases")
 """Sorted set: one member per rollout of the shard running now, scored by its lease expiry.
 
-Members read `<holder>|<agent>|<task>:<rollout>`; scores are Redis server time, so no two
-machines' clocks are compared. Its live size is the run's in-flight count and what
-`max_resident_tasks` caps. A holder renews its leases while alive; a dead worker's leases
-expire and their slots come back by themselves.
+Members read `<holder>:<seq>|<agent>|<task>:<rollout>` (`infra/slots.py`); scores are Redis
+server time, so no two machines' clocks are compared. Its live size is the run's in-flight
+count and what `max_resident_tasks` caps. A holder renews its leases while alive; a dead
+worker's leases expire and their slots come back by themselves.
 """
 
 shard_waiting = _shard_key("waiting")
@@ -102,9 +102,10 @@ delivery writes a `worker_lost` failure instead of calling the agent again.
 """
 
 shard_generation = _shard_key("generation")
-"""Hash of the current dispatch generation: `token`, `enqueued`, `started_at`, `deadline`,
-and its outcome counters `done`, `duplicate`, `drained` (the budget ran out), `stopped` (not
-started: the run was cancelled or failed), `cancelled` (cancelled in flight). Tasks of an
+"""Hash of the current dispatch generation (its layout: `infra/generation.py`): `token`,
+`enqueued`, `started_at`, `deadline`, and its outcome counters `done`, `duplicate`, `drained`
+(the budget ran out), `stopped` (not started: the run was cancelled or failed), `cancelled`
+(cancelled in flight). Tasks of an
 older generation do not count here.
 
 `finish` (the finish task's signature, JSON) and `counted` (its rollouts settled so far, each
@@ -159,8 +160,9 @@ def shard_settled_keys(sid: str, token: str) -> list[str]:
 
 
 ROLLOUT_LEASES = f"{PREFIX}:rollout_leases"
-"""Sorted set of the cluster: `<sid>|<task>:<rollout>` per running rollout, scored by its lease's
-expiry (Redis time). Every worker process scans it for expired leases to take over."""
+"""Sorted set of the cluster: `<sid>|<task>:<rollout>` per running rollout
+(`workers/shard/leases.py`: `lease_member`), scored by its lease's expiry (Redis time). Every
+worker process scans it for expired leases to take over."""
 
 ROLLOUT_LEASE_KEY = shard_rollout_leases("%s")
 ROLLOUT_MESSAGE_KEY = shard_lease_messages("%s")

@@ -68,6 +68,7 @@ local initial_window, window_keep_s = tonumber(ARGV[13]), ARGV[14]
 local key_ttl = ARGV[15] or '604800'  -- ROLLOUTS_LIVE_KEY_TTL_S's default when not passed
 local probe_s = tonumber(ARGV[16] or '0.25')  -- SLOW_START_PROBE_S's default when not passed
 
+-- The generation hash's field names are infra/generation.py's (a unit test checks them).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local mine = redis.call('HGET', generation_key, 'token') == token
@@ -179,6 +180,7 @@ END_LUA = """
 -- idle (no call in flight, nobody waiting for it) forgets its window, as TCP restarts an idle
 -- connection's: the next burst slow-starts again, and a finished run leaves no agent state.
 -- ARGV[2] is the expiry of the shard keys it writes (the generation, the durations).
+-- The generation hash's field names are infra/generation.py's (a unit test checks them).
 local keep, key_ttl = tonumber(ARGV[1]), ARGV[2]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -366,6 +368,7 @@ local lease_pattern, message_pattern, attempts_pattern = ARGV[4], ARGV[5], ARGV[
 local slot_set_ttl, slots = ARGV[7], tonumber(ARGV[8])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+-- The member's layout is workers/shard/leases.py's `lease_member` (a unit test checks it).
 local function split(member)
   local bar = string.find(member, '|', 1, true)
   return string.sub(member, 1, bar - 1), string.sub(member, bar + 1)
@@ -448,6 +451,7 @@ if attempt ~= '' then
   redis.call('HDEL', attempts_key, key)
   redis.call('ZREM', all_key, member)
 end
+-- The generation hash's field names are infra/generation.py's (a unit test checks them).
 local generation = redis.call('HMGET', generation_key, 'token', 'enqueued')
 local enqueued = tonumber(generation[2] or '0') or 0
 mark(settled_key, key, math.max(65536, 16 * enqueued), key_ttl)

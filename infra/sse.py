@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 import orjson
+from pydantic import JsonValue
 
 
 def sse_events(text: str) -> list[tuple[str | None, Any]]:
@@ -56,7 +57,7 @@ def terminal(dialect: str, events: list[tuple[str | None, Any]]) -> str | None:
     return None
 
 
-def reassemble(dialect: str, events: list[tuple[str | None, Any]]) -> dict[str, Any] | None:
+def reassemble(dialect: str, events: list[tuple[str | None, Any]]) -> dict[str, JsonValue] | None:
     """The final object of a streamed reply."""
     objects = [d for _, d in events if isinstance(d, dict)]
     if dialect == "responses":
@@ -71,7 +72,7 @@ def reassemble(dialect: str, events: list[tuple[str | None, Any]]) -> dict[str, 
     return _reassemble_messages(objects)
 
 
-def _reassemble_chat(chunks: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _reassemble_chat(chunks: list[dict[str, Any]]) -> dict[str, JsonValue] | None:
     if not chunks:
         return None
     message: dict[str, Any] = {"role": "assistant", "content": ""}
@@ -107,7 +108,7 @@ def _reassemble_chat(chunks: list[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
-def _reassemble_messages(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _reassemble_messages(events: list[dict[str, Any]]) -> dict[str, JsonValue] | None:
     start = next((e["message"] for e in events if e.get("type") == "message_start"), None)
     if not isinstance(start, dict):
         return None

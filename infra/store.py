@@ -105,12 +105,12 @@ class ShardFiles:
         return (*(suffix for suffix in names if suffix), probe.superseded.removeprefix(probe.stem))
 
 
-def _storage_options(protocol: str) -> dict[str, Any]:
+def _storage_options(protocol: str) -> dict[str, str | bool]:
     """Options from the standard environment variables (AWS_ENDPOINT_URL and friends: docs/reference/environment.md)."""
     if protocol in ("s3", "s3a"):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         # Several processes write one prefix: a cached listing would hide their segments.
-        options: dict[str, Any] = {"use_listings_cache": False}
+        options: dict[str, str | bool] = {"use_listings_cache": False}
         if endpoint:
             options["endpoint_url"] = endpoint
         return options

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, PrivateAttr, model_validator
 
 from schemas import fields as F
 from schemas.run_facts import ConfigFacts
@@ -225,9 +225,9 @@ class ServersConfig(BaseModel):
             return self.environments[server].url
         return self.agents[server].url
 
-    def redacted(self) -> dict[str, Any]:
+    def redacted(self) -> dict[str, JsonValue]:
         """The config as JSON, with every secret-looking value replaced."""
-        redacted: dict[str, Any] = redact(self.model_dump(mode="json", exclude_none=True))
+        redacted: dict[str, JsonValue] = redact(self.model_dump(mode="json", exclude_none=True))
         return redacted
 
 

@@ -22,7 +22,7 @@ The counts, in NeMo Gym's names, obey `successful = measured + masked + unscored
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,17 +39,7 @@ RecoveryState = Literal[
     "masked",
     "omitted",
 ]
-RECOVERY_STATES: tuple[RecoveryState, ...] = (
-    "scored",
-    "model_final",
-    "judge_recoverable",
-    "retryable",
-    "exhausted",
-    "terminal",
-    "missing",
-    "masked",
-    "omitted",
-)
+RECOVERY_STATES: tuple[RecoveryState, ...] = get_args(RecoveryState)
 RUNNABLE: frozenset[RecoveryState] = frozenset({"retryable", "missing"})
 """The states `rollouts resume` runs: exactly these."""
 FAILED: frozenset[RecoveryState] = frozenset(

@@ -11,6 +11,7 @@ from enum import StrEnum
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing_extensions import TypedDict
 
 from schemas.coverage import RunCoverage
 from schemas.records import Generation, RateLimitWaits
@@ -61,6 +62,14 @@ ISSUES_FIELD = "issues:"
 """Prefix of the live health hash's per-check fields (`infra/keys.py`: `shard_health`)."""
 
 
+class VerdictJson(TypedDict):
+    """A landed record's live verdict as the rollout task's result shows it (Flower)."""
+
+    verdict: Verdict
+    findings: dict[str, int]
+    """How many findings each check made."""
+
+
 @dataclass(frozen=True, slots=True)
 class RolloutVerdict:
     """One landed record's verdict and the checks of its findings, as the finish step judges it
@@ -74,7 +83,7 @@ class RolloutVerdict:
         """The live health hash's fields this verdict adds one to."""
         return [self.verdict, *(ISSUES_FIELD + check for check in self.findings)]
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> VerdictJson:
         """What the rollout task's result shows (Flower)."""
         checks: dict[str, int] = {}
         for check in self.findings:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any, Literal, cast
+from typing import Any, Literal, Required, cast
 
-from pydantic import BaseModel, ConfigDict, Field, SkipValidation, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, SkipValidation, model_validator
+from typing_extensions import TypedDict
 
 from schemas import fields as F
+from schemas.health import VerdictJson
 
 
 class Ended(StrEnum):
@@ -75,6 +77,24 @@ Admit = Literal["run", "wait", "duplicate", "fenced", "drained", "stopped", "wor
 rollout that must not start."""
 
 
+class ChordSummary(TypedDict, total=False):
+    """What a rollout task returns (Flower shows it): the rollout, how it ended, and what tells
+    the end apart."""
+
+    rollout: Required[str | None]
+    outcome: Required[str]
+    row: dict[str, Any] | None
+    """The drained row (NOT_STARTED)."""
+    reason: str | None
+    """Why it was cancelled."""
+    error: str | None
+    """Why the worker could not finish it."""
+    requests: int
+    """`/run` requests sent, when the agent was called."""
+    health: VerdictJson
+    """The landed result's live verdict."""
+
+
 class RolloutOutcome(BaseModel):
     """What the rollout engine returns for one delivery of a rollout."""
 
@@ -99,13 +119,13 @@ class RolloutOutcome(BaseModel):
     """Duration of the `/run` call(s), retries included; None when nothing was called."""
     after_ms: float = 0.0
     """From the end of the call until the outcome was final (sorting and landing)."""
-    health: dict[str, Any] | None = None
+    health: VerdictJson | None = None
     """The landed result's live verdict and its findings by check (`RolloutVerdict.as_json`);
     None when it was not judged or did not land."""
 
-    def chord_summary(self) -> dict[str, Any]:
+    def chord_summary(self) -> ChordSummary:
         """The small JSON dict the chord task returns."""
-        summary: dict[str, Any] = {"rollout": self.rollout, "outcome": self.ended.value}
+        summary: ChordSummary = {"rollout": self.rollout, "outcome": self.ended.value}
         if self.ended in NOT_STARTED:
             summary["row"] = self.record
         elif self.ended is Ended.CANCELLED:
@@ -258,7 +278,7 @@ class RolloutFailureRecord(BaseModel):
             dispatch_drained=drained,
         )  # fmt: skip
 
-    def canonical(self) -> dict[str, Any]:
+    def canonical(self) -> dict[str, JsonValue]:
         """NeMo Gym's `RolloutFailure` fields alone, as a failure row's `_ng_failure_record`."""
         return self.model_dump(mode="json", exclude=_OURS)
 

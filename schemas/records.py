@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, Required
 
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import TypedDict
 
 from schemas.finish import FinishResult
 from schemas.run_facts import ConfigFacts
@@ -241,6 +242,18 @@ class ShardStatus(BaseModel):
     """When these counts were taken."""
 
 
+class FailureFields(TypedDict, total=False):
+    """A `FailureRow` as the fields of a failure row (docs/reference/failures.md)."""
+
+    _ng_failure_class: Required[str]
+    _ng_failure_type: Required[str | None]
+    _ng_failure_message: Required[str | None]
+    _ng_failure_http_status: Required[int | None]
+    _ng_failure_response_body: Required[str | None]
+    _ng_failure_terminal: bool
+    failure_kind: str
+
+
 class FailureRow(BaseModel):
     """The failure fields stamped onto the planned row's identity (docs/reference/failures.md)."""
 
@@ -261,10 +274,18 @@ class FailureRow(BaseModel):
     failure_kind: str | None = None
     """NeMo Gym's registered failure kind."""
 
-    def fields(self) -> dict[str, Any]:
-        data = self.model_dump(by_alias=True)
-        if data["_ng_failure_terminal"] is None:
-            del data["_ng_failure_terminal"]
-        if data["failure_kind"] is None:
-            del data["failure_kind"]
+    def fields(self) -> FailureFields:
+        """The failure fields as a failure row carries them (`terminal` and `failure_kind` only
+        when known)."""
+        data: FailureFields = {
+            "_ng_failure_class": self.failure_class,
+            "_ng_failure_type": self.failure_type,
+            "_ng_failure_message": self.failure_message,
+            "_ng_failure_http_status": self.http_status,
+            "_ng_failure_response_body": self.response_body,
+        }
+        if self.terminal is not None:
+            data["_ng_failure_terminal"] = self.terminal
+        if self.failure_kind is not None:
+            data["failure_kind"] = self.failure_kind
         return data

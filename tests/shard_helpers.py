@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from infra import keys
+from infra import generation, keys
 from infra.runs import write_manifest
 from infra.store import RunDir
 from schemas.messages import Admission, CallPolicy, CollectRequest, RunRef
@@ -22,7 +22,7 @@ SID = keys.shard_id(URL, "0")
 
 def open_generation(r: redis.Redis) -> redis.Redis:
     """The shard's dispatch generation in Redis: token `TOKEN`, 10 rollouts enqueued."""
-    r.hset(keys.shard_generation(SID), mapping={"token": TOKEN, "enqueued": 10})
+    r.hset(keys.shard_generation(SID), mapping={generation.TOKEN: TOKEN, generation.ENQUEUED: 10})
     return r
 
 

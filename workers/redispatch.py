@@ -96,7 +96,7 @@ class CollectTaskMessage:
         )
 
 
-def trace_headers(headers: dict[str, Any]) -> dict[str, Any] | None:
+def trace_headers(headers: dict[str, Any]) -> dict[str, str | int] | None:
     """The trace headers among a message's headers (a Celery request's attributes), if any."""
     if headers.get(TRACEPARENT) is None:
         return None

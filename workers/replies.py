@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any
+from typing import Any, TypedDict
 
 import redis
 from pydantic_core import PydanticSerializationError
@@ -63,6 +63,14 @@ def reply_body(reply: RolloutReply) -> str:
         return RolloutReply(index=reply.index, outcome=failed).model_dump_json(exclude_none=True)
 
 
+class ReplySummary(TypedDict):
+    """What a reply task returns (Flower shows it): the rollout (its index in the call when it
+    has no id) and how it ended."""
+
+    rollout: str | int
+    outcome: str
+
+
 def push_reply(redis_url: str, req: ReplyingCollectRequest, reply: RolloutReply) -> None:
     """Push the reply and leave the active set in one MULTI, riding out a Redis restart."""
     r = client(redis_url)
@@ -98,7 +106,7 @@ async def collect_and_reply(
     redis_url: str,
     ctx: RolloutContext,
     message: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> ReplySummary:
     """Run one rollout, land it when recorded, push its outcome; returns a small summary.
 
     With its task `message` (`workers/redispatch.py`) the delivery takes the rollout's lease
@@ -125,7 +133,7 @@ async def collect_and_reply(
     )
     outcome = await run_rollout_async(req, ctx, delivery)
     tracing.ended(outcome)
-    summary = {"rollout": outcome.rollout or index, "outcome": outcome.ended.value}
+    summary: ReplySummary = {"rollout": outcome.rollout or index, "outcome": outcome.ended.value}
     if outcome.ended is Ended.TAKEN_OVER:
         # The attempt that took it over replies; this one may have joined the active set after
         # that attempt left it, and no closing caller should wait for it.

@@ -8,6 +8,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Ignore
 from celery.signals import worker_ready
+from pydantic import JsonValue
 
 from infra.environment import from_env
 from infra.store import RunDir
@@ -27,7 +28,7 @@ from schemas.messages import (
     FinishRequest,
     OmitRequest,
 )
-from schemas.outcomes import VOID_ENDS, RolloutOutcome
+from schemas.outcomes import VOID_ENDS, ChordSummary, RolloutOutcome
 from schemas.quality_summary import HealthBrief
 from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
 from workers import tracing
@@ -38,7 +39,7 @@ from workers.health import combine, scan
 from workers.omissions import omit
 from workers.pool import on_loop, take_ran
 from workers.redispatch import CollectTaskMessage
-from workers.replies import collect_and_reply
+from workers.replies import ReplySummary, collect_and_reply
 from workers.rollout import Delivery, run_rollout, run_rollout_async
 from workers.wiring import process_context
 
@@ -80,7 +81,7 @@ async def _collect_on_loop(request: Any, payload: dict[str, Any]) -> RolloutOutc
 
 
 @app.task(name=COLLECT_TASK, acks_late=True, bind=True)
-def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any]:
+def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> ChordSummary:
     """Run one rollout and land its result exactly once.
 
     A run's delivery takes the rollout's lease, and settling it counts the rollout toward its
@@ -101,7 +102,7 @@ def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any
 
 
 @app.task(name=FINISH_TASK, acks_late=True)
-def finish_task(payload: dict[str, Any]) -> dict[str, Any]:
+def finish_task(payload: dict[str, Any]) -> dict[str, JsonValue]:
     """Finish a shard: aggregate metrics, final status, manifest state."""
     with tracing.finishing(finish_task.request, payload):
         finished = finish_shard(FinishRequest.model_validate(payload).run, state_redis_url())
@@ -109,13 +110,13 @@ def finish_task(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 @app.task(name=OMIT_TASK, acks_late=True)
-def omit_task(payload: dict[str, Any]) -> dict[str, Any]:
+def omit_task(payload: dict[str, Any]) -> dict[str, int]:
     """Write a recorded call's omissions (`_ng_omitted` rows) in its shard's sidecar."""
     return {"written": omit(OmitRequest.model_validate(payload), state_redis_url())}
 
 
 @app.task(name=HEALTH_SCAN_TASK, acks_late=True)
-def health_scan_task(payload: dict[str, Any]) -> dict[str, Any]:
+def health_scan_task(payload: dict[str, Any]) -> dict[str, JsonValue]:
     """One recheck job: spool a byte range of one file of a run."""
     return scan(ScanJob.model_validate(payload)).model_dump(mode="json")
 
@@ -129,7 +130,7 @@ def health_combine_task(results: list[dict[str, Any]], plan: dict[str, Any]) -> 
 
 
 @on_loop(COLLECT_REPLY_TASK, own_slot=True)
-async def _reply_on_loop(request: Any, payload: dict[str, Any]) -> dict[str, Any]:
+async def _reply_on_loop(request: Any, payload: dict[str, Any]) -> ReplySummary:
     url = state_redis_url()
     req = ReplyingCollectRequest.model_validate(payload)
     message = CollectTaskMessage.from_request(request, payload, COLLECT_REPLY_TASK).to_json()
@@ -139,9 +140,9 @@ async def _reply_on_loop(request: Any, payload: dict[str, Any]) -> dict[str, Any
 
 # No result stored: the outcome goes back on the invocation's reply list, not through Celery.
 @app.task(name=COLLECT_REPLY_TASK, acks_late=True, ignore_result=True, bind=True)
-def collect_reply_task(self: Task[Any, Any], payload: dict[str, Any]) -> dict[str, Any]:
+def collect_reply_task(self: Task[Any, Any], payload: dict[str, Any]) -> ReplySummary:
     """Run one rollout for the Python API and push its outcome to the caller."""
-    summary: dict[str, Any] | None = take_ran(self.request)
+    summary: ReplySummary | None = take_ran(self.request)
     if summary is not None:
         return summary
     ctx = process_context(state_redis_url())

@@ -42,6 +42,9 @@ from schemas.outcomes import FAILURE_ENDS, Ended, RolloutOutcome
 
 _ERROR_ENDS = frozenset({*FAILURE_ENDS, Ended.ERROR})
 
+SpanAttributes = dict[str, str | int | bool]
+"""A span's attributes, as OpenTelemetry takes them."""
+
 
 def _status(span: Any, ok: bool, message: str | None = None) -> None:
     from opentelemetry.trace import Status, StatusCode
@@ -49,9 +52,9 @@ def _status(span: Any, ok: bool, message: str | None = None) -> None:
     span.set_status(Status(StatusCode.OK) if ok else Status(StatusCode.ERROR, message))
 
 
-def rollout_attributes(row: Mapping[str, Any], run: Mapping[str, Any]) -> dict[str, Any]:
+def rollout_attributes(row: Mapping[str, Any], run: Mapping[str, Any]) -> SpanAttributes:
     """What names a rollout on its spans: NeMo Gym's rollout id, its indices, its run."""
-    attrs: dict[str, Any] = {
+    attrs: SpanAttributes = {
         RUN_ID: str(run.get("run_id", "")),
         "rollouts.shard": str(run.get("shard", "")),
         "rollouts.task_index": int(row.get(F.TASK_INDEX, -1)),
@@ -85,7 +88,7 @@ class Job:
 
     def enqueued(
         self, row: Mapping[str, Any], run: Mapping[str, Any], task_id: str
-    ) -> dict[str, Any] | None:
+    ) -> dict[str, str | int] | None:
         """The trace headers of one rollout task: a new trace, its root linked to the job span."""
         if self.span is None:
             return None
@@ -137,7 +140,7 @@ def start_job(run_id: str, shard: str, token: str, planned: int) -> Job:
         run_id, shard, token, planned)))  # fmt: skip
 
 
-def _job_attributes(run_id: str, shard: str, token: str, planned: int) -> dict[str, Any]:
+def _job_attributes(run_id: str, shard: str, token: str, planned: int) -> SpanAttributes:
     return {RUN_ID: run_id, "rollouts.shard": shard, "rollouts.generation": token,
             "rollouts.planned": planned}  # fmt: skip
 
@@ -194,7 +197,7 @@ def ended(outcome: RolloutOutcome) -> None:
     _current.get().ended(outcome)
 
 
-def _delivery_attributes(request: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
+def _delivery_attributes(request: Any, payload: Mapping[str, Any]) -> SpanAttributes:
     row, run = payload.get("row") or {}, payload.get("run") or {}
     attrs = rollout_attributes(row, run)
     attrs["messaging.system"] = "celery"
@@ -208,7 +211,7 @@ def _delivery_attributes(request: Any, payload: Mapping[str, Any]) -> dict[str, 
 
 
 @contextlib.contextmanager
-def _consumed(name: str, request: Any, attrs: dict[str, Any], queue_wait: bool) -> Iterator[Any]:
+def _consumed(name: str, request: Any, attrs: SpanAttributes, queue_wait: bool) -> Iterator[Any]:
     """Within the delivered context of `request`'s `traceparent`: its spans, when set up."""
     parent = TraceParent.parse(getattr(request, TRACEPARENT, None))
     if parent is None:
@@ -294,7 +297,10 @@ def finishing(request: Any, payload: Mapping[str, Any]) -> contextlib.AbstractCo
 @contextlib.contextmanager
 def _finishing(request: Any, payload: Mapping[str, Any]) -> Iterator[None]:
     run = payload.get("run") or {}
-    attrs = {RUN_ID: str(run.get("run_id", "")), "rollouts.shard": str(run.get("shard", ""))}
+    attrs: SpanAttributes = {
+        RUN_ID: str(run.get("run_id", "")),
+        "rollouts.shard": str(run.get("shard", "")),
+    }
     with _consumed("rollouts.finish", request, attrs, queue_wait=False):
         yield
 

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from producer.api.model import Outcome
 from schemas.errors import RolloutFailedError
+from schemas.finish import FinishResult
 from schemas.outcomes import Ended
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class Transport(Protocol):
     """What the completions need of the dispatch (`producer.api.transport.Invocation`)."""
 
     on_outcome: Callable[[Outcome], None]
-    finished: dict[str, Any] | None
+    finished: FinishResult | None
 
     def start(self) -> None: ...
 
@@ -121,7 +122,7 @@ class Completions:
         return self._total
 
     @property
-    def finished(self) -> dict[str, Any] | None:
+    def finished(self) -> FinishResult | None:
         """The recorded shard's finish result (state, counts, health) once the call ended or closed."""
         return self._transport.finished
 

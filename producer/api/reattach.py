@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-from infra import keys
+from infra import generation, keys
 from infra.redis_client import client
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
@@ -133,10 +133,9 @@ def reattach(
 def _deadline(r: redis.Redis, sid: str, token: str, total: int, running: bool) -> float | None:
     """The call's dispatch deadline, as its generation holds it; a generation Redis lost is
     opened again (without a budget: what was left of it is unknown)."""
-    generation = r.hgetall(keys.shard_generation(sid))
-    if generation.get(b"token") == token.encode():
-        raw = generation.get(b"deadline") or b""
-        return float(raw) if raw else None
+    current = generation.read(r, sid)
+    if current.token == token:
+        return current.deadline
     if running:
         open_generation(r, sid, token, total, None)
     return None

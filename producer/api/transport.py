@@ -39,6 +39,7 @@ from producer.api.replies import read_reply, unreadable_row
 from producer.api.upkeep import KEY_TTL_S, CallUpkeep
 from producer.shard.dispatch import CollectMessages
 from schemas import fields as F
+from schemas.finish import FinishResult
 from schemas.outcomes import FAILURE_ENDS, RESULT_ENDS, Ended, run_failure_message
 from schemas.replies import COLLECT_REPLY_TASK, RolloutReply
 from workers.finish import finish_shard
@@ -77,7 +78,7 @@ class Invocation(CallUpkeep):
         self.on_outcome: Callable[[Outcome], None] = lambda _: None
         self.first_failure: str | None = None
         """The first failure not routed to the sidecar (the recorded shard ends failed)."""
-        self.finished: dict[str, Any] | None = None
+        self.finished: FinishResult | None = None
         """The recorded shard's finish result (state, counts, health)."""
         self.to_publish: list[int] | None = None
         """The rows the publisher sends, in order (None: every row); set before `start`."""
@@ -429,10 +430,15 @@ class Invocation(CallUpkeep):
             except Exception as exc:  # the last step of a thread: reported, never raised into it
                 log.exception("run_examples: closing %s failed", self.invocation)
                 if self.target.record and self.finished is None:
-                    self.finished = {"state": "unknown", "error": f"{type(exc).__name__}: {exc}"}
+                    self.finished = FinishResult(
+                        state="unknown", error=f"{type(exc).__name__}: {exc}"
+                    )
             finally:
-                finished = self.finished or {}
-                self._job.finished(finished.get("state"), finished.get("error"))
+                finished = self.finished
+                if finished is None:
+                    self._job.finished(None, None)
+                else:
+                    self._job.finished(finished.state, finished.error)
                 self._job.end()
 
     def _finishing(self) -> bool:
@@ -454,7 +460,7 @@ class Invocation(CallUpkeep):
         if self.target.record_omitted:
             unrun = [i for i in range(self.total) if not self._settled[i] or i in self._unrun]
             record_omissions(self.target.app, self.target.run, [self.sent[i] for i in unrun])
-        self.finished = finish_shard(self.target.run, self.target.redis_url).model_dump(mode="json")
+        self.finished = finish_shard(self.target.run, self.target.redis_url)
 
     def _drop_keys(self) -> None:
         names = [keys.api_replies(self.invocation), keys.api_active(self.invocation)]

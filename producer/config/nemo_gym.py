@@ -153,7 +153,7 @@ def _fronted_agents(cfg: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _clean(instances: dict[str, Any]) -> dict[str, Any]:
+def _clean(instances: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {
         name: {k: v for k, v in cfg.items() if v is not None and v != []}
         for name, cfg in instances.items()

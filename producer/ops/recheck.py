@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 from celery import chord
+from pydantic import JsonValue
 from rich.console import Console
 from rich.markup import escape
 
@@ -41,7 +42,7 @@ def parse_limits(values: tuple[str, ...] | list[str]) -> dict[str, str | None]:
     return out
 
 
-def run_distributed(plan: HealthPlan, broker_url: str, redis_url: str) -> dict[str, Any]:
+def run_distributed(plan: HealthPlan, broker_url: str, redis_url: str) -> dict[str, JsonValue]:
     """The plan's jobs as a chord over the cluster's workers; returns the callback's brief."""
     app = client_app(broker_url, redis_url)
     header = [

@@ -20,7 +20,7 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypedDict
 
 import redis
 from rich.console import Console, Group
@@ -56,6 +56,24 @@ FINAL_STATES = ("completed", "failed", "cancelled")
 RATE_WINDOW_S = 60.0
 
 
+class GroupCountsJson(TypedDict):
+    """One agent's or environment server's counts in the status report."""
+
+    planned: int
+    landed: int
+    failed: dict[str, int]
+    """Rollouts without a result, by failure class."""
+
+
+class HealthJson(TypedDict):
+    """The status report's `health`: the live verdict counts and the finish step's."""
+
+    live: dict[str, Any] | None
+    """`LiveHealth` as JSON, while the shard's Redis counters live."""
+    summary: dict[str, int] | None
+    """The finish step's verdict counts, once it finished."""
+
+
 @dataclass
 class GroupCounts:
     """Counts of one agent or environment server."""
@@ -64,7 +82,7 @@ class GroupCounts:
     landed: int = 0
     failed: Counter[str] = field(default_factory=Counter)
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> GroupCountsJson:
         return {
             "planned": self.planned,
             "landed": self.landed,
@@ -246,7 +264,7 @@ class StatusReader:
         report["health"] = self._health(manifest, snap)
         return report
 
-    def _health(self, manifest: Manifest, snap: LiveSnapshot | None) -> dict[str, Any]:
+    def _health(self, manifest: Manifest, snap: LiveSnapshot | None) -> HealthJson:
         """The live verdict counts (the workers', from Redis, while its keys live) and, once
         the shard finished, its finish step's."""
         fields = snap.health if snap is not None else None

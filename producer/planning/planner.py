@@ -36,7 +36,7 @@ from producer.planning.problems import ProblemLog
 from producer.planning.reserved import check_input_row
 from producer.planning.routing import DeferredRouter, Route, Router, pairing_bypassed
 from producer.planning.seeds import SEED_NEEDS_JSON, seedable, with_seed
-from producer.planning.skills import SKILLS_REFUSED, SkillsError, skills_ref
+from producer.planning.skills import SKILLS_REFUSED, SkillsError, SkillsRef, skills_ref
 from producer.planning.state import DigestTable, RolloutCounters, digest64
 from producer.planning.tasksets import (
     ADD_SEED_REFUSED,
@@ -116,7 +116,7 @@ class Planner:
         if config is not None:  # without one, nothing to check the routing keys against
             for problem in routing_problems(self.routing, config):
                 self.log.add_problem(problem)
-        self._skills: dict[str, Any] | None = None
+        self._skills: SkillsRef | None = None
         if settings.skills is not None:
             try:
                 self._skills = skills_ref(settings.skills.path)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pydantic import JsonValue
+
 from schemas import fields as F
 
 SEED_NEEDS_JSON = (
@@ -19,7 +21,7 @@ SEED_NEEDS_JSON = (
 )
 
 
-def with_seed(params: dict[str, Any], rollout: int) -> dict[str, Any]:
+def with_seed(params: dict[str, Any], rollout: int) -> dict[str, JsonValue]:
     """`responses_create_params` whose `metadata.extra_body` (a JSON string, as NeMo Gym writes
     it) carries the rollout index as `seed`; the row's own dicts are not touched."""
     metadata = dict(params.get("metadata") or {})

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import yaml
 
@@ -37,7 +37,23 @@ def skill_hash(root: Path) -> str:
     return digest.hexdigest()[:HASH_DIGITS]
 
 
-def skill_metadata(skill_md: Path) -> dict[str, Any]:
+class SkillMetadata(TypedDict):
+    """One skill as the `skills_ref` names it."""
+
+    name: str
+    description: str | None
+    version: str | None
+
+
+class SkillsRef(TypedDict):
+    """The `skills_ref` each row of a run with skills carries: the directory, its hash, its skills."""
+
+    path: str
+    hash: str
+    skills: list[SkillMetadata]
+
+
+def skill_metadata(skill_md: Path) -> SkillMetadata:
     """`{name, description, version}` from a `SKILL.md`'s front matter (between `---` lines)."""
     lines = skill_md.read_text(encoding="utf-8-sig", errors="replace").splitlines()
     if not lines or lines[0].strip() != "---":
@@ -61,14 +77,14 @@ def skill_metadata(skill_md: Path) -> dict[str, Any]:
     }
 
 
-def skills_ref(path: str) -> dict[str, Any]:
+def skills_ref(path: str) -> SkillsRef:
     """The `skills_ref` of the skills directory at `path`; raises SkillsError."""
     root = Path(path).expanduser()
     if not root.exists():
         raise SkillsError(f"the skills path {path} does not exist")
     if not root.is_dir():
         raise SkillsError(f"the skills path {path} is a file, not a directory of skills")
-    skills = []
+    skills: list[SkillMetadata] = []
     for skill_dir in sorted(d for d in root.iterdir() if d.is_dir()):
         skill_md = skill_dir / SKILL_FILE
         if not skill_md.is_file():

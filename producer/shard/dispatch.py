@@ -23,9 +23,10 @@ from typing import Any
 
 import redis
 from celery import Celery
+from pydantic import JsonValue
 from rich.console import Console
 
-from infra import keys, telemetry
+from infra import generation, keys, telemetry
 from infra.environment import from_env
 from infra.redis_client import client
 from producer.shard.opening import OpenedRun
@@ -68,7 +69,7 @@ def call_policy(settings: CollectionSettings) -> CallPolicy:
     )
 
 
-def capture_ref(settings: CollectionSettings) -> dict[str, Any] | None:
+def capture_ref(settings: CollectionSettings) -> dict[str, JsonValue] | None:
     """What each rollout task is told of the capture dir; None with observability off."""
     if not settings.observability_enabled or settings.model_call_capture_dir is None:
         return None
@@ -80,7 +81,7 @@ def capture_ref(settings: CollectionSettings) -> dict[str, Any] | None:
     return ref.model_dump(mode="json", exclude_defaults=True)
 
 
-def health_ref(settings: CollectionSettings) -> dict[str, Any] | None:
+def health_ref(settings: CollectionSettings) -> dict[str, JsonValue] | None:
     """What each rollout task is told of live health: judge and count its result's verdict,
     skipping the run's ignored checks; None when the finish step will not check the run."""
     if settings.disable_health_check or settings.disable_aggregation:
@@ -232,11 +233,7 @@ def count_toward(r: redis.Redis, opened: OpenedRun, count: int, finish: dict[str
     """The generation's chord: its `count` rollouts settle toward `finish` (`SETTLE_LUA`)."""
     sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
     pipe = r.pipeline(transaction=True)
-    pipe.hdel(keys.shard_generation(sid), "counted")
-    pipe.hset(
-        keys.shard_generation(sid),
-        mapping={"token": opened.run.token, "enqueued": count, "finish": json.dumps(finish)},
-    )
+    generation.write_counting(pipe, sid, opened.run.token, count, json.dumps(finish))
     pipe.expire(keys.shard_generation(sid), from_env().live_key_ttl_s)
     pipe.execute()
 
@@ -250,15 +247,7 @@ def open_generation(
     deadline = now + budget_s if budget_s is not None else None
     pipe = r.pipeline(transaction=True)
     pipe.delete(keys.shard_generation(sid), keys.shard_durations(sid))
-    pipe.hset(
-        keys.shard_generation(sid),
-        mapping={
-            "token": token,
-            "enqueued": enqueued,
-            "started_at": repr(now),
-            "deadline": repr(deadline) if deadline is not None else "",
-        },
-    )
+    generation.write_opening(pipe, sid, token, enqueued, now, deadline)
     # The finish of an earlier generation set them to expire: they live while this one runs.
     refresh_shard_keys(pipe, sid, token)
     pipe.execute()

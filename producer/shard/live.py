@@ -12,17 +12,29 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import redis
 from celery import Celery
 
 from infra import keys
+from infra.generation import COUNTERS, Generation
+from infra.slots import slot_agent
 from schemas.messages import QUEUE
 from workers.shard.leases import lease_rows
 
-COUNTERS = ("done", "duplicate", "drained", "stopped", "cancelled")
-"""The generation's outcome counters; together they are the tasks that reached an end."""
+
+class RunningRolloutJson(TypedDict):
+    """A running rollout as `rollouts status --json` shows it."""
+
+    key: str
+    holder: str
+    stage: str
+    attempt: int
+    heartbeat_age_s: float
+    running_s: float
+    lost: list[str]
+    expired: bool
 
 
 @dataclass(frozen=True)
@@ -47,7 +59,7 @@ class RunningRollout:
     expired: bool
     """Its holder went silent and no live process took it over yet."""
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> RunningRolloutJson:
         return {
             "key": self.key, "holder": self.holder, "stage": self.stage, "attempt": self.attempt,
             "heartbeat_age_s": round(self.heartbeat_age_s, 1),
@@ -148,16 +160,15 @@ def snapshot(r: redis.Redis, sid: str) -> LiveSnapshot:
     pipe.mget(keys.shard_run_failed(sid), keys.shard_cancel(sid))
     pipe.hgetall(keys.shard_health(sid))
     gen_raw, leases, waiting, finishing, counts_raw, (failed, cancel), health = pipe.execute()
-    gen = {k.decode(): v.decode() for k, v in gen_raw.items()}
+    gen = Generation.decode(gen_raw)
     snap = LiveSnapshot(now=now, waiting=int(waiting), finishing=bool(finishing))
-    snap.token = gen.get("token")
-    snap.enqueued = int(gen.get("enqueued", 0))
-    snap.started_at = float(gen["started_at"]) if "started_at" in gen else None
-    snap.deadline = float(gen["deadline"]) if gen.get("deadline") else None
-    snap.counters = {k: int(v) for k, v in gen.items() if k in COUNTERS}
+    snap.token = gen.token
+    snap.enqueued = gen.enqueued
+    snap.started_at = gen.started_at
+    snap.deadline = gen.deadline
+    snap.counters = gen.counters
     for member in leases:
-        parts = member.decode().split("|")
-        snap.in_flight_by_agent[parts[1] if len(parts) > 1 else ""] += 1
+        snap.in_flight_by_agent[slot_agent(member.decode())] += 1
     snap.in_flight = len(leases)
     snap.shard_counts = _ints(counts_raw)
     snap.health = _ints(health)

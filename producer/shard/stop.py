@@ -19,7 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
-from infra import keys
+from infra import generation, keys
 from infra.environment import from_env
 from infra.redis_client import client
 from infra.runs import read_manifest
@@ -137,7 +137,7 @@ def stop_run(
     message = f"the run was stopped by SIGTERM; provisional summary at {where}"
     if coverage is None:
         return RunFailedError(message)
-    done = int(r.hget(keys.shard_generation(sid), "done") or 0)
+    done = generation.read(r, sid).count(generation.DONE)
     if coverage.runnable and done:
         return RunPartialError(
             f"{message}; {coverage.runnable} rollouts can still run: `rollouts resume "

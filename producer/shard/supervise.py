@@ -21,6 +21,7 @@ from typing import Any
 import redis
 from celery import Celery
 from kombu.exceptions import KombuError
+from pydantic import JsonValue
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -282,7 +283,7 @@ def wait_for_finish(
     finish_id: str,
     on_progress: Callable[[], None] | None = None,
     poll_s: float = POLL_S,
-) -> dict[str, Any]:
+) -> dict[str, JsonValue]:
     """Block until the finish callback has run; `on_progress()` is called between polls."""
     value = poll_finish(app, finish_id, between=on_progress, poll_s=poll_s)
     if isinstance(value, dict):

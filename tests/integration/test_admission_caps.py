@@ -13,6 +13,7 @@ import redis
 from examples.agent_server import AgentKnobs
 from examples.tasks import make_row
 from infra import keys
+from infra.slots import slot_holder
 from infra.store import RunDir
 from tests.helpers import agent_stats
 from tests.ops_helpers import manifest, rows_by_key, wait_for
@@ -70,7 +71,7 @@ def test_max_resident_tasks_caps_the_cluster_and_recovers_after_a_worker_dies(
         # Kill a worker that holds slots right now: its leases stay behind until they expire.
         sid = keys.shard_id(RunDir(str(out)).url, "0")
         held: list[bytes] = r.zrange(keys.shard_leases(sid), 0, -1)  # type: ignore[assignment]
-        holders = [m.decode().split("|")[0].split(":")[1] for m in held]
+        holders = [slot_holder(m.decode()).rsplit(":", 1)[1] for m in held]
         victim = next(p for p in run.workers.procs if str(p.pid) in holders)
         victim.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()

@@ -262,7 +262,7 @@ def test_the_python_api_records_omissions_and_hands_back_unrouted_failures(
     assert (c["successful"], c["failed"], c["intentionally_omitted"]) == (2, 1, 3)
     assert c["states"]["omitted"] == 3 and c["unknown"] == 0
     # Strict: the failure is not complete; the omissions are (5 of 6 completed).
-    assert finished is not None and "EVAL FAILED: 5/6" in str(finished.get("rejection"))
+    assert finished is not None and "EVAL FAILED: 5/6" in str(finished.rejection)
 
 
 def test_requests_never_sent_spend_no_attempt(make_run: MakeRun, redis_url: str) -> None:

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from examples.servers import RunningServers
-from infra import keys
+from infra import generation, keys
 from infra.runs import read_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
 from producer.config.loading import load_servers_config
@@ -196,7 +196,7 @@ def test_redelivery_after_sigkill_mid_write_leaves_one_whole_line(
         # found it landed (at admission, or at landing if it was admitted before the adoption).
         assert "adopted" in log
         sid = keys.shard_id(rd.url, "0")
-        generation_dups = int(r.hget(keys.shard_generation(sid), "duplicate") or 0)
+        generation_dups = generation.read(r, sid).count(generation.DUPLICATE)
         assert counters(shard.redis_url, shard.out).get("duplicates", 0) + generation_dups >= 1
     elif rd.can_append:
         assert "cutting a torn last line" in log

@@ -229,7 +229,7 @@ def test_recorded_shard_passes_health_check_and_resume_runs_only_what_it_lacks(
     ]
     assert [key(r) for r in materialized] == [key(r) for r in rows]
     assert {(r[F.RUN_ID], r[F.SHARD]) for r in materialized} == {(m["run_id"], "step1")}
-    assert finished is not None and finished["state"] == "cancelled" and finished["landed"] == 8
+    assert finished is not None and finished.state == "cancelled" and finished.landed == 8
     assert [g["kind"] for g in m["generations"]] == ["run", "resume"]
     assert m["state"] == "completed", m
 
@@ -368,8 +368,8 @@ def test_a_fully_consumed_call_records_a_completed_shard_on_s3(
     got, finished = asyncio.run(go())
     check = cli("health-check", out)
     servers.stop()
-    assert len(got) == 6 and finished is not None and finished["state"] == "completed"
-    assert finished["health"]["healthy"] is True
+    assert len(got) == 6 and finished is not None and finished.state == "completed"
+    assert finished.health is not None and finished.health["healthy"] is True
     results = read_object_jsonl(out, "rollouts-0.jsonl")  # one plain object, compacted
     assert sorted(key(r) for r in results) == sorted(key(r) for r in rows)
     assert {r[F.RUN_ID] for r in results} == {

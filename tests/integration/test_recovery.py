@@ -25,7 +25,7 @@ from celery import Celery
 from kombu.connection import Connection
 
 from examples.agent_server import AgentKnobs
-from infra import keys
+from infra import generation, keys
 from infra.store import RunDir
 from schemas import fields as F
 from schemas.messages import QUEUE
@@ -101,8 +101,9 @@ def test_settling_counts_each_rollout_once_and_the_last_one_hands_back_the_finis
 ) -> None:
     r = redis.Redis.from_url(redis_url)
     sid, finish = "sid-count", {"task": "rollouts.finish", "options": {"task_id": "finish-r"}}
-    r.hset(keys.shard_generation(sid),
-           mapping={"token": "gen-2", "enqueued": 3, "finish": orjson.dumps(finish)})  # fmt: skip
+    pipe = r.pipeline()
+    generation.write_counting(pipe, sid, "gen-2", 3, orjson.dumps(finish).decode())
+    pipe.execute()
     leases = RolloutLeases(redis_url, ttl_s=5.0, start=False)
     msg = {"task_id": "t"}
     first = leases.take(sid, "0:0", "gen-2", msg).lease
@@ -114,11 +115,11 @@ def test_settling_counts_each_rollout_once_and_the_last_one_hands_back_the_finis
     assert leases.take(sid, "0:0", "gen-2", msg).verdict == "settled"
     assert leases.settle(first, "gen-2", count=True) == Settled(False)
     assert leases.settle(older, "gen-1", count=True) == Settled(True)  # settled, not counted here
-    assert int(r.hget(keys.shard_generation(sid), "counted") or 0) == 1
+    assert int(r.hget(keys.shard_generation(sid), generation.COUNTED) or 0) == 1
     assert leases.settle(second, "gen-2", count=True) == Settled(True)
     # A delivery that took no lease (Redis was away) counts too; it is the generation's last.
     assert leases.settle(Lease(sid, "2:0", ""), "gen-2", count=True) == Settled(True, finish)
-    assert int(r.hget(keys.shard_generation(sid), "counted") or 0) == 3
+    assert int(r.hget(keys.shard_generation(sid), generation.COUNTED) or 0) == 3
     # Two bits and one set member, not a hash of tokens; the attempts went with the leases.
     assert r.getbit(keys.shard_settled_bits(sid, "gen-2", 0), 0) == 1
     assert r.getbit(keys.shard_settled_bits(sid, "gen-2", 0), 2) == 1

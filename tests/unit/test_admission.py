@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from infra import keys
+from infra import generation, keys
 from tests.shard_helpers import SID, TOKEN, open_generation, request
 from workers.rollout.admission import Gate, p75
 
@@ -62,7 +62,7 @@ def test_run_cap_holds_and_a_released_slot_admits_the_next(gate: Gate, r: redis.
     assert got == ["run"]
     assert live_leases(r) == 2
     assert r.zcard(keys.shard_waiting(SID)) == 0
-    assert int(r.hget(keys.shard_generation(SID), "done") or 0) == 1
+    assert generation.read(r, SID).count(generation.DONE) == 1
 
 
 def test_agent_cap_is_shared_across_runs(gate: Gate, r: redis.Redis) -> None:
@@ -153,7 +153,7 @@ def test_more_unfinished_deliveries_than_the_attempt_limit_is_worker_lost(
 def test_fenced_landed_and_stop_flags(gate: Gate, r: redis.Redis) -> None:
     r.sadd(keys.shard_landed(SID), "3:1")
     assert gate.admit(request(3, 1), SID).verdict == "duplicate"
-    assert r.hget(keys.shard_generation(SID), "duplicate") == b"1"
+    assert generation.read(r, SID).count(generation.DUPLICATE) == 1
     r.set(keys.shard_cancel(SID), "drain")
     ticket = gate.admit(request(4), SID)
     assert (ticket.verdict, ticket.detail) == ("stopped", "drain")
@@ -161,7 +161,7 @@ def test_fenced_landed_and_stop_flags(gate: Gate, r: redis.Redis) -> None:
     ticket = gate.admit(request(4), SID)
     assert (ticket.verdict, ticket.detail) == ("stopped", "failed: rollout 1-0 failed: boom")
     assert gate.stop_reason(SID) == "failed: rollout 1-0 failed: boom"
-    assert r.hget(keys.shard_generation(SID), "stopped") == b"2"
+    assert generation.read(r, SID).count(generation.STOPPED) == 2
     assert r.hget(keys.shard_counts(SID), "drained") is None  # only the budget drains
     r.delete(keys.shard_run_failed(SID), keys.shard_cancel(SID))
     r.hset(keys.shard_state(SID), "opener", "someone-else")
@@ -205,11 +205,11 @@ def test_the_slot_is_freed_when_the_call_ends_and_the_delivery_counted_once_it_l
     gate.releaser.flush()
     assert live_leases(r) == 0
     assert r.hget(keys.shard_starts(SID), "9:0") == b"1"  # not landed yet: still unfinished
-    assert r.hget(keys.shard_generation(SID), "done") is None
+    assert generation.DONE not in generation.read(r, SID).counters
     gate.release(ticket, TOKEN)
     gate.releaser.flush()
     assert r.hget(keys.shard_starts(SID), "9:0") is None
-    assert r.hget(keys.shard_generation(SID), "done") == b"1"
+    assert generation.read(r, SID).count(generation.DONE) == 1
 
 
 def test_a_new_generation_gives_an_expiring_shards_keys_the_live_ttl(r: redis.Redis) -> None:

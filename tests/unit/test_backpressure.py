@@ -69,5 +69,6 @@ def test_the_budget_failure_says_how_long_and_how_often() -> None:
     assert row["_ng_failure_http_status"] == 429
     assert row["_ng_task_index"] == 1 and row["_ng_failure_response_body"] == "busy"
     message = row["_ng_failure_message"]
+    assert isinstance(message, str)
     assert "10s" in message and "10.0s over 4 waits" in message
     assert "3x HTTP 429" in message and "1x HTTP 503" in message and "Retry-After 30s" in message

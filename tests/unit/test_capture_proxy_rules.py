@@ -4,6 +4,7 @@ error categories, stream terminals, and streamed bodies reassembled into one obj
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import orjson
 import pytest
@@ -49,7 +50,7 @@ def test_chat_deltas_are_reassembled() -> None:
     )  # fmt: skip
     events = sse_events(text)
     assert terminal("chat", events) == "complete"
-    final = reassemble("chat", events)
+    final: dict[str, Any] | None = reassemble("chat", events)  # read by path below
     assert final is not None
     message = final["choices"][0]["message"]
     assert (message["content"], message["reasoning_content"]) == ("4", "hm")
@@ -71,7 +72,7 @@ def test_messages_blocks_are_reassembled() -> None:
     )  # fmt: skip
     events = sse_events(text)
     assert terminal("messages", events) == "complete"
-    final = reassemble("messages", events)
+    final: dict[str, Any] | None = reassemble("messages", events)
     assert final is not None
     assert final["content"][0]["text"] == "hi" and final["content"][1]["input"] == {"x": 2}
     assert final["usage"] == {"input_tokens": 5, "output_tokens": 7}

@@ -15,6 +15,7 @@ from producer.api.completions import Completions, Settled
 from producer.api.model import Outcome
 from schemas import fields as F
 from schemas.errors import PlanningError, RolloutFailedError, ShardFencedError
+from schemas.finish import FinishResult
 from schemas.outcomes import Ended, RolloutFailureRecord
 from schemas.settings import CollectionSettings
 
@@ -26,7 +27,7 @@ class StubTransport:
 
     def __init__(self) -> None:
         self.on_outcome: Callable[[Outcome], None] = lambda _: None
-        self.finished: dict[str, Any] | None = None
+        self.finished: FinishResult | None = None
         self.started = 0
         self.stopped = False
         self.closed = 0

@@ -194,7 +194,7 @@ def test_credential_values_and_query_parameters_are_masked() -> None:
             },
         }
     )  # fmt: skip
-    redacted = config.redacted()
+    redacted: dict[str, Any] = config.redacted()  # read by path below
     assert SECRET not in orjson.dumps(redacted).decode()
     assert redacted["agents"]["a"]["url"] == "http://h:1/v1?api_key=***&model=m"
 
@@ -203,7 +203,8 @@ def test_settings_that_only_look_alike_are_kept() -> None:
     config = ServersConfig.model_validate(
         {"agents": {"a": {"url": "http://h:1", "max_tokens": 512, "tokenizer": "t", "keys": 2}}}
     )
-    kept = config.redacted()["agents"]["a"]
+    redacted: dict[str, Any] = config.redacted()
+    kept = redacted["agents"]["a"]
     assert {k: kept[k] for k in ("url", "max_tokens", "tokenizer", "keys")} == {
         "url": "http://h:1",
         "max_tokens": 512,

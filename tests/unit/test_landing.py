@@ -16,7 +16,7 @@ import orjson
 import pytest
 import redis
 
-from infra import keys
+from infra import generation, keys
 from infra.locks import held
 from infra.runs import read_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
@@ -86,7 +86,9 @@ def test_the_status_records_each_agents_rate_limit_waits(
 ) -> None:
     run = open_run(r, rd)
     sid = keys.shard_id(rd.url, "0")
-    r.hset(keys.shard_generation(sid), mapping={"token": run.token, "enqueued": 100})
+    r.hset(
+        keys.shard_generation(sid), mapping={generation.TOKEN: run.token, generation.ENQUEUED: 100}
+    )
     lander.land(run, result(1), [])
     gate = Gate(redis_url, ttl_s=30.0)
     steps: list[tuple[int, str, list[float | None]]] = [

@@ -35,11 +35,12 @@ from typing import Any, TypeVar, cast
 import redis
 from celery.signals import worker_shutdown
 
-from infra import keys
+from infra import generation, keys
 from infra.environment import from_env
 from infra.process import PerProcess
 from infra.redis_client import client
 from infra.scripts import BACK_OFF_LUA, BEGIN_LUA, END_LUA, RENEW_LUA
+from infra.slots import slot_agent, slot_member
 from schemas import fields as F
 from schemas.messages import CollectRequest
 from schemas.outcomes import Admit
@@ -296,7 +297,7 @@ class Gate:
         with self._seq_lock:
             self._seq += 1
             seq = self._seq
-        return f"{self._holder}:{seq}|{agent}|{key}"
+        return slot_member(self._holder, seq, agent, key)
 
     def _begin_keys(self, sid: str, agent_url: str) -> list[str]:
         found = self._keys.get((sid, agent_url))
@@ -420,8 +421,7 @@ class Gate:
         most once per round trip); `wait_s` is the wait that follows, None if the rollout gave up."""
         self.renewer.remove(ticket.member)
         url = ticket.agent_url
-        parts = ticket.member.split("|")
-        agent = parts[1] if len(parts) > 1 else ""
+        agent = slot_agent(ticket.member)
         call_keys = [
             keys.shard_leases(ticket.sid),
             ticket.agent_key,
@@ -454,7 +454,11 @@ class Gate:
             log.warning("could not record a %d reply of %s: %s", status, url, exc)
 
     def release(
-        self, ticket: Ticket, token: str, field: str = "done", duration_s: float | None = None
+        self,
+        ticket: Ticket,
+        token: str,
+        field: str = generation.DONE,
+        duration_s: float | None = None,
     ) -> None:
         """Give the slot back (if still held) and count the outcome, batched with other releases.
         Never blocks: the event loop calls it."""

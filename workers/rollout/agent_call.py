@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import httpx
 import orjson
+from pydantic import JsonValue
 
 from infra import telemetry
 from infra.backoff import RATE_LIMIT_STATUSES, parse_retry_after
@@ -229,7 +230,7 @@ def identity_of(row: dict[str, Any]) -> dict[str, Any]:
     return identity
 
 
-def failure_row(row: dict[str, Any], failure: FailureRow) -> dict[str, Any]:
+def failure_row(row: dict[str, Any], failure: FailureRow) -> dict[str, JsonValue]:
     """The planned row's identity plus the failure fields."""
     return {**identity_of(row), **failure.fields()}
 

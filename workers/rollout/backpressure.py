@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import JsonValue
+
 from schemas.records import FailureRow
 
 RATE_LIMIT_KIND = "rollouts:rate_limited"
@@ -62,7 +64,7 @@ class RateLimitWaits:
         )
 
 
-def budget_failure(waits: RateLimitWaits, last: RateLimited) -> dict[str, Any]:
+def budget_failure(waits: RateLimitWaits, last: RateLimited) -> dict[str, JsonValue]:
     """The final failure row of a rollout that waited out its rate-limit budget."""
     row = dict(last.failure)
     row.update(

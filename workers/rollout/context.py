@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from infra import generation
 from infra.http import EventLoopThread, PostClient
 from schemas.messages import CallPolicy, CollectRequest, RunRef
 from workers.rollout.admission import Ticket
@@ -75,7 +76,11 @@ class AdmissionGate(Protocol):
     ) -> None: ...
 
     def release(
-        self, ticket: Ticket, token: str, field: str = "done", duration_s: float | None = None
+        self,
+        ticket: Ticket,
+        token: str,
+        field: str = generation.DONE,
+        duration_s: float | None = None,
     ) -> None:
         """Give the slot back and count the outcome; called on the event loop: never blocks."""
         ...

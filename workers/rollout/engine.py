@@ -36,7 +36,7 @@ from typing import Any
 
 import redis
 
-from infra import keys
+from infra import generation, keys
 from infra.backoff import next_wait_s
 from schemas import fields as F
 from schemas.errors import ShardFencedError, StorageError, TransientError
@@ -500,7 +500,7 @@ class _Run:
                 ctx.gate.release(ticket, token)
                 raise
             if outcome is None:
-                ctx.gate.release(ticket, token, field="cancelled")
+                ctx.gate.release(ticket, token, field=generation.CANCELLED)
                 return self.end(Ended.CANCELLED, detail=stop)
             requests += outcome.requests_sent
             earlier += outcome.failures
@@ -520,7 +520,7 @@ class _Run:
             with tracing.rate_limit_wait(status, wait_s):
                 stop = await self.wait(wait_s)
             if stop is not None:
-                ctx.gate.release(ticket, token, field="cancelled")
+                ctx.gate.release(ticket, token, field=generation.CANCELLED)
                 return self.end(Ended.CANCELLED, detail=stop)
             row = with_attempt(req.row, limited.attempt)
             # Admitted again without a new start.

@@ -15,7 +15,7 @@ attempt as `agent_request_failed`, like a reply that is not a JSON object.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 import orjson
 
@@ -33,7 +33,14 @@ class InvalidEpisodeReply(ValueError):
         self.reply = reply
 
 
-def episode_id(row: dict[str, Any]) -> dict[str, Any]:
+class EpisodeRef(TypedDict):
+    """NeMo Gym's `episode_id` of an episode request."""
+
+    rollout_id: str | None
+    attempt: int
+
+
+def episode_id(row: dict[str, Any]) -> EpisodeRef:
     """The episode's `{"rollout_id", "attempt"}`: the rollout id at attempt 0, and the attempt."""
     attempt = row.get(F.ATTEMPT_INDEX) or 0
     first = {k: v for k, v in row.items() if k != F.ATTEMPT_INDEX}

@@ -86,7 +86,7 @@ class Lease:
     @property
     def member(self) -> str:
         """Its member of `keys.ROLLOUT_LEASES`."""
-        return f"{self.sid}|{self.key}"
+        return lease_member(self.sid, self.key)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import JsonValue
+
 from schemas import fields as F
 from schemas.messages import CollectRequest
 from schemas.outcomes import Ended
@@ -42,7 +44,7 @@ def stamp_execution(records: list[dict[str, Any]], generation: int, attempt: int
         record[F.EXECUTION] = {"generation": generation, "attempt": attempt}
 
 
-def drained_row(row: dict[str, Any], message: str) -> dict[str, Any]:
+def drained_row(row: dict[str, Any], message: str) -> dict[str, JsonValue]:
     """What a rollout that never started resolves to (docs/reference/failures.md#drained-rows); it lands nowhere."""
     return {
         **{k: row[k] for k in F.IDENTITY_FIELDS if k in row},
@@ -70,7 +72,7 @@ def not_started_message(ticket: Ticket, margin_s: float | None) -> str:
     )
 
 
-def worker_lost_row(req: CollectRequest, deaths: int) -> dict[str, Any]:
+def worker_lost_row(req: CollectRequest, deaths: int) -> dict[str, JsonValue]:
     """The failure row of a rollout whose workers died on it `deaths` times."""
     failure = FailureRow(
         _ng_failure_class="worker_lost",
