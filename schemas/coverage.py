@@ -22,10 +22,11 @@ The counts, in NeMo Gym's names, obey `successful = measured + masked + unscored
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal, Required, TypedDict, Unpack, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from schemas.documents import ShardDocument
 from schemas.errors import RunFailedError, RunPartialError
 
 RecoveryState = Literal[
@@ -50,17 +51,11 @@ FAILED: frozenset[RecoveryState] = frozenset(
 WrittenBy = Literal["finish", "plan", "stop"]
 
 
-class RunCoverage(BaseModel):
+class RunCoverage(ShardDocument):
     """`rollouts-S_coverage.json`: every expected rollout accounted for, in NeMo Gym's names."""
 
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: int = 1
-    """Layout version of this record."""
-    run_id: str
-    """The run's id."""
-    shard: str
-    """The shard label."""
     expected: int
     """Expected rollouts: lines of the materialized inputs."""
     successful: int
@@ -145,57 +140,50 @@ class RunCoverage(BaseModel):
         return {f"coverage/{name}": int(getattr(self, name)) for name in names}
 
 
+class CompletionInputs(TypedDict, total=False):
+    """What a strict driver says beside the counts (see `completion_rejection`)."""
+
+    retryable: Required[bool]
+    progress: Required[bool]
+    final_zero_rows: int
+    omitted: int
+    where: str
+    resume: str | None
+
+
 def completion_rejection(
-    expected: int,
-    completed: int,
-    *,
-    retryable: bool,
-    progress: bool,
-    final_zero_rows: int = 0,
-    omitted: int = 0,
-    where: str = "",
-    resume: str | None = None,
+    expected: int, completed: int, **inputs: Unpack[CompletionInputs]
 ) -> RunFailedError | None:
     """The error that rejects unfinished work under `require_complete`, or None when every
     expected rollout completed. Decided before the aggregate, so a rejected run publishes no score.
 
-    `completed`: rollouts with a result; `final_zero_rows`: failures settled as scored zeros and
-    `omitted`: intentional omissions, both completed samples too. A driver must say whether any
-    rollout can still run (`retryable`) and whether this invocation saved outcomes that made
-    progress (`progress`): only with both is the rejection a `RunPartialError` (exit 75, a
-    resume can complete it), else it is final (`RunFailedError`, exit 1), so that a scheduler
-    that requeues on 75 never restarts a run that has nothing left to run, or makes no progress.
-    `where`: the rollouts file; `resume`: the command that runs the rest.
+    `completed`: rollouts with a result; `final_zero_rows` (0): failures settled as scored zeros
+    and `omitted` (0): intentional omissions, both completed samples too. A driver must say
+    whether any rollout can still run (`retryable`) and whether this invocation saved outcomes
+    that made progress (`progress`): only with both is the rejection a `RunPartialError` (exit
+    75, a resume can complete it), else it is final (`RunFailedError`, exit 1), so that a
+    scheduler that requeues on 75 never restarts a run that has nothing left to run, or makes no
+    progress. `where`: the rollouts file; `resume`: the command that runs the rest.
     """
-    done = completed + final_zero_rows + omitted
+    done = completed + inputs.get("final_zero_rows", 0) + inputs.get("omitted", 0)
     if done >= expected:
         return None
+    where = inputs.get("where", "")
     message = (
         f"EVAL FAILED: {done}/{expected} samples completed. Partial artifacts retained at {where}."
     )
-    if retryable and progress:
+    retryable = inputs["retryable"]
+    if retryable and inputs["progress"]:
+        resume = inputs.get("resume")
         then = f": {resume}" if resume else ""
         return RunPartialError(f"{message} The rest can still run; a resume completes it{then}")
     why = "no rollout is left that can run" if not retryable else "this run made no progress"
     return RunFailedError(f"{message} Final: {why}.")
 
 
-def raise_for_completion(
-    expected: int,
-    completed: int,
-    *,
-    retryable: bool,
-    progress: bool,
-    final_zero_rows: int = 0,
-    omitted: int = 0,
-    where: str = "",
-    resume: str | None = None,
-) -> None:
+def raise_for_completion(expected: int, completed: int, **inputs: Unpack[CompletionInputs]) -> None:
     """Raise the strict run's rejection, if any (see `completion_rejection` for the arguments)."""
-    error = completion_rejection(
-        expected, completed, retryable=retryable, progress=progress,
-        final_zero_rows=final_zero_rows, omitted=omitted, where=where, resume=resume,
-    )  # fmt: skip
+    error = completion_rejection(expected, completed, **inputs)
     if error is not None:
         raise error
 

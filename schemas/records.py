@@ -9,6 +9,7 @@ from typing import Any, Literal, Required
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import TypedDict
 
+from schemas.documents import ShardDocument
 from schemas.finish import FinishResult
 from schemas.run_facts import ConfigFacts
 from schemas.usage import TokenUsage
@@ -68,17 +69,11 @@ class Finished(BaseModel):
     """What it returned: state, counts, health brief, coverage, report."""
 
 
-class Manifest(BaseModel):
+class Manifest(ShardDocument):
     """`rollouts-S_manifest.json`: what the run is and where it stands."""
 
     model_config = ConfigDict(extra="allow")
 
-    schema_version: int = 1
-    """Layout version of this record."""
-    run_id: str
-    """The run's id."""
-    shard: str
-    """The shard label."""
     created_at: str
     """When the run was planned."""
     input: InputSource

@@ -102,7 +102,8 @@ def _first_int(*values: Any) -> int | None:
     return None
 
 
-def _dict(value: Any) -> dict[str, Any]:
+def as_dict(value: Any) -> dict[str, Any]:
+    """`value` when it is a JSON object, else an empty one."""
     return value if isinstance(value, dict) else {}
 
 
@@ -112,7 +113,7 @@ def _str(value: Any) -> str | None:
 
 def token_stats(response: Any) -> TokenStats:
     """NeMo Gym's `extract_token_stats` and cache signal over a response's `usage`."""
-    usage = _dict(_dict(response).get("usage"))
+    usage = as_dict(as_dict(response).get("usage"))
     tokens_in = _first_int(usage.get("input_tokens"), usage.get("prompt_tokens"))
     cache_read = _int(usage.get("cache_read_input_tokens"))
     cache_creation = _int(usage.get("cache_creation_input_tokens"))
@@ -125,11 +126,13 @@ def token_stats(response: Any) -> TokenStats:
     if total is None and tokens_in is not None and tokens_out is not None:
         total = tokens_in + tokens_out
     reasoning = _first_int(
-        _dict(usage.get("output_tokens_details")).get("reasoning_tokens"),
-        _dict(usage.get("completion_tokens_details")).get("reasoning_tokens"),
+        as_dict(usage.get("output_tokens_details")).get("reasoning_tokens"),
+        as_dict(usage.get("completion_tokens_details")).get("reasoning_tokens"),
         usage.get("reasoning_output_tokens"),
     )
-    details = _dict(usage.get("prompt_tokens_details")) or _dict(usage.get("input_tokens_details"))
+    details = as_dict(usage.get("prompt_tokens_details")) or as_dict(
+        usage.get("input_tokens_details")
+    )
     cached = _first_int(
         details.get("cached_tokens"),
         details.get("cached_input_tokens"),
@@ -156,9 +159,10 @@ def _arguments(raw: Any) -> Any:
         return {"_raw": raw}
 
 
-def _first_choice(response: dict[str, Any]) -> dict[str, Any]:
+def first_choice(response: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion's first choice (an empty object when it has none)."""
     choices = response.get("choices")
-    return _dict(choices[0]) if isinstance(choices, list) and choices else {}
+    return as_dict(choices[0]) if isinstance(choices, list) and choices else {}
 
 
 def _tool_calls(response: dict[str, Any]) -> list[dict[str, Any]]:
@@ -172,11 +176,11 @@ def _tool_calls(response: dict[str, Any]) -> list[dict[str, Any]]:
                     "arguments": _arguments(item.get("arguments")),
                 }
             )
-    for call in _dict(_first_choice(response).get("message")).get("tool_calls") or []:
-        fn = _dict(_dict(call).get("function"))
+    for call in as_dict(first_choice(response).get("message")).get("tool_calls") or []:
+        fn = as_dict(as_dict(call).get("function"))
         out.append(
             {
-                "call_id": _dict(call).get("id"),
+                "call_id": as_dict(call).get("id"),
                 "name": fn.get("name"),
                 "arguments": _arguments(fn.get("arguments")),
             }
@@ -201,9 +205,9 @@ def _reasoning(response: dict[str, Any]) -> str | None:
             texts += [
                 s["text"]
                 for s in item.get("summary") or []
-                if isinstance(_dict(s).get("text"), str)
+                if isinstance(as_dict(s).get("text"), str)
             ]
-    message = _dict(_first_choice(response).get("message"))
+    message = as_dict(first_choice(response).get("message"))
     chat = message.get("reasoning_content") or message.get("reasoning")
     if isinstance(chat, str):
         texts.append(chat)
@@ -216,11 +220,14 @@ def _reasoning(response: dict[str, Any]) -> str | None:
     return "\n".join(texts) if texts else None
 
 
-def _finish_reason(response: dict[str, Any]) -> str | None:
+def finish_reason(raw: Any) -> str | None:
+    """The output's finish reason as NeMo Gym derives it: Anthropic's `stop_reason`, chat's
+    `choices[0].finish_reason`, the Responses API's `incomplete_details.reason`."""
+    d = as_dict(raw)
     for value in (
-        response.get("stop_reason"),
-        _first_choice(response).get("finish_reason"),
-        _dict(response.get("incomplete_details")).get("reason"),
+        d.get("stop_reason"),
+        first_choice(d).get("finish_reason"),
+        as_dict(d.get("incomplete_details")).get("reason"),
     ):
         if isinstance(value, str):
             return value
@@ -231,7 +238,7 @@ def model_call_record(line: dict[str, Any], call_index: int) -> ModelCallRecord:
     """One `ModelCallRecord` from one capture line, keys in NeMo Gym's order."""
     request = line.get("request")
     response = line.get("response")
-    resp = _dict(response)
+    resp = as_dict(response)
     tokens = token_stats(response)
     return {
         "model_call_id": _str(line.get("model_call_id")),
@@ -239,11 +246,11 @@ def model_call_record(line: dict[str, Any], call_index: int) -> ModelCallRecord:
         "client_session_id": _str(line.get("client_session_id")),
         "call_index": call_index,
         "model_ref": line.get("model_ref") if isinstance(line.get("model_ref"), dict) else None,
-        "model": _str(resp.get("model")) or _str(_dict(request).get("model")),
+        "model": _str(resp.get("model")) or _str(as_dict(request).get("model")),
         "dialect": _str(line.get("dialect")),
         "status_code": line.get("status_code"),
         "response_status": _str(resp.get("status")),
-        "finish_reason": _finish_reason(resp),
+        "finish_reason": finish_reason(resp),
         "upstream_attempted": line.get("upstream_attempted"),
         "response_source": line.get("response_source"),
         "upstream_status_code": line.get("upstream_status_code"),

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from workers.capture.records import as_dict, finish_reason, first_choice
 from workers.health.trajectory import TOOL_CALL_TYPES
 
 LENGTH_REASONS = frozenset({"max_output_tokens", "max_tokens", "length"})
 REASONING_TYPES = frozenset({"reasoning", "thinking", "redacted_thinking"})
-
-
-def _dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
 
 
 def _text_of_part(part: Any) -> str | None:
@@ -30,29 +27,10 @@ def _text_of_part(part: Any) -> str | None:
     return None
 
 
-def _first_choice(raw: dict[str, Any]) -> dict[str, Any]:
-    choices = raw.get("choices")
-    return _dict(choices[0]) if isinstance(choices, list) and choices else {}
-
-
-def finish_reason(raw: Any) -> str | None:
-    """The output's finish reason as NeMo Gym derives it: Anthropic's `stop_reason`, chat's
-    `choices[0].finish_reason`, the Responses API's `incomplete_details.reason`."""
-    d = _dict(raw)
-    for value in (
-        d.get("stop_reason"),
-        _first_choice(d).get("finish_reason"),
-        _dict(d.get("incomplete_details")).get("reason"),
-    ):
-        if isinstance(value, str):
-            return value
-    return None
-
-
 def is_refusal(raw: Any) -> bool:
     """Whether the output is a refusal (in any dialect)."""
-    d = _dict(raw)
-    message = _dict(_first_choice(d).get("message"))
+    d = as_dict(raw)
+    message = as_dict(first_choice(d).get("message"))
     if isinstance(message.get("refusal"), str) and message["refusal"].strip():
         return True
     output = d.get("output")
@@ -139,7 +117,7 @@ def unusable(raw: Any) -> str | None:
     if isinstance(raw.get("output_text"), str) and raw["output_text"].strip():
         return None
     if isinstance(raw.get("choices"), list):
-        choice = _first_choice(raw)
+        choice = first_choice(raw)
         message = choice.get("message")
         if not isinstance(message, dict):
             text = choice.get("text")  # a completions-style choice

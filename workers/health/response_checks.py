@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from workers.capture.records import finish_reason
 from workers.health import outputs
 from workers.health.trajectory import Call, Trajectory
 
@@ -96,7 +97,7 @@ def truncated(
 
 def _reason(call: Call) -> str | None:
     reason = call.finish_reason
-    return reason if isinstance(reason, str) else outputs.finish_reason(call.response)
+    return reason if isinstance(reason, str) else finish_reason(call.response)
 
 
 def empty(
