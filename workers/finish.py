@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from infra import keys
+from infra import generation, keys
 from infra.locks import held
 from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
@@ -152,15 +152,6 @@ def _folded_report(rd: RunDir, results: str) -> FoldedReport | None:
         return None
 
 
-def generation_counts(redis_url: str, sid: str, token: str) -> dict[str, int]:
-    """The current generation's Redis counters (drained, cancelled, ...), if they are this token's."""
-    raw: dict[bytes, bytes] = client(redis_url).hgetall(keys.shard_generation(sid))  # type: ignore[assignment]
-    data = {k.decode(): v.decode() for k, v in raw.items()}
-    if data.get("token") != token:
-        return {}
-    return {k: int(v) for k, v in data.items() if v.lstrip("-").isdigit()}
-
-
 def finish_shard(run: RunRef, redis_url: str) -> FinishResult:
     """Finish a shard after its last rollout task returned."""
     rd = RunDir(run.output_dir)
@@ -223,10 +214,11 @@ def _finish_in(
     counts, run_coverage = done.ledger, done.coverage
     write_coverage(rd, run_coverage)
     status = counts.status(manifest.run_id, run.shard)
-    generation = generation_counts(redis_url, sid, run.token)
-    status.drained = generation.get("drained", 0)
-    status.cancelled = generation.get("cancelled", 0)
-    status.stopped = generation.get("stopped", 0)
+    current = generation.read(client(redis_url), sid)
+    ours = current if current.token == run.token else generation.Generation()
+    status.drained = ours.count(generation.DRAINED)
+    status.cancelled = ours.count(generation.CANCELLED)
+    status.stopped = ours.count(generation.STOPPED)
     status.rate_limit_waits = rate_limit_waits(shard_counts(r, sid))
     status.tokens = counts.tokens.usage(settings.model_prices)
     status.members = members_at_finish(counts, shard.policy, settings, done)
