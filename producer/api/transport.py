@@ -30,8 +30,10 @@ import redis
 
 from infra import keys, telemetry
 from infra.environment import from_env
+from infra.feed import close_feed, open_feed
 from infra.redis_client import client
 from infra.scripts import RUNNING_LUA
+from producer.api.feed import feed_plan
 from producer.api.inventory import Inventory
 from producer.api.model import Outcome, Target
 from producer.api.record import record_omissions
@@ -129,7 +131,10 @@ class Invocation(CallUpkeep):
         self._job = start_job(t.run.run_id, t.run.shard, t.run.token, self.total)
         # The window caps rollouts here; the lease cap would only add waits behind slot releases.
         uncapped = t.settings.model_copy(update={"max_resident_tasks": None})
-        self._messages = CollectMessages.of(t.run, t.config, uncapped, t.deadline)
+        feed = feed_plan(t.settings, self.sent, t.run.shard, t.record)
+        if feed is not None:
+            open_feed(self._r, feed.name)
+        self._messages = CollectMessages.of(t.run, t.config, uncapped, t.deadline, feed)
         self._r.set(keys.api_call(self.invocation), os.getpid(), ex=KEY_TTL_S)
         self._listener = threading.Thread(
             target=self._listen, name="rollouts-api-listen", daemon=True
@@ -425,6 +430,8 @@ class Invocation(CallUpkeep):
                 if self.target.record and self.finish_allowed and self._finishing():
                     with self._job.within():  # its aggregation and health check: the job's trace
                         self._finish_shard()
+                    if self.target.settings.feed is not None:  # its readers end once they caught up
+                        close_feed(self._r, self.target.settings.feed)
                 self._drop_keys()
             except Exception as exc:  # the last step of a thread: reported, never raised into it
                 log.exception("run_examples: closing %s failed", self.invocation)

@@ -32,6 +32,7 @@ from producer.shard.opening import OpenedRun
 from producer.shard.supervise import wait_for_shard
 from schemas import fields as F
 from schemas.config import ServersConfig
+from schemas.feed import FeedPlan
 from schemas.finish import FinishResult
 from schemas.messages import (
     FINISH_TASK,
@@ -127,6 +128,8 @@ class CollectMessages:
     """The run's capture dir payload, when observability is on."""
     health: dict[str, Any] | None = None
     """The live health payload, when the run's health check is on."""
+    feed: FeedPlan | None = None
+    """The dispatch's feed and its groups, when it has one."""
 
     @classmethod
     def of(
@@ -135,6 +138,7 @@ class CollectMessages:
         config: ServersConfig,
         settings: CollectionSettings,
         deadline: float | None,
+        feed: FeedPlan | None = None,
     ) -> CollectMessages:
         """`deadline`: the dispatch budget's end on the Redis server's clock, when budgeted."""
         return cls(
@@ -145,6 +149,7 @@ class CollectMessages:
             gates=admissions(config, settings, deadline),
             capture=capture_ref(settings),
             health=health_ref(settings),
+            feed=feed,
         )
 
     def message(
@@ -166,6 +171,8 @@ class CollectMessages:
             payload["capture"] = self.capture
         if self.health is not None and (reply is None or reply.get("record", True)):
             payload["health"] = self.health  # judged where it lands: not for an unrecorded call
+        if self.feed is not None:
+            payload["feed"] = self.feed.member(row)
         run = self.run
         return payload, f"run={run.run_id} shard={run.shard} rollout={rid}"
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from infra.http import EventLoopThread, PostClient
+from schemas.feed import FeedMember
 from schemas.messages import CallPolicy, CollectRequest, RunRef
 from workers.rollout.admission import Ticket
 from workers.rollout.agent_call import CallOutcome, call_run
@@ -98,11 +99,16 @@ class RecordLander(Protocol):
         ...
 
     def enqueue(
-        self, run: RunRef, records: EncodedRecords, lease: Lease | None = None
+        self,
+        run: RunRef,
+        records: EncodedRecords,
+        lease: Lease | None = None,
+        feed: FeedMember | None = None,
     ) -> concurrent.futures.Future[LandReport]:
         """Queue the encoded records (of the attempt holding `lease`), again for a retried
         landing; the future settles with the report, or the error that failed them
-        (`ShardFencedError`: a newer writer or attempt)."""
+        (`ShardFencedError`: a newer writer or attempt). `feed`: the feed group the rollout
+        enters as it lands."""
         ...
 
 

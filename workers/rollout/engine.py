@@ -670,4 +670,4 @@ class _Run:
             self.encoded = lander.encode(result, failures)  # StorageError: nothing to land
             if self.encoded.result_key is not None:
                 self.encoded.health = self.verdict
-        return lander.enqueue(self.req.run, self.encoded, self.lease)
+        return lander.enqueue(self.req.run, self.encoded, self.lease, self.req.feed)
