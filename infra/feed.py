@@ -16,13 +16,18 @@ EXPIRE_BATCH = 100
 """At most this many groups delivered per call of the expiry script (it runs often)."""
 
 
-def open_feed(r: redis.Redis, name: str) -> None:
-    """Make the feed's consumer group (if missing) and mark it open: a dispatch publishes on it."""
+def ensure_group(r: redis.Redis, name: str) -> None:
+    """Make the feed's stream and consumer group, if missing (a reader may come first)."""
     try:
         r.xgroup_create(keys.feed_stream(name), keys.FEED_CONSUMER_GROUP, id="0", mkstream=True)
     except redis.ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
+
+
+def open_feed(r: redis.Redis, name: str) -> None:
+    """Make the feed's consumer group (if missing) and mark it open: a dispatch publishes on it."""
+    ensure_group(r, name)
     pipe = r.pipeline(transaction=True)
     pipe.hdel(keys.feed_counts(name), "closed")
     pipe.expire(keys.feed_stream(name), int(from_env().live_key_ttl_s))

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 
 from infra import keys
 from infra.environment import from_env
-from infra.feed import FeedCounts, expire_groups, feed_counts, open_feed
+from infra.feed import FeedCounts, ensure_group, expire_groups, feed_counts
 from infra.feed_scripts import FEED_ACK_LUA, feed_keys
 from schemas.errors import UsageError
 from schemas.feed import FeedItem, FeedPlan
@@ -132,7 +132,7 @@ class Feed:
         With `until_closed` the iteration ends once the feed's run closed it and every group is
         acknowledged (by any consumer); else it goes on until the caller stops.
         """
-        await asyncio.to_thread(open_feed, self._sync, self.name)
+        await asyncio.to_thread(ensure_group, self._sync, self.name)
         group = keys.FEED_CONSUMER_GROUP
         # What this consumer held before it restarted comes back first.
         own = await self._r.xreadgroup(group, consumer, {self._stream: "0"}, count=10_000)

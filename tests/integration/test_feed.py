@@ -4,6 +4,9 @@ example agent: groups delivered whole, incomplete ones marked, never one that wa
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,10 @@ from infra import keys
 from producer import preprocess_examples, run_examples
 from producer.api.feed import Feed, FeedGroup
 from schemas import fields as F
+from schemas.feed import FeedPlan
 from schemas.settings import CollectionSettings
+from tests.helpers import ROOT
+from tests.ops_helpers import wait_for
 from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
@@ -74,3 +80,91 @@ def test_a_group_with_a_failed_member_and_one_past_its_deadline_are_delivered_ma
     counts = r.hgetall(keys.feed_counts("t6"))
     assert counts[b"acked"] == b"3" and counts[b"members"] == b"5"
     assert r.xlen(keys.feed_stream("t6")) == 0  # acknowledged entries are deleted
+
+
+def consumer(redis_url: str, feed: str, name: str, log: Path, hold_s: float,
+             claim_after_s: float = 60.0) -> subprocess.Popen[bytes]:  # fmt: skip
+    """A trainer rank in its own process (`tests/feed_consumer.py`)."""
+    args = [redis_url, feed, name, str(log), str(hold_s), str(claim_after_s)]
+    return subprocess.Popen([sys.executable, "-m", "tests.feed_consumer", *args], cwd=ROOT)
+
+
+def log_lines(log: Path) -> list[list[str]]:
+    return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def acked(log: Path) -> list[str]:
+    """The groups whose acknowledgement took them, per the log."""
+    return [parts[1] for parts in log_lines(log) if parts[0] == "ack" and parts[2] == "1"]
+
+
+def collect_with_feed(
+    rows: list[dict[str, Any]], servers: RunningServers, redis_url: str, out: Path, feed: str,
+) -> None:  # fmt: skip
+    """Run a recorded call with a feed to its end (every outcome taken, then closed)."""
+
+    async def go() -> None:
+        completions = run_examples(
+            rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
+            settings={"feed": feed},
+        )  # fmt: skip
+        try:
+            for future in completions:
+                await future
+        finally:
+            await completions.aclose()
+
+    asyncio.run(asyncio.wait_for(go(), 180))
+
+
+@pytest.mark.parametrize("then", ["restarted", "another"])
+def test_a_consumer_killed_mid_group_loses_nothing_and_repeats_no_acknowledged_group(
+    then: str, make_run: MakeRun, redis_url: str, tmp_path: Path
+) -> None:
+    servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
+    rows = planned(servers, 12, 2)
+    for row in rows:
+        row["agent_latency_ms"] = 100
+    log, after = tmp_path / "first.log", tmp_path / "after.log"
+    first = consumer(redis_url, "t1", "rank0", log, hold_s=2.0)
+    caller = threading.Thread(
+        target=collect_with_feed, args=(rows, servers, redis_url, tmp_path / "out", "t1")
+    )
+    caller.start()
+    try:
+        # Killed while it holds a group: three acknowledged, the fourth read and not yet.
+        wait_for(lambda: len(acked(log)) >= 3 and log_lines(log)[-1][0] == "got", 120, "mid-group")
+        first.kill()
+        first.wait()
+        last = log_lines(log)[-1]
+        assert last[0] == "got"
+        held = last[1]
+        before = acked(log)
+        name = "rank0" if then == "restarted" else "rank1"
+        second = consumer(redis_url, "t1", name, after, hold_s=0.0, claim_after_s=1.0)
+        caller.join(180)
+        assert second.wait(120) == 0
+    finally:
+        caller.join(180)
+    got_after = [parts[1] for parts in log_lines(after) if parts[0] == "got"]
+    every = {FeedPlan.group_of(row, "0", None) for row in rows}
+    assert held in got_after  # the group it held came back
+    assert not set(before) & set(got_after)  # none acknowledged before the kill came back
+    both = before + acked(after)
+    assert sorted(both) == sorted(every)  # every group acknowledged, each exactly once
+
+
+def test_two_ranks_share_a_feed_each_group_acknowledged_by_one(
+    make_run: MakeRun, redis_url: str, tmp_path: Path
+) -> None:
+    servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
+    rows = planned(servers, 16, 2)
+    logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+    ranks = [consumer(redis_url, "t3", f"rank{i}", log, hold_s=0.5) for i, log in enumerate(logs)]
+    wait_for(lambda: all(log_lines(log) for log in logs), 60, "both ranks started")
+    collect_with_feed(rows, servers, redis_url, tmp_path / "out", "t3")
+    assert [rank.wait(120) for rank in ranks] == [0, 0]
+    per_rank = [acked(log) for log in logs]
+    every = {FeedPlan.group_of(row, "0", None) for row in rows}
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(every)  # the union is all, none twice
+    assert all(per_rank)  # both ranks took part
