@@ -25,11 +25,14 @@ def ensure_group(r: redis.Redis, name: str) -> None:
             raise
 
 
-def open_feed(r: redis.Redis, name: str) -> None:
-    """Make the feed's consumer group (if missing) and mark it open: a dispatch publishes on it."""
+def open_feed(r: redis.Redis, name: str, run_dir: str) -> None:
+    """Make the feed's consumer group (if missing) and mark it open: a dispatch of the run in
+    `run_dir` publishes on it (its readers log their acknowledgements there)."""
     ensure_group(r, name)
     pipe = r.pipeline(transaction=True)
     pipe.hdel(keys.feed_counts(name), "closed")
+    pipe.hset(keys.feed_counts(name), "run_dir", run_dir)
+    pipe.expire(keys.feed_counts(name), int(from_env().live_key_ttl_s))
     pipe.expire(keys.feed_stream(name), int(from_env().live_key_ttl_s))
     pipe.execute()
 
@@ -90,7 +93,7 @@ def feed_counts(r: redis.Redis, name: str) -> FeedCounts:
         pending = int(r.xpending(keys.feed_stream(name), keys.FEED_CONSUMER_GROUP)["pending"])
     except redis.ResponseError:  # no consumer group yet
         pending = 0
-    counts = {k.decode(): int(v) for k, v in raw.items()}
+    counts = {k.decode(): int(v) for k, v in raw.items() if k != b"run_dir"}
     return FeedCounts(
         members=counts.get("members", 0),
         groups=counts.get("groups", 0),

@@ -6,11 +6,15 @@ to one of them (trainer ranks share the work); an item read and not acknowledged
 its consumer and is claimed by a reader of the feed once idle `claim_after_s` (XAUTOCLAIM): a
 consumer that died leaves nothing unread. A consumer restarted under its own name first gets
 back what it held. Reading also delivers the groups past their deadline (`group_timeout_s`).
+The acknowledgement that takes a group is also logged on the run directory
+(`infra/feed_log.py`); a reader rides out a Redis that restarts, and one that lost its data
+(the producer rebuilds the feed, `workers/feed/rebuild.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,12 +26,18 @@ import redis.asyncio as aioredis
 from infra import keys
 from infra.environment import from_env
 from infra.feed import FeedCounts, ensure_group, expire_groups, feed_counts
+from infra.feed_log import record_ack
 from infra.feed_scripts import FEED_ACK_LUA, feed_keys
+from infra.store import RunDir
 from schemas.errors import UsageError
 from schemas.feed import FeedItem, FeedPlan
 from schemas.settings import CollectionSettings
 
+log = logging.getLogger(__name__)
+
 DEFAULT_CLAIM_AFTER_S = 60.0
+RETRY_WAITS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
+"""Waits between tries of an acknowledgement while Redis does not answer (half a minute)."""
 READ_COUNT = 16
 """Items read per round trip."""
 
@@ -51,6 +61,8 @@ class FeedGroup:
 
     item: FeedItem
     _feed: Feed = field(repr=False)
+    consumer: str = ""
+    """The consumer it was handed to."""
 
     @property
     def id(self) -> str:
@@ -74,8 +86,13 @@ class FeedGroup:
 
     async def ack(self) -> bool:
         """Acknowledge the group: it is never delivered again. True for the acknowledgement that
-        took it (False: it was acknowledged already, by this consumer or one that claimed it)."""
-        return (await self._feed.ack([self.id]))[0]
+        took it (False: it was acknowledged already, by this consumer or one that claimed it, or
+        Redis lost it, and the rebuilt feed delivers it again). The one that took it is also
+        logged on the run directory."""
+        took = (await self._feed.ack([self.id]))[0]
+        if took:
+            await self._feed.log_ack(self)
+        return took
 
 
 def _item(entry_id: bytes | str, fields: dict[bytes, bytes]) -> FeedItem:
@@ -97,7 +114,10 @@ class Feed:
         redis_url: str | None = None,
         claim_after_s: float = DEFAULT_CLAIM_AFTER_S,
         block_s: float = 1.0,
+        run_dir: str | None = None,
     ) -> None:
+        """`run_dir`: where acknowledgements are logged; unset: the run directory the feed's
+        dispatch named."""
         url = redis_url or from_env().redis_url or from_env().broker_url
         if not url:
             raise UsageError("Feed needs a Redis: pass redis_url= or set ROLLOUTS_REDIS_URL")
@@ -109,6 +129,8 @@ class Feed:
         self._sync = redis.Redis.from_url(url)
         self._ack = self._r.register_script(FEED_ACK_LUA)
         self._stream = keys.feed_stream(name)
+        self._run_dir = run_dir
+        self._lost = False
 
     async def aclose(self) -> None:
         await self._r.aclose()
@@ -116,8 +138,29 @@ class Feed:
 
     async def ack(self, ids: list[str]) -> list[bool]:
         """Acknowledge entries by id; a flag per id, True where this acknowledgement took it."""
-        flags = await self._ack(keys=feed_keys(self.name), args=[keys.FEED_CONSUMER_GROUP, *ids])
-        return [bool(f) for f in flags]
+        args = [keys.FEED_CONSUMER_GROUP, *ids]
+        for wait in RETRY_WAITS_S:
+            try:
+                flags = await self._ack(keys=feed_keys(self.name), args=args)
+                return [bool(f) for f in flags]
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                return [False] * len(ids)  # Redis lost the feed: the entries with it
+            except (redis.ConnectionError, redis.TimeoutError):
+                await asyncio.sleep(wait)
+        raise redis.ConnectionError(f"feed {self.name}: Redis did not come back to acknowledge")
+
+    async def log_ack(self, group: FeedGroup) -> None:
+        """Log `group`'s acknowledgement on the run directory (`infra/feed_log.py`)."""
+        if self._run_dir is None:
+            raw = await self._r.hget(keys.feed_counts(self.name), "run_dir")
+            self._run_dir = raw.decode() if isinstance(raw, bytes) else raw
+        if self._run_dir:
+            rd = RunDir(self._run_dir)
+            await asyncio.to_thread(
+                record_ack, rd, self.name, group.group, group.members, group.consumer
+            )
 
     def counts(self) -> FeedCounts:
         return feed_counts(self._sync, self.name)
@@ -132,30 +175,49 @@ class Feed:
         With `until_closed` the iteration ends once the feed's run closed it and every group is
         acknowledged (by any consumer); else it goes on until the caller stops.
         """
-        await asyncio.to_thread(ensure_group, self._sync, self.name)
-        group = keys.FEED_CONSUMER_GROUP
-        # What this consumer held before it restarted comes back first.
-        own = await self._r.xreadgroup(group, consumer, {self._stream: "0"}, count=10_000)
-        for item in self._entries(own):
-            yield FeedGroup(item, self)
-        claim_ms = int(self.claim_after_s * 1000)
+        first = True
         while True:
-            await asyncio.to_thread(expire_groups, self._sync, self.name)
-            claimed = await self._r.xautoclaim(
-                self._stream, group, consumer, min_idle_time=claim_ms, start_id="0-0",
-                count=READ_COUNT,
-            )  # fmt: skip
-            got = [_item(i, f) for i, f in claimed[1] if f]
-            if not got:
-                read = await self._r.xreadgroup(
-                    group, consumer, {self._stream: ">"}, count=READ_COUNT,
-                    block=int(self.block_s * 1000),
-                )  # fmt: skip
-                got = self._entries(read)
+            try:
+                got = await self._read(consumer, first)
+                first = False
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("feed %s: %s; reading again", self.name, exc)
+                await asyncio.sleep(RETRY_WAITS_S[0])
+                continue
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                self._lost = (
+                    True  # Redis lost the feed: its group is made again, its groups rebuilt
+                )
+                continue
             for item in got:
-                yield FeedGroup(item, self)
+                yield FeedGroup(item, self, consumer)
             if not got and until_closed and await asyncio.to_thread(self._done):
                 return
+
+    async def _read(self, consumer: str, first: bool) -> list[FeedItem]:
+        """The next items for `consumer`: what it held before it restarted (`first`), else what
+        it claims from consumers idle past `claim_after_s`, else new ones (waiting `block_s`)."""
+        group = keys.FEED_CONSUMER_GROUP
+        if first or self._lost:
+            await asyncio.to_thread(ensure_group, self._sync, self.name)
+            self._lost = False
+        if first:
+            own = await self._r.xreadgroup(group, consumer, {self._stream: "0"}, count=10_000)
+            return self._entries(own)
+        await asyncio.to_thread(expire_groups, self._sync, self.name)
+        claimed = await self._r.xautoclaim(
+            self._stream, group, consumer, min_idle_time=int(self.claim_after_s * 1000),
+            start_id="0-0", count=READ_COUNT,
+        )  # fmt: skip
+        got = [_item(i, f) for i, f in claimed[1] if f]
+        if got:
+            return got
+        read = await self._r.xreadgroup(
+            group, consumer, {self._stream: ">"}, count=READ_COUNT, block=int(self.block_s * 1000)
+        )
+        return self._entries(read)
 
     @staticmethod
     def _entries(reply: Any) -> list[FeedItem]:

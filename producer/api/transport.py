@@ -133,7 +133,7 @@ class Invocation(CallUpkeep):
         uncapped = t.settings.model_copy(update={"max_resident_tasks": None})
         feed = feed_plan(t.settings, self.sent, t.run.shard, t.record)
         if feed is not None:
-            open_feed(self._r, feed.name)
+            open_feed(self._r, feed.name, t.run.output_dir)
         self._messages = CollectMessages.of(t.run, t.config, uncapped, t.deadline, feed)
         self._r.set(keys.api_call(self.invocation), os.getpid(), ex=KEY_TTL_S)
         self._listener = threading.Thread(

@@ -51,7 +51,7 @@ def test_a_group_is_delivered_once_when_its_last_member_lands(redis_url: str) ->
 
 def test_close_delivers_open_groups_and_a_later_member_comes_alone(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
-    open_feed(r, "f")
+    open_feed(r, "f", "runs/f")
     land(r, ("g1", 3, "0:0", False))
     assert close_feed(r, "f") == 1
     land(r, ("g1", 3, "0:1", False))
@@ -62,7 +62,7 @@ def test_close_delivers_open_groups_and_a_later_member_comes_alone(redis_url: st
 
 def test_an_entry_is_acknowledged_once(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
-    open_feed(r, "f")
+    open_feed(r, "f", "runs/f")
     land(r, ("g1", 1, "0:0", False))
     read: Any = r.xreadgroup(keys.FEED_CONSUMER_GROUP, "c", {keys.feed_stream("f"): ">"})
     [[_, [(entry, _)]]] = read
