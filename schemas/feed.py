@@ -3,6 +3,7 @@ reads it (docs/explanation/feed.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -82,7 +83,7 @@ class FeedPlan(BaseModel):
 
     @classmethod
     def of(
-        cls, name: str, rows: list[dict[str, Any]], shard: str, group_key: str | None,
+        cls, name: str, rows: Iterable[dict[str, Any]], shard: str, group_key: str | None,
         timeout_s: float,
     ) -> FeedPlan:  # fmt: skip
         sizes: dict[str, int] = {}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,3 +225,33 @@ class Feed:
         for _stream, entries in reply or []:
             out.extend(_item(i, f) for i, f in entries if f)
         return out
+
+
+async def tail(
+    feed: Feed, consumer: str, out: Callable[[bytes], None], ack: bool, follow: bool
+) -> int:
+    """`rollouts feed`: write each group of `feed` for `consumer` as one JSON line to `out`,
+    acknowledging it once written when `ack`; until the feed is closed and caught up, or for
+    ever with `follow`. Returns how many groups were written."""
+    n = 0
+    async for group in feed.groups(consumer, until_closed=not follow):
+        out(orjson.dumps(group.item.model_dump(), option=orjson.OPT_APPEND_NEWLINE))
+        if ack:
+            await group.ack()
+        n += 1
+    return n
+
+
+async def ack_ids(feed: Feed, ids: list[str], consumer: str) -> list[bool]:
+    """Acknowledge entries by id (`rollouts feed --ack-id`), logging the ones taken as
+    `FeedGroup.ack` does."""
+    found = {}
+    for entry in ids:
+        got: Any = await feed._r.xrange(feed._stream, min=entry, max=entry)
+        if got and got[0][1]:
+            found[entry] = _item(got[0][0], got[0][1])
+    flags = await feed.ack(ids)
+    for entry, took in zip(ids, flags, strict=True):
+        if took and entry in found:
+            await feed.log_ack(FeedGroup(found[entry], feed, consumer))
+    return flags

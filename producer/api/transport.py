@@ -30,7 +30,7 @@ import redis
 
 from infra import keys, telemetry
 from infra.environment import from_env
-from infra.feed import close_feed, open_feed
+from infra.feed import open_feed
 from infra.redis_client import client
 from infra.scripts import RUNNING_LUA
 from producer.api.feed import feed_plan
@@ -430,8 +430,6 @@ class Invocation(CallUpkeep):
                 if self.target.record and self.finish_allowed and self._finishing():
                     with self._job.within():  # its aggregation and health check: the job's trace
                         self._finish_shard()
-                    if self.target.settings.feed is not None:  # its readers end once they caught up
-                        close_feed(self._r, self.target.settings.feed)
                 self._drop_keys()
             except Exception as exc:  # the last step of a thread: reported, never raised into it
                 log.exception("run_examples: closing %s failed", self.invocation)

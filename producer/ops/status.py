@@ -15,6 +15,7 @@ script re-attaches to a run whose producer went away).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Set as AbstractSet
@@ -31,6 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from infra import keys
+from infra.feed import feed_counts
 from infra.redis_client import client
 from infra.runs import read_manifest, read_status
 from infra.store import RunDir, ShardFiles
@@ -244,7 +246,19 @@ class StatusReader:
         elif snap is not None:
             self._add_live(report, manifest, snap, current)
         report["health"] = self._health(manifest, snap)
+        report["feed"] = self._feed(manifest)
         return report
+
+    def _feed(self, manifest: Manifest) -> dict[str, Any] | None:
+        """The run's feed counts (`infra/feed.py`), while its keys live; None without a feed."""
+        name = manifest.settings.get("feed")
+        if not isinstance(name, str) or self.redis_url is None:
+            return None
+        try:
+            counts = feed_counts(client(self.redis_url), name)
+        except (redis.RedisError, OSError):
+            return None
+        return {"name": name, **dataclasses.asdict(counts), "lag": counts.lag}
 
     def _health(self, manifest: Manifest, snap: LiveSnapshot | None) -> dict[str, Any]:
         """The live verdict counts (the workers', from Redis, while its keys live) and, once
@@ -501,6 +515,19 @@ def health_line(report: dict[str, Any]) -> str:
     )
 
 
+def feed_line(report: dict[str, Any]) -> str:
+    """The feed's groups: delivered, not read by any consumer (lag), read and not acknowledged,
+    acknowledged, waiting for members."""
+    feed = report.get("feed")
+    if not feed:
+        return ""
+    return (
+        f"\nfeed {feed['name']}: {feed['groups']} groups · lag {feed['lag']} · unacknowledged "
+        f"{feed['pending']} · acknowledged {feed['acked']} · open {feed['open']}"
+        + (" · closed" if feed["closed"] else "")
+    )
+
+
 def summary_line(report: dict[str, Any]) -> str:
     """The outcome and activity lines (each fits 80 columns), then the error if any."""
     line = f"{outcome_line(report)}\n{activity_line(report)}"
@@ -509,6 +536,7 @@ def summary_line(report: dict[str, Any]) -> str:
     line += backpressure_line(report)
     line += tokens_line(report)
     line += health_line(report)
+    line += feed_line(report)
     if report.get("error"):
         line += f"\nerror: {report['error']}"
     return line

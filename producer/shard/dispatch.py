@@ -28,6 +28,7 @@ from rich.console import Console
 from infra import keys, telemetry
 from infra.environment import from_env
 from infra.redis_client import client
+from producer.shard.feed import shard_feed
 from producer.shard.opening import OpenedRun
 from producer.shard.supervise import wait_for_shard
 from schemas import fields as F
@@ -214,8 +215,11 @@ def enqueue(
         callback.apply_async()
         return finish_id
     group_id = f"gen-{opened.manifest.run_id}-{opened.run.token[:8]}"
-    count_toward(client(app.conf.result_backend), opened, count, dict(callback))
-    messages = CollectMessages.of(opened.run, config, settings, deadline)
+    r = client(app.conf.result_backend)
+    count_toward(r, opened, count, dict(callback))
+    messages = CollectMessages.of(
+        opened.run, config, settings, deadline, shard_feed(r, opened, settings)
+    )
     prefix = f"{opened.manifest.run_id}.{opened.run.token[:8]}"
     queue = app.amqp.queues[QUEUE]
     with app.producer_or_acquire() as producer:

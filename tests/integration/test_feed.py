@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import redis
 
@@ -24,8 +25,8 @@ from schemas import fields as F
 from schemas.feed import FeedPlan
 from schemas.settings import CollectionSettings
 from tests.cluster import ExampleServers, Workers
-from tests.helpers import ROOT
-from tests.ops_helpers import ENV, wait_for
+from tests.helpers import ROOT, math_rows
+from tests.ops_helpers import ENV, cli, wait_for
 from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
@@ -209,3 +210,22 @@ def test_a_redis_restarted_empty_mid_run_loses_no_group_and_repeats_no_acknowled
     assert not first & set(handed_after)  # none acknowledged before the restart came back
     every = {FeedPlan.group_of(row, "0", None) for row in rows}
     assert sorted(acked(log)) == sorted(every)  # none lost, none acknowledged twice
+
+
+def test_rollouts_run_feed_is_tailed_as_jsonl_and_counted_in_the_status(
+    make_run: MakeRun, redis_url: str
+) -> None:
+    run = make_run({"math_agent": "math_env"}, workers=1, concurrency=8)
+    tail = subprocess.Popen(
+        [sys.executable, "-m", "producer.cli", "feed", "tcli", "--redis", redis_url, "--ack"],
+        cwd=ROOT, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    proc = run.cli(math_rows(6), "--num-repeats", "3", "--feed", "tcli")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out, _ = tail.communicate(timeout=60)
+    assert tail.returncode == 0
+    groups = [orjson.loads(line) for line in out.splitlines()]
+    assert sorted(g["group"] for g in groups) == [f"0/{i}" for i in range(6)]
+    assert all(g["reason"] == "complete" and len(g["members"]) == 3 for g in groups)
+    status = cli("status", str(run.out), "--redis", redis_url)
+    assert "feed tcli: 6 groups · lag 0 · unacknowledged 0 · acknowledged 6" in status.stdout
