@@ -31,6 +31,9 @@ class FeedMember(BaseModel):
     """How many members the group has: it is delivered when that many settled."""
     timeout_s: float
     """The group's deadline, counted from its first member's landing (`group_timeout_s`)."""
+    max_unconsumed: int | None = None
+    """The rollout waits to start while the feed holds this many unacknowledged groups
+    (`max_unconsumed_groups`); None: it never waits."""
 
 
 class FeedItem(BaseModel):
@@ -71,6 +74,7 @@ class FeedPlan(BaseModel):
     """The row field naming a row's group; None: its task (`_ng_task_index`)."""
     shard: str
     timeout_s: float
+    max_unconsumed: int | None = None
     sizes: dict[str, int]
     """How many rows of the dispatch each group has."""
 
@@ -84,16 +88,20 @@ class FeedPlan(BaseModel):
     @classmethod
     def of(
         cls, name: str, rows: Iterable[dict[str, Any]], shard: str, group_key: str | None,
-        timeout_s: float,
+        timeout_s: float, max_unconsumed: int | None = None,
     ) -> FeedPlan:  # fmt: skip
         sizes: dict[str, int] = {}
         for row in rows:
             group = cls.group_of(row, shard, group_key)
             sizes[group] = sizes.get(group, 0) + 1
-        return cls(name=name, group_key=group_key, shard=shard, timeout_s=timeout_s, sizes=sizes)
+        return cls(name=name, group_key=group_key, shard=shard, timeout_s=timeout_s,
+                   max_unconsumed=max_unconsumed, sizes=sizes)  # fmt: skip
 
     def member(self, row: dict[str, Any]) -> dict[str, Any]:
         """The `feed` payload of `row`'s rollout task."""
         group = self.group_of(row, self.shard, self.group_key)
-        return {"name": self.name, "group": group, "size": self.sizes.get(group, 1),
-                "timeout_s": self.timeout_s}  # fmt: skip
+        member = {"name": self.name, "group": group, "size": self.sizes.get(group, 1),
+                  "timeout_s": self.timeout_s}  # fmt: skip
+        if self.max_unconsumed is not None:
+            member["max_unconsumed"] = self.max_unconsumed
+        return member

@@ -157,6 +157,9 @@ class CollectionSettings(BaseModel):
     group_timeout_s: float = Field(default=600.0, gt=0)
     """A feed group not complete this long after its first member landed is delivered with what
     it has, marked `timeout`."""
+    max_unconsumed_groups: int | None = Field(default=None, ge=1)
+    """At most this many feed groups delivered and not acknowledged: past it, no rollout of the
+    run starts until the trainer catches up (those running finish); unset: no bound."""
 
     @field_validator("num_repeats", mode="before")
     @classmethod

@@ -51,8 +51,9 @@ def feed_plan(
     if not recorded:
         raise UsageError("a feed needs a recorded call: pass record_output_dir= with feed")
     return FeedPlan.of(
-        settings.feed, rows, shard, settings.feed_group_key, settings.group_timeout_s
-    )
+        settings.feed, rows, shard, settings.feed_group_key, settings.group_timeout_s,
+        settings.max_unconsumed_groups,
+    )  # fmt: skip
 
 
 @dataclass

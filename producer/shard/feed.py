@@ -21,7 +21,8 @@ def shard_feed(r: redis.Redis, opened: OpenedRun, settings: CollectionSettings) 
     shard = opened.manifest.shard
     rows = iter_materialized(opened.rd, shard)
     plan = FeedPlan.of(
-        settings.feed, rows, shard, settings.feed_group_key, settings.group_timeout_s
-    )
+        settings.feed, rows, shard, settings.feed_group_key, settings.group_timeout_s,
+        settings.max_unconsumed_groups,
+    )  # fmt: skip
     open_feed(r, plan.name, opened.rd.url)
     return plan

@@ -25,7 +25,7 @@ from schemas import fields as F
 from schemas.feed import FeedPlan
 from schemas.settings import CollectionSettings
 from tests.cluster import ExampleServers, Workers
-from tests.helpers import ROOT, math_rows
+from tests.helpers import ROOT, math_rows, read_jsonl
 from tests.ops_helpers import ENV, cli, wait_for
 from tests.runs import MakeRun
 
@@ -229,3 +229,49 @@ def test_rollouts_run_feed_is_tailed_as_jsonl_and_counted_in_the_status(
     assert all(g["reason"] == "complete" and len(g["members"]) == 3 for g in groups)
     status = cli("status", str(run.out), "--redis", redis_url)
     assert "feed tcli: 6 groups · lag 0 · unacknowledged 0 · acknowledged 6" in status.stdout
+
+
+def test_a_trainer_that_stops_reading_pauses_admission_until_it_reads_again(
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """20 tasks x 2 of 0.3 s on 4 slots, `max_unconsumed_groups=3`, nobody reading: the feed
+    fills to its bound plus what the running rollouts complete, then nothing more starts; a
+    rank that reads again drains it and the run ends with every rollout landed once."""
+    servers = make_run(
+        {"math_agent": "math_env"}, AgentKnobs(300), workers=1, concurrency=4
+    ).servers
+    rows = planned(servers, 20, 2)
+    stream, out = keys.feed_stream("t5"), tmp_path / "out"
+    settings = {"feed": "t5", "max_unconsumed_groups": 3}
+
+    def members() -> int:
+        return int(r.hget(keys.feed_counts("t5"), "members") or 0)
+
+    async def go() -> tuple[int, int, int, int]:
+        completions = run_examples(
+            rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
+            settings=settings,
+        )  # fmt: skip
+        futures = list(completions)
+        await asyncio.to_thread(wait_for, lambda: r.xlen(stream) >= 3, 60, "the bound")
+        await asyncio.sleep(2.0)  # what was running lands; nothing more starts
+        paused_at, length, memory = members(), r.xlen(stream), r.memory_usage(stream) or 0
+        await asyncio.sleep(3.0)
+        still = members()
+        feed = Feed("t5", redis_url, block_s=0.2)
+        try:
+            async for group in feed.groups(consumer="rank0"):
+                await group.ack()
+        finally:
+            await feed.aclose()
+        await asyncio.gather(*futures)
+        await completions.aclose()
+        return paused_at, still, length, memory
+
+    paused_at, still, length, memory = asyncio.run(asyncio.wait_for(go(), 180))
+    assert paused_at == still < len(rows)  # admission paused at the bound
+    assert 3 <= length <= 3 + 4  # the bound, plus the groups of the 4 rollouts running
+    assert memory < 64 * 1024, memory  # the feed's stream: a few groups of small rows
+    landed = [F.rollout_key(row) for row in read_jsonl(out / "rollouts-0.jsonl")]
+    assert sorted(landed) == sorted(F.rollout_key(row) for row in rows)  # each once
+    assert int(r.hget(keys.feed_counts("t5"), "acked") or 0) == 20

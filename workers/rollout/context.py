@@ -112,6 +112,12 @@ class RecordLander(Protocol):
         ...
 
 
+class FeedRoom(Protocol):
+    """A feed's bound on unconsumed groups (`workers/feed/backpressure.py`)."""
+
+    def full(self, feed: FeedMember, sid: str) -> bool: ...
+
+
 class LeaseKeeper(Protocol):
     """Rollout leases: who runs each rollout, and the takeover of silent ones (`workers/rollout/leases.py`)."""
 
@@ -434,3 +440,5 @@ class RolloutContext:
     `workers/shard/trust.py`); None trusts every task (unit tests of the other steps)."""
     lines: WaitingLines = field(default_factory=WaitingLines)
     """Where the rollouts told to wait for a slot take turns asking again."""
+    feeds: FeedRoom | None = None
+    """Whether a rollout's feed is full (`workers/feed/backpressure.py`); None: never."""

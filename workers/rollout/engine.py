@@ -79,6 +79,9 @@ from workers.shard.state import key_str
 
 log = logging.getLogger(__name__)
 
+FEED_POLL_S = 0.5
+"""How often a rollout waiting for room in its feed asks again (`max_unconsumed_groups`)."""
+
 LAND_RETRY_S = 120.0
 Queued = concurrent.futures.Future[LandReport] | Exception
 """A landing queued with the lander (its future), or what queueing it raised."""
@@ -192,6 +195,7 @@ class _Run:
     async def run(self) -> RolloutOutcome:
         """Take the lease, run the attempt, settle the lease."""
         try:
+            await self.feed_room()
             opened = await self.start()
             if isinstance(opened, Ticket) and opened.verdict == "wait":
                 opened = await self.admitted(None, opened)
@@ -208,6 +212,19 @@ class _Run:
             seen = self.delivery.admission or self.req
             lease = Lease(self.sid, key_str(seen.row), "")
         return await self.ctx.blocking(lambda: self.settle(lease, outcome))
+
+    async def feed_room(self) -> None:
+        """Wait, holding nothing, while the rollout's feed holds its bound of unconsumed groups
+        (`max_unconsumed_groups`); a Redis error ends the wait (admission rides it out)."""
+        feed, feeds = self.req.feed, self.ctx.feeds
+        if feed is None or feed.max_unconsumed is None or feeds is None:
+            return
+        try:
+            while await self.ctx.blocking(lambda: feeds.full(feed, self.sid)):
+                await self.ctx.sleep(FEED_POLL_S)
+        except redis.RedisError as exc:
+            log.warning("rollout %s: feed %s unreadable (%s); starting", self.rollout, feed.name,
+                        exc)  # fmt: skip
 
     async def start(self) -> RolloutOutcome | Ticket:
         """One hop off the loop: the lease, the manifest check and the first admission (`open`).
