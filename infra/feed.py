@@ -25,9 +25,16 @@ def ensure_group(r: redis.Redis, name: str) -> None:
             raise
 
 
-def open_feed(r: redis.Redis, name: str, run_dir: str) -> None:
+def open_feed(r: redis.Redis, name: str, run_dir: str, fresh: bool = False) -> None:
     """Make the feed's consumer group (if missing) and mark it open: a dispatch of the run in
-    `run_dir` publishes on it (its readers log their acknowledgements there)."""
+    `run_dir` publishes on it (its readers log their acknowledgements there). `fresh`: a new run
+    or call, whose feed starts empty (what an earlier one of the same name left is dropped; the
+    policy version the trainer set stays)."""
+    if fresh:
+        version = r.hget(keys.feed_counts(name), "policy_version")
+        r.delete(*feed_keys(name))
+        if version is not None:
+            r.hset(keys.feed_counts(name), "policy_version", version)
     ensure_group(r, name)
     pipe = r.pipeline(transaction=True)
     pipe.hdel(keys.feed_counts(name), "closed")
@@ -74,6 +81,10 @@ class FeedCounts:
     open: int
     """Groups with members landed, waiting for the rest."""
     closed: bool
+    stale: int
+    """Group items handed to a consumer as stale (`max_policy_lag`)."""
+    policy_version: int | None
+    """The current policy version (`set_policy_version`; None: never set)."""
     by_reason: dict[str, int]
     """Delivered group items by reason (`complete`, `failed`, `timeout`, `closed`, `late`)."""
 
@@ -94,6 +105,7 @@ def feed_counts(r: redis.Redis, name: str) -> FeedCounts:
     except redis.ResponseError:  # no consumer group yet
         pending = 0
     counts = {k.decode(): int(v) for k, v in raw.items() if k != b"run_dir"}
+    version = counts.get("policy_version")
     return FeedCounts(
         members=counts.get("members", 0),
         groups=counts.get("groups", 0),
@@ -102,5 +114,7 @@ def feed_counts(r: redis.Redis, name: str) -> FeedCounts:
         pending=pending,
         open=int(open_),
         closed=bool(counts.get("closed")),
+        stale=counts.get("stale", 0),
+        policy_version=version,
         by_reason={k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("delivered:")},
     )

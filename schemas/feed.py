@@ -4,6 +4,7 @@ reads it (docs/explanation/feed.md)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -34,6 +35,16 @@ class FeedMember(BaseModel):
     max_unconsumed: int | None = None
     """The rollout waits to start while the feed holds this many unacknowledged groups
     (`max_unconsumed_groups`); None: it never waits."""
+
+
+@dataclass(frozen=True)
+class FeedState:
+    """What a rollout task of a feed reads before it starts."""
+
+    full: bool
+    """The feed holds its bound of unacknowledged groups: wait."""
+    policy_version: int | None
+    """The feed's current policy version (None: never set)."""
 
 
 class FeedItem(BaseModel):

@@ -29,6 +29,7 @@ from infra.feed import FeedCounts, ensure_group, expire_groups, feed_counts
 from infra.feed_log import record_ack
 from infra.feed_scripts import FEED_ACK_LUA, feed_keys
 from infra.store import RunDir
+from schemas import fields as F
 from schemas.errors import UsageError
 from schemas.feed import FeedItem, FeedPlan
 from schemas.settings import CollectionSettings
@@ -64,6 +65,8 @@ class FeedGroup:
     _feed: Feed = field(repr=False)
     consumer: str = ""
     """The consumer it was handed to."""
+    stale: bool = False
+    """A member ran under a policy version older than the current one less `max_policy_lag`."""
 
     @property
     def id(self) -> str:
@@ -116,9 +119,11 @@ class Feed:
         claim_after_s: float = DEFAULT_CLAIM_AFTER_S,
         block_s: float = 1.0,
         run_dir: str | None = None,
+        max_policy_lag: int | None = None,
     ) -> None:
         """`run_dir`: where acknowledgements are logged; unset: the run directory the feed's
-        dispatch named."""
+        dispatch named. `max_policy_lag=k`: a group with a member whose `_ng_policy_version` is
+        older than the current version less k is handed out marked `stale` (and counted)."""
         url = redis_url or from_env().redis_url or from_env().broker_url
         if not url:
             raise UsageError("Feed needs a Redis: pass redis_url= or set ROLLOUTS_REDIS_URL")
@@ -132,6 +137,7 @@ class Feed:
         self._stream = keys.feed_stream(name)
         self._run_dir = run_dir
         self._lost = False
+        self.max_policy_lag = max_policy_lag
 
     async def aclose(self) -> None:
         await self._r.aclose()
@@ -163,6 +169,14 @@ class Feed:
                 record_ack, rd, self.name, group.group, group.members, group.consumer
             )
 
+    def set_policy_version(self, version: int) -> None:
+        """Advance the feed's policy version: rollouts that start from now on record it
+        (`_ng_policy_version`), and `max_policy_lag` is counted from it."""
+        pipe = self._sync.pipeline(transaction=True)
+        pipe.hset(keys.feed_counts(self.name), "policy_version", int(version))
+        pipe.expire(keys.feed_counts(self.name), int(from_env().live_key_ttl_s))
+        pipe.execute()
+
     def counts(self) -> FeedCounts:
         return feed_counts(self._sync, self.name)
 
@@ -193,9 +207,25 @@ class Feed:
                 )
                 continue
             for item in got:
-                yield FeedGroup(item, self, consumer)
+                yield FeedGroup(item, self, consumer, await self._stale(item))
             if not got and until_closed and await asyncio.to_thread(self._done):
                 return
+
+    async def _stale(self, item: FeedItem) -> bool:
+        """Whether a member of `item` ran under a version older than the current one less
+        `max_policy_lag` (as the trainer's version is when the item is handed out); counted."""
+        if self.max_policy_lag is None:
+            return False
+        current = await self._r.hget(keys.feed_counts(self.name), "policy_version")
+        if current is None:
+            return False
+        floor = int(current) - self.max_policy_lag
+        stale = any(
+            isinstance(v := m.get(F.POLICY_VERSION), int) and v < floor for m in item.members
+        )
+        if stale:
+            await self._r.hincrby(keys.feed_counts(self.name), "stale", 1)
+        return stale
 
     async def _read(self, consumer: str, first: bool) -> list[FeedItem]:
         """The next items for `consumer`: what it held before it restarted (`first`), else what

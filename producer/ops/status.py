@@ -524,6 +524,7 @@ def feed_line(report: dict[str, Any]) -> str:
     return (
         f"\nfeed {feed['name']}: {feed['groups']} groups · lag {feed['lag']} · unacknowledged "
         f"{feed['pending']} · acknowledged {feed['acked']} · open {feed['open']}"
+        + (f" · stale {feed['stale']}" if feed["stale"] else "")
         + (" · closed" if feed["closed"] else "")
     )
 

@@ -24,5 +24,5 @@ def shard_feed(r: redis.Redis, opened: OpenedRun, settings: CollectionSettings) 
         settings.feed, rows, shard, settings.feed_group_key, settings.group_timeout_s,
         settings.max_unconsumed_groups,
     )  # fmt: skip
-    open_feed(r, plan.name, opened.rd.url)
+    open_feed(r, plan.name, opened.rd.url, fresh=opened.run.generation == 0)
     return plan

@@ -4,6 +4,8 @@ example agent: groups delivered whole, incomplete ones marked, never one that wa
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -275,3 +277,58 @@ def test_a_trainer_that_stops_reading_pauses_admission_until_it_reads_again(
     landed = [F.rollout_key(row) for row in read_jsonl(out / "rollouts-0.jsonl")]
     assert sorted(landed) == sorted(F.rollout_key(row) for row in rows)  # each once
     assert int(r.hget(keys.feed_counts("t5"), "acked") or 0) == 20
+
+
+def test_the_async_grpo_example_trains_on_every_group_and_advances_the_policy() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.async_grpo"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = re.search(r"trained on (\d+) groups, skipped (\d+); policy version (\d+); seen (.*)",
+                      proc.stdout)  # fmt: skip
+    assert found is not None, proc.stdout
+    used, skipped, version = int(found[1]), int(found[2]), int(found[3])
+    assert used + skipped == 16 and version == used // 4
+    assert found[4] != "[0]" and found[4] != "[None]"  # later rollouts recorded later versions
+
+
+def test_with_max_policy_lag_no_fresh_group_holds_a_rollout_older_than_the_lag(
+    make_run: MakeRun, redis_url: str, tmp_path: Path
+) -> None:
+    """The trainer advances the policy version after every group; the rollouts (all started
+    early) fall behind it: a group handed out is fresh only while its members' versions are
+    within one of the current, the others come marked stale and are counted."""
+    servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
+    rows = planned(servers, 10, 2)
+    settings = {"feed": "t4"}
+
+    async def go() -> tuple[list[tuple[bool, int, list[int]]], int]:
+        feed = Feed("t4", redis_url, block_s=0.2, max_policy_lag=1)
+        feed.set_policy_version(0)
+        completions = run_examples(
+            rows, servers.config(), broker_url=redis_url, record_output_dir=str(tmp_path / "o"),
+            settings=settings,
+        )  # fmt: skip
+        collected = asyncio.gather(*completions)
+        seen, version = [], 0
+        try:
+            await asyncio.sleep(1.0)  # every rollout started under version 0
+            async for group in feed.groups(consumer="rank0"):
+                versions = [m[F.POLICY_VERSION] for m in group.members]
+                seen.append((group.stale, version, versions))
+                await group.ack()
+                version += 1
+                feed.set_policy_version(version)
+            await collected
+            return seen, feed.counts().stale
+        finally:
+            await completions.aclose()
+            await feed.aclose()
+
+    seen, stale = asyncio.run(asyncio.wait_for(go(), 120))
+    assert len(seen) == 10
+    for is_stale, current, versions in seen:
+        assert is_stale == any(v < current - 1 for v in versions)
+    assert stale == sum(s for s, _, _ in seen) > 0  # counted, and some there were

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from infra.http import EventLoopThread, PostClient
-from schemas.feed import FeedMember
+from schemas.feed import FeedMember, FeedState
 from schemas.messages import CallPolicy, CollectRequest, RunRef
 from workers.rollout.admission import Ticket
 from workers.rollout.agent_call import CallOutcome, call_run
@@ -113,9 +113,10 @@ class RecordLander(Protocol):
 
 
 class FeedRoom(Protocol):
-    """A feed's bound on unconsumed groups (`workers/feed/backpressure.py`)."""
+    """A feed's bound on unconsumed groups and its policy version
+    (`workers/feed/backpressure.py`)."""
 
-    def full(self, feed: FeedMember, sid: str) -> bool: ...
+    def room(self, feed: FeedMember, sid: str) -> FeedState: ...
 
 
 class LeaseKeeper(Protocol):

@@ -188,6 +188,8 @@ class _Run:
         """Its line of rollouts waiting for a slot in this process (`WaitingLines`)."""
         self.verdict: RolloutVerdict | None = None
         """The result's live verdict (`workers/health/live.py`), when it is judged."""
+        self.policy_version: int | None = None
+        """The feed's policy version the rollout started under, stamped on its records."""
 
     def end(self, ended: Ended, **fields: Any) -> RolloutOutcome:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
@@ -215,12 +217,17 @@ class _Run:
 
     async def feed_room(self) -> None:
         """Wait, holding nothing, while the rollout's feed holds its bound of unconsumed groups
-        (`max_unconsumed_groups`); a Redis error ends the wait (admission rides it out)."""
+        (`max_unconsumed_groups`), and note the feed's policy version it starts under; a Redis
+        error ends the wait (admission rides it out)."""
         feed, feeds = self.req.feed, self.ctx.feeds
-        if feed is None or feed.max_unconsumed is None or feeds is None:
+        if feed is None or feeds is None:
             return
         try:
-            while await self.ctx.blocking(lambda: feeds.full(feed, self.sid)):
+            while True:
+                room = await self.ctx.blocking(lambda: feeds.room(feed, self.sid))
+                self.policy_version = room.policy_version
+                if not room.full:
+                    return
                 await self.ctx.sleep(FEED_POLL_S)
         except redis.RedisError as exc:
             log.warning("rollout %s: feed %s unreadable (%s); starting", self.rollout, feed.name,
@@ -486,6 +493,9 @@ class _Run:
         at, ms = time.time() - (ctx.monotonic() - started), (ended_call - started) * 1000
         records = [*failures, *([] if result is None else [result])]
         stamp_timing(records, at, ms)
+        if self.policy_version is not None:  # an agent that names its own version wins
+            for record in records:
+                record.setdefault(F.POLICY_VERSION, self.policy_version)
         self.stamp_execution(records)
         self.verdict = judge(self.req.health, result)
         queued: Queued
