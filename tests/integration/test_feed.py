@@ -24,7 +24,7 @@ from infra.embedded import EmbeddedRedis
 from producer import preprocess_examples, run_examples
 from producer.api.feed import Feed, FeedGroup
 from schemas import fields as F
-from schemas.feed import FeedPlan
+from schemas.feed import FeedMember, FeedPlan
 from schemas.settings import CollectionSettings
 from tests.cluster import ExampleServers, Workers
 from tests.helpers import ROOT, math_rows, read_jsonl
@@ -332,3 +332,28 @@ def test_with_max_policy_lag_no_fresh_group_holds_a_rollout_older_than_the_lag(
     for is_stale, current, versions in seen:
         assert is_stale == any(v < current - 1 for v in versions)
     assert stale == sum(s for s, _, _ in seen) > 0  # counted, and some there were
+
+
+def test_rollouts_feed_ack_id_acknowledges_an_entry_once_and_logs_it(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    from infra.feed import open_feed
+    from infra.feed_scripts import FEED_LAND_LUA
+    from workers.feed.publish import Landed, queue_members
+
+    open_feed(r, "tid", str(tmp_path))
+    member = FeedMember(name="tid", group="g", size=1, timeout_s=60.0)
+    row = {F.TASK_INDEX: 0, F.ROLLOUT_INDEX: 0, "reward": 1.0}
+    pipe = r.pipeline(transaction=True)
+    queue_members(
+        pipe, r.register_script(FEED_LAND_LUA), [Landed(member, "0:0", orjson.dumps(row), False)]
+    )
+    pipe.execute()
+    read: Any = r.xreadgroup(keys.FEED_CONSUMER_GROUP, "rank0", {keys.feed_stream("tid"): ">"})
+    entry = read[0][1][0][0].decode()
+    args = ["feed", "tid", "--ack-id", entry, "--consumer", "rank0", "--redis", redis_url]
+    first, again = cli(*args), cli(*args)
+    assert orjson.loads(first.stdout) == {"id": entry, "acked": True}, first.stderr
+    assert orjson.loads(again.stdout) == {"id": entry, "acked": False}
+    [logged] = list((tmp_path / "feeds" / "tid" / "acks").iterdir())
+    assert orjson.loads(logged.read_bytes())["members"] == ["0:0"]
