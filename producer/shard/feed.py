@@ -9,13 +9,15 @@ from infra.feed import open_feed
 from producer.shard.opening import OpenedRun, iter_materialized
 from schemas.feed import FeedPlan
 from schemas.settings import CollectionSettings
+from workers.feed.rebuild import rebuild_feed
 
 
 def shard_feed(r: redis.Redis, opened: OpenedRun, settings: CollectionSettings) -> FeedPlan | None:
     """The feed of the shard's dispatch, opened; None when the run has none.
 
     Every planned row counts toward its group's size, a resume's too: a group is delivered when
-    every planned member settled, whichever generation ran it."""
+    every planned member settled, whichever generation ran it. A resume also rebuilds the feed
+    from the shard's files and its acknowledgement log (a no-op when Redis kept it)."""
     if settings.feed is None:
         return None
     shard = opened.manifest.shard
@@ -24,5 +26,8 @@ def shard_feed(r: redis.Redis, opened: OpenedRun, settings: CollectionSettings) 
         settings.feed, rows, shard, settings.feed_group_key, settings.group_timeout_s,
         settings.max_unconsumed_groups,
     )  # fmt: skip
-    open_feed(r, plan.name, opened.rd.url, fresh=opened.run.generation == 0)
+    fresh = opened.run.generation == 0
+    open_feed(r, plan.name, opened.rd.url, fresh=fresh)
+    if not fresh:  # a resume: what Redis may have lost since (a restart) comes back, once
+        rebuild_feed(r, plan, opened.rd.url)
     return plan
