@@ -12,7 +12,9 @@ health-check` locally and `--distributed`, time and peak RSS; `bench/health.py`)
 finish step of 100k synthetic rollouts against environment servers that take chunked bodies and
 ones that answer 411, its time and peak RSS, `--baseline DIR` also with another checkout's code;
 `bench/finish_rss.py`), soak (N=1M end to end: memory of every process and of Redis at each
-100k, the keys left behind, the finish step, status and resume; `bench/soak.py`). Figures are ratios within one invocation; this machine is shared and noisy, so
+100k, the keys left behind, the finish step, status and resume; `bench/soak.py`), feed (a
+preset's collection in groups of 4 without and with a feed a trainer reads: throughput, CPU, the
+delivery-to-trainer latency p50 and p99; `bench/feed.py`). Figures are ratios within one invocation; this machine is shared and noisy, so
 absolute numbers vary between runs.
 """
 
@@ -370,6 +372,7 @@ def main() -> None:
             "health",
             "finish-rss",
             "soak",
+            "feed",
         ],
     )
     parser.add_argument(
@@ -480,6 +483,12 @@ def main() -> None:
         from bench.soak import main as soak_main
 
         print(soak_main(a.n or 1_000_000, a.workers, a.concurrency, a.broker, tuple(a.set)))
+    elif a.scenario == "feed":
+        from bench.feed import feed_bench
+
+        n, in_flight, latency_ms = PRESETS[a.preset or "inflight-1k"]
+        print(feed_bench(a.n or n, in_flight, latency_ms, a.workers, a.rounds, a.pad_kb or 0,
+                         write_rows))  # fmt: skip
     elif a.scenario == "workers":
         print(
             workers_scenario(

@@ -288,3 +288,48 @@ def api_finishing(invocation: str) -> str:
     """String: taken (SET NX) by the process that runs a recorded call's finish step, so that a
     caller and a process that reattached to it never both run it."""
     return f"{PREFIX}:api:{invocation}:finishing"
+
+
+def _feed_key(part: str) -> Callable[[str], str]:
+    """The function naming one key of a feed: `rollouts:feed:<name>:<part>`."""
+
+    def key(name: str) -> str:
+        return f"{PREFIX}:feed:{name}:{part}"
+
+    return key
+
+
+feed_stream = _feed_key("stream")
+"""Stream: one entry per delivered group (`group`, `size`, `reason`, `members`: a JSON list of
+the members' rows), read through one consumer group (`feed_consumer_group`); an entry is deleted
+when it is acknowledged, so the stream holds only what was not (docs/explanation/feed.md)."""
+
+feed_open = _feed_key("open")
+"""Sorted set: groups with members landed and not delivered yet, scored by their deadline (Redis
+server clock, seconds); whoever reads the feed delivers the ones past it (`FEED_EXPIRE_LUA`)."""
+
+feed_members = _feed_key("members")
+"""Set: `<group>\\x00<member>` of every member that entered the feed, so that a member lands in it
+once however often its task is delivered (a failure row carries no landed key of its own)."""
+
+feed_delivered = _feed_key("delivered")
+"""Set: groups delivered already; a member that settles after its group (past its deadline) is
+delivered alone, marked `late`."""
+
+feed_counts = _feed_key("counts")
+"""Hash of the feed's counters: `members`, `groups`, per reason `delivered:<reason>`, `acked`."""
+
+
+def feed_group(name: str, group: str) -> str:
+    """Hash: member -> its row (JSON), of one group not delivered yet; deleted as it is delivered."""
+    return f"{PREFIX}:feed:{name}:group:{group}"
+
+
+def feed_group_prefix(name: str) -> str:
+    """What `feed_group` puts before the group's id (the Lua scripts build its key from it)."""
+    return feed_group(name, "")
+
+
+FEED_CONSUMER_GROUP = "trainer"
+"""The stream's consumer group: every consumer of a feed (each trainer rank) reads through it,
+so each group item goes to one of them."""

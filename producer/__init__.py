@@ -3,13 +3,15 @@
 config/    the servers config (a file, a NeMo Gym head server, NeMo Gym's format), `+key=value`
 planning/  rows in, planned rollouts out: routing, identities, run order, every problem at once
 shard/     one shard's lifecycle: open, dispatch, wait, stop on SIGTERM, resume, the final report
-api/       the Python API: `run_examples`, `run_outcomes`, `reattach`
+api/       the Python API: `run_examples`, `run_outcomes`, `reattach`, `Feed`
 ops/       operating on runs: status, cancel, Flower, health-check, aggregate
 cli/       the `rollouts` command line
 """
 
 from producer.api import (
     Completions,
+    Feed,
+    FeedGroup,
     Outcomes,
     completion_rejection,
     raise_for_completion,
@@ -23,6 +25,8 @@ from schemas.outcomes import RolloutFailureRecord
 
 __all__ = [
     "Completions",
+    "Feed",
+    "FeedGroup",
     "Outcomes",
     "RolloutFailedError",
     "RolloutFailureRecord",

@@ -52,6 +52,9 @@ STARTED_AT = "_ng_started_at"
 """When the delivery that wrote a landed record started its `/run` call (Unix seconds)."""
 RUN_MS = "_ng_run_ms"
 """How long that delivery's `/run` calls took, rate-limit waits included (milliseconds)."""
+POLICY_VERSION = "_ng_policy_version"
+"""The feed's policy version a rollout started under (`Feed.set_policy_version`); an agent's
+reply that names its own keeps it."""
 TRACE_ID = "_ng_trace_id"
 """The rollout's OpenTelemetry trace id (32 lowercase hex digits), on every record a traced
 run lands: from a bad rollout to its trace (`workers/tracing.py`)."""

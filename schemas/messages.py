@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from schemas.feed import FeedMember
 from schemas.settings import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_REPLY_BYTES,
@@ -130,6 +131,8 @@ class CollectRequest(BaseModel):
     """The run's capture dir; None when observability is off."""
     health: HealthRef | None = None
     """Count the landed result's verdict live; None when the run's health check is off."""
+    feed: FeedMember | None = None
+    """The feed and group the rollout enters as it lands; None when its run has no feed."""
 
 
 class FinishRequest(BaseModel):

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.config import RoutingMode
+from schemas.feed import FEED_NAME_PATTERN
 from schemas.usage import ModelPrice
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 3600.0
@@ -147,6 +148,18 @@ class CollectionSettings(BaseModel):
     """USD per million tokens per model name (`{input, output, cached_input}`): the run's cost."""
     max_cost_usd: float | None = Field(default=None, ge=0)
     """Stop dispatching (drain) once the landed rollouts' cost passes this."""
+    feed: str | None = Field(default=None, pattern=FEED_NAME_PATTERN)
+    """Publish the landed rollouts on this feed, a group at a time, for a trainer to read as they
+    land (docs/how-to/feed.md); off when unset. Needs a recorded run."""
+    feed_group_key: str | None = None
+    """The row field whose value names a row's feed group; unset: the rows of one task (every
+    repeat of it) are a group."""
+    group_timeout_s: float = Field(default=600.0, gt=0)
+    """A feed group not complete this long after its first member landed is delivered with what
+    it has, marked `timeout`."""
+    max_unconsumed_groups: int | None = Field(default=None, ge=1)
+    """At most this many feed groups delivered and not acknowledged: past it, no rollout of the
+    run starts until the trainer catches up (those running finish); unset: no bound."""
 
     @field_validator("num_repeats", mode="before")
     @classmethod

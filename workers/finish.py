@@ -11,6 +11,7 @@ import contextlib
 import logging
 
 from infra import generation, keys
+from infra.feed import close_feed
 from infra.locks import held
 from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
@@ -180,6 +181,8 @@ def _finish_in(
     # Every appended file becomes one object before anything reads it for the reports: after a
     # run finishes, any JSONL reader reads it.
     compact_shard(client(redis_url), rd, run.shard, close=True)
+    if settings.feed is not None:  # nothing lands any more: its readers end once they caught up
+        close_feed(client(redis_url), settings.feed)
     results = ShardFiles(run.shard).results
     if not rd.exists(results):
         # Nothing landed: NeMo Gym's readers (`gym eval health-check`) still expect the file.

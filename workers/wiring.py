@@ -13,6 +13,7 @@ from infra.environment import from_env
 from infra.http import process_io
 from infra.process import PerProcess
 from workers.app import app
+from workers.feed.backpressure import FeedGate
 from workers.redispatch import publisher, unacked_sweep
 from workers.rollout.admission import gate
 from workers.rollout.context import (
@@ -49,6 +50,7 @@ def _real_context(redis_url: str) -> RolloutContext:
         runs=ManifestCheck(),
         # Within a lease TTL, a waiting entry asked again before it expires.
         lines=WaitingLines(min(WAIT_REFRESH_S, from_env().lease_ttl_s / 3)),
+        feeds=FeedGate(admission.r),
     )
 
 

@@ -196,10 +196,14 @@ def _redis_keys(target: str) -> str:
         "agent_url": "<agent>",
         "invocation": "<call>",
         "tag": "<tag>",
+        "name": "<feed>",
+        "group": "<group>",
     }
     for node in tree.body:
         name = doc = None
         if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            if node.name.endswith("_prefix"):  # a part of a key, not a key
+                continue
             fn = getattr(module, node.name)
             params = list(inspect.signature(fn).parameters)
             if not params or any(p not in placeholders for p in params):
@@ -211,6 +215,8 @@ def _redis_keys(target: str) -> str:
             value = getattr(module, attr, None)
             if callable(value) and attr.startswith("shard_"):
                 key, name, doc = value("<sid>"), f"{attr}(sid)", attrs[attr][1]
+            elif callable(value) and attr.startswith("feed_"):
+                key, name, doc = value("<feed>"), f"{attr}(name)", attrs[attr][1]
             elif (
                 isinstance(value, str)
                 and value.startswith(f"{module.PREFIX}:")

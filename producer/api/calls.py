@@ -30,6 +30,7 @@ from infra.environment import Cluster, resolve_cluster
 from infra.reachability import check_cluster
 from infra.redis_client import client
 from producer.api.completions import Completions, Convert, Pair, Settled
+from producer.api.feed import feed_plan
 from producer.api.model import Outcome, Target
 from producer.api.record import open_recorded_shard
 from producer.api.rows import Stamp, prepare_rows
@@ -285,6 +286,7 @@ def _dispatch(
     run_id = call.run_id or (new_run_id() if record else None)
     stamp = Stamp(run_id=run_id, shard=call.record_shard if record else None)
     prepared = prepare_rows(given, servers, settings, stamp)
+    feed_plan(settings, prepared.sent, call.record_shard, record)  # refused before any is sent
     broker, state_url = _urls(call.broker_url, call.redis_url)
     if record:
         run = open_recorded_shard(

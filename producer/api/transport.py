@@ -30,8 +30,10 @@ import redis
 
 from infra import keys, telemetry
 from infra.environment import from_env
+from infra.feed import open_feed
 from infra.redis_client import client
 from infra.scripts import RUNNING_LUA
+from producer.api.feed import feed_plan
 from producer.api.inventory import Inventory
 from producer.api.model import Outcome, Target
 from producer.api.record import record_omissions
@@ -130,7 +132,11 @@ class Invocation(CallUpkeep):
         self._job = start_job(t.run.run_id, t.run.shard, t.run.token, self.total)
         # The window caps rollouts here; the lease cap would only add waits behind slot releases.
         uncapped = t.settings.model_copy(update={"max_resident_tasks": None})
-        self._messages = CollectMessages.of(t.run, t.config, uncapped, t.deadline)
+        feed = feed_plan(t.settings, self.sent, t.run.shard, t.record)
+        if feed is not None:
+            # A new call's feed starts empty; a reattached one's goes on (`reattach`).
+            open_feed(self._r, feed.name, t.run.output_dir, fresh=self.to_publish is None)
+        self._messages = CollectMessages.of(t.run, t.config, uncapped, t.deadline, feed)
         self._r.set(keys.api_call(self.invocation), os.getpid(), ex=KEY_TTL_S)
         self._listener = threading.Thread(
             target=self._listen, name="rollouts-api-listen", daemon=True

@@ -21,10 +21,12 @@ from typing import Any
 import redis
 
 from infra import keys
+from producer.api.feed import feed_plan
 from producer.api.inventory import Inventory
 from producer.api.model import Outcome, Target
 from producer.shard.dispatch import open_generation
 from schemas.outcomes import Ended
+from workers.feed.rebuild import rebuild_feed
 from workers.shard.state import key_str
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,11 @@ class CallUpkeep:
             sec, usec = self._r.time()
             remaining = max(0.0, t.deadline - (sec + usec / 1e6))
         open_generation(self._r, self._sid, t.run.token, self.total, remaining)
+        feed = feed_plan(t.settings, self.sent, t.run.shard, t.record)
+        if feed is not None:  # from the shard's files and the acknowledgement log
+            rebuilt = rebuild_feed(self._r, feed, t.run.output_dir)
+            log.warning("run_examples %s: feed %s rebuilt (%d members)", self.invocation,
+                        feed.name, rebuilt)  # fmt: skip
         waiting = [i for i in range(self.total) if self._published_at[i] and not self._settled[i]]
         log.warning("run_examples %s: Redis lost the call's state (restarted without its data?); "
                     "sending its %d rows without an outcome again", self.invocation, len(waiting))  # fmt: skip

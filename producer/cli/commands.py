@@ -10,7 +10,7 @@ import click
 import orjson
 from rich.console import Console
 
-from infra.environment import LOCAL_REDIS_URL, resolve_cluster
+from infra.environment import LOCAL_REDIS_URL, from_env, resolve_cluster
 from infra.store import RunDir
 from producer.cli.errors import reports
 from producer.cli.nemo_gym import nemo_gym_spelling
@@ -93,6 +93,12 @@ def main() -> None:
     default=None,
     help="Skip the allowed_agents checks.",
 )
+@click.option(
+    "--feed",
+    "feed",
+    default=None,
+    help="Publish the landed rollouts on this feed, a group at a time (see `rollouts feed`).",
+)
 @events_option
 @fail_on_unhealthy_option
 @overrides_argument
@@ -116,6 +122,7 @@ def run(
     overwrite: bool,
     head_server: str | None,
     allow_unsupported_pairing: bool | None,
+    feed: str | None,
     events: bool,
     fail_on_unhealthy: bool,
     overrides: tuple[str, ...],
@@ -135,6 +142,7 @@ def run(
         ("allow_unsupported_pairing", allow_unsupported_pairing),
         ("num_shards", num_shards),
         ("shard_index", shard_index),
+        ("feed", feed),
     ):
         if value is not None:
             settings[key] = value
@@ -348,6 +356,60 @@ def status(
     if watch:
         # Re-attached to a run (its producer may be gone): end as the run does.
         sys.exit(exit_code(report))
+
+
+@main.command()
+@click.argument("name")
+@click.option("--consumer", default="cli", show_default=True, help="Consumer name (one per rank).")
+@click.option("--ack", is_flag=True, help="Acknowledge each group once written.")
+@click.option(
+    "--ack-id", "ack_id", multiple=True, help="Acknowledge this entry id and exit (repeatable)."
+)
+@click.option("--follow", is_flag=True, help="Keep reading after the feed's run closed it.")
+@click.option(
+    "--claim-after-s", type=float, default=60.0, show_default=True,
+    help="Take over another consumer's groups unacknowledged this long.",
+)  # fmt: skip
+@cluster_options("Broker URL, when it is the feed's Redis.", "The feed's Redis.")
+@reports()
+def feed(
+    name: str,
+    consumer: str,
+    ack: bool,
+    ack_id: tuple[str, ...],
+    follow: bool,
+    claim_after_s: float,
+    broker: str | None,
+    redis_url: str | None,
+) -> None:
+    """Tail feed NAME as JSONL, one group per line, for trainers in any language."""
+    import asyncio
+
+    from producer.api.feed import Feed, ack_ids, tail
+
+    url = redis_url or broker or from_env().redis_url or from_env().broker_url
+    if not url:
+        raise UsageError("feed needs a Redis: pass --redis or set ROLLOUTS_REDIS_URL")
+    reader = Feed(name, url, claim_after_s=claim_after_s)
+
+    def out(line: bytes) -> None:
+        sys.stdout.buffer.write(line)
+        sys.stdout.buffer.flush()
+
+    async def go() -> None:
+        try:
+            if ack_id:
+                flags = await ack_ids(reader, list(ack_id), consumer)
+                for entry, took in zip(ack_id, flags, strict=True):
+                    out(
+                        orjson.dumps({"id": entry, "acked": took}, option=orjson.OPT_APPEND_NEWLINE)
+                    )
+            else:
+                await tail(reader, consumer, out, ack, follow)
+        finally:
+            await reader.aclose()
+
+    asyncio.run(go())
 
 
 @main.command()

@@ -31,6 +31,7 @@ from rich.table import Table
 from rich.text import Text
 
 from infra import keys
+from infra.feed import feed_counts
 from infra.redis_client import client
 from infra.runs import read_manifest, read_status
 from infra.store import RunDir, ShardFiles
@@ -72,6 +73,23 @@ class HealthJson(TypedDict):
     """`LiveHealth` as JSON, while the shard's Redis counters live."""
     summary: dict[str, int] | None
     """The finish step's verdict counts, once it finished."""
+
+
+class FeedJson(TypedDict):
+    """The status report's `feed`: the run's feed counts (`infra.feed.FeedCounts`) and its lag."""
+
+    name: str
+    members: int
+    groups: int
+    acked: int
+    unacked: int
+    pending: int
+    open: int
+    closed: bool
+    stale: int
+    policy_version: int | None
+    by_reason: dict[str, int]
+    lag: int
 
 
 @dataclass
@@ -262,7 +280,24 @@ class StatusReader:
         elif snap is not None:
             self._add_live(report, manifest, snap, current)
         report["health"] = self._health(manifest, snap)
+        report["feed"] = self._feed(manifest)
         return report
+
+    def _feed(self, manifest: Manifest) -> FeedJson | None:
+        """The run's feed counts (`infra/feed.py`), while its keys live; None without a feed."""
+        name = manifest.settings.get("feed")
+        if not isinstance(name, str) or self.redis_url is None:
+            return None
+        try:
+            counts = feed_counts(client(self.redis_url), name)
+        except (redis.RedisError, OSError):
+            return None
+        return FeedJson(
+            name=name, members=counts.members, groups=counts.groups, acked=counts.acked,
+            unacked=counts.unacked, pending=counts.pending, open=counts.open,
+            closed=counts.closed, stale=counts.stale, policy_version=counts.policy_version,
+            by_reason=counts.by_reason, lag=counts.lag,
+        )  # fmt: skip
 
     def _health(self, manifest: Manifest, snap: LiveSnapshot | None) -> HealthJson:
         """The live verdict counts (the workers', from Redis, while its keys live) and, once
@@ -519,6 +554,20 @@ def health_line(report: dict[str, Any]) -> str:
     )
 
 
+def feed_line(report: dict[str, Any]) -> str:
+    """The feed's groups: delivered, not read by any consumer (lag), read and not acknowledged,
+    acknowledged, waiting for members."""
+    feed = report.get("feed")
+    if not feed:
+        return ""
+    return (
+        f"\nfeed {feed['name']}: {feed['groups']} groups · lag {feed['lag']} · unacknowledged "
+        f"{feed['pending']} · acknowledged {feed['acked']} · open {feed['open']}"
+        + (f" · stale {feed['stale']}" if feed["stale"] else "")
+        + (" · closed" if feed["closed"] else "")
+    )
+
+
 def summary_line(report: dict[str, Any]) -> str:
     """The outcome and activity lines (each fits 80 columns), then the error if any."""
     line = f"{outcome_line(report)}\n{activity_line(report)}"
@@ -527,6 +576,7 @@ def summary_line(report: dict[str, Any]) -> str:
     line += backpressure_line(report)
     line += tokens_line(report)
     line += health_line(report)
+    line += feed_line(report)
     if report.get("error"):
         line += f"\nerror: {report['error']}"
     return line

@@ -29,10 +29,12 @@ from rich.console import Console
 from infra import generation, keys, telemetry
 from infra.environment import from_env
 from infra.redis_client import client
+from producer.shard.feed import shard_feed
 from producer.shard.opening import OpenedRun
 from producer.shard.supervise import wait_for_shard
 from schemas import fields as F
 from schemas.config import ServersConfig
+from schemas.feed import FeedPlan
 from schemas.finish import FinishResult
 from schemas.messages import (
     FINISH_TASK,
@@ -128,6 +130,8 @@ class CollectMessages:
     """The run's capture dir payload, when observability is on."""
     health: dict[str, Any] | None = None
     """The live health payload, when the run's health check is on."""
+    feed: FeedPlan | None = None
+    """The dispatch's feed and its groups, when it has one."""
 
     @classmethod
     def of(
@@ -136,6 +140,7 @@ class CollectMessages:
         config: ServersConfig,
         settings: CollectionSettings,
         deadline: float | None,
+        feed: FeedPlan | None = None,
     ) -> CollectMessages:
         """`deadline`: the dispatch budget's end on the Redis server's clock, when budgeted."""
         return cls(
@@ -146,6 +151,7 @@ class CollectMessages:
             gates=admissions(config, settings, deadline),
             capture=capture_ref(settings),
             health=health_ref(settings),
+            feed=feed,
         )
 
     def message(
@@ -167,6 +173,8 @@ class CollectMessages:
             payload["capture"] = self.capture
         if self.health is not None and (reply is None or reply.get("record", True)):
             payload["health"] = self.health  # judged where it lands: not for an unrecorded call
+        if self.feed is not None:
+            payload["feed"] = self.feed.member(row)
         run = self.run
         return payload, f"run={run.run_id} shard={run.shard} rollout={rid}"
 
@@ -208,8 +216,11 @@ def enqueue(
         callback.apply_async()
         return finish_id
     group_id = f"gen-{opened.manifest.run_id}-{opened.run.token[:8]}"
-    count_toward(client(app.conf.result_backend), opened, count, dict(callback))
-    messages = CollectMessages.of(opened.run, config, settings, deadline)
+    r = client(app.conf.result_backend)
+    count_toward(r, opened, count, dict(callback))
+    messages = CollectMessages.of(
+        opened.run, config, settings, deadline, shard_feed(r, opened, settings)
+    )
     prefix = f"{opened.manifest.run_id}.{opened.run.token[:8]}"
     queue = app.amqp.queues[QUEUE]
     with app.producer_or_acquire() as producer:

@@ -137,3 +137,11 @@ def test_soak_checkpoints_every_tenth_and_measures_what_follows() -> None:
         if c[0].startswith(("shard:", "celery")) and (c[3] == "-" or c[3].endswith(" h"))
     }
     assert "shard:landed_bits" in kinds and all(c[2] == "0" for c in kinds.values()), kinds
+
+
+@pytest.mark.timeout(320)
+def test_feed_compares_a_run_with_and_without_its_feed() -> None:
+    rows = bench("feed", "--n", "40")
+    names = [cells(r)[0] for r in rows]
+    assert names == ["rollouts (ours)", "rollouts, feed read by a trainer"]
+    assert all(cells(r)[1] == "40" for r in rows)

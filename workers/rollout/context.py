@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 from infra import generation
 from infra.http import EventLoopThread, PostClient
+from schemas.feed import FeedMember, FeedState
 from schemas.messages import CallPolicy, CollectRequest, RunRef
 from workers.rollout.admission import Ticket
 from workers.rollout.agent_call import CallOutcome, call_run
@@ -103,12 +104,24 @@ class RecordLander(Protocol):
         ...
 
     def enqueue(
-        self, run: RunRef, records: EncodedRecords, lease: Lease | None = None
+        self,
+        run: RunRef,
+        records: EncodedRecords,
+        lease: Lease | None = None,
+        feed: FeedMember | None = None,
     ) -> concurrent.futures.Future[LandReport]:
         """Queue the encoded records (of the attempt holding `lease`), again for a retried
         landing; the future settles with the report, or the error that failed them
-        (`ShardFencedError`: a newer writer or attempt)."""
+        (`ShardFencedError`: a newer writer or attempt). `feed`: the feed group the rollout
+        enters as it lands."""
         ...
+
+
+class FeedRoom(Protocol):
+    """A feed's bound on unconsumed groups and its policy version
+    (`workers/feed/backpressure.py`)."""
+
+    def room(self, feed: FeedMember, sid: str) -> FeedState: ...
 
 
 class LeaseKeeper(Protocol):
@@ -433,3 +446,5 @@ class RolloutContext:
     `workers/shard/trust.py`); None trusts every task (unit tests of the other steps)."""
     lines: WaitingLines = field(default_factory=WaitingLines)
     """Where the rollouts told to wait for a slot take turns asking again."""
+    feeds: FeedRoom | None = None
+    """Whether a rollout's feed is full (`workers/feed/backpressure.py`); None: never."""

@@ -79,6 +79,9 @@ from workers.shard.state import key_str
 
 log = logging.getLogger(__name__)
 
+FEED_POLL_S = 0.5
+"""How often a rollout waiting for room in its feed asks again (`max_unconsumed_groups`)."""
+
 LAND_RETRY_S = 120.0
 Queued = concurrent.futures.Future[LandReport] | Exception
 """A landing queued with the lander (its future), or what queueing it raised."""
@@ -185,6 +188,8 @@ class _Run:
         """Its line of rollouts waiting for a slot in this process (`WaitingLines`)."""
         self.verdict: RolloutVerdict | None = None
         """The result's live verdict (`workers/health/live.py`), when it is judged."""
+        self.policy_version: int | None = None
+        """The feed's policy version the rollout started under, stamped on its records."""
 
     def end(self, ended: Ended, **fields: Any) -> RolloutOutcome:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
@@ -192,6 +197,7 @@ class _Run:
     async def run(self) -> RolloutOutcome:
         """Take the lease, run the attempt, settle the lease."""
         try:
+            await self.feed_room()
             opened = await self.start()
             if isinstance(opened, Ticket) and opened.verdict == "wait":
                 opened = await self.admitted(None, opened)
@@ -208,6 +214,24 @@ class _Run:
             seen = self.delivery.admission or self.req
             lease = Lease(self.sid, key_str(seen.row), "")
         return await self.ctx.blocking(lambda: self.settle(lease, outcome))
+
+    async def feed_room(self) -> None:
+        """Wait, holding nothing, while the rollout's feed holds its bound of unconsumed groups
+        (`max_unconsumed_groups`), and note the feed's policy version it starts under; a Redis
+        error ends the wait (admission rides it out)."""
+        feed, feeds = self.req.feed, self.ctx.feeds
+        if feed is None or feeds is None:
+            return
+        try:
+            while True:
+                room = await self.ctx.blocking(lambda: feeds.room(feed, self.sid))
+                self.policy_version = room.policy_version
+                if not room.full:
+                    return
+                await self.ctx.sleep(FEED_POLL_S)
+        except redis.RedisError as exc:
+            log.warning("rollout %s: feed %s unreadable (%s); starting", self.rollout, feed.name,
+                        exc)  # fmt: skip
 
     async def start(self) -> RolloutOutcome | Ticket:
         """One hop off the loop: the lease, the manifest check and the first admission (`open`).
@@ -469,6 +493,9 @@ class _Run:
         at, ms = time.time() - (ctx.monotonic() - started), (ended_call - started) * 1000
         records = [*failures, *([] if result is None else [result])]
         stamp_timing(records, at, ms)
+        if self.policy_version is not None:  # an agent that names its own version wins
+            for record in records:
+                record.setdefault(F.POLICY_VERSION, self.policy_version)
         self.stamp_execution(records)
         self.verdict = judge(self.req.health, result)
         queued: Queued
@@ -670,4 +697,4 @@ class _Run:
             self.encoded = lander.encode(result, failures)  # StorageError: nothing to land
             if self.encoded.result_key is not None:
                 self.encoded.health = self.verdict
-        return lander.enqueue(self.req.run, self.encoded, self.lease)
+        return lander.enqueue(self.req.run, self.encoded, self.lease, self.req.feed)

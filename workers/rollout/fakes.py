@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from schemas.errors import ShardFencedError
+from schemas.feed import FeedMember
 from schemas.messages import CollectRequest, RunRef
 from workers.rollout.admission import WINDOW_DECREASE, Ticket
 from workers.rollout.encoding import EncodedRecords, encode_records
@@ -223,7 +224,11 @@ class FakeLander:
         return encode_records(result, failures)
 
     def enqueue(
-        self, run: RunRef, records: EncodedRecords, lease: Lease | None = None
+        self,
+        run: RunRef,
+        records: EncodedRecords,
+        lease: Lease | None = None,
+        feed: FeedMember | None = None,
     ) -> concurrent.futures.Future[LandReport]:
         self.calls += 1
         future: concurrent.futures.Future[LandReport] = concurrent.futures.Future()

@@ -44,15 +44,19 @@ import redis
 
 from infra import keys
 from infra.environment import from_env
+from infra.feed_scripts import FEED_LAND_LUA
 from infra.locks import ACQUIRE_TIMEOUT_S, HeldLock, held_reading
 from infra.process import PerProcess
 from infra.redis_client import client
 from infra.runs import write_status
 from infra.scripts import LANDED_LUA
 from infra.store import RunDir, WriteConflictError
+from schemas import fields as F
 from schemas.errors import ShardFencedError, StorageError
+from schemas.feed import FeedMember
 from schemas.messages import RunRef
 from workers import tracing
+from workers.feed.publish import Landed, queue_members
 from workers.rollout.encoding import EncodedRecords, encode_records
 from workers.rollout.leases import Lease
 from workers.shard import landed
@@ -64,6 +68,7 @@ from workers.shard.state import (
     ShardState,
     agent_counter,
     keep_alive,
+    key_str,
     shard_status,
 )
 
@@ -103,6 +108,8 @@ class _Pending:
     future: concurrent.futures.Future[LandReport] = field(default_factory=concurrent.futures.Future)
     span: Any = None
     """The rollout's landing span, when it is traced (`workers/tracing.py`)."""
+    feed: FeedMember | None = None
+    """The feed and group the rollout enters as it lands, when its run has a feed."""
 
 
 def _settle(pending: list[_Pending], exc: BaseException) -> None:
@@ -112,6 +119,19 @@ def _settle(pending: list[_Pending], exc: BaseException) -> None:
             p.future.set_exception(exc)
             if p.span is not None:
                 tracing.land_failed(p.span, exc)
+
+
+def _settled_with_failure(accepted: list[_Pending]) -> list[Landed]:
+    """The batch's rollouts of a feed that settled with a failure (no result): each enters its
+    feed with its last failure row."""
+    out = []
+    for p in accepted:
+        if p.feed is None or p.records.result_key is not None or not p.records.failures:
+            continue
+        row = p.records.failures[-1]
+        if F.TASK_INDEX in row and F.ROLLOUT_INDEX in row:
+            out.append(Landed(p.feed, key_str(row), p.records.failure_lines[-1], failed=True))
+    return out
 
 
 class Lander:
@@ -126,6 +146,7 @@ class Lander:
         self._carry: list[_Pending] = []
         self._written: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self._landed = self.r.register_script(LANDED_LUA)
+        self._feed = self.r.register_script(FEED_LAND_LUA)
         self._thread = threading.Thread(target=self._loop, name="rollouts-lander", daemon=True)
         self._thread.start()
 
@@ -160,10 +181,15 @@ class Lander:
         return encode_records(result, failures)
 
     def enqueue(
-        self, run: RunRef, records: EncodedRecords, lease: Lease | None = None
+        self,
+        run: RunRef,
+        records: EncodedRecords,
+        lease: Lease | None = None,
+        feed: FeedMember | None = None,
     ) -> concurrent.futures.Future[LandReport]:
-        """Queue records encoded already (`encode`), as `submit` does: a retry queues them again."""
-        pending = _Pending(run, records, lease, span=tracing.landing())
+        """Queue records encoded already (`encode`), as `submit` does: a retry queues them again.
+        `feed`: the rollout enters that feed's group in the commit that lands it."""
+        pending = _Pending(run, records, lease, span=tracing.landing(), feed=feed)
         self._queue.put(pending)
         return pending.future
 
@@ -368,6 +394,7 @@ class Lander:
             lines: list[bytes] = []
             kinds: Counter[str] = Counter()
             verdicts: Counter[str] = Counter()
+            fed: list[Landed] = []
             for p, (k, line) in with_result:
                 report = reports[id(p)]
                 report.landed = report.duplicate = False
@@ -380,6 +407,8 @@ class Lander:
                 kinds[p.records.result_kind] += 1
                 kinds[agent_counter(p.records.agent, "landed")] += 1
                 report.landed = True
+                if p.feed is not None:
+                    fed.append(Landed(p.feed, k, line, failed=False))
                 if p.records.health is not None:
                     verdicts.update(p.records.health.counter_fields())
             # Not joined: on a local folder the lines go down as they are (`writev`); a batch
@@ -399,6 +428,8 @@ class Lander:
                 for name, n in verdicts.items():  # live health: each new result counted once
                     pipe.hincrby(keys.shard_health(st.sid), name, n)
                 st.commit_size(pipe, st.files.results, state)
+            if fed:
+                queue_members(pipe, self._feed, fed)
             dups = len(with_result) - len(new_keys)
             if dups:
                 pipe.hincrby(keys.shard_counts(st.sid), "duplicates", dups)
@@ -428,6 +459,7 @@ class Lander:
         lines: list[bytes] = []
         counts: dict[str, int] = defaultdict(int)
         digests: list[tuple[str, bytes]] = []
+        fed = _settled_with_failure(accepted)
         for p in accepted:
             names = zip(p.records.counters(), p.records.agent_counters(), strict=True)
             for line, (name, by_agent) in zip(p.records.failure_lines, names, strict=True):
@@ -452,6 +484,8 @@ class Lander:
             for name, n in counts.items():
                 pipe.hincrby(keys.shard_counts(st.sid), name, n)
             st.commit_size(pipe, st.files.failures, state)
+            if fed:
+                queue_members(pipe, self._feed, fed)
             keep_alive(pipe, st.sid)
             lock.commit(pipe)
             return

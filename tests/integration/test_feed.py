@@ -1,0 +1,359 @@
+"""The feed (docs/explanation/feed.md) against real `celery worker` processes, Redis and the
+example agent: groups delivered whole, incomplete ones marked, never one that waits forever."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from examples.agent_server import AgentKnobs
+from examples.servers import RunningServers
+from examples.tasks import make_row
+from infra import keys
+from infra.embedded import EmbeddedRedis
+from producer import preprocess_examples, run_examples
+from producer.api.feed import Feed, FeedGroup
+from schemas import fields as F
+from schemas.feed import FeedMember, FeedPlan
+from schemas.settings import CollectionSettings
+from tests.cluster import ExampleServers, Workers
+from tests.helpers import ROOT, math_rows, read_jsonl
+from tests.ops_helpers import ENV, cli, wait_for
+from tests.runs import MakeRun
+
+pytestmark = pytest.mark.integration
+
+
+def planned(servers: RunningServers, tasks: int, repeats: int) -> list[dict[str, Any]]:
+    raw = [make_row("arithmetic", i, "math_agent") for i in range(tasks)]
+    return preprocess_examples(raw, servers.config(), CollectionSettings(num_repeats=repeats))
+
+
+def by_task(groups: list[FeedGroup]) -> dict[int, FeedGroup]:
+    return {int(g.group.split("/")[-1]): g for g in groups}
+
+
+def test_a_group_with_a_failed_member_and_one_past_its_deadline_are_delivered_marked(
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
+    rows = planned(servers, 3, 2)
+    at = {F.rollout_key(row): row for row in rows}
+    at[1, 1]["fault"] = {"kind": "http500", "times": 99}  # fails every attempt: a failure row
+    at[2, 1]["agent_latency_ms"] = 120_000  # hangs past the group's deadline
+    settings = {"feed": "t6", "group_timeout_s": 3.0, "max_attempts": 2}
+
+    async def go() -> list[FeedGroup]:
+        completions = run_examples(
+            rows, servers.config(), broker_url=redis_url, record_output_dir=str(tmp_path / "out"),
+            route_failures_to_sidecar=True, retry_requests=False, settings=settings,
+        )  # fmt: skip
+        feed = Feed("t6", redis_url, block_s=0.2)
+        got: list[FeedGroup] = []
+        try:
+            iter(completions)  # publishing starts
+            next(completions)
+            async for group in feed.groups(consumer="rank0", until_closed=False):
+                got.append(group)
+                assert await group.ack()
+                if len(got) == 3:
+                    break
+        finally:
+            await completions.aclose()
+            await feed.aclose()
+        return got
+
+    got = by_task(asyncio.run(asyncio.wait_for(go(), 120)))
+    assert sorted(got) == [0, 1, 2]
+    assert got[0].reason == "complete" and not got[0].incomplete
+    assert sorted(F.rollout_key(m) for m in got[0].members) == [(0, 0), (0, 1)]
+    assert all("reward" in m for m in got[0].members)
+    assert got[1].reason == "failed" and got[1].incomplete and len(got[1].members) == 2
+    [failed] = got[1].item.failed
+    assert F.rollout_key(failed) == (1, 1) and failed[F.FAILURE_CLASS]
+    assert got[2].reason == "timeout" and got[2].incomplete
+    assert [F.rollout_key(m) for m in got[2].members] == [(2, 0)]
+    counts = r.hgetall(keys.feed_counts("t6"))
+    assert counts[b"acked"] == b"3" and counts[b"members"] == b"5"
+    assert r.xlen(keys.feed_stream("t6")) == 0  # acknowledged entries are deleted
+
+
+def consumer(redis_url: str, feed: str, name: str, log: Path, hold_s: float,
+             claim_after_s: float = 60.0) -> subprocess.Popen[bytes]:  # fmt: skip
+    """A trainer rank in its own process (`tests/feed_consumer.py`)."""
+    args = [redis_url, feed, name, str(log), str(hold_s), str(claim_after_s)]
+    return subprocess.Popen([sys.executable, "-m", "tests.feed_consumer", *args], cwd=ROOT)
+
+
+def log_lines(log: Path) -> list[list[str]]:
+    return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def acked(log: Path) -> list[str]:
+    """The groups whose acknowledgement took them, per the log."""
+    return [parts[1] for parts in log_lines(log) if parts[0] == "ack" and parts[2] == "1"]
+
+
+def collect_with_feed(
+    rows: list[dict[str, Any]], servers: RunningServers, redis_url: str, out: Path, feed: str,
+) -> None:  # fmt: skip
+    """Run a recorded call with a feed to its end (every outcome taken, then closed)."""
+
+    async def go() -> None:
+        completions = run_examples(
+            rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
+            settings={"feed": feed},
+        )  # fmt: skip
+        try:
+            for future in completions:
+                await future
+        finally:
+            await completions.aclose()
+
+    asyncio.run(asyncio.wait_for(go(), 180))
+
+
+@pytest.mark.parametrize("then", ["restarted", "another"])
+def test_a_consumer_killed_mid_group_loses_nothing_and_repeats_no_acknowledged_group(
+    then: str, make_run: MakeRun, redis_url: str, tmp_path: Path
+) -> None:
+    servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
+    rows = planned(servers, 12, 2)
+    for row in rows:
+        row["agent_latency_ms"] = 100
+    log, after = tmp_path / "first.log", tmp_path / "after.log"
+    first = consumer(redis_url, "t1", "rank0", log, hold_s=2.0)
+    caller = threading.Thread(
+        target=collect_with_feed, args=(rows, servers, redis_url, tmp_path / "out", "t1")
+    )
+    caller.start()
+    try:
+        # Killed while it holds a group: three acknowledged, the fourth read and not yet.
+        wait_for(lambda: len(acked(log)) >= 3 and log_lines(log)[-1][0] == "got", 120, "mid-group")
+        first.kill()
+        first.wait()
+        last = log_lines(log)[-1]
+        assert last[0] == "got"
+        held = last[1]
+        before = acked(log)
+        name = "rank0" if then == "restarted" else "rank1"
+        second = consumer(redis_url, "t1", name, after, hold_s=0.0, claim_after_s=1.0)
+        caller.join(180)
+        assert second.wait(120) == 0
+    finally:
+        caller.join(180)
+    got_after = [parts[1] for parts in log_lines(after) if parts[0] == "got"]
+    every = {FeedPlan.group_of(row, "0", None) for row in rows}
+    assert held in got_after  # the group it held came back
+    assert not set(before) & set(got_after)  # none acknowledged before the kill came back
+    both = before + acked(after)
+    assert sorted(both) == sorted(every)  # every group acknowledged, each exactly once
+
+
+def test_two_ranks_share_a_feed_each_group_acknowledged_by_one(
+    make_run: MakeRun, redis_url: str, tmp_path: Path
+) -> None:
+    servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
+    rows = planned(servers, 16, 2)
+    logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+    ranks = [consumer(redis_url, "t3", f"rank{i}", log, hold_s=0.5) for i, log in enumerate(logs)]
+    wait_for(lambda: all(log_lines(log) for log in logs), 60, "both ranks started")
+    collect_with_feed(rows, servers, redis_url, tmp_path / "out", "t3")
+    assert [rank.wait(120) for rank in ranks] == [0, 0]
+    per_rank = [acked(log) for log in logs]
+    every = {FeedPlan.group_of(row, "0", None) for row in rows}
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(every)  # the union is all, none twice
+    assert all(per_rank)  # both ranks took part
+
+
+@pytest.mark.timeout(240)
+def test_a_redis_restarted_empty_mid_run_loses_no_group_and_repeats_no_acknowledged_one(
+    private_redis: EmbeddedRedis, example_servers: ExampleServers, tmp_path: Path
+) -> None:
+    """A recorded call of 20 tasks x 2 (rows of 1 s, 4 at a time) read by one rank; Redis
+    (broker, state and feed) killed and started empty once 3 groups were acknowledged. The call sends its rows
+    without an outcome again and rebuilds the feed from the shard's files and the
+    acknowledgement log: every group is acknowledged exactly once, and none acknowledged before
+    the restart is handed out again."""
+    url = private_redis.url
+    servers = example_servers({"math_agent": "math_env"}, AgentKnobs(1000))
+    workers = Workers(url, tmp_path)
+    log = tmp_path / "rank0.log"
+    rows = planned(servers, 20, 2)
+    try:
+        workers.start(count=1, concurrency=4, env=ENV)
+        rank = consumer(url, "t2", "rank0", log, hold_s=0.1)
+        caller = threading.Thread(
+            target=collect_with_feed, args=(rows, servers, url, tmp_path / "out", "t2")
+        )
+        caller.start()
+        wait_for(lambda: len(acked(log)) >= 3, 120, "3 groups acknowledged")
+        before = len(log_lines(log))
+        private_redis.restart_empty()
+        caller.join(200)
+        assert rank.wait(120) == 0
+    finally:
+        workers.stop(graceful=False)
+        servers.stop()
+    lines = log_lines(log)
+    first = {parts[1] for parts in lines[:before] if parts[0] == "ack" and parts[2] == "1"}
+    handed_after = [parts[1] for parts in lines[before:] if parts[0] == "got"]
+    assert handed_after, "every group was read before the restart: the test proves nothing"
+    assert not first & set(handed_after)  # none acknowledged before the restart came back
+    every = {FeedPlan.group_of(row, "0", None) for row in rows}
+    assert sorted(acked(log)) == sorted(every)  # none lost, none acknowledged twice
+
+
+def test_rollouts_run_feed_is_tailed_as_jsonl_and_counted_in_the_status(
+    make_run: MakeRun, redis_url: str
+) -> None:
+    run = make_run({"math_agent": "math_env"}, workers=1, concurrency=8)
+    tail = subprocess.Popen(
+        [sys.executable, "-m", "producer.cli", "feed", "tcli", "--redis", redis_url, "--ack"],
+        cwd=ROOT, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    proc = run.cli(math_rows(6), "--num-repeats", "3", "--feed", "tcli")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out, _ = tail.communicate(timeout=60)
+    assert tail.returncode == 0
+    groups = [orjson.loads(line) for line in out.splitlines()]
+    assert sorted(g["group"] for g in groups) == [f"0/{i}" for i in range(6)]
+    assert all(g["reason"] == "complete" and len(g["members"]) == 3 for g in groups)
+    status = cli("status", str(run.out), "--redis", redis_url)
+    assert "feed tcli: 6 groups · lag 0 · unacknowledged 0 · acknowledged 6" in status.stdout
+
+
+def test_a_trainer_that_stops_reading_pauses_admission_until_it_reads_again(
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """20 tasks x 2 of 0.3 s on 4 slots, `max_unconsumed_groups=3`, nobody reading: the feed
+    fills to its bound plus what the running rollouts complete, then nothing more starts; a
+    rank that reads again drains it and the run ends with every rollout landed once."""
+    servers = make_run(
+        {"math_agent": "math_env"}, AgentKnobs(300), workers=1, concurrency=4
+    ).servers
+    rows = planned(servers, 20, 2)
+    stream, out = keys.feed_stream("t5"), tmp_path / "out"
+    settings = {"feed": "t5", "max_unconsumed_groups": 3}
+
+    def members() -> int:
+        return int(r.hget(keys.feed_counts("t5"), "members") or 0)
+
+    async def go() -> tuple[int, int, int, int]:
+        completions = run_examples(
+            rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
+            settings=settings,
+        )  # fmt: skip
+        futures = list(completions)
+        await asyncio.to_thread(wait_for, lambda: r.xlen(stream) >= 3, 60, "the bound")
+        await asyncio.sleep(2.0)  # what was running lands; nothing more starts
+        paused_at, length, memory = members(), r.xlen(stream), r.memory_usage(stream) or 0
+        await asyncio.sleep(3.0)
+        still = members()
+        feed = Feed("t5", redis_url, block_s=0.2)
+        try:
+            async for group in feed.groups(consumer="rank0"):
+                await group.ack()
+        finally:
+            await feed.aclose()
+        await asyncio.gather(*futures)
+        await completions.aclose()
+        return paused_at, still, length, memory
+
+    paused_at, still, length, memory = asyncio.run(asyncio.wait_for(go(), 180))
+    assert paused_at == still < len(rows)  # admission paused at the bound
+    assert 3 <= length <= 3 + 4  # the bound, plus the groups of the 4 rollouts running
+    assert memory < 64 * 1024, memory  # the feed's stream: a few groups of small rows
+    landed = [F.rollout_key(row) for row in read_jsonl(out / "rollouts-0.jsonl")]
+    assert sorted(landed) == sorted(F.rollout_key(row) for row in rows)  # each once
+    assert int(r.hget(keys.feed_counts("t5"), "acked") or 0) == 20
+
+
+def test_the_async_grpo_example_trains_on_every_group_and_advances_the_policy() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.async_grpo"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = re.search(r"trained on (\d+) groups, skipped (\d+); policy version (\d+); seen (.*)",
+                      proc.stdout)  # fmt: skip
+    assert found is not None, proc.stdout
+    used, skipped, version = int(found[1]), int(found[2]), int(found[3])
+    assert used + skipped == 16 and version == used // 4
+    assert found[4] != "[0]" and found[4] != "[None]"  # later rollouts recorded later versions
+
+
+def test_with_max_policy_lag_no_fresh_group_holds_a_rollout_older_than_the_lag(
+    make_run: MakeRun, redis_url: str, tmp_path: Path
+) -> None:
+    """The trainer advances the policy version after every group; the rollouts (all started
+    early) fall behind it: a group handed out is fresh only while its members' versions are
+    within one of the current, the others come marked stale and are counted."""
+    servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
+    rows = planned(servers, 10, 2)
+    settings = {"feed": "t4"}
+
+    async def go() -> tuple[list[tuple[bool, int, list[int]]], int]:
+        feed = Feed("t4", redis_url, block_s=0.2, max_policy_lag=1)
+        feed.set_policy_version(0)
+        completions = run_examples(
+            rows, servers.config(), broker_url=redis_url, record_output_dir=str(tmp_path / "o"),
+            settings=settings,
+        )  # fmt: skip
+        collected = asyncio.gather(*completions)
+        seen, version = [], 0
+        try:
+            await asyncio.sleep(1.0)  # every rollout started under version 0
+            async for group in feed.groups(consumer="rank0"):
+                versions = [m[F.POLICY_VERSION] for m in group.members]
+                seen.append((group.stale, version, versions))
+                await group.ack()
+                version += 1
+                feed.set_policy_version(version)
+            await collected
+            return seen, feed.counts().stale
+        finally:
+            await completions.aclose()
+            await feed.aclose()
+
+    seen, stale = asyncio.run(asyncio.wait_for(go(), 120))
+    assert len(seen) == 10
+    for is_stale, current, versions in seen:
+        assert is_stale == any(v < current - 1 for v in versions)
+    assert stale == sum(s for s, _, _ in seen) > 0  # counted, and some there were
+
+
+def test_rollouts_feed_ack_id_acknowledges_an_entry_once_and_logs_it(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    from infra.feed import open_feed
+    from infra.feed_scripts import FEED_LAND_LUA
+    from workers.feed.publish import Landed, queue_members
+
+    open_feed(r, "tid", str(tmp_path))
+    member = FeedMember(name="tid", group="g", size=1, timeout_s=60.0)
+    row = {F.TASK_INDEX: 0, F.ROLLOUT_INDEX: 0, "reward": 1.0}
+    pipe = r.pipeline(transaction=True)
+    queue_members(
+        pipe, r.register_script(FEED_LAND_LUA), [Landed(member, "0:0", orjson.dumps(row), False)]
+    )
+    pipe.execute()
+    read: Any = r.xreadgroup(keys.FEED_CONSUMER_GROUP, "rank0", {keys.feed_stream("tid"): ">"})
+    entry = read[0][1][0][0].decode()
+    args = ["feed", "tid", "--ack-id", entry, "--consumer", "rank0", "--redis", redis_url]
+    first, again = cli(*args), cli(*args)
+    assert orjson.loads(first.stdout) == {"id": entry, "acked": True}, first.stderr
+    assert orjson.loads(again.stdout) == {"id": entry, "acked": False}
+    [logged] = list((tmp_path / "feeds" / "tid" / "acks").iterdir())
+    assert orjson.loads(logged.read_bytes())["members"] == ["0:0"]
