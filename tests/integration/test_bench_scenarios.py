@@ -151,6 +151,7 @@ def test_soak_checkpoints_every_tenth_and_measures_what_follows() -> None:
         "finish step, again on its own",
         "rollouts status",
         "rollouts resume (nothing missing)",
+        "rollouts resume --plan",
     }, lines
     assert all(c[3] == "0" for c in processes.values()), processes
     # The keys left after the finish (kind, keys, without a TTL, TTL span), not the largest
