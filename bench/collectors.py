@@ -267,9 +267,12 @@ def _aiohttp_child() -> None:
 
 
 def nemo_gym_python(explicit: str | None = None) -> str | None:
-    """An interpreter with nemo-gym installed: the one named, $ROLLOUTS_BENCH_NEMO_PYTHON, or this one."""
+    """An interpreter with nemo-gym installed: the one named, $ROLLOUTS_BENCH_NEMO_PYTHON, this
+    one, or that of the venv the NeMo Gym peer tests build (`$ROLLOUTS_PEER_VENV`, by default
+    `~/.cache/rollouts/nemo-gym-0.7.0`) when it exists."""
     import importlib.util
     import sys
+    from pathlib import Path
 
     if explicit is not None:
         return explicit or None  # "" leaves NeMo Gym out
@@ -277,7 +280,9 @@ def nemo_gym_python(explicit: str | None = None) -> str | None:
         return os.environ["ROLLOUTS_BENCH_NEMO_PYTHON"]
     if importlib.util.find_spec("nemo_gym") is not None:
         return sys.executable
-    return None
+    default_venv = Path.home() / ".cache" / "rollouts" / "nemo-gym-0.7.0"
+    peer = Path(os.environ.get("ROLLOUTS_PEER_VENV", default_venv)) / "bin" / "python"
+    return str(peer) if peer.exists() else None
 
 
 def run_nemo_gym(
