@@ -135,12 +135,10 @@ def latency(
                 rss_per_1k.setdefault(aiohttp.name, []).append(aiohttp.extra["rss_mb"] / per_1k)
                 ms = [waved(agent_log, aiohttp)]
                 if nemo_python:
-                    ms.append(
-                        run_nemo_gym(
-                            nemo_python, url, rows_path, in_flight, os.path.join(tmp, "nemo.jsonl")
-                        )
+                    nemo = run_nemo_gym(
+                        nemo_python, url, rows_path, in_flight, os.path.join(tmp, "nemo.jsonl")
                     )
-                    agent_log.starts()  # its /runs are not the next collector's
+                    ms.append(waved(agent_log, nemo))
                 with BenchCluster(
                     "bench.noop_app",
                     workers=workers,

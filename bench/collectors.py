@@ -305,5 +305,5 @@ def run_nemo_gym(
         float(line["wall_s"]),
         float(line["cpu_s"]),
         {"cpu_ms": {"producer": 1000 * float(line["cpu_s"]) / int(line["n"])},
-         "failed": line.get("failed") or {}},
+         "failed": line.get("failed") or {}, "dispatched_at": float(line["dispatched_at"])},
     )  # fmt: skip
