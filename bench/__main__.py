@@ -1,6 +1,7 @@
 """`python -m bench SCENARIO [--n N]`: run a scenario with its baselines and print a markdown table.
 
-Scenarios: latency (N=5,000, agent latency 1 s, 512 in flight), overhead (N=10,000, instant
+Scenarios: latency (N=5,000, agent latency 1 s, 512 in flight; `--preset` for an RL step's
+waves, with each collector's wave start), overhead (N=10,000, instant
 agent, CPU per rollout over every process; `--telemetry` adds ours with OpenTelemetry on), scale (N=1k/10k/100k: throughput, enqueue rate and
 the producer's peak RSS), workers (1 vs 2 worker processes with the workers' CPU the
 bottleneck), ratelimit (N=2,000, agent latency 200 ms, 429 above 8 concurrent calls, 512 in flight;
@@ -45,6 +46,7 @@ from bench.collectors import (
 )
 from bench.harness import ROOT, AgentProcess, BenchCluster, RssSampler, table
 from bench.otlp_sink import OtlpSink
+from bench.wave import StartLog, wave_start_s
 from examples.tasks import make_row
 from infra import telemetry
 
@@ -65,14 +67,20 @@ def best(runs: list[Measure], by: str = "rate") -> Measure:
     """
     if by == "cpu":
         return min(runs, key=lambda m: m.cpu_ms_per_rollout)
-    return max(runs, key=lambda m: m.rate)
+    return max(runs, key=lambda m: ("unfinished" not in m.extra, m.rate))
 
 
 PRESETS = {
-    # name: (N, in flight, agent latency ms); the rows of the in-flight issue's table.
+    # name: (N, in flight, agent latency ms): waves of an RL step, 64 KB replies.
     "inflight-1k": (4000, 1024, 5000.0),
     "inflight-4k": (8000, 4096, 10000.0),
+    "inflight-16k": (32768, 16384, 10000.0),
 }
+
+
+def chord_limit_default(n: int, in_flight: int, latency_ms: float) -> float:
+    """Ten times the ideal wall time, at least a minute: the sleeping chord's time limit."""
+    return max(60.0, 10 * n * latency_ms / 1000 / in_flight)
 
 
 def latency(
@@ -83,8 +91,13 @@ def latency(
     nemo_python: str | None,
     rounds: int,
     pad_kb: int = 0,
+    chord_limit_s: float | None = None,
 ) -> str:
+    """The agent declares `in_flight` as its max_concurrency, as a user would; the sleeping
+    chord is given up after `chord_limit_s` (default: `chord_limit_default`)."""
     tmp = tempfile.mkdtemp(prefix="bench-latency-")
+    if chord_limit_s is None:
+        chord_limit_s = chord_limit_default(n, in_flight, latency_ms)
     try:
         rows_path = os.path.join(tmp, "rows.jsonl")
         write_rows(rows_path, n)
@@ -92,6 +105,14 @@ def latency(
         runs: dict[str, list[Measure]] = {}
         rss_per_1k: dict[str, list[float]] = {}
         per_1k = in_flight / 1000
+        wave = min(in_flight, n)
+        agent_log = StartLog(os.path.join(tmp, "agent-requests.jsonl"))
+        chord_log = StartLog(os.path.join(tmp, "chord-starts.log"))
+
+        def waved(log: StartLog, m: Measure) -> Measure:
+            """`m` with its wave start (`extra["wave_s"]`), read from `log`."""
+            m.extra["wave_s"] = wave_start_s(log.starts(), m.extra["dispatched_at"], wave)
+            return m
 
         def sampled(pids: list[int], measure: Callable[[], Measure]) -> Measure:
             """`measure()`, and the peak RSS of `pids` beyond their RSS before it."""
@@ -102,57 +123,63 @@ def latency(
             rss_per_1k.setdefault(m.name, []).append((rss.peak_bytes - idle) / 2**20 / per_1k)
             return m
 
-        with AgentProcess(latency_ms=latency_ms, pad_kb=pad_kb) as agent:
+        with AgentProcess(
+            latency_ms=latency_ms,
+            pad_kb=pad_kb,
+            max_concurrency=in_flight,
+            request_log=agent_log.path,
+        ) as agent:
             url = agent_url(agent.config_path)
             for r in range(rounds):
                 aiohttp = run_asyncio_aiohttp_alone(
                     url, rows_path, in_flight, os.path.join(tmp, "aiohttp.jsonl")
                 )
                 rss_per_1k.setdefault(aiohttp.name, []).append(aiohttp.extra["rss_mb"] / per_1k)
-                ms = [aiohttp]
+                ms = [waved(agent_log, aiohttp)]
                 if nemo_python:
-                    ms.append(
-                        run_nemo_gym(
-                            nemo_python, url, rows_path, in_flight, os.path.join(tmp, "nemo.jsonl")
-                        )
+                    nemo = run_nemo_gym(
+                        nemo_python, url, rows_path, in_flight, os.path.join(tmp, "nemo.jsonl")
                     )
+                    ms.append(waved(agent_log, nemo))
                 with BenchCluster(
                     "bench.noop_app",
                     workers=workers,
                     concurrency=in_flight // workers,
                     pool="threads",
+                    env={"ROLLOUTS_BENCH_START_LOG": chord_log.path},
                 ) as cluster:
                     chord_pids = [p.pid for p in cluster.procs]
-                    ms.append(
-                        sampled(
-                            chord_pids,
-                            partial(run_empty_chord, cluster, n, sleep_s=latency_ms / 1000),
-                        )
+                    sleeping = partial(
+                        run_empty_chord,
+                        cluster,
+                        n,
+                        sleep_s=latency_ms / 1000,
+                        limit_s=chord_limit_s,
                     )
+                    ms.append(waved(chord_log, sampled(chord_pids, sleeping)))
                 with BenchCluster(workers=workers, concurrency=in_flight // workers) as cluster:
                     out_dir = os.path.join(tmp, f"run{r}")
-                    ms.append(
-                        sampled(
-                            [p.pid for p in cluster.procs],
-                            partial(run_ours, cluster, agent.config_path, rows_path, out_dir, n),
-                        )
-                    )
+                    ours = partial(run_ours, cluster, agent.config_path, rows_path, out_dir, n)
+                    ms.append(waved(agent_log, sampled([p.pid for p in cluster.procs], ours)))
                 for m in ms:
                     runs.setdefault(m.name, []).append(m)
         results = [best(v) for v in runs.values()]
-        out = [
-            [
-                m.name,
-                m.n,
-                m.wall_s,
-                m.extra.get("enqueue_s", "-"),
-                m.rate,
-                f"{100 * m.rate / ideal:.1f}%",
-                m.cpu_ms_per_rollout,
-                f"{min(rss_per_1k[m.name]):.1f}" if m.name in rss_per_1k else "-",
-            ]
-            for m in results
-        ]
+        out = []
+        for m in results:
+            wave_s = m.extra.get("wave_s")
+            rss = f"{min(rss_per_1k[m.name]):.1f}" if m.name in rss_per_1k else "-"
+            if "unfinished" in m.extra:
+                out.append(
+                    [m.name, m.n, f"did not finish in {m.extra['unfinished']:g} s",
+                     "-" if wave_s is None else wave_s, m.extra.get("enqueue_s", "-"),
+                     "-", "-", "-", rss]
+                )  # fmt: skip
+                continue
+            out.append(
+                [m.name, m.n, m.wall_s, "-" if wave_s is None else wave_s,
+                 m.extra.get("enqueue_s", "-"), m.rate, f"{100 * m.rate / ideal:.1f}%",
+                 m.cpu_ms_per_rollout, rss]
+            )  # fmt: skip
         nemo_note = (
             "" if nemo_python else " (NeMo Gym not installed: see docs/explanation/performance.md)"
         )
@@ -160,14 +187,20 @@ def latency(
             f"; RSS: the peak beyond idle over the run per 1,000 in flight, least of {rounds} "
             f"({pad_kb} KB replies; the aiohttp loop: its own process; the others: their workers)"
         )
+        wave_note = (
+            f"; wave start: from dispatch until the agent saw its {wave:,}th /run (the chord: "
+            f"until its {wave:,}th task started); the agent declares max_concurrency {in_flight}"
+        )
         return (
             f"latency: N={n}, agent latency {latency_ms:g} ms, {in_flight} in flight, "
-            f"ideal {ideal:.0f}/s, best of {rounds} interleaved rounds{nemo_note}{rss_note}\n\n"
+            f"ideal {ideal:.0f}/s, best of {rounds} interleaved rounds{nemo_note}{rss_note}"
+            f"{wave_note}\n\n"
             + table(
                 [
                     "collector",
                     "N",
                     "wall s",
+                    "wave start s",
                     "of which enqueue s",
                     "rollouts/s",
                     "of ideal",
@@ -388,6 +421,13 @@ def main() -> None:
     )
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument(
+        "--chord-limit-s",
+        type=float,
+        default=None,
+        help="latency: give up on the sleeping chord after this long (default: 10x the ideal wall"
+        " time, at least 60 s)",
+    )
+    parser.add_argument(
         "--broker", default=None, help="soak: a given cluster's Redis (default: an embedded one)"
     )
     parser.add_argument(
@@ -440,7 +480,7 @@ def main() -> None:
             n, in_flight = a.n or 5000, a.in_flight
             latency_ms = 1000.0 if a.latency_ms is None else a.latency_ms
             pad_kb = a.pad_kb or 0
-        print(latency(n, in_flight, latency_ms, a.workers, nemo, a.rounds, pad_kb))
+        print(latency(n, in_flight, latency_ms, a.workers, nemo, a.rounds, pad_kb, a.chord_limit_s))
     elif a.scenario == "overhead":
         print(overhead(a.n or 10000, a.workers, a.concurrency, a.rounds, a.telemetry))
     elif a.scenario == "scale":

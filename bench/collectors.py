@@ -105,6 +105,7 @@ def run_ours(
     app = client_app(url, url)
     reset_shard_state(client(url), opened)
     t_enqueue = time.perf_counter()
+    dispatched_at = time.time()
     with contextlib.ExitStack() as stack:
         job = NO_JOB
         if traced:
@@ -128,14 +129,23 @@ def run_ours(
         n,
         t1 - t_enqueue,
         cpu1 - cpu0,
-        {"plan_s": t_enqueue - t0, "enqueue_s": t_enqueued - t_enqueue, "cpu_ms": parts},
-    )
+        {"plan_s": t_enqueue - t0, "enqueue_s": t_enqueued - t_enqueue, "cpu_ms": parts,
+         "dispatched_at": dispatched_at},
+    )  # fmt: skip
 
 
 def run_empty_chord(
-    cluster: BenchCluster | None, n: int, url: str | None = None, sleep_s: float = 0.0
+    cluster: BenchCluster | None,
+    n: int,
+    url: str | None = None,
+    sleep_s: float = 0.0,
+    limit_s: float | None = None,
 ) -> Measure:
-    """A chord of n tasks that do nothing (or only sleep), built and published the standard way."""
+    """A chord of n tasks that do nothing (or only sleep), built and published the standard way.
+
+    `limit_s`: stop waiting for it after that long (`extra["unfinished"]`; its wall time is the
+    limit). The cluster must then be stopped: its workers still hold the chord's tasks.
+    """
     from celery import chord
 
     url = url or (cluster.url if cluster is not None else None)
@@ -146,23 +156,31 @@ def run_empty_chord(
     parts0 = {k: cpu_seconds(v) for k, v in groups.items()}
     cpu0 = cpu_seconds(pids)
     t0 = time.perf_counter()
+    dispatched_at = time.time()
     if sleep_s:
         header = [app.signature("bench.sleep", (sleep_s,)) for _ in range(n)]
     else:
         header = [app.signature("bench.noop") for _ in range(n)]
     res = chord(header, app=app)(app.signature("bench.done"))
     t_enq = time.perf_counter()
+    unfinished = False
     while not res.ready():
+        if limit_s is not None and time.perf_counter() - t0 > limit_s:
+            unfinished = True
+            break
         time.sleep(0.05)
     t1 = time.perf_counter()
     cpu1 = cpu_seconds(pids)
     parts = {k: 1000 * (cpu_seconds(v) - parts0[k]) / n for k, v in groups.items()}
-    value = res.get(propagate=False)
+    value = None if unfinished else res.get(propagate=False)
     del res
     settle_results(app)
-    assert value == n, value
+    assert unfinished or value == n, value
     name = f"Celery chord, tasks only sleep {sleep_s:g} s" if sleep_s else "empty Celery chord"
-    return Measure(name, n, t1 - t0, cpu1 - cpu0, {"enqueue_s": t_enq - t0, "cpu_ms": parts})
+    extra = {"enqueue_s": t_enq - t0, "cpu_ms": parts, "dispatched_at": dispatched_at}
+    if unfinished:
+        extra["unfinished"] = limit_s
+    return Measure(name, n, t1 - t0, cpu1 - cpu0, extra)
 
 
 async def _aiohttp_collect(
@@ -222,8 +240,9 @@ def run_asyncio_aiohttp_alone(
         int(line["n"]),
         float(line["wall_s"]),
         float(line["cpu_s"]),
-        {"cpu_ms": {"producer": 1000 * float(line["cpu_s"]) / int(line["n"])}},
-    )
+        {"cpu_ms": {"producer": 1000 * float(line["cpu_s"]) / int(line["n"])},
+         "dispatched_at": float(line["dispatched_at"])},
+    )  # fmt: skip
     m.extra["rss_mb"] = float(line["rss_mb"])
     return m
 
@@ -239,15 +258,21 @@ def _aiohttp_child() -> None:
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
     before = status_mb("VmRSS:")
+    dispatched_at = time.time()
     m = run_asyncio_aiohttp(url, rows, int(concurrency), out)
     rss_mb = status_mb("VmHWM:") - before
-    print(orjson.dumps({"n": m.n, "wall_s": m.wall_s, "cpu_s": m.cpu_s, "rss_mb": rss_mb}).decode())
+    line = {"n": m.n, "wall_s": m.wall_s, "cpu_s": m.cpu_s, "rss_mb": rss_mb,
+            "dispatched_at": dispatched_at}  # fmt: skip
+    print(orjson.dumps(line).decode())
 
 
 def nemo_gym_python(explicit: str | None = None) -> str | None:
-    """An interpreter with nemo-gym installed: the one named, $ROLLOUTS_BENCH_NEMO_PYTHON, or this one."""
+    """An interpreter with nemo-gym installed: the one named, $ROLLOUTS_BENCH_NEMO_PYTHON, this
+    one, or that of the venv the NeMo Gym peer tests build (`$ROLLOUTS_PEER_VENV`, by default
+    `~/.cache/rollouts/nemo-gym-0.7.0`) when it exists."""
     import importlib.util
     import sys
+    from pathlib import Path
 
     if explicit is not None:
         return explicit or None  # "" leaves NeMo Gym out
@@ -255,7 +280,9 @@ def nemo_gym_python(explicit: str | None = None) -> str | None:
         return os.environ["ROLLOUTS_BENCH_NEMO_PYTHON"]
     if importlib.util.find_spec("nemo_gym") is not None:
         return sys.executable
-    return None
+    default_venv = Path.home() / ".cache" / "rollouts" / "nemo-gym-0.7.0"
+    peer = Path(os.environ.get("ROLLOUTS_PEER_VENV", default_venv)) / "bin" / "python"
+    return str(peer) if peer.exists() else None
 
 
 def run_nemo_gym(
@@ -278,5 +305,5 @@ def run_nemo_gym(
         float(line["wall_s"]),
         float(line["cpu_s"]),
         {"cpu_ms": {"producer": 1000 * float(line["cpu_s"]) / int(line["n"])},
-         "failed": line.get("failed") or {}},
+         "failed": line.get("failed") or {}, "dispatched_at": float(line["dispatched_at"])},
     )  # fmt: skip

@@ -94,6 +94,10 @@ class AgentProcess:
     pad_kb: int = 0
     rate_limit_above: int | None = None
     retry_after_s: float = 1.0
+    max_concurrency: int | None = None
+    """Declared for each agent in the servers config, as a user declares what the agent serves."""
+    request_log: str | None = None
+    """Where the agents log each `/run` they see (`examples/agent_server.py`)."""
     proc: subprocess.Popen[bytes] | None = None
     config_path: str = ""
 
@@ -104,10 +108,11 @@ class AgentProcess:
         limit = [] if self.rate_limit_above is None else [
             "--rate-limit-above", str(self.rate_limit_above), "--retry-after", str(self.retry_after_s)
         ]  # fmt: skip
+        log = [] if self.request_log is None else ["--request-log", self.request_log]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "examples.servers", "--write-config", self.config_path,
              "--latency-ms", str(self.latency_ms), "--agents", self.agents,
-             "--pad-kb", str(self.pad_kb), *limit],
+             "--pad-kb", str(self.pad_kb), *limit, *log],
             cwd=ROOT, stdout=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -116,7 +121,20 @@ class AgentProcess:
                 raise RuntimeError("example servers did not start")
             time.sleep(0.05)
         time.sleep(0.2)
+        if self.max_concurrency is not None:
+            self._declare(self.max_concurrency)
         return self
+
+    def _declare(self, max_concurrency: int) -> None:
+        """Write `max_concurrency` into each agent of the servers config."""
+        import yaml
+
+        with open(self.config_path) as f:
+            config = yaml.safe_load(f)
+        for agent in config["agents"].values():
+            agent["max_concurrency"] = max_concurrency
+        with open(self.config_path, "w") as f:
+            yaml.safe_dump(config, f, sort_keys=False)
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:

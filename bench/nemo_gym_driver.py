@@ -105,10 +105,12 @@ math_env:
         row.setdefault("_ng_rollout_index", 0)
     head = BaseServerConfig(host="127.0.0.1", port=head_port)
     helper = RolloutCollectionHelper()
-    cpu0, t0 = _cpu(), time.perf_counter()
+    cpu0, t0, dispatched_at = _cpu(), time.perf_counter(), time.time()
     failed = asyncio.run(_collect(rows, a.out, a.concurrency, head, helper))
     wall, cpu = time.perf_counter() - t0, _cpu() - cpu0
-    print(json.dumps({"n": len(rows), "wall_s": wall, "cpu_s": cpu, "failed": failed}))
+    line = {"n": len(rows), "wall_s": wall, "cpu_s": cpu, "failed": failed,
+            "dispatched_at": dispatched_at}  # fmt: skip
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

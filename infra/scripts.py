@@ -53,8 +53,8 @@ BEGIN_LUA = (
 -- it counted the first time: it counts none, and gives it back when it does not run; a drain
 -- lets it go on, as it lets running calls finish.
 -- The agent's adaptive window (agent_window_key, a hash: window, ssthresh, cap, last_decrease)
--- refuses a start while the agent's leases reach floor(window); it is made with the initial
--- window when missing (Redis lost it, or it idled out). Every shard key it writes expires key_ttl
+-- refuses a start while the agent's leases reach floor(window); it is made when missing (Redis
+-- lost it, or it idled out) at the agent's max_concurrency if declared, else the initial window. Every shard key it writes expires key_ttl
 -- seconds later (a live run's keys are written again, or refreshed by its producer).
 local state_key, landed_key, run_failed_key, cancel_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local generation_key, counts_key, starts_key = KEYS[5], KEYS[6], KEYS[7]
@@ -133,7 +133,9 @@ local cap = default_cap
 if agent_cap > 0 then cap = agent_cap elseif run_cap > 0 then cap = run_cap end
 local window = tonumber(redis.call('HGET', agent_window_key, 'window'))
 if not window then
-  window = math.min(initial_window, cap)
+  -- An agent that declares max_concurrency starts there (NeMo Gym's semaphore does); one that
+  -- declares none slow-starts from the initial window.
+  window = agent_cap > 0 and agent_cap or math.min(initial_window, cap)
   redis.call('HSET', agent_window_key, 'window', window, 'ssthresh', cap, 'cap', cap, 'probed', now)
 elseif tonumber(redis.call('HGET', agent_window_key, 'cap')) ~= cap then
   window = math.min(window, cap)

@@ -61,7 +61,8 @@ class AgentConfig(BaseModel):
     resources_server: str | None = None
     """The resources server this agent binds, if any."""
     max_concurrency: int | None = Field(default=None, ge=1)
-    """Cluster-wide cap on concurrent `/run` calls to this agent."""
+    """Cluster-wide cap on concurrent `/run` calls to this agent; its adaptive window starts
+    there (none declared: it slow-starts)."""
     datasets: list[DatasetEntry] = Field(default_factory=list)
     """Datasets this agent declares."""
 

@@ -20,13 +20,21 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def bench(*args: str) -> list[str]:
+def bench_output(*args: str) -> str:
     proc = subprocess.run(
         [sys.executable, "-m", "bench", *args, "--rounds", "1"],
         capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [line for line in proc.stdout.splitlines() if line.startswith("| ")][1:]
+    return proc.stdout
+
+
+def table_rows(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("| ")][1:]
+
+
+def bench(*args: str) -> list[str]:
+    return table_rows(bench_output(*args))
 
 
 def cells(line: str) -> list[str]:
@@ -44,6 +52,22 @@ def test_latency_table_has_every_collector() -> None:
     assert all(cells(r)[1] == "120" for r in rows)
     # every collector's peak RSS per 1,000 in flight is a figure (none ran in NeMo Gym's place)
     assert all(float(cells(r)[-1]) == float(cells(r)[-1]) for r in rows), rows
+    # and so is its wave start: its 16th /run (the chord: its 16th task) was seen after dispatch
+    assert all(float(cells(r)[3]) >= 0 for r in rows), rows
+
+
+@pytest.mark.timeout(320)
+def test_latency_gives_up_on_a_chord_past_its_time_limit() -> None:
+    """The sleeping chord is reported as not finished, its wave start still read; the agent
+    declares the in-flight count, so ours starts its whole first wave."""
+    output = bench_output("latency", "--n", "40", "--latency-ms", "2000", "--in-flight", "20",
+                          "--chord-limit-s", "1", "--nemo-python", "")  # fmt: skip
+    assert "the agent declares max_concurrency 20" in output
+    by_name = {cells(r)[0]: cells(r) for r in table_rows(output)}
+    chord = by_name["Celery chord, tasks only sleep 2 s"]
+    assert chord[2] == "did not finish in 1 s" and chord[5] == "-", chord
+    for name in ("asyncio + aiohttp (in-process)", "rollouts (ours)"):
+        assert float(by_name[name][2]) > 0 and float(by_name[name][3]) >= 0, by_name[name]
 
 
 @pytest.mark.timeout(320)
@@ -127,6 +151,7 @@ def test_soak_checkpoints_every_tenth_and_measures_what_follows() -> None:
         "finish step, again on its own",
         "rollouts status",
         "rollouts resume (nothing missing)",
+        "rollouts resume --plan",
     }, lines
     assert all(c[3] == "0" for c in processes.values()), processes
     # The keys left after the finish (kind, keys, without a TTL, TTL span), not the largest

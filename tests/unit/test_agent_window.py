@@ -71,6 +71,21 @@ def test_a_cold_agent_starts_with_the_initial_window(gate: Gate, r: redis.Redis)
         "window": INITIAL_WINDOW, "ssthresh": 1024, "cap": 1024}  # fmt: skip
 
 
+def test_an_agent_that_declares_max_concurrency_starts_its_window_there(
+    gate: Gate, r: redis.Redis
+) -> None:
+    """A declared max_concurrency is the whole wave at once (as NeMo Gym's semaphore): no slow
+    start; a 429/503 still shrinks it, and it grows back from there."""
+    declared = 4 * INITIAL_WINDOW
+    verdicts = [begin(gate, i, agent_cap=declared)[0] for i in range(declared + 1)]
+    assert verdicts == ["run"] * declared + ["wait"]
+    assert begin(gate, 99, agent_cap=declared) == ["wait", "max_concurrency"]
+    assert {k: v for k, v in window(r).items() if k != "probed"} == {
+        "window": declared, "ssthresh": declared, "cap": declared}  # fmt: skip
+    gate.back_off(ticket(0), 429, 1.0, call_s=0.0)
+    assert window(r)["window"] == pytest.approx(declared * WINDOW_DECREASE)
+
+
 def test_slow_start_doubles_a_full_window_that_went_a_probe_with_no_rate_limit(
     gate: Gate, r: redis.Redis
 ) -> None:

@@ -2,8 +2,9 @@
 
 One Lua call per rollout decides it (`begin`), one more returns the slot (`end`); a 429/503
 reply returns it early (`back_off`) while the rollout waits. Each agent's concurrent calls are
-also bounded by its adaptive window (`keys.agent_window`), one for the whole cluster: slow start
-from `INITIAL_WINDOW` (doubling per round trip, or per `SLOW_START_PROBE_S` of a full window),
+also bounded by its adaptive window (`keys.agent_window`), one for the whole cluster: an agent
+that declares `max_concurrency` starts there, one that declares none slow-starts from
+`INITIAL_WINDOW` (doubling per round trip, or per `SLOW_START_PROBE_S` of a full window),
 shrunk by `WINDOW_DECREASE` on a 429/503 at most once per round trip, grown on success, up to the
 agent's `max_concurrency` (else the run's `max_resident_tasks`, else `DEFAULT_WINDOW_CAP`). A slot is a
 *lease*: a member of a Redis sorted set scored by its expiry on the Redis server's clock. Each
@@ -60,8 +61,8 @@ REDIS_RETRY_S = 120.0
 RELEASE_BATCH = 256
 
 INITIAL_WINDOW = 10
-"""An agent's window before its first success (TCP's initial window, RFC 6928): a cold server is
-not stormed by the first burst."""
+"""The window of an agent that declares no max_concurrency, before its first success (TCP's
+initial window, RFC 6928): a cold server is not stormed by the first burst."""
 DEFAULT_WINDOW_CAP = 65536
 """The largest window of an agent with no max_concurrency, in a run with no max_resident_tasks
 (well above an RL step's 8,192 rollouts at once: the cluster's slots bound it first)."""

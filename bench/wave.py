@@ -1,0 +1,46 @@
+"""Wave start: how long from dispatch until the agent has seen a whole first wave of `/run`s.
+
+Read from the request logs the latency scenario keeps: the example agent's (one JSON line per
+event, `examples/agent_server.py`) and, for the sleeping chord, whose tasks call no agent, the
+start times its tasks append (`bench/noop_app.py`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import orjson
+
+
+class StartLog:
+    """A request log read on from where the last collector's reading stopped."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._offset = 0
+
+    def starts(self) -> list[float]:
+        """The start times logged since the last call, sorted."""
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line still being written is read next time
+        self._offset += end
+        found = []
+        for line in data[:end].splitlines():
+            if line.startswith(b"{"):
+                event = orjson.loads(line)
+                if event.get("event") == "start":
+                    found.append(float(event["start"]))
+            elif line.strip():
+                found.append(float(line))
+        return sorted(found)
+
+
+def wave_start_s(starts: list[float], dispatched_at: float, wave: int) -> float | None:
+    """Seconds from `dispatched_at` to the `wave`-th start; None if fewer started."""
+    if wave <= 0 or len(starts) < wave:
+        return None
+    return starts[wave - 1] - dispatched_at
