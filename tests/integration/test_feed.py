@@ -88,6 +88,57 @@ def test_a_group_with_a_failed_member_and_one_past_its_deadline_are_delivered_ma
     assert r.xlen(keys.feed_stream("t6")) == 0  # acknowledged entries are deleted
 
 
+def test_the_feed_carries_where_each_row_lies_and_the_trainer_gets_the_rows(
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
+    rows = planned(servers, 3, 2)
+    at = {F.rollout_key(row): row for row in rows}
+    at[1, 1]["fault"] = {"kind": "http500", "times": 99}  # settles with a failure row
+    out = tmp_path / "out"
+
+    async def collect() -> None:
+        completions = run_examples(
+            rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
+            route_failures_to_sidecar=True, retry_requests=False,
+            settings={"feed": "tr", "max_attempts": 1},
+        )  # fmt: skip
+        try:
+            for future in completions:
+                await future
+        finally:
+            await completions.aclose()
+
+    asyncio.run(asyncio.wait_for(collect(), 120))
+    # The stream holds where each member's line is, not the row: a result in the shard's
+    # results, the failure row in its sidecar.
+    entries: Any = r.xrange(keys.feed_stream("tr"))
+    refs = [m["_ng_ref"] for _, f in entries for m in orjson.loads(f[b"members"])]
+    assert len(refs) == 6
+    [results] = list(out.glob("rollouts-*[0-9].jsonl"))
+    [failures] = list(out.glob("rollouts-*_failures.jsonl"))
+    assert sorted(ref["file"] for ref in refs) == sorted([failures.name] + [results.name] * 5)
+    # The trainer gets the rows themselves, as the files hold them.
+    on_disk = {F.rollout_key(row): row for row in read_jsonl(results)}
+    on_disk[1, 1] = read_jsonl(failures)[-1]
+
+    async def train() -> list[FeedGroup]:
+        feed = Feed("tr", redis_url, block_s=0.2)
+        got = []
+        try:
+            async for group in feed.groups(consumer="rank0"):
+                got.append(group)
+                assert await group.ack()
+        finally:
+            await feed.aclose()
+        return got
+
+    got = by_task(asyncio.run(asyncio.wait_for(train(), 60)))
+    assert sorted(got) == [0, 1, 2] and got[1].reason == "failed"
+    members = [m for g in got.values() for m in g.members]
+    assert sorted(members, key=F.rollout_key) == [on_disk[k] for k in sorted(on_disk)]
+
+
 def consumer(redis_url: str, feed: str, name: str, log: Path, hold_s: float,
              claim_after_s: float = 60.0) -> subprocess.Popen[bytes]:  # fmt: skip
     """A trainer rank in its own process (`tests/feed_consumer.py`)."""
