@@ -395,10 +395,11 @@ def land_failed(span: Any, exc: BaseException) -> None:
 
 class _Instruments:
     def __init__(self, meter: Any) -> None:
-        self.ended = meter.create_counter(
-            "rollouts.rollouts.ended", unit="{rollout}",
-            description="Rollout deliveries by how they ended and failure class",
-        )  # fmt: skip
+        def counter(name: str, unit: str, description: str) -> Any:
+            return meter.create_counter(name, unit=unit, description=description)
+
+        self.ended = counter("rollouts.rollouts.ended", "{rollout}",
+                             "Rollout deliveries by how they ended and failure class")  # fmt: skip
         self.in_flight = meter.create_up_down_counter(
             "rollouts.rollouts.in_flight", unit="{rollout}",
             description="Traced rollout deliveries running on this worker",
@@ -406,18 +407,12 @@ class _Instruments:
         self.run_latency = meter.create_histogram(
             "rollouts.run.duration", unit="s", description="One /run attempt, request to reply"
         )
-        self.rate_limited = meter.create_counter(
-            "rollouts.rate_limit.waits", unit="{wait}",
-            description="Rate-limit waits (a 429/503 from the agent)",
-        )  # fmt: skip
-        self.verdicts = meter.create_counter(
-            "rollouts.health.verdicts", unit="{rollout}",
-            description="Landed results by live health verdict",
-        )  # fmt: skip
-        self.findings = meter.create_counter(
-            "rollouts.health.findings", unit="{finding}",
-            description="Live health findings of landed results, by check",
-        )  # fmt: skip
+        self.rate_limited = counter("rollouts.rate_limit.waits", "{wait}",
+                                    "Rate-limit waits (a 429/503 from the agent)")  # fmt: skip
+        self.verdicts = counter("rollouts.health.verdicts", "{rollout}",
+                                "Landed results by live health verdict")  # fmt: skip
+        self.findings = counter("rollouts.health.findings", "{finding}",
+                                "Live health findings of landed results, by check")  # fmt: skip
         self.queue_depth = meter.create_observable_gauge(
             "rollouts.queue.depth", callbacks=[_queue_depth], unit="{message}",
             description="Tasks waiting in the rollouts queue (a Redis broker's), at each export",
