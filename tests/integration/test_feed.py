@@ -39,6 +39,17 @@ def planned(servers: RunningServers, tasks: int, repeats: int) -> list[dict[str,
     return preprocess_examples(raw, servers.config(), CollectionSettings(num_repeats=repeats))
 
 
+def one_member_failing(
+    servers: RunningServers,
+) -> tuple[list[dict[str, Any]], dict[tuple[int, int], dict[str, Any]]]:
+    """Three tasks of two repeats whose rollout (1, 1) fails every attempt (a failure row), and
+    the rows by rollout key."""
+    rows = planned(servers, 3, 2)
+    at = {F.rollout_key(row): row for row in rows}
+    at[1, 1]["fault"] = {"kind": "http500", "times": 99}
+    return rows, at
+
+
 def by_task(groups: list[FeedGroup]) -> dict[int, FeedGroup]:
     return {int(g.group.split("/")[-1]): g for g in groups}
 
@@ -47,9 +58,7 @@ def test_a_group_with_a_failed_member_and_one_past_its_deadline_are_delivered_ma
     make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
-    rows = planned(servers, 3, 2)
-    at = {F.rollout_key(row): row for row in rows}
-    at[1, 1]["fault"] = {"kind": "http500", "times": 99}  # fails every attempt: a failure row
+    rows, at = one_member_failing(servers)
     at[2, 1]["agent_latency_ms"] = 120_000  # hangs past the group's deadline
     settings = {"feed": "t6", "group_timeout_s": 3.0, "max_attempts": 2}
 
@@ -92,24 +101,12 @@ def test_the_feed_carries_where_each_row_lies_and_the_trainer_gets_the_rows(
     make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
-    rows = planned(servers, 3, 2)
-    at = {F.rollout_key(row): row for row in rows}
-    at[1, 1]["fault"] = {"kind": "http500", "times": 99}  # settles with a failure row
+    rows, _ = one_member_failing(servers)
     out = tmp_path / "out"
-
-    async def collect() -> None:
-        completions = run_examples(
-            rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
-            route_failures_to_sidecar=True, retry_requests=False,
-            settings={"feed": "tr", "max_attempts": 1},
-        )  # fmt: skip
-        try:
-            for future in completions:
-                await future
-        finally:
-            await completions.aclose()
-
-    asyncio.run(asyncio.wait_for(collect(), 120))
+    collect_with_feed(
+        rows, servers, redis_url, out, "tr", {"max_attempts": 1},
+        route_failures_to_sidecar=True, retry_requests=False,
+    )  # fmt: skip
     # The stream holds where each member's line is, not the row: a result in the shard's
     # results, the failure row in its sidecar.
     entries: Any = r.xrange(keys.feed_stream("tr"))
@@ -157,13 +154,15 @@ def acked(log: Path) -> list[str]:
 
 def collect_with_feed(
     rows: list[dict[str, Any]], servers: RunningServers, redis_url: str, out: Path, feed: str,
+    settings: dict[str, Any] | None = None, **call: Any,
 ) -> None:  # fmt: skip
-    """Run a recorded call with a feed to its end (every outcome taken, then closed)."""
+    """Run a recorded call with a feed to its end (every outcome taken, then closed); `settings`
+    and `call` add to the call's settings and arguments."""
 
     async def go() -> None:
         completions = run_examples(
             rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
-            settings={"feed": feed},
+            settings={"feed": feed, **(settings or {})}, **call,
         )  # fmt: skip
         try:
             for future in completions:
