@@ -6,6 +6,8 @@ to one of them (trainer ranks share the work); an item read and not acknowledged
 its consumer and is claimed by a reader of the feed once idle `claim_after_s` (XAUTOCLAIM): a
 consumer that died leaves nothing unread. A consumer restarted under its own name first gets
 back what it held. Reading also delivers the groups past their deadline (`group_timeout_s`).
+A stream entry names where each member's line lies in the run directory; reading hands out the
+rows read from there (`infra/feed_refs.py`).
 The acknowledgement that takes a group is also logged on the run directory
 (`infra/feed_log.py`); a reader rides out a Redis that restarts, and one that lost its data
 (the producer rebuilds the feed, `workers/feed/rebuild.py`).
