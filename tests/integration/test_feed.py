@@ -21,6 +21,7 @@ from examples.servers import RunningServers
 from examples.tasks import make_row
 from infra import keys
 from infra.embedded import EmbeddedRedis
+from infra.store import RunDir
 from producer import preprocess_examples, run_examples
 from producer.api.feed import Feed, FeedGroup
 from schemas import fields as F
@@ -98,26 +99,27 @@ def test_a_group_with_a_failed_member_and_one_past_its_deadline_are_delivered_ma
 
 
 def test_the_feed_carries_where_each_row_lies_and_the_trainer_gets_the_rows(
-    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
+    make_run: MakeRun, run_dir_url: str, redis_url: str, r: redis.Redis
 ) -> None:
     servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
     rows, _ = one_member_failing(servers)
-    out = tmp_path / "out"
     collect_with_feed(
-        rows, servers, redis_url, out, "tr", {"max_attempts": 1},
+        rows, servers, redis_url, run_dir_url, "tr", {"max_attempts": 1},
         route_failures_to_sidecar=True, retry_requests=False,
     )  # fmt: skip
     # The stream holds where each member's line is, not the row: a result in the shard's
-    # results, the failure row in its sidecar.
+    # results, the failure row in its sidecar (on S3, with the segment object it went into).
     entries: Any = r.xrange(keys.feed_stream("tr"))
     refs = [m["_ng_ref"] for _, f in entries for m in orjson.loads(f[b"members"])]
     assert len(refs) == 6
-    [results] = list(out.glob("rollouts-*[0-9].jsonl"))
-    [failures] = list(out.glob("rollouts-*_failures.jsonl"))
-    assert sorted(ref["file"] for ref in refs) == sorted([failures.name] + [results.name] * 5)
-    # The trainer gets the rows themselves, as the files hold them.
-    on_disk = {F.rollout_key(row): row for row in read_jsonl(results)}
-    on_disk[1, 1] = read_jsonl(failures)[-1]
+    assert all(("seg" in ref) == run_dir_url.startswith("s3://") for ref in refs)
+    files = sorted(ref["file"] for ref in refs)
+    results, failures = files[0], files[-1]  # `rollouts-S.jsonl` sorts before `rollouts-S_...`
+    assert failures.endswith("_failures.jsonl") and files == [results] * 5 + [failures]
+    # The trainer gets the rows themselves, as the files hold them (compacted by now on S3).
+    rd = RunDir(run_dir_url)
+    on_disk = {F.rollout_key(row): row for _, row in rd.iter_objects(results) if row}
+    on_disk[1, 1] = [row for _, row in rd.iter_objects(failures) if row][-1]
 
     async def train() -> list[FeedGroup]:
         feed = Feed("tr", redis_url, block_s=0.2)
@@ -153,8 +155,8 @@ def acked(log: Path) -> list[str]:
 
 
 def collect_with_feed(
-    rows: list[dict[str, Any]], servers: RunningServers, redis_url: str, out: Path, feed: str,
-    settings: dict[str, Any] | None = None, **call: Any,
+    rows: list[dict[str, Any]], servers: RunningServers, redis_url: str, out: Path | str,
+    feed: str, settings: dict[str, Any] | None = None, **call: Any,
 ) -> None:  # fmt: skip
     """Run a recorded call with a feed to its end (every outcome taken, then closed); `settings`
     and `call` add to the call's settings and arguments."""
