@@ -347,6 +347,37 @@ class RunDir:
                 return
             yield offset, line
 
+    def read_range(self, name: str, offset: int, length: int, segment: int | None = None) -> bytes:
+        """Bytes `[offset, offset + length)` of the logical file `name`: one ranged read.
+
+        `segment`: on an object store, the logical offset of the segment object the bytes were
+        appended in (`append_at` writes a batch as one segment at its offset); once compacted
+        (or unknown) they are read from the base, else found through the segment listing.
+        """
+        if self.can_append:
+            with open(self.path(name), "rb", buffering=0) as f:
+                return os.pread(f.fileno(), length, offset)
+        if segment is not None:
+            seg = f"{segments.segment_dir(self.root, name)}/{segments.segment_name(segment)}"
+            try:
+                data: bytes = self.fs.cat_file(
+                    seg, start=offset - segment, end=offset - segment + length
+                )
+                return data
+            except FileNotFoundError:
+                pass  # compacted into the base
+        base = segments.base_part(self.fs, self.path(name))
+        if base is not None and offset + length <= base.end:
+            data = self.fs.cat_file(base.path, start=offset, end=offset + length)
+            return data
+        for part in self.segments(name):
+            if part.start <= offset and offset + length <= part.end:
+                data = self.fs.cat_file(
+                    part.path, start=offset - part.start, end=offset - part.start + length
+                )
+                return data
+        raise FileNotFoundError(f"{self.path(name)}: no object holds bytes {offset}+{length}")
+
     def append_at(self, name: str, data: bytes | Sequence[bytes], offset: int) -> None:
         """Append whole lines at `offset`, the committed logical size; the caller holds the lock.
 

@@ -6,6 +6,8 @@ to one of them (trainer ranks share the work); an item read and not acknowledged
 its consumer and is claimed by a reader of the feed once idle `claim_after_s` (XAUTOCLAIM): a
 consumer that died leaves nothing unread. A consumer restarted under its own name first gets
 back what it held. Reading also delivers the groups past their deadline (`group_timeout_s`).
+A stream entry names where each member's line lies in the run directory; reading hands out the
+rows read from there (`infra/feed_refs.py`).
 The acknowledgement that takes a group is also logged on the run directory
 (`infra/feed_log.py`); a reader rides out a Redis that restarts, and one that lost its data
 (the producer rebuilds the feed, `workers/feed/rebuild.py`).
@@ -27,6 +29,7 @@ from infra import keys
 from infra.environment import from_env
 from infra.feed import FeedCounts, ensure_group, expire_groups, feed_counts
 from infra.feed_log import record_ack
+from infra.feed_refs import RowReader
 from infra.feed_scripts import FEED_ACK_LUA, feed_keys
 from infra.store import RunDir
 from schemas import fields as F
@@ -137,6 +140,7 @@ class Feed:
         self._stream = keys.feed_stream(name)
         self._run_dir = run_dir
         self._lost = False
+        self._rows = RowReader()
         self.max_policy_lag = max_policy_lag
 
     async def aclose(self) -> None:
@@ -236,7 +240,7 @@ class Feed:
             self._lost = False
         if first:
             own = await self._r.xreadgroup(group, consumer, {self._stream: "0"}, count=10_000)
-            return self._entries(own)
+            return await self._resolved(self._entries(own))
         await asyncio.to_thread(expire_groups, self._sync, self.name)
         claimed = await self._r.xautoclaim(
             self._stream, group, consumer, min_idle_time=int(self.claim_after_s * 1000),
@@ -244,11 +248,22 @@ class Feed:
         )  # fmt: skip
         got = [_item(i, f) for i, f in claimed[1] if f]
         if got:
-            return got
+            return await self._resolved(got)
         read = await self._r.xreadgroup(
             group, consumer, {self._stream: ">"}, count=READ_COUNT, block=int(self.block_s * 1000)
         )
-        return self._entries(read)
+        return await self._resolved(self._entries(read))
+
+    async def _resolved(self, items: list[FeedItem]) -> list[FeedItem]:
+        """`items` with each member's row: a member the feed carries as a reference to its line
+        in the shard's files is read from there (`infra/feed_refs.py`)."""
+        if items:
+            await asyncio.to_thread(self._resolve, items)
+        return items
+
+    def _resolve(self, items: list[FeedItem]) -> None:
+        for item in items:
+            item.members = self._rows.rows(item.members)
 
     @staticmethod
     def _entries(reply: Any) -> list[FeedItem]:
@@ -280,7 +295,7 @@ async def ack_ids(feed: Feed, ids: list[str], consumer: str) -> list[bool]:
     for entry in ids:
         got: Any = await feed._r.xrange(feed._stream, min=entry, max=entry)
         if got and got[0][1]:
-            found[entry] = _item(got[0][0], got[0][1])
+            found[entry] = (await feed._resolved([_item(got[0][0], got[0][1])]))[0]
     flags = await feed.ack(ids)
     for entry, took in zip(ids, flags, strict=True):
         if took and entry in found:

@@ -21,6 +21,7 @@ from examples.servers import RunningServers
 from examples.tasks import make_row
 from infra import keys
 from infra.embedded import EmbeddedRedis
+from infra.store import RunDir
 from producer import preprocess_examples, run_examples
 from producer.api.feed import Feed, FeedGroup
 from schemas import fields as F
@@ -39,6 +40,17 @@ def planned(servers: RunningServers, tasks: int, repeats: int) -> list[dict[str,
     return preprocess_examples(raw, servers.config(), CollectionSettings(num_repeats=repeats))
 
 
+def one_member_failing(
+    servers: RunningServers,
+) -> tuple[list[dict[str, Any]], dict[tuple[int, int], dict[str, Any]]]:
+    """Three tasks of two repeats whose rollout (1, 1) fails every attempt (a failure row), and
+    the rows by rollout key."""
+    rows = planned(servers, 3, 2)
+    at = {F.rollout_key(row): row for row in rows}
+    at[1, 1]["fault"] = {"kind": "http500", "times": 99}
+    return rows, at
+
+
 def by_task(groups: list[FeedGroup]) -> dict[int, FeedGroup]:
     return {int(g.group.split("/")[-1]): g for g in groups}
 
@@ -47,9 +59,7 @@ def test_a_group_with_a_failed_member_and_one_past_its_deadline_are_delivered_ma
     make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
-    rows = planned(servers, 3, 2)
-    at = {F.rollout_key(row): row for row in rows}
-    at[1, 1]["fault"] = {"kind": "http500", "times": 99}  # fails every attempt: a failure row
+    rows, at = one_member_failing(servers)
     at[2, 1]["agent_latency_ms"] = 120_000  # hangs past the group's deadline
     settings = {"feed": "t6", "group_timeout_s": 3.0, "max_attempts": 2}
 
@@ -88,6 +98,46 @@ def test_a_group_with_a_failed_member_and_one_past_its_deadline_are_delivered_ma
     assert r.xlen(keys.feed_stream("t6")) == 0  # acknowledged entries are deleted
 
 
+def test_the_feed_carries_where_each_row_lies_and_the_trainer_gets_the_rows(
+    make_run: MakeRun, run_dir_url: str, redis_url: str, r: redis.Redis
+) -> None:
+    servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
+    rows, _ = one_member_failing(servers)
+    collect_with_feed(
+        rows, servers, redis_url, run_dir_url, "tr", {"max_attempts": 1},
+        route_failures_to_sidecar=True, retry_requests=False,
+    )  # fmt: skip
+    # The stream holds where each member's line is, not the row: a result in the shard's
+    # results, the failure row in its sidecar (on S3, with the segment object it went into).
+    entries: Any = r.xrange(keys.feed_stream("tr"))
+    refs = [m["_ng_ref"] for _, f in entries for m in orjson.loads(f[b"members"])]
+    assert len(refs) == 6
+    assert all(("seg" in ref) == run_dir_url.startswith("s3://") for ref in refs)
+    files = sorted(ref["file"] for ref in refs)
+    results, failures = files[0], files[-1]  # `rollouts-S.jsonl` sorts before `rollouts-S_...`
+    assert failures.endswith("_failures.jsonl") and files == [results] * 5 + [failures]
+    # The trainer gets the rows themselves, as the files hold them (compacted by now on S3).
+    rd = RunDir(run_dir_url)
+    on_disk = {F.rollout_key(row): row for _, row in rd.iter_objects(results) if row}
+    on_disk[1, 1] = [row for _, row in rd.iter_objects(failures) if row][-1]
+
+    async def train() -> list[FeedGroup]:
+        feed = Feed("tr", redis_url, block_s=0.2)
+        got = []
+        try:
+            async for group in feed.groups(consumer="rank0"):
+                got.append(group)
+                assert await group.ack()
+        finally:
+            await feed.aclose()
+        return got
+
+    got = by_task(asyncio.run(asyncio.wait_for(train(), 60)))
+    assert sorted(got) == [0, 1, 2] and got[1].reason == "failed"
+    members = [m for g in got.values() for m in g.members]
+    assert sorted(members, key=F.rollout_key) == [on_disk[k] for k in sorted(on_disk)]
+
+
 def consumer(redis_url: str, feed: str, name: str, log: Path, hold_s: float,
              claim_after_s: float = 60.0) -> subprocess.Popen[bytes]:  # fmt: skip
     """A trainer rank in its own process (`tests/feed_consumer.py`)."""
@@ -105,14 +155,16 @@ def acked(log: Path) -> list[str]:
 
 
 def collect_with_feed(
-    rows: list[dict[str, Any]], servers: RunningServers, redis_url: str, out: Path, feed: str,
+    rows: list[dict[str, Any]], servers: RunningServers, redis_url: str, out: Path | str,
+    feed: str, settings: dict[str, Any] | None = None, **call: Any,
 ) -> None:  # fmt: skip
-    """Run a recorded call with a feed to its end (every outcome taken, then closed)."""
+    """Run a recorded call with a feed to its end (every outcome taken, then closed); `settings`
+    and `call` add to the call's settings and arguments."""
 
     async def go() -> None:
         completions = run_examples(
             rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
-            settings={"feed": feed},
+            settings={"feed": feed, **(settings or {})}, **call,
         )  # fmt: skip
         try:
             for future in completions:

@@ -3,6 +3,8 @@
 The lander calls `queue_members` with the members of a batch that landed new (a result, or the
 failure row a rollout settled with), in the same transaction as the landed keys and counters: a
 rollout is in its feed exactly when its shard records it as landed (docs/explanation/feed.md).
+A member that knows where its line was appended enters as that place (`infra/feed_refs.py`), not
+as the row.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class Landed:
     line: bytes
     """Its JSONL line."""
     failed: bool
+    ref: bytes | None = None
+    """Where the line lies in the shard's files (`infra.feed_refs.line_ref`): the feed carries
+    that instead of the line; None: the line itself."""
 
 
 def queue_members(pipe: redis.client.Pipeline, script: redis.commands.core.Script,
@@ -36,8 +41,8 @@ def queue_members(pipe: redis.client.Pipeline, script: redis.commands.core.Scrip
     by_feed: dict[str, list[bytes | str | int | float]] = defaultdict(list)
     for m in members:
         field = ("f:" if m.failed else "r:") + m.member
-        by_feed[m.feed.name] += [m.feed.group, m.feed.size, m.feed.timeout_s, field,
-                                 m.line.rstrip(b"\n")]  # fmt: skip
+        value = m.ref if m.ref is not None else m.line.rstrip(b"\n")
+        by_feed[m.feed.name] += [m.feed.group, m.feed.size, m.feed.timeout_s, field, value]
     for name, args in by_feed.items():
         head: list[bytes | str | int | float] = [
             keys.feed_group_prefix(name),

@@ -37,13 +37,14 @@ import threading
 import time
 import uuid
 from collections import Counter, OrderedDict, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
 
 from infra import keys
 from infra.environment import from_env
+from infra.feed_refs import line_ref
 from infra.feed_scripts import FEED_LAND_LUA
 from infra.locks import ACQUIRE_TIMEOUT_S, HeldLock, held_reading
 from infra.process import PerProcess
@@ -121,7 +122,7 @@ def _settle(pending: list[_Pending], exc: BaseException) -> None:
                 tracing.land_failed(p.span, exc)
 
 
-def _settled_with_failure(accepted: list[_Pending]) -> list[Landed]:
+def _settled_with_failure(accepted: list[_Pending]) -> list[tuple[_Pending, Landed]]:
     """The batch's rollouts of a feed that settled with a failure (no result): each enters its
     feed with its last failure row."""
     out = []
@@ -130,7 +131,18 @@ def _settled_with_failure(accepted: list[_Pending]) -> list[Landed]:
             continue
         row = p.records.failures[-1]
         if F.TASK_INDEX in row and F.ROLLOUT_INDEX in row:
-            out.append(Landed(p.feed, key_str(row), p.records.failure_lines[-1], failed=True))
+            out.append((p, Landed(p.feed, key_str(row), p.records.failure_lines[-1], True)))
+    return out
+
+
+def _places(rd: RunDir, name: str, offset: int, lines: list[bytes]) -> list[bytes]:
+    """Where each of `lines`, appended to `name` at `offset` as one write, now lies: the feed's
+    reference to it (`infra/feed_refs.py`)."""
+    segment = None if rd.can_append else offset
+    out = []
+    for line in lines:
+        out.append(line_ref(rd.url, name, offset, len(line), segment))
+        offset += len(line)
     return out
 
 
@@ -394,7 +406,7 @@ class Lander:
             lines: list[bytes] = []
             kinds: Counter[str] = Counter()
             verdicts: Counter[str] = Counter()
-            fed: list[Landed] = []
+            fed: list[tuple[FeedMember, str, int]] = []
             for p, (k, line) in with_result:
                 report = reports[id(p)]
                 report.landed = report.duplicate = False
@@ -408,13 +420,15 @@ class Lander:
                 kinds[agent_counter(p.records.agent, "landed")] += 1
                 report.landed = True
                 if p.feed is not None:
-                    fed.append(Landed(p.feed, k, line, failed=False))
+                    fed.append((p.feed, k, len(lines) - 1))
                 if p.records.health is not None:
                     verdicts.update(p.records.health.counter_fields())
             # Not joined: on a local folder the lines go down as they are (`writev`); a batch
             # of 300 lines of 64 KB joined was another 20 MB at a worker's memory peak.
+            offset = int(state.get(st.size_field(st.files.results), "0"))
             if lines and not self._append(st, state, st.files.results, lines):
                 continue
+            places = _places(st.rd, st.files.results, offset, lines) if fed else []
             pipe = self.r.pipeline(transaction=True)
             if new_keys:
                 planned = int(state.get(PLANNED, "0"))
@@ -429,7 +443,8 @@ class Lander:
                     pipe.hincrby(keys.shard_health(st.sid), name, n)
                 st.commit_size(pipe, st.files.results, state)
             if fed:
-                queue_members(pipe, self._feed, fed)
+                members = [Landed(f, k, lines[i], False, places[i]) for f, k, i in fed]
+                queue_members(pipe, self._feed, members)
             dups = len(with_result) - len(new_keys)
             if dups:
                 pipe.hincrby(keys.shard_counts(st.sid), "duplicates", dups)
@@ -460,6 +475,7 @@ class Lander:
         counts: dict[str, int] = defaultdict(int)
         digests: list[tuple[str, bytes]] = []
         fed = _settled_with_failure(accepted)
+        last_line: dict[int, int] = {}  # where in `lines` a rollout's last failure row is
         for p in accepted:
             names = zip(p.records.counters(), p.records.agent_counters(), strict=True)
             for line, (name, by_agent) in zip(p.records.failure_lines, names, strict=True):
@@ -469,14 +485,18 @@ class Lander:
                         continue
                     digests.append(digest)
                 lines.append(line)
+                if line is p.records.failure_lines[-1]:
+                    last_line[id(p)] = len(lines) - 1
                 counts[name] += 1
                 counts[by_agent] += 1
                 reports[id(p)].failures_written += 1
         if not lines:
             return
         for _ in range(MAX_CONFLICTS):
+            offset = int(state.get(st.size_field(st.files.failures), "0"))
             if not self._append(st, state, st.files.failures, lines):
                 continue
+            places = _places(st.rd, st.files.failures, offset, lines) if fed else []
             self._written.update(dict.fromkeys(digests))
             while len(self._written) > WRITTEN_KEPT:
                 self._written.popitem(last=False)
@@ -485,7 +505,11 @@ class Lander:
                 pipe.hincrby(keys.shard_counts(st.sid), name, n)
             st.commit_size(pipe, st.files.failures, state)
             if fed:
-                queue_members(pipe, self._feed, fed)
+                members = [
+                    replace(m, ref=places[i]) if (i := last_line.get(id(p))) is not None else m
+                    for p, m in fed
+                ]
+                queue_members(pipe, self._feed, members)
             keep_alive(pipe, st.sid)
             lock.commit(pipe)
             return
