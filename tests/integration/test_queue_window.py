@@ -1,0 +1,114 @@
+"""The queue window (`queue_window`): the broker queue holds a window of a run's rollout tasks,
+refilled by the workers as rollouts settle, so a run finishes every rollout once without its
+producer."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import redis
+
+from infra import keys
+from infra.store import RunDir
+from schemas.messages import QUEUE
+from tests.helpers import demo_rows
+from tests.ops_helpers import manifest, results_once, wait_for
+from tests.runs import MakeRun
+
+pytestmark = pytest.mark.integration
+
+ROWS = 60
+WINDOW = 8
+CONCURRENCY = 4
+PREFETCH = CONCURRENCY + CONCURRENCY // 4 + 1
+"""What a worker takes from the queue ahead of its slots (`workers/pool.py`'s `PrefetchAhead`)."""
+
+
+def slow_rows() -> list[dict[str, object]]:
+    rows = demo_rows(ROWS)
+    for row in rows:
+        row["agent_latency_ms"] = 100
+    return rows
+
+
+def completed(out: Path) -> bool:
+    path = out / "rollouts-0_manifest.json"
+    return path.exists() and manifest(out)["state"] == "completed"
+
+
+def window_hash(r: redis.Redis, out: Path) -> dict[str, str]:
+    sid = keys.shard_id(RunDir(str(out)).url, "0")
+    raw: dict[bytes, bytes] = r.hgetall(keys.shard_window(sid))  # type: ignore[assignment]
+    return {k.decode(): v.decode() for k, v in raw.items() if k != b"messages"}
+
+
+class QueueSampler:
+    """Samples the broker queue's length in a thread until stopped: the largest seen, how often."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self.largest = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.largest = max(self.largest, int(self.r.llen(QUEUE)))
+            self.samples += 1
+            self._stop.wait(0.01)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def test_a_windowed_run_lands_every_rollout_once_and_its_queue_holds_the_window(
+    make_run: MakeRun, r: redis.Redis
+) -> None:
+    run = make_run(workers=2, concurrency=CONCURRENCY)
+    sampler = QueueSampler(r)
+    try:
+        proc = run.cli(slow_rows(), f"+queue_window={WINDOW}")
+    finally:
+        sampler.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results_once(run.out, ROWS)
+    assert manifest(run.out)["state"] == "completed"
+    assert sampler.samples > 10
+    # Without the window the producer publishes all 60 at once, faster than 2 workers take them.
+    assert 0 < sampler.largest <= WINDOW + 2 * PREFETCH, sampler.largest
+    assert window_hash(r, run.out)["published"] == str(ROWS)
+
+
+def test_a_windowed_run_started_with_no_wait_is_refilled_by_the_workers(
+    make_run: MakeRun, r: redis.Redis
+) -> None:
+    run = make_run(workers=0)
+    proc = run.cli(slow_rows(), f"+queue_window={WINDOW}", "--no-wait")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The producer left with one window published; no worker has taken any yet.
+    assert r.llen(QUEUE) == WINDOW
+    assert window_hash(r, run.out)["published"] == str(WINDOW)
+    run.workers.start(2, CONCURRENCY)
+    wait_for(lambda: completed(run.out), 120, "the run completed")
+    results_once(run.out, ROWS)
+
+
+def test_a_windowed_run_whose_producer_is_killed_finishes_every_rollout(
+    make_run: MakeRun, r: redis.Redis
+) -> None:
+    run = make_run(workers=1, concurrency=CONCURRENCY)
+    producer = run.start(slow_rows(), f"+queue_window={WINDOW}")
+    wait_for(lambda: int(window_hash(r, run.out).get("published", 0)) >= 2 * WINDOW, 120,
+             "two windows published")  # fmt: skip
+    producer.send_signal(signal.SIGKILL)
+    producer.wait(30)
+    assert int(window_hash(r, run.out)["published"]) < ROWS
+    wait_for(lambda: completed(run.out), 120, "the run completed")
+    results_once(run.out, ROWS)
+    assert window_hash(r, run.out)["published"] == str(ROWS)
