@@ -119,6 +119,8 @@ class QueueWindow:
         )
         if room < 0:
             self._windowed[sid] = False
+            for spec in [spec for spec in self._specs if spec[0] == sid]:
+                del self._specs[spec]
         if room <= 0:
             return 0
         token = raw_token.decode() if isinstance(raw_token, bytes) else str(raw_token)

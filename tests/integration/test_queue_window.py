@@ -5,17 +5,17 @@ producer."""
 from __future__ import annotations
 
 import signal
-import threading
 from pathlib import Path
 
+import orjson
 import pytest
 import redis
 
 from infra import keys
 from infra.store import RunDir
 from schemas.messages import QUEUE
-from tests.helpers import demo_rows
-from tests.ops_helpers import manifest, results_once, wait_for
+from tests.helpers import Sampler, demo_rows
+from tests.ops_helpers import cli, landed_lines, manifest, results_once, wait_for
 from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
@@ -45,33 +45,11 @@ def window_hash(r: redis.Redis, out: Path) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in raw.items() if k != b"messages"}
 
 
-class QueueSampler:
-    """Samples the broker queue's length in a thread until stopped: the largest seen, how often."""
-
-    def __init__(self, r: redis.Redis) -> None:
-        self.r = r
-        self.largest = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.largest = max(self.largest, int(self.r.llen(QUEUE)))
-            self.samples += 1
-            self._stop.wait(0.01)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
 def test_a_windowed_run_lands_every_rollout_once_and_its_queue_holds_the_window(
     make_run: MakeRun, r: redis.Redis
 ) -> None:
     run = make_run(workers=2, concurrency=CONCURRENCY)
-    sampler = QueueSampler(r)
+    sampler = Sampler(lambda: int(r.llen(QUEUE)), 0.01)
     try:
         proc = run.cli(slow_rows(), f"+queue_window={WINDOW}")
     finally:
@@ -79,9 +57,10 @@ def test_a_windowed_run_lands_every_rollout_once_and_its_queue_holds_the_window(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results_once(run.out, ROWS)
     assert manifest(run.out)["state"] == "completed"
-    assert sampler.samples > 10
+    largest = max(n for _, n in sampler.samples)
+    assert len(sampler.samples) > 10
     # Without the window the producer publishes all 60 at once, faster than 2 workers take them.
-    assert 0 < sampler.largest <= WINDOW + 2 * PREFETCH, sampler.largest
+    assert 0 < largest <= WINDOW + 2 * PREFETCH, largest
     assert window_hash(r, run.out)["published"] == str(ROWS)
 
 
@@ -112,3 +91,43 @@ def test_a_windowed_run_whose_producer_is_killed_finishes_every_rollout(
     wait_for(lambda: completed(run.out), 120, "the run completed")
     results_once(run.out, ROWS)
     assert window_hash(r, run.out)["published"] == str(ROWS)
+
+
+@pytest.mark.parametrize("drain", [False, True], ids=["cancel", "drain"])
+def test_a_windowed_run_is_cancelled_and_resumed(
+    drain: bool, make_run: MakeRun, redis_url: str, r: redis.Redis
+) -> None:
+    """The rows a cancelled windowed run never published settle as stopped, published by the
+    workers as the others are, so the cancel finishes; the resume runs them (without a window)."""
+    run = make_run(workers=1, concurrency=CONCURRENCY)
+    rows = slow_rows()
+    for row in rows:
+        row["agent_latency_ms"] = 500
+    producer = run.start(rows, f"+queue_window={WINDOW}")
+    wait_for(lambda: landed_lines(run.out) >= CONCURRENCY, 120, "a few landed")
+    proc = cli("cancel", str(run.out), "--broker", redis_url, *(["--drain"] if drain else []))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert producer.wait(120) == (75 if drain else 1)
+    assert manifest(run.out)["state"] == "cancelled"
+    assert landed_lines(run.out) < ROWS
+    assert window_hash(r, run.out)["published"] == str(ROWS)
+    proc = cli("resume", str(run.out), "--broker", redis_url)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert manifest(run.out)["state"] == "completed"
+    results_once(run.out, ROWS)
+
+
+def test_a_windowed_run_out_of_dispatch_budget_drains_the_rest(
+    make_run: MakeRun, redis_url: str
+) -> None:
+    run = make_run(workers=1, concurrency=CONCURRENCY)
+    rows = slow_rows()
+    for row in rows:
+        row["agent_latency_ms"] = 500
+    proc = run.cli(rows, f"+queue_window={WINDOW}", "+dispatch_budget_s=2")
+    assert proc.returncode == 75, proc.stdout + proc.stderr
+    assert "drained by its dispatch budget" in proc.stderr
+    landed = landed_lines(run.out)
+    assert 0 < landed < ROWS
+    status = orjson.loads((run.out / "rollouts-0_status.json").read_bytes())
+    assert status["drained"] == ROWS - landed
