@@ -13,10 +13,12 @@ import redis
 
 from infra import keys
 from infra.store import RunDir
+from producer.shard.celery_client import client_app
 from schemas.messages import QUEUE
 from tests.helpers import Sampler, demo_rows
 from tests.ops_helpers import cli, landed_lines, manifest, results_once, wait_for
 from tests.runs import MakeRun
+from workers.window import QueueWindow
 
 pytestmark = pytest.mark.integration
 
@@ -131,3 +133,20 @@ def test_a_windowed_run_out_of_dispatch_budget_drains_the_rest(
     assert 0 < landed < ROWS
     status = orjson.loads((run.out / "rollouts-0_status.json").read_bytes())
     assert status["drained"] == ROWS - landed
+
+
+def test_rows_a_dead_refiller_published_without_moving_the_cursor_land_once(
+    make_run: MakeRun, redis_url: str, r: redis.Redis
+) -> None:
+    """A refiller that dies between its publish and its cursor move leaves the cursor where it
+    was: the next refill publishes the same rows again, and each copy counts nothing."""
+    run = make_run(workers=0)
+    proc = run.cli(slow_rows(), f"+queue_window={WINDOW}", "--no-wait")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sid = keys.shard_id(RunDir(str(run.out)).url, "0")
+    r.hset(keys.shard_window(sid), mapping={"cursor": 0, "published": 0})
+    assert QueueWindow(client_app(redis_url, redis_url), r).refill(sid) == WINDOW
+    assert r.llen(QUEUE) == 2 * WINDOW
+    run.workers.start(2, CONCURRENCY)
+    wait_for(lambda: completed(run.out), 120, "the run completed")
+    results_once(run.out, ROWS)
