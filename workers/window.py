@@ -32,18 +32,12 @@ from infra import keys
 from infra.environment import from_env
 from infra.scripts import REFILL_DONE_LUA, REFILL_TAKE_LUA
 from infra.store import RunDir
-from schemas import fields as F
-from schemas.messages import QUEUE
-from workers.collect_messages import CollectMessages
-from workers.redispatch import CollectTaskMessage, publish_collect
+from workers.collect_messages import CollectMessages, publish_rows
 
 log = logging.getLogger(__name__)
 
 LOCK_S = 10.0
 """How long a refiller holds the window's lock at most: a dead one's refill waits this long."""
-
-PUBLISH_BATCH = 500
-"""Messages per pipelined broker write (kombu's publish batch)."""
 
 
 @dataclass(frozen=True)
@@ -147,17 +141,8 @@ class QueueWindow:
             end = line_end
             if len(batch) == room:
                 break
-        queue = self.app.amqp.queues[QUEUE]
-        with self.app.producer_or_acquire() as producer:
-            producer.maybe_declare(queue)
-            with producer.batch(PUBLISH_BATCH):
-                for i, row in batch:
-                    rid = F.rollout_id(row)
-                    payload, argsrepr = messages.message(row, rid, F.dispatch_target(row) or "")
-                    task_id = f"{plan.task_prefix}.{rid}"
-                    m = CollectTaskMessage(task_id, payload, argsrepr, plan.group_id, i)
-                    publish_collect(self.app, producer, queue, m)
-        return end, len(batch)
+        sent = publish_rows(self.app, messages, batch, plan.group_id, plan.task_prefix)
+        return end, sent
 
     def _spec(self, sid: str, token: str) -> tuple[CollectMessages, WindowPlan]:
         spec = self._specs.get((sid, token))

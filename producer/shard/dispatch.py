@@ -6,10 +6,10 @@ its size (`enqueued`) and the finish task's signature go in the generation's has
 (`workers/rollout/leases.py`). Celery's own chord would keep a result and a task id per rollout in
 Redis until the callback (~220 bytes each); this keeps a bit. The tasks are published from a
 stream of the materialized inputs, not built in memory, each with the generation's group id and
-its index (what marks a run's rollout, and what Flower shows), built by `CollectMessages`
-(`workers/collect_messages.py`); with the `queue_window` setting, only a window of them, the
-rest published as rollouts settle (`workers/window.py`). `dispatch_generation` starts the generation's
-Redis counters, publishes it and, when asked, waits for its finish
+its index (what marks a run's rollout, and what Flower shows), built and published by
+`workers/collect_messages.py`; with the `queue_window` setting only a window of them, the rest
+published as rollouts settle (`workers/window.py`). `dispatch_generation` starts the
+generation's Redis counters, publishes it and, when asked, waits for its finish
 (`producer/shard/supervise.py`), all inside the generation's job span when telemetry is on
 (`workers/tracing.py`).
 """
@@ -32,22 +32,17 @@ from infra.store import ShardFiles
 from producer.shard.feed import shard_feed
 from producer.shard.opening import OpenedRun
 from producer.shard.supervise import wait_for_shard
-from schemas import fields as F
 from schemas.config import ServersConfig
 from schemas.finish import FinishResult
 from schemas.messages import (
     FINISH_TASK,
-    QUEUE,
     FinishRequest,
 )
 from schemas.settings import CollectionSettings
-from workers.collect_messages import CollectMessages
-from workers.redispatch import CollectTaskMessage, publish_collect
+from workers.collect_messages import CollectMessages, publish_rows
 from workers.shard.state import refresh_shard_keys
 from workers.tracing import NO_JOB, Job, job
 from workers.window import QueueWindow, WindowPlan, open_window
-
-PUBLISH_BATCH = 500
 
 
 def enqueue(
@@ -99,21 +94,12 @@ def enqueue(
         for _ in rows:  # read through for what `rows` counts
             pass
         return finish_id
-    queue = app.amqp.queues[QUEUE]
-    with app.producer_or_acquire() as producer:
-        producer.maybe_declare(queue)
-        # One pipelined write per PUBLISH_BATCH messages (kombu's publish batch; immediate on
-        # brokers without it), messages built as `workers/redispatch.py` says. send_task
-        # per message costs 8x the CPU: a new Redis client and a round trip per message, and
-        # an AsyncResult that subscribes and unsubscribes to the result channel.
-        with producer.batch(PUBLISH_BATCH):
-            for index, row in enumerate(rows):
-                rid = F.rollout_id(row)
-                payload, argsrepr = messages.message(row, rid, F.dispatch_target(row) or "")
-                task_id = f"{prefix}.{rid}"
-                traced = job.enqueued(row, messages.run_payload, task_id) if job.span else None
-                m = CollectTaskMessage(task_id, payload, argsrepr, group_id, index, None, traced)
-                publish_collect(app, producer, queue, m)
+    traced = (
+        (lambda row, task_id: job.enqueued(row, messages.run_payload, task_id))
+        if job.span
+        else None
+    )
+    publish_rows(app, messages, enumerate(rows), group_id, prefix, traced)
     return finish_id
 
 
