@@ -553,11 +553,11 @@ REFILL_TAKE_LUA = """
 -- Whether a shard's queue window (KEYS[1]) has room for its next rows, and if so take the refill
 -- lock (KEYS[4], value ARGV[1], ARGV[2] ms). Unstarted tasks are those published and neither
 -- settled (the generation's `counted`, KEYS[2]) nor holding a lease (KEYS[3]); a refill waits
--- for room for a quarter window (or the rows left). Returns {room, cursor, published, token}:
+-- for room for the share ARGV[4] of the window (or the rows left). Returns {room, cursor, published, token}:
 -- room 0 is nothing to publish now; -1 is every row published, or the window's generation is no
 -- longer the shard's, and the sid ARGV[3] leaves the set KEYS[5].
 local window_key, generation_key, leases_key, lock_key, windows_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local holder, lock_ms, sid = ARGV[1], ARGV[2], ARGV[3]
+local holder, lock_ms, sid, share = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local w = redis.call('HMGET', window_key, 'token', 'window', 'cursor', 'published', 'total')
 -- The generation hash's field names are infra/generation.py's (a unit test checks them).
 local g = redis.call('HMGET', generation_key, 'token', 'counted')
@@ -569,7 +569,7 @@ end
 local window, left = tonumber(w[2]), total - published
 local unstarted = published - tonumber(g[2] or '0') - redis.call('HLEN', leases_key)
 local room = math.min(window - unstarted, left)
-if room < math.min(math.max(1, math.floor(window / 4)), left) then return {0, 0, 0, ''} end
+if room < math.min(math.max(1, math.floor(window * share)), left) then return {0, 0, 0, ''} end
 if not redis.call('SET', lock_key, holder, 'NX', 'PX', lock_ms) then return {0, 0, 0, ''} end
 return {room, tonumber(w[3]), published, w[1]}
 """

@@ -16,6 +16,7 @@ generation's Redis counters, publishes it and, when asked, waits for its finish
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from schemas.settings import CollectionSettings
 from workers.collect_messages import CollectMessages, publish_rows
 from workers.shard.state import refresh_shard_keys
 from workers.tracing import NO_JOB, Job, job
-from workers.window import QueueWindow, WindowPlan, open_window
+from workers.window import PRODUCER_SHARE, QueueWindow, WindowPlan, open_window
 
 
 def enqueue(
@@ -90,7 +91,7 @@ def enqueue(
         pipe = r.pipeline(transaction=True)
         open_window(pipe, sid, opened.run.token, plan, messages)
         pipe.execute()
-        QueueWindow(app, r).refill(sid)
+        QueueWindow(app, r, PRODUCER_SHARE).refill(sid)
         for _ in rows:  # read through for what `rows` counts
             pass
         return finish_id
@@ -163,7 +164,11 @@ def dispatch_generation(
         console.print(f"enqueued {count} rollouts of {run_id} (shard {shard})")
         if not wait:
             return None
+        refill = None
+        if window is not None:
+            refiller = QueueWindow(to.app, client(to.redis_url), PRODUCER_SHARE)
+            refill = functools.partial(refiller.refill, sid)
         finished = wait_for_shard(to.app, opened, to.redis_url, settings, console, finish_id,
-                                  count)  # fmt: skip
+                                  count, refill)  # fmt: skip
         traced.finished(finished.state, finished.error)
         return finished
