@@ -4,10 +4,11 @@ With the `queue_window` setting, `rollouts run` does not publish every rollout t
 broker queue holds about `queue_window` tasks not yet started, and the rest wait in the shard's
 materialized inputs. The shard's window hash (`keys.shard_window`) holds where the next row lies
 (a byte offset), how many tasks went out and what every task is built from (`CollectMessages`,
-as JSON). `QueueWindow.refill` publishes the next rows while there is room: the producer when it opens
-the window and at each poll while it waits, a worker after each rollout it settles, and every
-worker's lease renewal for each shard with rows left (`keys.WINDOWS`), so a run whose producer left (`--no-wait`, killed) still
-publishes every row, and the settling that counts the last one publishes the finish as before.
+as JSON). `QueueWindow.refill` publishes the next rows while there is room: the producer when
+it opens the window and at each poll while it waits, a worker after the rollouts it settles (at
+most every `SETTLED_EVERY_S`), and every worker's lease renewal for each shard with rows left
+(`keys.WINDOWS`), so a run whose producer left (`--no-wait`, killed) still publishes every
+row, and the settling that counts the last one publishes the finish as before.
 
 One refiller at a time holds the window's lock (`REFILL_TAKE_LUA`); it publishes the rows, then
 moves the cursor only if it is where it began (`REFILL_DONE_LUA`). A refiller that dies before
