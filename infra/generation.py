@@ -20,7 +20,8 @@ from infra import keys
 TOKEN = "token"
 """The generation's token: counters count only while it is the shard's current one."""
 ENQUEUED = "enqueued"
-"""Rollout tasks the generation published."""
+"""Rollout tasks of the generation: every one is published at once, or a window at a time
+(`workers/window.py`); the finish waits for all of them."""
 STARTED_AT = "started_at"
 """When the generation started, on the Redis server's clock."""
 DEADLINE = "deadline"

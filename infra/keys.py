@@ -112,6 +112,23 @@ older generation do not count here.
 once, `workers/rollout/leases.py`): the delivery that settles the last of `enqueued` publishes the finish
 (the generation's chord, counted in one field instead of Celery's per-task chord keys)."""
 
+shard_window = _shard_key("window")
+"""Hash of the shard's queue window (the `queue_window` setting; `workers/window.py`): `token`
+(its generation), `window`, `total` (rollout tasks of the generation), `published` (published so
+far: the next one's index), `cursor` (byte offset of the next row in the materialized inputs)
+and `messages` (JSON: what every task is built from). Written by the producer when it opens the
+generation; its cursor moved by each refill."""
+
+shard_window_lock = _shard_key("window_lock")
+"""Lock: the one refiller publishing the window's next rows holds it, a few seconds at most. A
+refill moves the cursor only if it is still where the refill began, so a refiller that died or
+outlived its lock publishes some rows twice at worst (a copy counts nothing: its rollout is
+leased or settled)."""
+
+WINDOWS = f"{PREFIX}:windows"
+"""Set of the sids whose queue window has rows left to publish: every worker process's lease
+renewal refills them, so a run whose producer left still publishes every row."""
+
 shard_rollout_leases = _shard_key("rollout_leases")
 """Hash `task:rollout` -> the JSON lease of the attempt running it now (`workers/rollout/leases.py`).
 
@@ -254,6 +271,8 @@ def all_shard_keys(sid: str) -> list[str]:
         shard_rollout_leases(sid),
         shard_lease_messages(sid),
         shard_attempts(sid),
+        shard_window(sid),
+        shard_window_lock(sid),
     ]
 
 

@@ -14,6 +14,7 @@ layouts are `infra/keys.py`'s. Callers register them with `redis.Redis.register_
 - `ACQUIRE_READING_LUA`, `RELEASE_LUA`, `EXTEND_LUA`: the shard lock (`infra/locks.py`).
 - `LANDED_LUA`: which keys of a batch landed, in the landed bitmaps or set
   (`workers/shard/landed.py`); `BEGIN_LUA` and `ACQUIRE_READING_LUA` start with the same function.
+- `REFILL_TAKE_LUA`, `REFILL_DONE_LUA`: the queue window's refill (`workers/window.py`).
 - `RUNNING_LUA`: what of a `run_examples` call still runs (`producer/api/transport.py`).
 """
 
@@ -546,4 +547,48 @@ local leases_key, active_key = KEYS[1], KEYS[2]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 return redis.call('ZCOUNT', leases_key, now, '+inf') + redis.call('SCARD', active_key)
+"""
+
+REFILL_TAKE_LUA = """
+-- Whether a shard's queue window (KEYS[1]) has room for its next rows, and if so take the refill
+-- lock (KEYS[4], value ARGV[1], ARGV[2] ms). Unstarted tasks are those published and neither
+-- settled (the generation's `counted`, KEYS[2]) nor holding a lease (KEYS[3]); a refill waits
+-- for room for the share ARGV[4] of the window (or the rows left). Returns {room, cursor, published, token}:
+-- room 0 is nothing to publish now; -1 is every row published, or the window's generation is no
+-- longer the shard's, and the sid ARGV[3] leaves the set KEYS[5].
+local window_key, generation_key, leases_key, lock_key, windows_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local holder, lock_ms, sid, share = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local w = redis.call('HMGET', window_key, 'token', 'window', 'cursor', 'published', 'total')
+-- The generation hash's field names are infra/generation.py's (a unit test checks them).
+local g = redis.call('HMGET', generation_key, 'token', 'counted')
+local published, total = tonumber(w[4] or '0'), tonumber(w[5] or '0')
+if not w[1] or g[1] ~= w[1] or published >= total then
+  redis.call('SREM', windows_key, sid)
+  return {-1, 0, 0, ''}
+end
+local window, left = tonumber(w[2]), total - published
+local unstarted = published - tonumber(g[2] or '0') - redis.call('HLEN', leases_key)
+local room = math.min(window - unstarted, left)
+if room < math.min(math.max(1, math.floor(window * share)), left) then return {0, 0, 0, ''} end
+if not redis.call('SET', lock_key, holder, 'NX', 'PX', lock_ms) then return {0, 0, 0, ''} end
+return {room, tonumber(w[3]), published, w[1]}
+"""
+
+REFILL_DONE_LUA = """
+-- A refill published `n` (ARGV[4]) rows from byte `from` (ARGV[2]) up to byte `to` (ARGV[3]):
+-- move the window's (KEYS[1]) cursor there if it is still at `from` (else another refiller went
+-- on meanwhile: the rows went twice), refresh its expiry (ARGV[5] s), and release the lock
+-- (KEYS[2]) if this refiller (ARGV[1]) still holds it. A `from` of '' only releases the lock.
+-- Returns 1 when the cursor moved.
+local window_key, lock_key = KEYS[1], KEYS[2]
+local holder, from, to, n, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local moved = 0
+if from ~= '' and redis.call('HGET', window_key, 'cursor') == from then
+  redis.call('HSET', window_key, 'cursor', to)
+  redis.call('HINCRBY', window_key, 'published', n)
+  redis.call('EXPIRE', window_key, ttl)
+  moved = 1
+end
+if redis.call('GET', lock_key) == holder then redis.call('DEL', lock_key) end
+return moved
 """

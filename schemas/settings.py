@@ -94,6 +94,11 @@ class CollectionSettings(BaseModel):
         validation_alias=AliasChoices("max_resident_tasks", "max_resident_rollout_tasks"),
     )
     """Cluster-wide cap on rollouts running at once."""
+    queue_window: int | None = Field(default=None, ge=1)
+    """`rollouts run` keeps at most about this many rollout tasks not yet started in the broker
+    queue, publishing the rest from the materialized inputs as rollouts settle (workers do, so
+    the run finishes without its producer); None publishes every task at once. Not applied by
+    `resume` nor the Python API."""
     dispatch_budget_s: float | None = Field(default=None, ge=0)
     """No rollout starts later than this many seconds after dispatch began."""
     drain_margin_s: float | None = Field(default=None, ge=0)

@@ -1,12 +1,15 @@
 """Helpers every kind of test uses: the checkout's root, rows written and read as JSONL, the
-example agent's counters, an aiohttp app or a stand-in HTTP server served on a free port."""
+example agent's counters, a value sampled in a thread while a run goes, an aiohttp app or a
+stand-in HTTP server served on a free port."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 import orjson
@@ -16,6 +19,8 @@ from examples.servers import RunningServers, free_port
 from examples.tasks import make_row
 
 ROOT = Path(__file__).resolve().parent.parent
+
+T = TypeVar("T")
 
 
 def write_rows(path: Path, rows: list[Any]) -> str:
@@ -83,6 +88,27 @@ class QuietHandler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
+
+
+class Sampler(Generic[T]):
+    """Reads a value every `interval_s` in a thread until stopped: `samples` holds (when, value)."""
+
+    def __init__(self, read: Callable[[], T], interval_s: float = 0.02) -> None:
+        self.read = read
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, T]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), self.read()))
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
 
 
 def serve_in_thread(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from infra.environment import from_env
 from infra.http import process_io
 from infra.process import PerProcess
+from infra.redis_client import client
 from workers.app import app
 from workers.feed.backpressure import FeedGate
 from workers.redispatch import publisher, unacked_sweep
@@ -28,6 +29,7 @@ from workers.rollout.context import (
 from workers.rollout.landing import lander
 from workers.rollout.leases import RolloutLeases
 from workers.shard.trust import ManifestCheck
+from workers.window import QueueWindow
 
 BLOCKING_THREADS = 4
 """Threads per process for the engine's blocking steps: each is a Redis round trip or a
@@ -61,7 +63,12 @@ def _real_leases(redis_url: str) -> RolloutLeases:
     # One round trip per interval renews both kinds of lease the process holds.
     slots = gate(redis_url).renewer.adopt(ttl_s)
     return RolloutLeases(
-        redis_url, publish=publish, ttl_s=ttl_s, sweep=found.sweep if found else None, slots=slots
+        redis_url,
+        publish=publish,
+        ttl_s=ttl_s,
+        sweep=found.sweep if found else None,
+        slots=slots,
+        window=QueueWindow(app, client(redis_url)),
     )
 
 

@@ -39,11 +39,11 @@ from producer.api.model import Outcome, Target
 from producer.api.record import record_omissions
 from producer.api.replies import read_reply, unreadable_row
 from producer.api.upkeep import KEY_TTL_S, CallUpkeep
-from producer.shard.dispatch import CollectMessages
 from schemas import fields as F
 from schemas.finish import FinishResult
 from schemas.outcomes import FAILURE_ENDS, RESULT_ENDS, Ended, run_failure_message
 from schemas.replies import COLLECT_REPLY_TASK, RolloutReply
+from workers.collect_messages import CollectMessages
 from workers.finish import finish_shard
 from workers.shard.state import key_str
 from workers.tracing import NO_JOB, start_job

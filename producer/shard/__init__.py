@@ -14,7 +14,6 @@ local_cluster.py  an embedded Redis and local workers, for runs without `--broke
 
 from producer.shard.celery_client import client_app
 from producer.shard.dispatch import (
-    CollectMessages,
     ShardDispatch,
     dispatch_generation,
     enqueue,
@@ -37,6 +36,7 @@ from producer.shard.supervise import (
     wait_for_finish,
     wait_for_shard,
 )
+from workers.collect_messages import CollectMessages
 
 __all__ = [
     "CollectMessages",

@@ -81,7 +81,9 @@ def dispatch_and_wait(
             )
             app = client_app(broker_url, redis_url)
             to = ShardDispatch(app, redis_url, opened, config, settings)
-            return dispatch_generation(to, rows, opened.manifest.planned, console, wait=opts.wait)
+            return dispatch_generation(
+                to, rows, opened.manifest.planned, console, wait=opts.wait, windowed=True
+            )
     except Stopped:
         # Stopped while enqueueing: the per-group counts are partial, so fractions are unknown.
         complete = sum(groups.values()) == opened.manifest.planned

@@ -86,8 +86,11 @@ def wait_for_shard(
     console: Console,
     finish_id: str,
     count: int,
+    refill: Callable[[], object] | None = None,
 ) -> FinishResult:
-    """Wait for the finish step, showing progress; raise RunFailedError when the run stalls."""
+    """Wait for the finish step, showing progress; raise RunFailedError when the run stalls.
+
+    `refill`: called at each poll (the queue window's, `workers/window.py`)."""
     r = client(redis_url)
     sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
     last_signature: tuple[Any, ...] | None = None
@@ -116,6 +119,11 @@ def wait_for_shard(
         except READ_ERRORS as exc:
             warn(exc)
             return
+        if refill is not None:
+            try:
+                refill()
+            except Exception as exc:  # the workers refill it too
+                warn(exc)
         if cost is not None and cost.check(now):
             r.set(keys.shard_cancel(sid), "drain", ex=from_env().live_key_ttl_s)
             reason = cost_reason(cost.cost, cost.limit)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import httpx
@@ -15,34 +14,16 @@ from examples.tasks import make_row
 from infra import keys
 from infra.slots import slot_holder
 from infra.store import RunDir
-from tests.helpers import agent_stats
+from tests.helpers import Sampler, agent_stats
 from tests.ops_helpers import manifest, rows_by_key, wait_for
 from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
 
 
-class InFlightSampler:
-    """Samples the agent's in-flight count every 20 ms in a thread."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        with httpx.Client() as c:
-            while not self._stop.is_set():
-                self.samples.append(
-                    (time.monotonic(), c.get(self.url + "/stats").json()["in_flight"])
-                )
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
+def in_flight(url: str) -> Sampler[int]:
+    """The agent at `url`'s in-flight count, sampled every 20 ms."""
+    return Sampler(lambda: int(httpx.get(url + "/stats").json()["in_flight"]))
 
 
 def test_max_resident_tasks_caps_the_cluster_and_recovers_after_a_worker_dies(
@@ -52,7 +33,7 @@ def test_max_resident_tasks_caps_the_cluster_and_recovers_after_a_worker_dies(
         {"math_agent": "math_env"}, AgentKnobs(latency_ms=300),
         workers=3, concurrency=16, env={"ROLLOUTS_LEASE_TTL_S": "3"},
     )  # fmt: skip
-    sampler = InFlightSampler(run.servers.urls["math_agent"])
+    sampler = in_flight(run.servers.urls["math_agent"])
     out = run.out
     try:
         rows = [make_row("arithmetic", i, "math_agent") for i in range(160)]

@@ -15,13 +15,13 @@ from examples.servers import RunningServers
 from infra.redis_client import client
 from producer.config.loading import load_servers_config
 from producer.shard.celery_client import client_app
-from producer.shard.dispatch import call_policy
 from producer.shard.opening import iter_materialized, open_run, reset_shard_state
 from schemas.messages import COLLECT_TASK, QUEUE
 from schemas.settings import CollectionSettings
 from tests.cluster import StartWorkers
 from tests.helpers import agent_stats, demo_rows, read_jsonl, write_rows
 from tests.runs import MakeRun
+from workers.collect_messages import call_policy
 
 pytestmark = pytest.mark.integration
 

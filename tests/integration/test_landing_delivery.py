@@ -24,7 +24,7 @@ from infra.runs import read_manifest, write_manifest
 from infra.store import RunDir, ShardFiles
 from producer.config.loading import load_servers_config
 from producer.shard.celery_client import client_app
-from producer.shard.dispatch import call_policy, enqueue
+from producer.shard.dispatch import enqueue
 from producer.shard.opening import OpenedRun, iter_materialized, open_run, reset_shard_state
 from producer.shard.supervise import wait_for_finish
 from schemas import fields as F
@@ -33,6 +33,7 @@ from schemas.records import Generation, utc_now
 from schemas.settings import CollectionSettings
 from tests.cluster import StartWorkers
 from tests.helpers import QuietHandler, agent_stats, demo_rows, serve_in_thread, write_rows
+from workers.collect_messages import call_policy
 from workers.shard.state import open_shard
 
 pytestmark = pytest.mark.integration

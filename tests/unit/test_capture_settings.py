@@ -6,11 +6,11 @@ import pytest
 
 from producer.cli.overrides import parse_overrides
 from producer.config.overrides import resolve_settings
-from producer.shard.dispatch import CollectMessages
 from schemas.config import ServersConfig
 from schemas.errors import PlanningError
 from schemas.messages import CollectRequest, RunRef
 from schemas.settings import CollectionSettings
+from workers.collect_messages import CollectMessages
 
 CONFIG = ServersConfig.model_validate({"agents": {"a": {"url": "http://a"}}})
 RUN = RunRef(run_id="r", output_dir="/out", token="t")

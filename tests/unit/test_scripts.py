@@ -22,6 +22,8 @@ def test_every_script_is_here() -> None:
         "EXTEND_LUA",
         "GIVE_BACK_LUA",
         "LANDED_LUA",
+        "REFILL_DONE_LUA",
+        "REFILL_TAKE_LUA",
         "RELEASE_LUA",
         "RENEW_LUA",
         "RENEW_ROLLOUTS_LUA",

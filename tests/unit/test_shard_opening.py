@@ -13,11 +13,11 @@ from infra import keys
 from infra.runs import read_manifest, write_manifest
 from producer.planning.materialize import plan_shard
 from producer.shard import opening
-from producer.shard.dispatch import CollectMessages
 from producer.shard.opening import open_planned, record_opening
 from schemas.config import ServersConfig
 from schemas.messages import RunRef
 from schemas.settings import CollectionSettings
+from workers.collect_messages import CollectMessages
 
 CONFIG = ServersConfig.model_validate(
     {"agents": {"solo_agent": {"url": "http://s", "type": "simple_agent", "max_concurrency": 3}}}

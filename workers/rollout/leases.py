@@ -19,7 +19,9 @@ Settling is also how a generation of `rollouts run` or `resume` knows it is done
 that settles a rollout counts it once toward the generation's `enqueued` (`SETTLE_LUA`), and the
 settling that counts the last one hands back the finish task to publish (`Settled.finish`). The
 generation's chord is thus two fields of its hash and a bit per rollout, not Celery's chord keys
-(a result and a task id per rollout, ~220 bytes, until the callback).
+(a result and a task id per rollout, ~220 bytes, until the callback). A counted settling, and
+each renewal, also refill the queue windows (`workers/window.py`): with `queue_window` the
+workers publish a run's next rows, not its producer.
 A copy of a delivery whose rollout runs elsewhere under a fresh lease (celery/celery#5935: the
 Redis transport redelivers a message unacknowledged past its visibility timeout) is acknowledged
 without calling the agent and is no death.
@@ -37,7 +39,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 import orjson
 import redis
@@ -117,6 +119,14 @@ class ReplyPush:
     index: int
 
 
+class Refill(Protocol):
+    """What refills the queue windows (`workers/window.py`'s `QueueWindow`)."""
+
+    def settled(self, sid: str) -> int: ...
+
+    def tick(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Settled:
     """What settling an attempt did."""
@@ -143,6 +153,7 @@ class RolloutLeases:
         start: bool = True,
         sweep: Callable[[], int] | None = None,
         slots: Callable[[], AbstractContextManager[list[str]]] | None = None,
+        window: Refill | None = None,
     ) -> None:
         self.r = client(redis_url)
         self.ttl_s = from_env().lease_ttl_s if ttl_s is None else ttl_s
@@ -154,6 +165,8 @@ class RolloutLeases:
         self._slots = slots
         """The admission slots' leases this process holds, renewed in the same round trip
         (`workers/rollout/admission.py`'s renewer, adopted)."""
+        self._window = window
+        """Refills the queue windows (`workers/window.py`) after each counted settling and renewal."""
         self._take = self.r.register_script(TAKE_LEASE_LUA)
         self._renew = self.r.register_script(RENEW_ROLLOUTS_LUA)
         self._settle = self.r.register_script(SETTLE_LUA)
@@ -247,6 +260,11 @@ class RolloutLeases:
             lambda: self._settle(keys=names, args=args, client=self.r),
             budget_s=SETTLE_RETRY_S,
         )
+        if counted and count and self._window is not None:
+            try:
+                self._window.settled(lease.sid)
+            except Exception as exc:  # the next renewal refills it
+                log.warning("could not refill the queue window of shard %s: %r", lease.sid, exc)
         signature = _text(finish)
         return Settled(bool(counted), json.loads(signature) if signature else None)
 
@@ -321,6 +339,8 @@ class RolloutLeases:
                 self.renew_once()
                 if self._sweep is not None:
                     self.republished += self._sweep()
+                if self._window is not None:
+                    self._window.tick()
             except Exception:  # the thread must outlive anything one round trip does
                 log.exception("rollout lease renewal failed")
 
