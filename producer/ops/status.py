@@ -15,6 +15,7 @@ script re-attaches to a run whose producer went away).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Set as AbstractSet
@@ -73,23 +74,6 @@ class HealthJson(TypedDict):
     """`LiveHealth` as JSON, while the shard's Redis counters live."""
     summary: dict[str, int] | None
     """The finish step's verdict counts, once it finished."""
-
-
-class FeedJson(TypedDict):
-    """The status report's `feed`: the run's feed counts (`infra.feed.FeedCounts`) and its lag."""
-
-    name: str
-    members: int
-    groups: int
-    acked: int
-    unacked: int
-    pending: int
-    open: int
-    closed: bool
-    stale: int
-    policy_version: int | None
-    by_reason: dict[str, int]
-    lag: int
 
 
 @dataclass
@@ -283,7 +267,7 @@ class StatusReader:
         report["feed"] = self._feed(manifest)
         return report
 
-    def _feed(self, manifest: Manifest) -> FeedJson | None:
+    def _feed(self, manifest: Manifest) -> dict[str, Any] | None:
         """The run's feed counts (`infra/feed.py`), while its keys live; None without a feed."""
         name = manifest.settings.get("feed")
         if not isinstance(name, str) or self.redis_url is None:
@@ -292,12 +276,7 @@ class StatusReader:
             counts = feed_counts(client(self.redis_url), name)
         except (redis.RedisError, OSError):
             return None
-        return FeedJson(
-            name=name, members=counts.members, groups=counts.groups, acked=counts.acked,
-            unacked=counts.unacked, pending=counts.pending, open=counts.open,
-            closed=counts.closed, stale=counts.stale, policy_version=counts.policy_version,
-            by_reason=counts.by_reason, lag=counts.lag,
-        )  # fmt: skip
+        return {"name": name, **dataclasses.asdict(counts), "lag": counts.lag}
 
     def _health(self, manifest: Manifest, snap: LiveSnapshot | None) -> HealthJson:
         """The live verdict counts (the workers', from Redis, while its keys live) and, once

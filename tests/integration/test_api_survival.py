@@ -43,7 +43,16 @@ from tests.api_helpers import (
 from tests.cluster import ExampleServers, Workers
 from tests.helpers import ROOT, read_jsonl
 from tests.netns_hosts import SERVICE_ADDRESS, TestHosts
-from tests.ops_helpers import ENV, LEASE_TTL_S, key, manifest, requests_per_key, snapshot, wait_for
+from tests.ops_helpers import (
+    ENV,
+    LEASE_TTL_S,
+    Key,
+    key,
+    manifest,
+    requests_per_key,
+    snapshot,
+    wait_for,
+)
 from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
@@ -239,6 +248,25 @@ def test_a_redis_restarted_without_its_data_mid_call_leaves_no_row_hanging(
         assert {k: calls[k] for k in landed_first} == dict.fromkeys(landed_first, 1)
 
 
+def caller_killed_after(tmp_path: Path, taken: int, call: dict[str, Any]) -> set[Key]:
+    """Run a recorded `run_examples` call (`call`: the spec of `tests/api_caller.py`) in a
+    trainer process of its own, SIGKILL it once it took `taken` outcomes (or on any failure),
+    and return the keys it took."""
+    spec = tmp_path / "caller.json"
+    spec.write_bytes(orjson.dumps({**call, "take": taken}))
+    printed = tmp_path / "caller.out"
+    with open(printed, "wb") as sink:
+        caller = subprocess.Popen([sys.executable, "-m", "tests.api_caller", str(spec)],
+                                  stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
+    try:
+        wait_for(lambda: printed.read_bytes().count(b"\n") >= taken, 60, f"{taken} outcomes taken")
+        time.sleep(1.0)  # its consumed marks reach Redis (within a quarter of a second)
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait(10)
+    return {tuple(orjson.loads(x)) for x in printed.read_bytes().splitlines()}
+
+
 @pytest.mark.timeout(240)
 def test_a_caller_sigkilled_mid_call_is_taken_over_by_reattach_from_another_process(
     make_run: MakeRun, redis_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -255,22 +283,10 @@ def test_a_caller_sigkilled_mid_call_is_taken_over_by_reattach_from_another_proc
     servers, out = run.servers, run.out
     config = servers.config()
     rows = planned(servers, 60)
-    spec = tmp_path / "caller.json"
-    spec.write_bytes(orjson.dumps(
-        {"rows": rows, "config": config, "broker": redis_url, "out": str(out), "take": 10,
-         "window": 16}
-    ))  # fmt: skip
-    printed = tmp_path / "caller.out"
-    caller = None
     try:
-        with open(printed, "wb") as sink:
-            caller = subprocess.Popen([sys.executable, "-m", "tests.api_caller", str(spec)],
-                                      stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
-        wait_for(lambda: printed.read_bytes().count(b"\n") >= 10, 60, "10 outcomes taken")
-        time.sleep(1.0)  # its consumed marks reach Redis (within a quarter of a second)
-        caller.send_signal(signal.SIGKILL)
-        caller.wait(10)
-        taken_first = {tuple(orjson.loads(x)) for x in printed.read_bytes().splitlines()}
+        taken_first = caller_killed_after(tmp_path, 10, {
+            "rows": rows, "config": config, "broker": redis_url, "out": str(out), "window": 16,
+        })  # fmt: skip
         unpublished = len(rows) - len(requests_per_key(log))
         got = Got()
 
@@ -285,8 +301,6 @@ def test_a_caller_sigkilled_mid_call_is_taken_over_by_reattach_from_another_proc
             asyncio.run(asyncio.wait_for(go(), 120))
         aggregated = servers.environments["math_env"].requests
     finally:
-        if caller is not None and caller.poll() is None:
-            caller.kill()
         servers.stop()
     assert len(taken_first) == 10 and unpublished > 0, (taken_first, unpublished)
     [adopted] = [m for m in caplog.messages if "outcomes read from the shard" in m]
@@ -313,21 +327,11 @@ def test_a_reattached_call_closed_early_records_the_rows_it_leaves_as_omitted(
     servers, out = run.servers, run.out
     config = servers.config()
     rows = planned(servers, 24)
-    spec = tmp_path / "caller.json"
-    spec.write_bytes(orjson.dumps(
-        {"rows": rows, "config": config, "broker": redis_url, "out": str(out), "take": 2,
-         "window": 4, "record_omitted": True}
-    ))  # fmt: skip
-    printed = tmp_path / "caller.out"
-    caller = None
     try:
-        with open(printed, "wb") as sink:
-            caller = subprocess.Popen([sys.executable, "-m", "tests.api_caller", str(spec)],
-                                      stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
-        wait_for(lambda: printed.read_bytes().count(b"\n") >= 2, 60, "2 outcomes taken")
-        time.sleep(1.0)  # its consumed marks reach Redis
-        caller.send_signal(signal.SIGKILL)
-        caller.wait(10)
+        caller_killed_after(tmp_path, 2, {
+            "rows": rows, "config": config, "broker": redis_url, "out": str(out), "window": 4,
+            "record_omitted": True,
+        })  # fmt: skip
 
         async def go() -> None:
             completions = reattach(out, "0", config, broker_url=redis_url, max_resident_tasks=2,
@@ -342,8 +346,6 @@ def test_a_reattached_call_closed_early_records_the_rows_it_leaves_as_omitted(
 
         asyncio.run(asyncio.wait_for(go(), 120))
     finally:
-        if caller is not None and caller.poll() is None:
-            caller.kill()
         servers.stop()
     landed = [key(r) for r in read_jsonl(out / "rollouts-0.jsonl")]
     omitted = [
