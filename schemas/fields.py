@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 RESPONSES_CREATE_PARAMS = "responses_create_params"
@@ -123,14 +124,21 @@ def dispatch_target(row: dict[str, Any]) -> str | None:
     return agent_name(row)
 
 
-def rollout_id(row: dict[str, Any]) -> str | None:
-    """The rollout's id: its explicit `_ng_rollout_id`, else `<task>-<rollout>`, plus `-a<n>` on retries."""
+def base_rollout_id(row: Mapping[str, Any]) -> str | None:
+    """The rollout's id without its attempt: its explicit `_ng_rollout_id`, else
+    `<task>-<rollout>`; None for a row with neither."""
     explicit = row.get(ROLLOUT_ID)
     if explicit is not None:
-        base = str(explicit)
-    elif TASK_INDEX in row and ROLLOUT_INDEX in row:
-        base = f"{row[TASK_INDEX]}-{row[ROLLOUT_INDEX]}"
-    else:
+        return str(explicit)
+    if TASK_INDEX in row and ROLLOUT_INDEX in row:
+        return f"{row[TASK_INDEX]}-{row[ROLLOUT_INDEX]}"
+    return None
+
+
+def rollout_id(row: dict[str, Any]) -> str | None:
+    """The rollout's id: `base_rollout_id`, plus `-a<n>` on retries."""
+    base = base_rollout_id(row)
+    if base is None:
         return None
     attempt = row.get(ATTEMPT_INDEX)
     if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt > 0:

@@ -232,13 +232,8 @@ class RolloutFailureRecord(BaseModel):
         """The record of a failure row or drained row of run `run_id`; `fallback_id` names a row
         without identity. `source`: who observed it; an environment's failure (an agent's own
         failure row, a reply of HTTP 200) reached its observer, so it was delivered."""
-        explicit = failure.get(F.ROLLOUT_ID)
-        if explicit is not None:
-            rollout_id = str(explicit)
-        elif F.TASK_INDEX in failure and F.ROLLOUT_INDEX in failure:
-            rollout_id = f"{failure[F.TASK_INDEX]}-{failure[F.ROLLOUT_INDEX]}"
-        else:
-            rollout_id = fallback_id
+        planned = F.base_rollout_id(failure)
+        rollout_id = fallback_id if planned is None else planned
         attempt = failure.get(F.ATTEMPT_INDEX)
         drained = bool(failure.get(F.DISPATCH_DRAINED))
         status = failure.get(F.FAILURE_HTTP_STATUS)

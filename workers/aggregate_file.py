@@ -19,7 +19,7 @@ yajl reads integers up to 64 bits: an answer holding a larger one is refused wit
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -99,11 +99,14 @@ def _kind(event: Event | None) -> str:
     return _SCALAR_TYPES.get(name, name)
 
 
-def _rest(events: Iterator[Event]) -> Iterator[Event]:
-    """The events of the rest of a container whose opening event was just read, to its close."""
+def _walk(events: Iterator[Event], emit: Callable[[str, Any], None] | None) -> None:
+    """Read the rest of a container whose opening event was just read, to its close, handing
+    each event to `emit` (None: pass over them; not a generator: a fifth less time over a GB
+    of per-task lists)."""
     depth = 1
     for event, value in events:
-        yield event, value
+        if emit is not None:
+            emit(event, value)
         if event in _OPENS:
             depth += 1
         elif event in _CLOSES:
@@ -114,14 +117,7 @@ def _rest(events: Iterator[Event]) -> Iterator[Event]:
 
 def _skip(events: Iterator[Event]) -> None:
     """Pass over the rest of a container whose opening event was just read."""
-    depth = 1
-    for event, _ in events:  # `_rest` inline: a fifth less time over a GB of per-task lists
-        if event in _OPENS:
-            depth += 1
-        elif event in _CLOSES:
-            depth -= 1
-            if depth == 0:
-                return
+    _walk(events, None)
 
 
 def _build(opening: Event, events: Iterator[Event]) -> Any:
@@ -129,8 +125,7 @@ def _build(opening: Event, events: Iterator[Event]) -> Any:
     builder = ObjectBuilder()
     builder.event(*opening)
     if opening[0] in _OPENS:
-        for event, value in _rest(events):
-            builder.event(event, value)
+        _walk(events, builder.event)
     return builder.value
 
 

@@ -33,6 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -374,66 +375,59 @@ def _sends_events(accept_callback: Callable[..., Any]) -> bool:
     return bool(eventer is not None and eventer.enabled and request.task.send_events)
 
 
+@dataclass(eq=False)
 class _Slot:
     """One delivery's slot: taken once (waiting while none is free, marked held meanwhile),
     accepted once (Celery's bookkeeping and Flower's task-started event), given back once, on the
     loop, whichever thread gives it back first."""
 
-    def __init__(
-        self,
-        pool: RolloutPool,
-        loop: asyncio.AbstractEventLoop,
-        slots: asyncio.Semaphore,
-        number: int,
-        request: dict[str, Any],
-        accept_callback: Callable[..., Any] | None,
-    ) -> None:
-        self._pool = pool
-        self._loop = loop
-        self._slots = slots
-        self._number = number
-        self._request = request
-        self._accept_callback = accept_callback
-        self._held = False
-        self._done = False  # read and set on the loop only
-        self._accepted = False
-        self.refused = False
-        """The worker began its warm stop before the slot was free: the delivery must not start."""
+    pool: RolloutPool
+    loop: asyncio.AbstractEventLoop
+    slots: asyncio.Semaphore
+    number: int
+    request: dict[str, Any]
+    accept_callback: Callable[..., Any] | None
+    held: bool = field(default=False, init=False)
+    done: bool = field(default=False, init=False)
+    """Read and set on the loop only."""
+    accepted: bool = field(default=False, init=False)
+    refused: bool = field(default=False, init=False)
+    """The worker began its warm stop before the slot was free: the delivery must not start."""
 
     async def take(self) -> bool:
         """Wait for a free slot, then accept the delivery; False if the warm stop came first."""
-        pool = self._pool
+        pool = self.pool
         tag = None
-        if pool._swept_broker is not None and self._slots.locked():
-            tag = _delivery_tag(self._request)
+        if pool._swept_broker is not None and self.slots.locked():
+            tag = _delivery_tag(self.request)
         if tag is not None:  # taken ahead: it waits for a slot
-            pool._waiting[self._number] = tag
+            pool._waiting[self.number] = tag
             if pool._keeper is None or pool._keeper.done():
-                pool._keeper = self._loop.create_task(pool._keep_held())
+                pool._keeper = self.loop.create_task(pool._keep_held())
         try:
-            await self._slots.acquire()
+            await self.slots.acquire()
         finally:
-            pool._waiting.pop(self._number, None)
+            pool._waiting.pop(self.number, None)
         if pool._stopping:
-            self._slots.release()
+            self.slots.release()
             self.refused = True
             return False
-        self._held = True
+        self.held = True
         await self.accept()
         return True
 
     async def accept(self) -> None:
         """Run the delivery's accept callback, once."""
-        accept_callback = self._accept_callback
-        if self._accepted or accept_callback is None:
-            self._accepted = True
+        accept_callback = self.accept_callback
+        if self.accepted or accept_callback is None:
+            self.accepted = True
             return
-        self._accepted = True
+        self.accepted = True
         accepted = time.monotonic()
         if _sends_events(accept_callback):
             # The task-started event goes out before the task's own, off the loop.
-            await self._pool._finishing.submit(
-                self._loop, lambda: accept_callback(os.getpid(), accepted)
+            await self.pool._finishing.submit(
+                self.loop, lambda: accept_callback(os.getpid(), accepted)
             )
         else:  # bookkeeping only: no hop for it
             accept_callback(os.getpid(), accepted)
@@ -441,18 +435,18 @@ class _Slot:
     def release(self) -> None:
         """Give the slot back (if taken), once; from any thread."""
         try:
-            on_loop = asyncio.get_running_loop() is self._loop
+            on_loop = asyncio.get_running_loop() is self.loop
         except RuntimeError:
             on_loop = False
         if on_loop:
             self._release()
         else:
-            self._loop.call_soon_threadsafe(self._release)
+            self.loop.call_soon_threadsafe(self._release)
 
     def _release(self) -> None:
-        if self._held and not self._done:
-            self._done = True
-            self._slots.release()
+        if self.held and not self.done:
+            self.done = True
+            self.slots.release()
 
 
 class PrefetchAhead(bootsteps.StartStopStep):  # type: ignore[misc]  # celery's bootsteps are untyped

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from infra import keys
 from infra.environment import Cluster, resolve_cluster
@@ -181,29 +181,83 @@ def _converter(
     return convert
 
 
+class CallOptions(TypedDict, total=False):
+    """The keyword options of `run_examples` and `run_outcomes`; each one left out takes the
+    default named here."""
+
+    max_resident_tasks: int | None
+    """At most that many rows running or queued at once; publishing starts when the first
+    awaitable is awaited. None (default): every row is enqueued when iteration starts."""
+    dispatch_budget_s: float | None
+    """No row starts later than this after the call (sooner by `drain_margin_s`); such a row
+    resolves to the drained row. None (default): no budget."""
+    drain_margin_s: float | None
+    """Stop starting this long before the budget ends. None (default): the p75 of the call's
+    successful durations once there are 5."""
+    retry_requests: bool
+    """Replay a `/run` that failed after it was sent (timeouts, resets, 429/502/503/504);
+    connections never established are retried regardless. Default True."""
+    enrich_results: bool
+    """Results carry `ng_perf` (`rollout_latency_ms`, `queue_wait_ms`), and routed failures
+    come back as `RolloutFailureRecord`s. Default False."""
+    include_model_call_payloads: bool
+    """With model-call capture on (`observability_enabled`, `model_call_capture_dir` in
+    `settings`), keep the calls' request and response bodies in `ng_trajectory`; off, the
+    trajectory keeps its structure, timings and token counts only. Default True."""
+    delete_model_call_capture: bool
+    """Delete each rollout's capture files once merged into its result (needs the payloads
+    kept). Default False."""
+    record_output_dir: str | os.PathLike[str] | None
+    """Also write shard `record_shard` of that run directory as `rollouts run` would
+    (materialized inputs, manifest, results and failure rows, status; when the call ends or
+    closes, the aggregate metrics and health summary), so `rollouts status`, `resume` and
+    `health-check` work on it. The rows need their planned identity. Implies
+    `enrich_results`. None (default): nothing is persisted."""
+    record_shard: str
+    """The shard `record_output_dir` gets. Default "0"."""
+    record_overwrite: bool
+    """Replace an existing recorded shard instead of refusing it. Default False."""
+    settings: CollectionSettings | Mapping[str, Any] | None
+    """Any other collection setting (`rollout_timeout_s`, `max_attempts`, health limits, ...);
+    an option here that is not left at its default wins over it."""
+    run_id: str | None
+    """The run the rows belong to, stamped on copies as `_ng_run_id` (overriding a row's own);
+    None (default): a row's stamp is kept, and unstamped rows share the call's id."""
+    broker_url: str | None
+    """Default `ROLLOUTS_BROKER_URL`."""
+    redis_url: str | None
+    """Default `ROLLOUTS_REDIS_URL`, else the broker."""
+    close_timeout_s: float
+    """How long a close waits for running rollouts to stop. Default 30."""
+    result_timeout_s: float | None
+    """A row without an outcome that long after it was sent resolves to `TimeoutError` naming
+    its rollout (the rollout is not cancelled; the other rows go on). None (default): no
+    caller-side deadline; a dead or cut-off worker's rows are taken over within the lease TTL
+    and a third of it."""
+    record_omitted_rollouts: bool
+    """With `record_output_dir`, the rows a close left without an outcome (never started, or
+    cancelled in flight) get `_ng_omitted` rows in the sidecar: intentional omissions,
+    completed samples for strict completion, never run by a resume. Default False."""
+
+
+_SETTING_OPTIONS = (
+    "max_resident_tasks", "dispatch_budget_s", "drain_margin_s", "retry_requests",
+    "include_model_call_payloads", "delete_model_call_capture",
+)  # fmt: skip
+"""The options that are collection settings of the same name."""
+_CALL_OPTIONS = tuple(
+    f.name for f in dataclasses.fields(Call) if f.name not in ("enrich", "records")
+)
+"""The options that are `Call` fields of the same name."""
+
+
 def run_examples(
     rows: Iterable[dict[str, Any]],
     config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str],
     *,
-    max_resident_tasks: int | None = None,
-    dispatch_budget_s: float | None = None,
-    drain_margin_s: float | None = None,
     route_failures_to_sidecar: bool = False,
-    retry_requests: bool = True,
-    enrich_results: bool = False,
-    include_model_call_payloads: bool = True,
-    delete_model_call_capture: bool = False,
-    record_output_dir: str | os.PathLike[str] | None = None,
-    record_shard: str = "0",
-    record_overwrite: bool = False,
-    settings: CollectionSettings | Mapping[str, Any] | None = None,
-    run_id: str | None = None,
-    broker_url: str | None = None,
-    redis_url: str | None = None,
-    close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
-    result_timeout_s: float | None = None,
     record_unrouted_failures: bool = False,
-    record_omitted_rollouts: bool = False,
+    **options: Unpack[CallOptions],
 ) -> Completions:
     """Dispatch each row as one Celery task; returns an iterator of awaitables of `(row, result)`.
 
@@ -211,68 +265,22 @@ def run_examples(
     `preprocess_examples` first for routing and repeats); rows that name only a `task_source`
     get their agent (rows `preprocess_examples` planned without a config among them), and every
     problem is raised at once (PlanningError) before anything is sent. `config`: a
-    `ServersConfig`, a mapping in either format, a YAML path, or a NeMo Gym head server's URL. `row` is the row as it was sent: a copy the call owns (never the caller's object,
-    which is never modified), with what the call stamped on it; `result` is the `/run` result
-    with the row's identity fields (as it lands), an agent's own failure row included.
+    `ServersConfig`, a mapping in either format, a YAML path, or a NeMo Gym head server's URL.
+    `row` is the row as it was sent: a copy the call owns (never the caller's object, which is
+    never modified), with what the call stamped on it; `result` is the `/run` result with the
+    row's identity fields (as it lands), an agent's own failure row included.
 
-    - `max_resident_tasks`: at most that many rows running or queued at once; publishing starts
-      when the first awaitable is awaited. None: every row is enqueued when iteration starts.
-    - `dispatch_budget_s`, `drain_margin_s`: no row starts later than the budget after this
-      call (sooner by the margin: explicit, else the p75 of the call's successful durations
-      once there are 5); such a row resolves to the drained row.
     - `route_failures_to_sidecar`: a failed `/run` resolves to its failure row; off, its
       awaitable raises `RolloutFailedError` (carrying the failure row) and the rest go on.
-    - `retry_requests`: replay a `/run` that failed after it was sent (timeouts, resets,
-      429/502/503/504); connections never established are retried regardless.
-    - `enrich_results`: results carry `ng_perf` (`rollout_latency_ms`, `queue_wait_ms`), and
-      routed failures come back as `RolloutFailureRecord`s.
-    - `include_model_call_payloads`: with model-call capture on (`observability_enabled`,
-      `model_call_capture_dir` in `settings`), keep the calls' request and response bodies in
-      `ng_trajectory`; off, the trajectory keeps its structure, timings and token counts only.
-      `delete_model_call_capture`: delete each rollout's capture files once merged into its
-      result (needs the payloads kept).
-    - `record_output_dir`, `record_shard`: also write shard `record_shard` of that run
-      directory as `rollouts run` would (materialized inputs, manifest, results and failure
-      rows, status; when the call ends or closes, the aggregate metrics and health summary),
-      so `rollouts status`, `resume` and `health-check` work on it. The rows need their planned
-      identity. Implies `enrich_results`. An existing shard is refused unless
-      `record_overwrite`.
-    - `settings`: any other collection setting (`rollout_timeout_s`, `max_attempts`, health
-      limits, ...); an option above that is not left at its default wins over it.
-    - `run_id`: the run the rows belong to (stamped on copies as `_ng_run_id`).
-    - `broker_url`, `redis_url`: default `ROLLOUTS_BROKER_URL`, `ROLLOUTS_REDIS_URL` (else the
-      broker). `close_timeout_s` bounds how long a close waits for running rollouts to stop.
-    - `result_timeout_s`: a row without an outcome that long after it was sent resolves to
-      `TimeoutError` naming its rollout (the rollout is not cancelled; the other rows go on).
-      None (the default): no caller-side deadline; a dead or cut-off worker's rows are taken
-      over within the lease TTL and a third of it.
     - `record_unrouted_failures`: with `route_failures_to_sidecar` off, a failed `/run` resolves
       to its failure row with the `RolloutFailedError` it would raise under `run_error`, so the
       caller keeps the evidence before it raises; without it the awaitable raises.
-    - `record_omitted_rollouts`: with `record_output_dir`, the rows a close left without an
-      outcome (never started, or cancelled in flight) get `_ng_omitted` rows in the sidecar:
-      intentional omissions, completed samples for strict completion, never run by a resume.
+    - `options`: the `CallOptions` (budget, resident tasks, recording, cluster, timeouts).
     """
-    call = Call(
-        enrich_results or record_output_dir is not None, False, record_output_dir, record_shard,
-        record_overwrite, run_id, broker_url, redis_url, close_timeout_s, result_timeout_s,
-        record_unrouted_failures, record_omitted_rollouts,
+    return _start(
+        "run_examples", rows, config, options, records=False, route=route_failures_to_sidecar,
+        record_unrouted_failures=record_unrouted_failures,
     )  # fmt: skip
-    options = {
-        "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
-        "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": route_failures_to_sidecar,
-        "retry_requests": retry_requests, "include_model_call_payloads": include_model_call_payloads,
-        "delete_model_call_capture": delete_model_call_capture,
-    }  # fmt: skip
-    return _start(rows, config, settings, call, options)
-
-
-def _start(
-    rows: Iterable[dict[str, Any]], config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str],
-    settings: CollectionSettings | Mapping[str, Any] | None, call: Call, options: dict[str, Any],
-) -> Completions:  # fmt: skip
-    """The call's settings (its options over `settings`), then its dispatch."""
-    return _dispatch(list(rows), _config(config), _settings(settings, **options), call)
 
 
 def _dispatch(
@@ -342,46 +350,38 @@ class Outcomes:
 def run_outcomes(
     rows: Iterable[dict[str, Any]],
     config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str],
-    *,
-    run_id: str | None = None,
-    max_resident_tasks: int | None = None,
-    dispatch_budget_s: float | None = None,
-    drain_margin_s: float | None = None,
-    retry_requests: bool = True,
-    enrich_results: bool = False,
-    include_model_call_payloads: bool = True,
-    delete_model_call_capture: bool = False,
-    record_output_dir: str | os.PathLike[str] | None = None,
-    record_shard: str = "0",
-    record_overwrite: bool = False,
-    settings: CollectionSettings | Mapping[str, Any] | None = None,
-    broker_url: str | None = None,
-    redis_url: str | None = None,
-    close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
-    result_timeout_s: float | None = None,
-    record_omitted_rollouts: bool = False,
+    **options: Unpack[CallOptions],
 ) -> Outcomes:
     """Yield `(row, result | RolloutFailureRecord)` in completion order.
 
     Expected HTTP, JSON and result-shape failures of `/run` (and rows drained by the budget)
     become `RolloutFailureRecord`s; errors of the system itself (a worker that could not run
     the rollout, a fenced shard) and cancellation propagate. Nothing is persisted unless
-    `record_output_dir` is given. `run_id` names the records' run and is stamped on copies of
-    the rows, overriding their `_ng_run_id`; without it a row's stamp is kept, and unstamped
-    rows share the call's id. The other options are `run_examples`'.
+    `record_output_dir` is given. The options are `run_examples`' `CallOptions`.
     """
+    return Outcomes(_start("run_outcomes", rows, config, options, records=True, route=True))
+
+
+def _start(
+    name: str, rows: Iterable[dict[str, Any]],
+    config: ServersConfig | Mapping[str, Any] | str | os.PathLike[str], options: CallOptions, *,
+    records: bool, route: bool, record_unrouted_failures: bool = False,
+) -> Completions:  # fmt: skip
+    """A call's `Call` and settings from its options (refusing a name it does not take, as
+    Python would), then its dispatch."""
+    for key in options.keys() - CallOptions.__optional_keys__:
+        raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
+    given: dict[str, Any] = dict(options)
     call = Call(
-        enrich_results or record_output_dir is not None, True, record_output_dir, record_shard,
-        record_overwrite, run_id, broker_url, redis_url, close_timeout_s, result_timeout_s,
-        record_omitted_rollouts=record_omitted_rollouts,
+        enrich=bool(given.get("enrich_results")) or given.get("record_output_dir") is not None,
+        records=records, **{k: given[k] for k in _CALL_OPTIONS if k in given},
     )  # fmt: skip
-    options = {
-        "max_resident_tasks": max_resident_tasks, "dispatch_budget_s": dispatch_budget_s,
-        "drain_margin_s": drain_margin_s, "route_failures_to_sidecar": True,
-        "retry_requests": retry_requests, "include_model_call_payloads": include_model_call_payloads,
-        "delete_model_call_capture": delete_model_call_capture,
-    }  # fmt: skip
-    return Outcomes(_start(rows, config, settings, call, options))
+    if record_unrouted_failures:
+        call = dataclasses.replace(call, record_unrouted_failures=True)
+    settings_options = {k: given[k] for k in _SETTING_OPTIONS if k in given}
+    settings_options["route_failures_to_sidecar"] = route
+    settings = _settings(given.get("settings"), **settings_options)
+    return _dispatch(list(rows), _config(config), settings, call)
 
 
-__all__ = ["Completions", "Outcomes", "run_examples", "run_outcomes"]
+__all__ = ["CallOptions", "Completions", "Outcomes", "run_examples", "run_outcomes"]

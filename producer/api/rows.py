@@ -100,12 +100,8 @@ def _recorded_id(row: dict[str, Any], run_id: str) -> str | None:
     """A recorded row's rollout id: its own (`_ng_rollout_id`, else `<task>-<rollout>`) prefixed
     with the shard's run id, so that two recorded shards sharing a capture directory never share
     a capture key; an id that carries the prefix already (a row read back from a shard) keeps it."""
-    explicit = row.get(F.ROLLOUT_ID)
-    if explicit is not None:
-        own = str(explicit)
-    elif F.TASK_INDEX in row and F.ROLLOUT_INDEX in row:
-        own = f"{row[F.TASK_INDEX]}-{row[F.ROLLOUT_INDEX]}"
-    else:
+    own = F.base_rollout_id(row)
+    if own is None:
         return None
     return own if own.startswith(f"{run_id}-") else f"{run_id}-{own}"
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 
 from infra import keys, telemetry
 from infra.embedded import EmbeddedRedis
@@ -65,26 +65,18 @@ def worker_env(broker_url: str | None, redis_url: str | None) -> dict[str, str]:
 _LOCAL_WORKER_FLAGS = ("--without-gossip", "--without-mingle", "--without-heartbeat")
 
 
+@dataclass
 class WorkerProcesses:
     """N `celery worker` processes against one broker."""
 
-    def __init__(
-        self,
-        broker_url: str,
-        redis_url: str,
-        count: int,
-        concurrency: int,
-        loglevel: str = "WARNING",
-        events: bool = False,
-    ) -> None:
-        self.broker_url = broker_url
-        self.redis_url = redis_url
-        self.count = count
-        self.concurrency = concurrency
-        self.loglevel = loglevel
-        self.events = events
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.log_dir = ""
+    broker_url: str
+    redis_url: str
+    count: int
+    concurrency: int
+    loglevel: str = "WARNING"
+    events: bool = False
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list, init=False)
+    log_dir: str = field(default="", init=False)
 
     def start(self, log_dir: str | None = None) -> None:
         """Start the workers; their output goes to `log_dir/worker-N.log` (a new temp folder by default)."""
@@ -174,12 +166,7 @@ class LocalCluster:
         self.workers.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         if self.attach is not None:
             self.attach.unlink(missing_ok=True)
         if self.workers is not None:

@@ -127,29 +127,22 @@ def verdict_of(findings: list[Any], unobserved_mask: int) -> Verdict:
     return "unobserved" if unobserved_mask & VERDICT_MASK else "healthy"
 
 
+@dataclass
 class Reducer:
     """Consumes the merged entries; writes verdict lines; emits one task entry per task."""
 
-    def __init__(
-        self,
-        accounting: Accounting,
-        totals: Totals,
-        verdicts_out: IO[bytes],
-        emit_task: Callable[[int, Any, dict[str, Any]], None],
-        multi_source_labels: list[str] | None,
-        timeouts: Timeouts | None = None,
-        reserved: Sequence[Reserved | None] | None = None,
-    ) -> None:
-        self.acc = accounting
-        self.timeouts = timeouts
-        self.reserved = reserved
-        """Per source, the newest generation that reserved each rollout (None: unknown)."""
-        self.totals = totals
-        self.out = verdicts_out
-        self.emit_task = emit_task
-        self.labels = multi_source_labels
-        self._task: tuple[int, Any] | None = None
-        self._repeats: list[Repeat] = []
+    acc: Accounting
+    totals: Totals
+    out: IO[bytes]
+    """Where the verdict lines go."""
+    emit_task: Callable[[int, Any, dict[str, Any]], None]
+    labels: list[str] | None
+    """The sources' labels, when there are several."""
+    timeouts: Timeouts | None = None
+    reserved: Sequence[Reserved | None] | None = None
+    """Per source, the newest generation that reserved each rollout (None: unknown)."""
+    _task: tuple[int, Any] | None = field(default=None, init=False)
+    _repeats: list[Repeat] = field(default_factory=list, init=False)
 
     def run(self, entries: Iterable[list[Any]]) -> None:
         group: list[list[Any]] = []

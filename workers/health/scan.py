@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
-from types import TracebackType
 from typing import Any
 
 import orjson
@@ -155,14 +154,9 @@ class ResultsScan:
         )
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._stack.__exit__(exc_type, exc, tb)
-        if exc_type is not None:
+    def __exit__(self, *exc_info: Any) -> None:
+        self._stack.__exit__(*exc_info)
+        if exc_info[0] is not None:
             return
         self._digest.finish(self.result, RunDir(self.job.dir).size(self.job.name))
         self.result.runs = self._writer.close()

@@ -51,10 +51,14 @@ class Group:
 
     rollouts: int = 0
     measured: int = 0
+    """Rollouts whose time could be split (their captured calls and `/run` duration read)."""
     model_calls: int = 0
     model_call_s: float = 0.0
+    """Seconds inside model calls, over the measured rollouts."""
     other_s: float = 0.0
+    """Seconds of `/run` outside model calls (tools, the agent's own work)."""
     unmeasured: Counter[str] = field(default_factory=Counter)
+    """Rollouts counted but not measured, by why (`UNMEASURED`)."""
 
 
 def in_calls_s(calls: Sequence[Mapping[str, Any]]) -> float | None:

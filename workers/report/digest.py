@@ -68,12 +68,17 @@ class Group:
     """The rollouts of one (environment server, agent)."""
 
     rollouts: int = 0
+    """Results landed."""
     rewarded: int = 0
+    """Results with a numeric reward."""
     reward_sum: float = 0.0
     passes: int = 0
+    """Results whose reward is full credit (`PASS_REWARD`)."""
     tokens_in: int = 0
+    """Input tokens the results' usage reports (0 for a result without usage)."""
     tokens_out: int = 0
     latency: LogHistogram = field(default_factory=LogHistogram)
+    """The timed results' `/run` durations (ms)."""
 
 
 class TaskTable:
