@@ -25,11 +25,14 @@ def ensure_group(r: redis.Redis, name: str) -> None:
             raise
 
 
-def open_feed(r: redis.Redis, name: str, run_dir: str, fresh: bool = False) -> None:
+def open_feed(
+    r: redis.Redis, name: str, run_dir: str, fresh: bool = False, max_lag: int | None = None
+) -> None:
     """Make the feed's consumer group (if missing) and mark it open: a dispatch of the run in
     `run_dir` publishes on it (its readers log their acknowledgements there). `fresh`: a new run
     or call, whose feed starts empty (what an earlier one of the same name left is dropped; the
-    policy version the trainer set stays)."""
+    policy version the trainer set stays). `max_lag`: the run's `max_policy_lag`, kept for the
+    feed's readers (their default)."""
     if fresh:
         version = r.hget(keys.feed_counts(name), "policy_version")
         r.delete(*feed_keys(name))
@@ -39,6 +42,8 @@ def open_feed(r: redis.Redis, name: str, run_dir: str, fresh: bool = False) -> N
     pipe = r.pipeline(transaction=True)
     pipe.hdel(keys.feed_counts(name), "closed")
     pipe.hset(keys.feed_counts(name), "run_dir", run_dir)
+    if max_lag is not None:
+        pipe.hset(keys.feed_counts(name), "max_policy_lag", max_lag)
     pipe.expire(keys.feed_counts(name), int(from_env().live_key_ttl_s))
     pipe.expire(keys.feed_stream(name), int(from_env().live_key_ttl_s))
     pipe.execute()
@@ -83,6 +88,11 @@ class FeedCounts:
     closed: bool
     stale: int
     """Group items handed to a consumer as stale (`max_policy_lag`)."""
+    reruns: int
+    """Rollouts found stale as their call ended and run again (`stale_rollouts="rerun"`)."""
+    dropped: int
+    """Of those, set aside with no result to take their place: the re-run failed or was
+    cancelled (the member settled with its failure row, or not at all)."""
     policy_version: int | None
     """The current policy version (`set_policy_version`; None: never set)."""
     by_reason: dict[str, int]
@@ -105,6 +115,7 @@ def feed_counts(r: redis.Redis, name: str) -> FeedCounts:
     except redis.ResponseError:  # no consumer group yet
         pending = 0
     counts = {k.decode(): int(v) for k, v in raw.items() if k != b"run_dir"}
+    counts.pop("max_policy_lag", None)
     version = counts.get("policy_version")
     return FeedCounts(
         members=counts.get("members", 0),
@@ -115,6 +126,8 @@ def feed_counts(r: redis.Redis, name: str) -> FeedCounts:
         open=int(open_),
         closed=bool(counts.get("closed")),
         stale=counts.get("stale", 0),
+        reruns=counts.get("reruns", 0),
+        dropped=counts.get("dropped", 0),
         policy_version=version,
         by_reason={k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("delivered:")},
     )

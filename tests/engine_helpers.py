@@ -31,7 +31,7 @@ from workers.rollout import (
     run_rollout_async,
 )
 from workers.rollout.context import SLOT
-from workers.rollout.fakes import FakeGate, FakeLander, FakeLeases, FakeShard
+from workers.rollout.fakes import FakeFeeds, FakeGate, FakeLander, FakeLeases, FakeShard
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 ROW = {F.TASK_INDEX: 3, F.ROLLOUT_INDEX: 1, F.AGENT_REF: {"name": "a"}, "question": "1+1"}
@@ -57,6 +57,8 @@ class Harness:
         self.checked: list[tuple[RunRef, str]] = []
         self.row: dict[str, Any] = dict(ROW)
         """The planned row its rollouts run."""
+        self.feeds: FakeFeeds | None = None
+        """The rollouts' feed, when they have one (`feed=` of `run`)."""
 
     def refusal(self, run: RunRef, agent_url: str) -> str | None:
         """The manifest check (`RunCheck`): records what it was asked."""
@@ -91,6 +93,7 @@ class Harness:
             land_wait_s=self.land_wait_s,
             leases=self.leases,
             runs=self,
+            feeds=self.feeds,
         )
 
     def run(
@@ -103,6 +106,7 @@ class Harness:
         """Run one delivery; `slot`: it was taken ahead of the pool's slots (`SLOT`)."""
         admission = policy.pop("admission", Admission())
         health = policy.pop("health", None)
+        feed = policy.pop("feed", None)
         req = CollectRequest(
             run=RunRef(run_id="r", output_dir="/tmp/nowhere", shard="0", token=token),
             agent_url="http://agent",
@@ -110,6 +114,7 @@ class Harness:
             row=dict(self.row),
             admission=admission,
             health=health,
+            feed=feed,
         )
         try:
             if slot is None:

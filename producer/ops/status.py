@@ -535,7 +535,8 @@ def health_line(report: dict[str, Any]) -> str:
 
 def feed_line(report: dict[str, Any]) -> str:
     """The feed's groups: delivered, not read by any consumer (lag), read and not acknowledged,
-    acknowledged, waiting for members."""
+    acknowledged, waiting for members; then, when there were any, the groups handed out stale
+    and the rollouts run again for being stale (and of those, the ones dropped)."""
     feed = report.get("feed")
     if not feed:
         return ""
@@ -543,6 +544,8 @@ def feed_line(report: dict[str, Any]) -> str:
         f"\nfeed {feed['name']}: {feed['groups']} groups · lag {feed['lag']} · unacknowledged "
         f"{feed['pending']} · acknowledged {feed['acked']} · open {feed['open']}"
         + (f" · stale {feed['stale']}" if feed["stale"] else "")
+        + (f" · re-run {feed['reruns']}" if feed.get("reruns") else "")
+        + (f" · dropped {feed['dropped']}" if feed.get("dropped") else "")
         + (" · closed" if feed["closed"] else "")
     )
 

@@ -22,12 +22,9 @@ def shard_feed(r: redis.Redis, opened: OpenedRun, settings: CollectionSettings) 
         return None
     shard = opened.manifest.shard
     rows = iter_materialized(opened.rd, shard)
-    plan = FeedPlan.of(
-        settings.feed, rows, shard, settings.feed_group_key, settings.group_timeout_s,
-        settings.max_unconsumed_groups,
-    )  # fmt: skip
+    plan = FeedPlan.of_settings(settings.feed, settings, rows, shard)
     fresh = opened.run.generation == 0
-    open_feed(r, plan.name, opened.rd.url, fresh=fresh)
+    open_feed(r, plan.name, opened.rd.url, fresh=fresh, max_lag=plan.max_lag)
     if not fresh:  # a resume: what Redis may have lost since (a restart) comes back, once
         rebuild_feed(r, plan, opened.rd.url)
     return plan

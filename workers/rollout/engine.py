@@ -189,7 +189,10 @@ class _Run:
         self.verdict: RolloutVerdict | None = None
         """The result's live verdict (`workers/health/live.py`), when it is judged."""
         self.policy_version: int | None = None
-        """The feed's policy version the rollout started under, stamped on its records."""
+        """The feed's policy version the rollout was admitted to call its agent under, stamped on
+        its records."""
+        self.reruns = 0
+        """How many times its call ended stale and it was run again (`rerun_stale`)."""
 
     def end(self, ended: Ended, **fields: Any) -> RolloutOutcome:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
@@ -411,10 +414,80 @@ class _Run:
             return ticket
         if ticket.verdict != "run":
             return self.not_run(ticket, seen)
+        if readmit is None:
+            self.note_version()
         self.staged("calling")
         if readmit is None and self.delivery.on_admitted is not None:
             self.delivery.on_admitted()
         return ticket
+
+    def note_version(self) -> None:
+        """Note the feed's policy version as the rollout is admitted to call its agent (as this
+        process read it at most half a second ago); blocking."""
+        feed, feeds = self.req.feed, self.ctx.feeds
+        if feed is None or feeds is None:
+            return
+        try:
+            self.policy_version = feeds.version(feed)
+        except redis.RedisError as exc:  # the version read before it started stays
+            log.warning("rollout %s: feed %s unreadable (%s)", self.rollout, feed.name, exc)
+
+    async def rerun_stale(
+        self, called: tuple[Ticket, CallOutcome, float]
+    ) -> tuple[Ticket, CallOutcome, float] | RolloutOutcome:
+        """With `stale_rollouts="rerun"`: while the call ended with a result of a policy version
+        more than `max_policy_lag` behind the feed's current one, set that result aside (the
+        shard's `_superseded` folder, counted as a re-run) and call the agent again under the
+        current version, with the same slot; at most `max_stale_reruns` times, then the result
+        lands as it is (its group is handed out marked stale). A re-run that ends without a
+        result (cancelled, or failed) counts the set-aside result as dropped."""
+        feed, feeds = self.req.feed, self.ctx.feeds
+        if feed is None or feeds is None or not feed.reruns or not self.delivery.record:
+            return called
+        while True:
+            slot, outcome, started = called
+            if outcome.result is None:
+                return called
+            own = outcome.result.get(F.POLICY_VERSION)  # an agent that names its own wins
+            version = own if isinstance(own, int) else self.policy_version
+            try:
+                current = await self.ctx.blocking(lambda: feeds.current(feed))
+                if not feed.rerun(version, current, self.reruns):
+                    return called
+                self.reruns += 1
+                aside = partial(self.set_aside, outcome.result, version, current, started)
+                await self.ctx.blocking(aside)
+            except (redis.RedisError, OSError, StorageError) as exc:
+                log.warning("rollout %s: its stale result lands as it is: %s", self.rollout, exc)
+                return called
+            self.policy_version = current
+            log.info("rollout %s: its call ended under policy %s, the feed's is %s: run again",
+                     self.rollout, version, current)  # fmt: skip
+            again = await self.call(slot)
+            if isinstance(again, RolloutOutcome) or again[1].result is None:
+                await self.ctx.blocking(lambda: feeds.count(feed, "dropped"))
+            if isinstance(again, RolloutOutcome):
+                return again
+            again[1].failures[:0] = outcome.failures  # its earlier attempts' rows still land
+            again[1].requests_sent += outcome.requests_sent
+            called = again
+
+    def set_aside(
+        self, result: dict[str, Any], version: int | None, current: int | None, started: float
+    ) -> None:
+        """Keep a stale result as evidence (`rerun_stale`), stamped as it would have landed, with
+        its capture merged; the capture is cleared for the re-run."""
+        feed, feeds = self.req.feed, self.ctx.feeds
+        assert feed is not None and feeds is not None
+        now = self.ctx.monotonic()
+        row = merge_into(self.req, dict(result), (now - started) * 1000)
+        stamp_timing([row], time.time() - (now - started), (now - started) * 1000)
+        if version is not None:
+            row.setdefault(F.POLICY_VERSION, version)
+        self.stamp_execution([row])
+        row[F.SET_ASIDE] = {"reason": "stale", "policy_version": current}
+        clear_for(self.req)
+        feeds.set_aside(feed, self.req.run, row, self.reruns)
 
     async def attempt(self, ticket: Ticket) -> RolloutOutcome:
         """Call `/run` with the admitted slot, then sort and land the outcome."""
@@ -422,6 +495,8 @@ class _Run:
         if ticket.verdict == "worker_lost":
             return await self.lost(ticket)
         called = await self.call(ticket)
+        if not isinstance(called, RolloutOutcome):
+            called = await self.rerun_stale(called)
         if isinstance(called, RolloutOutcome):
             return called
         slot, outcome, started = called
@@ -496,6 +571,8 @@ class _Run:
         if self.policy_version is not None:  # an agent that names its own version wins
             for record in records:
                 record.setdefault(F.POLICY_VERSION, self.policy_version)
+        if self.reruns and result is not None:
+            result[F.STALE_RERUNS] = self.reruns
         self.stamp_execution(records)
         self.verdict = judge(self.req.health, result)
         queued: Queued
