@@ -4,6 +4,7 @@ the decision (`schemas/feed.py`) and the engine's loop over in-memory fakes
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,3 +140,24 @@ def test_a_rerun_that_fails_lands_its_failure_and_counts_the_stale_result_droppe
     assert out.ended is Ended.FAILED and not h.shard.results
     assert h.shard.failures[-1][F.POLICY_VERSION] == 3
     assert h.feeds.counts == {"reruns": 1, "dropped": 1}
+
+
+def test_a_call_that_falls_behind_while_it_runs_is_cut_and_run_again(h: Harness) -> None:
+    # Admitted under 0; the watch's first read (after half a second) finds 5: the call, which
+    # would take a minute, is cut and the agent called again under 5.
+    h.feeds = FakeFeeds(versions=[0, 0, 5])
+    calls: list[float] = []
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(0.0)
+        if len(calls) == 1:
+            await asyncio.sleep(60)
+        return httpx.Response(200, content=orjson.dumps({"reward": 1.0}))
+
+    h.handler = answer
+    out = h.run(feed=RERUN)
+    assert out.ended is Ended.LANDED and len(calls) == 2
+    [landed] = h.shard.results
+    assert landed[F.POLICY_VERSION] == 5 and landed[F.STALE_RERUNS] == 1
+    assert not h.feeds.set_aside_rows  # nothing came back to set aside
+    assert h.feeds.counts == {"reruns": 1} and h.slots_returned()
