@@ -50,10 +50,12 @@ class FeedGate:
         pipe.xlen(keys.feed_stream(feed.name))
         pipe.exists(keys.shard_cancel(sid))
         pipe.hget(keys.feed_counts(feed.name), "policy_version")
-        length, cancelled, version = pipe.execute()
+        length, cancelled, raw = pipe.execute()
         bound = feed.max_unconsumed
         full = bound is not None and int(length) >= bound and not cancelled
-        return FeedState(full=full, policy_version=int(version) if version is not None else None)
+        version = int(raw) if raw is not None else None
+        self._versions[feed.name] = (self.clock(), version)
+        return FeedState(full=full, policy_version=version)
 
     def version(self, feed: FeedMember) -> int | None:
         """The feed's policy version, as read at most `VERSION_KEPT_S` ago by this process."""
