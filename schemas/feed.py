@@ -5,12 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-
-if TYPE_CHECKING:
-    from schemas.settings import CollectionSettings
 
 FEED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 """A feed's name: it goes into Redis key names (`keys.feed_key`)."""
@@ -133,18 +130,6 @@ class FeedPlan(BaseModel):
         return cls(name=name, group_key=group_key, shard=shard, timeout_s=timeout_s,
                    max_unconsumed=max_unconsumed, max_lag=max_lag, reruns=reruns,
                    sizes=sizes)  # fmt: skip
-
-    @classmethod
-    def of_settings(
-        cls, name: str, settings: CollectionSettings, rows: Iterable[dict[str, Any]], shard: str
-    ) -> FeedPlan:
-        """The plan of a dispatch of `rows` into shard `shard` with `settings`' feed knobs."""
-        rerun = settings.stale_rollouts == "rerun"
-        return cls.of(
-            name, rows, shard, settings.feed_group_key, settings.group_timeout_s,
-            settings.max_unconsumed_groups, settings.max_policy_lag,
-            settings.max_stale_reruns if rerun else 0,
-        )  # fmt: skip
 
     def member(self, row: dict[str, Any]) -> dict[str, Any]:
         """The `feed` payload of `row`'s rollout task."""

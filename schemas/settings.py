@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.config import RoutingMode
-from schemas.feed import FEED_NAME_PATTERN
+from schemas.feed import FEED_NAME_PATTERN, FeedPlan
 from schemas.usage import ModelPrice
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 3600.0
@@ -179,6 +180,16 @@ class CollectionSettings(BaseModel):
     max_stale_reruns: int = Field(default=2, ge=1)
     """With `stale_rollouts="rerun"`: at most this many re-runs of one rollout, so none waits
     for ever on a trainer that outruns it."""
+
+    def feed_plan(self, name: str, rows: Iterable[dict[str, Any]], shard: str) -> FeedPlan:
+        """The plan of feed `name` for a dispatch of `rows` into shard `shard`, with these
+        settings' feed knobs."""
+        rerun = self.stale_rollouts == "rerun"
+        return FeedPlan.of(
+            name, rows, shard, self.feed_group_key, self.group_timeout_s,
+            self.max_unconsumed_groups, self.max_policy_lag,
+            self.max_stale_reruns if rerun else 0,
+        )  # fmt: skip
 
     @field_validator("num_repeats", mode="before")
     @classmethod

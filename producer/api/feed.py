@@ -54,7 +54,7 @@ def feed_plan(
         return None
     if not recorded:
         raise UsageError("a feed needs a recorded call: pass record_output_dir= with feed")
-    return FeedPlan.of_settings(settings.feed, settings, rows, shard)
+    return settings.feed_plan(settings.feed, rows, shard)
 
 
 @dataclass

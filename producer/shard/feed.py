@@ -22,7 +22,7 @@ def shard_feed(r: redis.Redis, opened: OpenedRun, settings: CollectionSettings) 
         return None
     shard = opened.manifest.shard
     rows = iter_materialized(opened.rd, shard)
-    plan = FeedPlan.of_settings(settings.feed, settings, rows, shard)
+    plan = settings.feed_plan(settings.feed, rows, shard)
     fresh = opened.run.generation == 0
     open_feed(r, plan.name, opened.rd.url, fresh=fresh, max_lag=plan.max_lag)
     if not fresh:  # a resume: what Redis may have lost since (a restart) comes back, once

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from infra.http import EventLoopThread
 from schemas import fields as F
-from schemas.feed import FeedMember, FeedPlan, is_stale
+from schemas.feed import FeedMember, is_stale
 from schemas.outcomes import Ended
 from schemas.settings import CollectionSettings
 from tests.engine_helpers import Harness
@@ -66,10 +66,10 @@ def test_a_member_is_rerun_only_when_stale_and_with_reruns_left() -> None:
 def test_the_setting_reaches_each_task_and_needs_a_lag() -> None:
     rows = [{F.TASK_INDEX: 0, F.ROLLOUT_INDEX: r} for r in range(2)]
     rerun = CollectionSettings(feed="f", max_policy_lag=1, stale_rollouts="rerun")
-    member = FeedPlan.of_settings("f", rerun, rows, "0").member(rows[0])
+    member = rerun.feed_plan("f", rows, "0").member(rows[0])
     assert member["max_lag"] == 1 and member["reruns"] == 2 == rerun.max_stale_reruns
     mark = CollectionSettings(feed="f", max_policy_lag=1)
-    assert "reruns" not in FeedPlan.of_settings("f", mark, rows, "0").member(rows[0])
+    assert "reruns" not in mark.feed_plan("f", rows, "0").member(rows[0])
     with pytest.raises(ValidationError, match="needs feed and max_policy_lag"):
         CollectionSettings(feed="f", stale_rollouts="rerun")
 

@@ -29,6 +29,7 @@ from infra.store import RunDir, ShardFiles
 from schemas import fields as F
 from schemas.feed import FeedMember, FeedState
 from schemas.messages import RunRef
+from workers.shard.coverage import STALE_MARK
 
 VERSION_KEPT_S = 0.5
 """Without a bound, a process reads a feed's policy version at most this often: a rollout
@@ -77,7 +78,7 @@ class FeedGate:
         returns the object's name. `rerun`: which re-run of its rollout follows (1, 2, ...)."""
         key = f"{row.get(F.TASK_INDEX)}-{row.get(F.ROLLOUT_INDEX)}"
         folder = ShardFiles(run.shard).superseded
-        name = f"{folder}/{key}.g{run.generation}.stale{rerun}.{uuid.uuid4().hex[:8]}.jsonl"
+        name = f"{folder}/{key}.g{run.generation}{STALE_MARK}{rerun}.{uuid.uuid4().hex[:8]}.jsonl"
         RunDir(run.output_dir).write_atomic(name, jsonl.dumps_line(row))
         self.count(feed, "reruns")
         return name
