@@ -336,7 +336,9 @@ feed_delivered = _feed_key("delivered")
 delivered alone, marked `late`."""
 
 feed_counts = _feed_key("counts")
-"""Hash of the feed's counters: `members`, `groups`, per reason `delivered:<reason>`, `acked`."""
+"""Hash of the feed's counters: `members`, `groups`, per reason `delivered:<reason>`, `acked`,
+`stale`, `reruns`, `dropped`; and its `policy_version`, the run's `max_policy_lag`, `closed`
+and `run_dir`."""
 
 
 def feed_group(name: str, group: str) -> str:
