@@ -11,6 +11,7 @@ import redis
 from infra import keys
 from infra.environment import from_env
 from infra.feed_scripts import FEED_EXPIRE_LUA, feed_keys
+from schemas.records import FeedStatus
 
 EXPIRE_BATCH = 100
 """At most this many groups delivered per call of the expiry script (it runs often)."""
@@ -131,3 +132,10 @@ def feed_counts(r: redis.Redis, name: str) -> FeedCounts:
         policy_version=version,
         by_reason={k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("delivered:")},
     )
+
+
+def feed_status(r: redis.Redis, name: str) -> FeedStatus:
+    """The feed's counts as the run keeps them (`ShardStatus.feed`)."""
+    c = feed_counts(r, name)
+    return FeedStatus(name=name, groups=c.groups, acked=c.acked, stale=c.stale, reruns=c.reruns,
+                      dropped=c.dropped, policy_version=c.policy_version)  # fmt: skip

@@ -21,6 +21,7 @@ from examples.servers import RunningServers
 from examples.tasks import make_row
 from infra import keys
 from infra.embedded import EmbeddedRedis
+from infra.feed_scripts import feed_keys
 from infra.store import RunDir
 from producer import preprocess_examples, run_examples
 from producer.api.feed import Feed, FeedGroup
@@ -488,14 +489,15 @@ def test_with_rerun_a_stale_rollout_is_run_again_under_the_current_version_and_c
     assert sorted(F.rollout_key(r) for r in landed) == sorted(F.rollout_key(r) for r in rows)
     rerun = [r for r in landed if r.get(F.STALE_RERUNS)]
     assert sum(r[F.STALE_RERUNS] for r in rerun) == counts.reruns
-    assert {F.rollout_key(r) for r in rerun} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    # The slow ones were (a fast one too, when the version moved two steps while it ran).
+    assert {(0, 0), (0, 1), (1, 0), (1, 1)} <= {F.rollout_key(r) for r in rerun}
     assert {F.rollout_key(r) for r in aside} <= {F.rollout_key(r) for r in rerun}
     status = cli("status", str(out), "--redis", redis_url)
     assert f"re-run {counts.reruns}" in status.stdout, status.stdout
 
 
 def test_a_rollouts_run_with_rerun_whose_producer_left_reruns_its_stale_rollouts_on_the_workers(
-    make_run: MakeRun, redis_url: str, tmp_path: Path
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     """`rollouts run --feed ... +max_policy_lag=1 +stale_rollouts=rerun --no-wait`: the producer
     leaves once the tasks are sent; a trainer in its own process advances the version every 2
@@ -523,3 +525,11 @@ def test_a_rollouts_run_with_rerun_whose_producer_left_reruns_its_stale_rollouts
     assert counts.reruns >= max(4, len(set_aside(run.out)))
     rerun = [m for p in got for m in p[4:] if not m.endswith("/0")]
     assert sum(int(m.split("/")[1]) for m in rerun) == counts.reruns  # the trainer saw them
+    # Kept with the run once the feed's keys are gone: the status file, the report, the status.
+    kept = orjson.loads((run.out / "rollouts-0_status.json").read_bytes())["feed"]
+    assert kept["name"] == "tcr" and kept["reruns"] == counts.reruns and kept["groups"] == 12
+    assert f"re-run {counts.reruns}" in (run.out / "report.html").read_text()
+    r.delete(*feed_keys("tcr"))  # as if they expired: `rollouts status` shows the finish's
+    status = cli("status", str(run.out), "--redis", redis_url)
+    assert "feed tcr (at the finish): 12 groups" in status.stdout, status.stdout
+    assert f"re-run {counts.reruns}" in status.stdout
