@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -37,6 +37,16 @@ Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 ROW = {F.TASK_INDEX: 3, F.ROLLOUT_INDEX: 1, F.AGENT_REF: {"name": "a"}, "question": "1+1"}
 # The agent's reply with the planned row's identity stamped on it.
 RESULT = {"reward": 1.0, F.TASK_INDEX: 3, F.ROLLOUT_INDEX: 1, F.AGENT_REF: {"name": "a"}}
+
+
+def loop_thread(name: str) -> Iterator[EventLoopThread]:
+    """An event loop thread for a module's engine tests (a fixture yields from it), stopped and
+    closed after them."""
+    thread = EventLoopThread(name)
+    yield thread
+    thread.loop.call_soon_threadsafe(thread.loop.stop)
+    thread.thread.join(5)
+    thread.loop.close()
 
 
 class Harness:

@@ -18,7 +18,7 @@ from schemas import fields as F
 from schemas.feed import FeedMember, is_stale
 from schemas.outcomes import Ended
 from schemas.settings import CollectionSettings
-from tests.engine_helpers import Harness
+from tests.engine_helpers import Harness, loop_thread
 from workers.rollout.fakes import FakeFeeds
 
 RERUN = FeedMember(name="f", group="0/3", size=2, timeout_s=60.0, max_lag=1, reruns=2)
@@ -26,11 +26,7 @@ RERUN = FeedMember(name="f", group="0/3", size=2, timeout_s=60.0, max_lag=1, rer
 
 @pytest.fixture(scope="module")
 def loop() -> Iterator[EventLoopThread]:
-    thread = EventLoopThread("test-stale-reruns")
-    yield thread
-    thread.loop.call_soon_threadsafe(thread.loop.stop)
-    thread.thread.join(5)
-    thread.loop.close()
+    yield from loop_thread("test-stale-reruns")
 
 
 @pytest.fixture

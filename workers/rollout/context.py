@@ -35,6 +35,8 @@ from workers.rollout.landing import LAND_WAIT_S, LandReport
 from workers.rollout.leases import Lease, LeaseTicket, ReplyPush, Settled, Stage
 
 STOP_POLL_S = 0.5
+STALE = "stale"
+"""Why `AgentCaller.call` cut a call whose rollout fell behind its feed's policy version."""
 
 CALL_ENDED: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
     "rollouts_call_ended", default=None
@@ -456,24 +458,31 @@ class AgentCaller:
         self._stops = stops
 
     async def call(
-        self, agent_url: str, row: dict[str, Any], policy: CallPolicy, sid: str
-    ) -> tuple[CallOutcome | None, str | None]:
+        self, agent_url: str, row: dict[str, Any], policy: CallPolicy, sid: str,
+        stale: asyncio.Future[int] | None = None,
+    ) -> tuple[CallOutcome | None, str | None]:  # fmt: skip
+        """The call's outcome; or None and why it was cut: the run's stop reason, or `stale`
+        when `stale` (`StaleWatch.wait`) resolved first."""
         call = asyncio.ensure_future(call_run(self._client(), agent_url, row, policy))
         stopped = self._stops.wait(sid)
+        waits: tuple[asyncio.Future[Any], ...] = (call, stopped) if stale is None else (
+            call, stopped, stale)  # fmt: skip
         try:
-            await asyncio.wait((call, stopped), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             call.cancel()
             raise
         finally:
-            if not stopped.done():
-                stopped.cancel()
+            for waiter in waits[1:]:
+                if not waiter.done():
+                    waiter.cancel()
         if call.done():
             return call.result(), None
         call.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await call
-        return None, stopped.result()
+        # The run's stop wins over falling behind: a stopped run calls nothing again.
+        return None, stopped.result() if not stopped.cancelled() else STALE
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -61,6 +60,7 @@ from workers.rollout.context import (
     CALL_ENDED,
     FIRST_WAIT_MAX_S,
     SLOT,
+    STALE,
     STOP_POLL_S,
     LeaseKeeper,
     RolloutContext,
@@ -672,26 +672,14 @@ class _Run:
         (`stale_rollouts="rerun"`): the agent sees the client go away."""
         ctx, req = self.ctx, self.req
         feed, feeds, version = req.feed, ctx.feeds, self.policy_version
-        call = ctx.agent.call(req.agent_url, row, req.policy, self.sid)
-        if feed is None or feeds is None or version is None or self.reruns >= feed.reruns:
-            return await call
-        running = asyncio.ensure_future(call)
-        stale = ctx.stale.wait(ctx.blocking, feeds, feed, version)
-        try:
-            await asyncio.wait((running, stale), return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            running.cancel()
-            raise
-        finally:
-            if not stale.done():
-                stale.cancel()
-        if running.done():
-            return running.result()
-        running.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await running
-        self.cut = stale.result()
-        return None, "stale"
+        stale = None
+        has_left = feed is not None and self.reruns < feed.reruns
+        if has_left and feed is not None and feeds is not None and version is not None:
+            stale = ctx.stale.wait(ctx.blocking, feeds, feed, version)
+        outcome, stop = await ctx.agent.call(req.agent_url, row, req.policy, self.sid, stale)
+        if stop == STALE and stale is not None:
+            self.cut = stale.result()
+        return outcome, stop
 
     async def wait(self, wait_s: float) -> str | None:
         """Sleep out a rate-limit wait; returns the stop reason if the run was failed or cancelled."""
