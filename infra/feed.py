@@ -27,20 +27,25 @@ def ensure_group(r: redis.Redis, name: str) -> None:
 
 
 def open_feed(
-    r: redis.Redis, name: str, run_dir: str, fresh: bool = False, max_lag: int | None = None
-) -> None:
+    r: redis.Redis, name: str, run_dir: str, fresh: bool = False, max_lag: int | None = None,
+    writer: str | None = None,
+) -> None:  # fmt: skip
     """Make the feed's consumer group (if missing) and mark it open: a dispatch of the run in
     `run_dir` publishes on it (its readers log their acknowledgements there). `fresh`: a new run
-    or call, whose feed starts empty (what an earlier one of the same name left is dropped; the
-    policy version the trainer set stays). `max_lag`: the run's `max_policy_lag`, kept for the
-    feed's readers (their default)."""
-    if fresh:
+    or call, whose feed starts empty unless another shard still writes to it (what an earlier
+    run of the same name left is dropped; the policy version the trainer set stays). `max_lag`:
+    the run's `max_policy_lag`, kept for the feed's readers (their default). `writer`: the
+    shard (`keys.shard_id`) that publishes; the feed closes once every writer finished."""
+    if fresh and not r.scard(keys.feed_writers(name)):
         version = r.hget(keys.feed_counts(name), "policy_version")
         r.delete(*feed_keys(name))
         if version is not None:
             r.hset(keys.feed_counts(name), "policy_version", version)
     ensure_group(r, name)
     pipe = r.pipeline(transaction=True)
+    if writer is not None:
+        pipe.sadd(keys.feed_writers(name), writer)
+        pipe.expire(keys.feed_writers(name), int(from_env().live_key_ttl_s))
     pipe.hdel(keys.feed_counts(name), "closed")
     pipe.hset(keys.feed_counts(name), "run_dir", run_dir)
     if max_lag is not None:
@@ -64,9 +69,12 @@ def expire_groups(r: redis.Redis, name: str, reason: str = "timeout") -> int:
             return total
 
 
-def close_feed(r: redis.Redis, name: str) -> int:
-    """The run is done: deliver every open group as it is (marked `closed`) and mark the feed
-    closed, so its readers end once they acknowledged everything; returns the groups delivered."""
+def close_feed(r: redis.Redis, name: str, writer: str | None = None) -> int:
+    """Shard `writer` is done: once no other shard writes to the feed, deliver every open group
+    as it is (marked `closed`) and mark the feed closed, so its readers end once they
+    acknowledged everything; returns the groups delivered (none while a writer is left)."""
+    if writer is not None:
+        r.srem(keys.feed_writers(name), writer)
     return expire_groups(r, name, "closed")
 
 

@@ -183,7 +183,7 @@ def _finish_in(
     compact_shard(client(redis_url), rd, run.shard, close=True)
     feed = None
     if settings.feed is not None:  # nothing lands any more: its readers end once they caught up
-        close_feed(client(redis_url), settings.feed)
+        close_feed(client(redis_url), settings.feed, sid)
         feed = feed_status(client(redis_url), settings.feed)
     results = ShardFiles(run.shard).results
     if not rd.exists(results):

@@ -533,3 +533,32 @@ def test_a_rollouts_run_with_rerun_whose_producer_left_reruns_its_stale_rollouts
     status = cli("status", str(run.out), "--redis", redis_url)
     assert "feed tcr (at the finish): 12 groups" in status.stdout, status.stdout
     assert f"re-run {counts.reruns}" in status.stdout
+
+
+def test_a_feed_two_shards_publish_on_closes_only_once_both_finished(
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Shards 0 and 1 of a run (`--num-shards 2`) publish on one feed; shard 1's rollouts take
+    15 s, shard 0's 50 ms, and shard 0 starts once shard 1 publishes, so it finishes first (in
+    a few seconds). Its finish leaves the feed open: the trainer, reading until the feed is
+    closed, gets every group of both shards, whole, and ends once shard 1 finished too. (Closed
+    by shard 0's finish, it ended before shard 1's groups came.)"""
+    run = make_run({"math_agent": "math_env"}, workers=1, concurrency=16)  # room for both
+    rows = math_rows(8)
+    for i, row in enumerate(rows):
+        row["agent_latency_ms"] = 15_000 if i % 2 else 50  # shard 1 holds the odd tasks
+    log = tmp_path / "trainer.log"
+    trainer = consumer(redis_url, "tsh", "rank0", log, hold_s=0.0)
+    wait_for(lambda: bool(log_lines(log)), 60, "the trainer started")
+    common = ("--num-repeats", "2", "--num-shards", "2", "--feed", "tsh")
+    slow = run.start(rows, *common, "--shard-index", "1")
+    wait_for(lambda: r.scard(keys.feed_writers("tsh")) == 1, 60, "shard 1 publishes")
+    fast = run.cli(rows, *common, "--shard-index", "0")
+    assert fast.returncode == 0, fast.stdout + fast.stderr
+    assert slow.wait(120) == 0, run.log()
+    assert trainer.wait(120) == 0
+    got = [parts[1] for parts in log_lines(log) if parts[0] == "got"]
+    assert sorted(got) == sorted(f"{i % 2}/{i}" for i in range(8))  # each group once, both shards
+    counts = Feed("tsh", redis_url).counts()
+    assert counts.closed and counts.by_reason == {"complete": 8}
+    assert r.scard(keys.feed_writers("tsh")) == 0
