@@ -32,11 +32,12 @@ def open_feed(
 ) -> None:  # fmt: skip
     """Make the feed's consumer group (if missing) and mark it open: a dispatch of the run in
     `run_dir` publishes on it (its readers log their acknowledgements there). `fresh`: a new run
-    or call, whose feed starts empty unless another shard still writes to it (what an earlier
-    run of the same name left is dropped; the policy version the trainer set stays). `max_lag`:
-    the run's `max_policy_lag`, kept for the feed's readers (their default). `writer`: the
-    shard (`keys.shard_id`) that publishes; the feed closes once every writer finished."""
-    if fresh and not r.scard(keys.feed_writers(name)):
+    or call, whose feed starts empty unless another shard of the same run directory still
+    writes to it (what an earlier run of the same name left is dropped; the policy version the
+    trainer set stays). `max_lag`: the run's `max_policy_lag`, kept for the feed's readers
+    (their default). `writer`: the shard (`keys.shard_id`) that publishes; the feed closes once
+    every writer finished."""
+    if fresh and not _shared(r, name, run_dir, writer):
         version = r.hget(keys.feed_counts(name), "policy_version")
         r.delete(*feed_keys(name))
         if version is not None:
@@ -53,6 +54,17 @@ def open_feed(
     pipe.expire(keys.feed_counts(name), int(from_env().live_key_ttl_s))
     pipe.expire(keys.feed_stream(name), int(from_env().live_key_ttl_s))
     pipe.execute()
+
+
+def _shared(r: redis.Redis, name: str, run_dir: str, writer: str | None) -> bool:
+    """Whether another shard of the run in `run_dir` writes to the feed (a shard that never
+    finished in another run directory, or this shard's own earlier run, does not count)."""
+    pipe = r.pipeline(transaction=True)
+    pipe.smembers(keys.feed_writers(name))
+    pipe.hget(keys.feed_counts(name), "run_dir")
+    writers, stored = pipe.execute()
+    others = {w.decode() for w in writers} - {writer}
+    return bool(others) and stored is not None and stored.decode() == run_dir
 
 
 def expire_groups(r: redis.Redis, name: str, reason: str = "timeout") -> int:

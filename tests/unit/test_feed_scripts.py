@@ -87,3 +87,7 @@ def test_a_feed_two_shards_write_closes_when_the_last_one_finishes(redis_url: st
     assert feed_counts(r, "f").closed
     open_feed(r, "f", "runs/f", fresh=True, writer="shard-c")  # a new run: the feed anew
     assert entries(r) == [] and not feed_counts(r, "f").closed
+    land(r, ("c/0", 2, "0:0", False))
+    # A run elsewhere on the same name while shard c never finished (its caller died): anew.
+    open_feed(r, "f", "runs/g", fresh=True, writer="shard-d")
+    assert feed_counts(r, "f").open == 0 and r.smembers(keys.feed_writers("f")) == {b"shard-d"}
