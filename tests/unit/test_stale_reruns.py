@@ -157,3 +157,15 @@ def test_a_call_that_falls_behind_while_it_runs_is_cut_and_run_again(h: Harness)
     assert landed[F.POLICY_VERSION] == 5 and landed[F.STALE_RERUNS] == 1
     assert not h.feeds.set_aside_rows  # nothing came back to set aside
     assert h.feeds.counts == {"reruns": 1} and h.slots_returned()
+
+
+def test_a_stale_result_that_cannot_be_set_aside_lands_as_it_is(h: Harness) -> None:
+    class Unwritable(FakeFeeds):
+        def set_aside(self, feed: FeedMember, run: Any, row: dict[str, Any], rerun: int) -> str:
+            raise OSError("the run directory is read-only")
+
+    h.feeds = Unwritable(versions=[0, 0, 3])
+    out = h.run(feed=RERUN)
+    assert out.ended is Ended.LANDED and len(h.requests) == 1 and h.slots_returned()
+    [landed] = h.shard.results
+    assert landed[F.POLICY_VERSION] == 0 and F.STALE_RERUNS not in landed  # marked at handout

@@ -469,7 +469,7 @@ class _Run:
                         return called
                     put = partial(self.set_aside, outcome.result, version, current, started)
                     await self.ctx.blocking(put)  # counted as a re-run there
-                except (redis.RedisError, OSError, StorageError) as exc:
+                except Exception as exc:  # Redis, storage, the capture: it lands as it is
                     log.warning("rollout %s: its result lands as it is: %s", self.rollout, exc)
                     return called
                 aside = True
