@@ -1,5 +1,7 @@
 """An asynchronous GRPO-style loop over the feed: groups of repeats as they complete, group-relative
-advantages, the policy version advanced every few groups, each group acknowledged once used.
+advantages, the policy version advanced every few groups, each group acknowledged once used;
+rollouts more than one version behind are run again under the current one (a group that still
+comes stale, its members having aged while it waited, is skipped).
 
 Run it with `python -m examples.async_grpo` (the example servers, a local or named cluster).
 """
@@ -28,11 +30,13 @@ def advantages(rewards: list[float]) -> list[float]:
 async def train(config: dict, broker: str, out: str) -> str:
     raw = [make_row("arithmetic", i, "math_agent") for i in range(TASKS)]
     rows = preprocess_examples(raw, config, CollectionSettings(num_repeats=REPEATS))
-    feed = Feed("grpo", broker, max_policy_lag=1)
+    feed = Feed("grpo", broker)  # stale past the run's max_policy_lag
     feed.set_policy_version(0)
+    settings = {"feed": "grpo", "max_unconsumed_groups": 8, "max_policy_lag": 1,
+                "stale_rollouts": "rerun"}  # fmt: skip
     completions = run_examples(
         rows, config, broker_url=broker, record_output_dir=out, route_failures_to_sidecar=True,
-        settings={"feed": "grpo", "max_unconsumed_groups": 8},
+        settings=settings,
     )  # fmt: skip
     collected = asyncio.gather(*completions)  # the call runs to its end meanwhile
     used, skipped, version, seen = 0, 0, 0, set()

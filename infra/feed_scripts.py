@@ -2,7 +2,7 @@
 
 Every key a script writes is set to expire `ROLLOUTS_LIVE_KEY_TTL_S` after the write, as a
 shard's keys are: a feed nobody reads any more goes by itself. Every script takes the feed's keys in the order of `feed_keys`: its stream, open groups, members,
-delivered groups and counters. A group's members are kept in a hash (`keys.feed_group`) with its
+delivered groups, counters and writers. A group's members are kept in a hash (`keys.feed_group`) with its
 planned size in the `_size` field; each member's field is `r:<member>` for a result and
 `f:<member>` for the failure row it settled with.
 """
@@ -20,6 +20,7 @@ def feed_keys(name: str) -> list[str]:
         keys.feed_members(name),
         keys.feed_delivered(name),
         keys.feed_counts(name),
+        keys.feed_writers(name),
     ]
 
 
@@ -95,7 +96,9 @@ FEED_EXPIRE_LUA = (
     _DELIVER
     + """
 -- ARGV: the group key prefix, the reason ('timeout': groups past their deadline; 'closed':
--- every open group, and the feed is marked closed), at most how many groups, the keys' TTL.
+-- every open group, and the feed is marked closed, unless a shard still writes to it), at most
+-- how many groups, the keys' TTL.
+if ARGV[2] == 'closed' and redis.call('SCARD', KEYS[6]) > 0 then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local upto = now

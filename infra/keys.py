@@ -335,8 +335,14 @@ feed_delivered = _feed_key("delivered")
 """Set: groups delivered already; a member that settles after its group (past its deadline) is
 delivered alone, marked `late`."""
 
+feed_writers = _feed_key("writers")
+"""Set: the shards (`shard_id`) whose dispatch publishes on the feed and whose finish step has
+not run yet; the feed is closed when the last one finishes (`infra/feed.py`'s `close_feed`)."""
+
 feed_counts = _feed_key("counts")
-"""Hash of the feed's counters: `members`, `groups`, per reason `delivered:<reason>`, `acked`."""
+"""Hash of the feed's counters: `members`, `groups`, per reason `delivered:<reason>`, `acked`,
+`stale`, `reruns`, `dropped`; and its `policy_version`, the run's `max_policy_lag`, `closed`
+and `run_dir`."""
 
 
 def feed_group(name: str, group: str) -> str:

@@ -98,7 +98,7 @@ class RunCoverage(ShardDocument):
     """Failed rollouts by the class of their standing failure row."""
     superseded_records: int = 0
     """Late deliveries of older attempts kept as evidence in the `_superseded` folder, never
-    selected."""
+    selected (not the stale results a feed's re-runs set aside there)."""
     generation: int = 0
     """The newest dispatch generation of the shard when this was written."""
     written_by: WrittenBy = "finish"

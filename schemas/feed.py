@@ -35,6 +35,25 @@ class FeedMember(BaseModel):
     max_unconsumed: int | None = None
     """The rollout waits to start while the feed holds this many unacknowledged groups
     (`max_unconsumed_groups`); None: it never waits."""
+    max_lag: int | None = None
+    """The run's `max_policy_lag`: the rollout is stale once its policy version is more than this
+    many behind the feed's current one; None: never."""
+    reruns: int = 0
+    """With `stale_rollouts="rerun"`: how many times the rollout is run again when its call
+    ends stale (`max_stale_reruns`); 0: never (a stale member's group comes marked stale)."""
+
+    def rerun(self, version: int | None, current: int | None, done: int) -> bool:
+        """Whether a call that ended with policy `version`, the feed's being `current`, is run
+        again, `done` re-runs made already: stale (`is_stale`) and re-runs left."""
+        return done < self.reruns and is_stale(version, current, self.max_lag)
+
+
+def is_stale(version: int | None, current: int | None, max_lag: int | None) -> bool:
+    """Whether a rollout of policy `version` is stale when the feed's version is `current`: more
+    than `max_lag` versions behind it. A rollout or feed without a version, or no lag, is not."""
+    if version is None or current is None or max_lag is None:
+        return False
+    return version < current - max_lag
 
 
 @dataclass(frozen=True)
@@ -86,6 +105,8 @@ class FeedPlan(BaseModel):
     shard: str
     timeout_s: float
     max_unconsumed: int | None = None
+    max_lag: int | None = None
+    reruns: int = 0
     sizes: dict[str, int]
     """How many rows of the dispatch each group has."""
 
@@ -99,14 +120,16 @@ class FeedPlan(BaseModel):
     @classmethod
     def of(
         cls, name: str, rows: Iterable[dict[str, Any]], shard: str, group_key: str | None,
-        timeout_s: float, max_unconsumed: int | None = None,
+        timeout_s: float, max_unconsumed: int | None = None, max_lag: int | None = None,
+        reruns: int = 0,
     ) -> FeedPlan:  # fmt: skip
         sizes: dict[str, int] = {}
         for row in rows:
             group = cls.group_of(row, shard, group_key)
             sizes[group] = sizes.get(group, 0) + 1
         return cls(name=name, group_key=group_key, shard=shard, timeout_s=timeout_s,
-                   max_unconsumed=max_unconsumed, sizes=sizes)  # fmt: skip
+                   max_unconsumed=max_unconsumed, max_lag=max_lag, reruns=reruns,
+                   sizes=sizes)  # fmt: skip
 
     def member(self, row: dict[str, Any]) -> dict[str, Any]:
         """The `feed` payload of `row`'s rollout task."""
@@ -115,4 +138,6 @@ class FeedPlan(BaseModel):
                   "timeout_s": self.timeout_s}  # fmt: skip
         if self.max_unconsumed is not None:
             member["max_unconsumed"] = self.max_unconsumed
+        if self.reruns:
+            member["max_lag"], member["reruns"] = self.max_lag, self.reruns
         return member

@@ -56,6 +56,13 @@ RUN_MS = "_ng_run_ms"
 POLICY_VERSION = "_ng_policy_version"
 """The feed's policy version a rollout started under (`Feed.set_policy_version`); an agent's
 reply that names its own keeps it."""
+STALE_RERUNS = "_ng_stale_reruns"
+"""How many times the rollout was run again because its call ended stale
+(`stale_rollouts="rerun"`); absent: never."""
+SET_ASIDE = "_ng_set_aside"
+"""On a stale result set aside before its rollout was run again (in the shard's `_superseded`
+folder): `{"reason": "stale", "policy_version": current}`, the feed's version that made it
+stale."""
 TRACE_ID = "_ng_trace_id"
 """The rollout's OpenTelemetry trace id (32 lowercase hex digits), on every record a traced
 run lands: from a bad rollout to its trace (`workers/tracing.py`)."""

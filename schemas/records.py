@@ -199,6 +199,28 @@ class MemberStatus(BaseModel):
 STATUS_SCHEMA_VERSION = "1"
 
 
+class FeedStatus(BaseModel):
+    """A run's feed as its finish step saw it, once the feed was closed (its Redis keys expire;
+    this stays with the run)."""
+
+    name: str
+    """The feed's name."""
+    groups: int = 0
+    """Group items delivered to its stream."""
+    acked: int = 0
+    """Group items acknowledged by then."""
+    stale: int = 0
+    """Group items handed out marked stale by then (a trainer still reading after the finish
+    may hand out more)."""
+    reruns: int = 0
+    """Rollouts run again for falling more than `max_policy_lag` behind the feed's policy
+    version (`stale_rollouts="rerun"`)."""
+    dropped: int = 0
+    """Stale results set aside whose re-run ended without a result."""
+    policy_version: int | None = None
+    """The feed's policy version then."""
+
+
 class ShardStatus(BaseModel):
     """`rollouts-S_status.json`: progress counts of a shard, written atomically, at most every 5 s
     while it runs and once by its finish step."""
@@ -233,6 +255,9 @@ class ShardStatus(BaseModel):
     """Tokens (and cost, with prices) of the landed rollouts, per run, agent and environment."""
     members: dict[str, MemberStatus] = Field(default_factory=dict)
     """Per agent: NeMo Gym's status-tracker counts and aggregation status."""
+    feed: FeedStatus | None = None
+    """The run's feed as the finish step closed it (groups, stale ones, re-runs); None without
+    a feed, and while the run goes on (`rollouts status` reads the live counts)."""
     updated_at: str = Field(default_factory=utc_now)
     """When these counts were taken."""
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.config import RoutingMode
-from schemas.feed import FEED_NAME_PATTERN
+from schemas.feed import FEED_NAME_PATTERN, FeedPlan
 from schemas.usage import ModelPrice
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 3600.0
@@ -165,6 +166,30 @@ class CollectionSettings(BaseModel):
     max_unconsumed_groups: int | None = Field(default=None, ge=1)
     """At most this many feed groups delivered and not acknowledged: past it, no rollout of the
     run starts until the trainer catches up (those running finish); unset: no bound."""
+    max_policy_lag: int | None = Field(default=None, ge=0)
+    """A feed's rollout more than this many policy versions behind the feed's current one
+    (`Feed.set_policy_version`) is stale: its group is not handed out as fresh
+    (`stale_rollouts` says what happens to it). A reader's `Feed(max_policy_lag=)` defaults to
+    it; unset: no rollout is stale unless the reader sets one."""
+    stale_rollouts: Literal["mark", "rerun"] = "mark"
+    """What becomes of a feed's stale rollouts (`max_policy_lag`): `mark`, their groups are
+    handed out marked `stale` and counted; `rerun`, a rollout found stale as its call ends is
+    set aside (its row kept in the shard's `_superseded` folder, not in its results) and run
+    again under the current version, in the same attempt, at most `max_stale_reruns` times;
+    past that it lands as it is and its group comes marked stale (docs/explanation/feed.md)."""
+    max_stale_reruns: int = Field(default=2, ge=1)
+    """With `stale_rollouts="rerun"`: at most this many re-runs of one rollout, so none waits
+    for ever on a trainer that outruns it."""
+
+    def feed_plan(self, name: str, rows: Iterable[dict[str, Any]], shard: str) -> FeedPlan:
+        """The plan of feed `name` for a dispatch of `rows` into shard `shard`, with these
+        settings' feed knobs."""
+        rerun = self.stale_rollouts == "rerun"
+        return FeedPlan.of(
+            name, rows, shard, self.feed_group_key, self.group_timeout_s,
+            self.max_unconsumed_groups, self.max_policy_lag,
+            self.max_stale_reruns if rerun else 0,
+        )  # fmt: skip
 
     @field_validator("num_repeats", mode="before")
     @classmethod
@@ -227,6 +252,15 @@ class CollectionSettings(BaseModel):
             raise ValueError("model_call_capture_dir is required when observability_enabled=true")
         if "://" not in url and not url.startswith("/"):
             raise ValueError("model_call_capture_dir must be an absolute path")
+        return self
+
+    @model_validator(mode="after")
+    def _rerun_needs_a_lag(self) -> CollectionSettings:
+        if self.stale_rollouts == "rerun" and (self.feed is None or self.max_policy_lag is None):
+            raise ValueError(
+                'stale_rollouts="rerun" needs feed and max_policy_lag: a rollout is stale only '
+                "against a feed's policy version, by that many versions"
+            )
         return self
 
     @model_validator(mode="after")

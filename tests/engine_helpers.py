@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -31,12 +31,22 @@ from workers.rollout import (
     run_rollout_async,
 )
 from workers.rollout.context import SLOT
-from workers.rollout.fakes import FakeGate, FakeLander, FakeLeases, FakeShard
+from workers.rollout.fakes import FakeFeeds, FakeGate, FakeLander, FakeLeases, FakeShard
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 ROW = {F.TASK_INDEX: 3, F.ROLLOUT_INDEX: 1, F.AGENT_REF: {"name": "a"}, "question": "1+1"}
 # The agent's reply with the planned row's identity stamped on it.
 RESULT = {"reward": 1.0, F.TASK_INDEX: 3, F.ROLLOUT_INDEX: 1, F.AGENT_REF: {"name": "a"}}
+
+
+def loop_thread(name: str) -> Iterator[EventLoopThread]:
+    """An event loop thread for a module's engine tests (a fixture yields from it), stopped and
+    closed after them."""
+    thread = EventLoopThread(name)
+    yield thread
+    thread.loop.call_soon_threadsafe(thread.loop.stop)
+    thread.thread.join(5)
+    thread.loop.close()
 
 
 class Harness:
@@ -57,6 +67,8 @@ class Harness:
         self.checked: list[tuple[RunRef, str]] = []
         self.row: dict[str, Any] = dict(ROW)
         """The planned row its rollouts run."""
+        self.feeds: FakeFeeds | None = None
+        """The rollouts' feed, when they have one (`feed=` of `run`)."""
 
     def refusal(self, run: RunRef, agent_url: str) -> str | None:
         """The manifest check (`RunCheck`): records what it was asked."""
@@ -91,6 +103,7 @@ class Harness:
             land_wait_s=self.land_wait_s,
             leases=self.leases,
             runs=self,
+            feeds=self.feeds,
         )
 
     def run(
@@ -103,6 +116,7 @@ class Harness:
         """Run one delivery; `slot`: it was taken ahead of the pool's slots (`SLOT`)."""
         admission = policy.pop("admission", Admission())
         health = policy.pop("health", None)
+        feed = policy.pop("feed", None)
         req = CollectRequest(
             run=RunRef(run_id="r", output_dir="/tmp/nowhere", shard="0", token=token),
             agent_url="http://agent",
@@ -110,6 +124,7 @@ class Harness:
             row=dict(self.row),
             admission=admission,
             health=health,
+            feed=feed,
         )
         try:
             if slot is None:

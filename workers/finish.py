@@ -11,7 +11,7 @@ import contextlib
 import logging
 
 from infra import generation, keys
-from infra.feed import close_feed
+from infra.feed import close_feed, feed_status
 from infra.locks import held
 from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
@@ -181,8 +181,10 @@ def _finish_in(
     # Every appended file becomes one object before anything reads it for the reports: after a
     # run finishes, any JSONL reader reads it.
     compact_shard(client(redis_url), rd, run.shard, close=True)
+    feed = None
     if settings.feed is not None:  # nothing lands any more: its readers end once they caught up
-        close_feed(client(redis_url), settings.feed)
+        close_feed(client(redis_url), settings.feed, sid)
+        feed = feed_status(client(redis_url), settings.feed)
     results = ShardFiles(run.shard).results
     if not rd.exists(results):
         # Nothing landed: NeMo Gym's readers (`gym eval health-check`) still expect the file.
@@ -225,6 +227,7 @@ def _finish_in(
     status.rate_limit_waits = rate_limit_waits(shard_counts(r, sid))
     status.tokens = counts.tokens.usage(settings.model_prices)
     status.members = members_at_finish(counts, shard.policy, settings, done)
+    status.feed = feed
     rejection = str(done.rejection) if done.rejection is not None else None
     write_status(rd, status)
     if run_error == STOPPED_BY_SIGTERM:

@@ -34,7 +34,7 @@ from infra.feed_scripts import FEED_ACK_LUA, feed_keys
 from infra.store import RunDir
 from schemas import fields as F
 from schemas.errors import UsageError
-from schemas.feed import FeedItem, FeedPlan
+from schemas.feed import FeedItem, FeedPlan, is_stale
 from schemas.settings import CollectionSettings
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,7 @@ def feed_plan(
         return None
     if not recorded:
         raise UsageError("a feed needs a recorded call: pass record_output_dir= with feed")
-    return FeedPlan.of(
-        settings.feed, rows, shard, settings.feed_group_key, settings.group_timeout_s,
-        settings.max_unconsumed_groups,
-    )  # fmt: skip
+    return settings.feed_plan(settings.feed, rows, shard)
 
 
 @dataclass
@@ -126,7 +123,8 @@ class Feed:
     ) -> None:
         """`run_dir`: where acknowledgements are logged; unset: the run directory the feed's
         dispatch named. `max_policy_lag=k`: a group with a member whose `_ng_policy_version` is
-        older than the current version less k is handed out marked `stale` (and counted)."""
+        older than the current version less k is handed out marked `stale` (and counted); unset:
+        the run's `max_policy_lag` setting, if it has one."""
         url = redis_url or from_env().redis_url or from_env().broker_url
         if not url:
             raise UsageError("Feed needs a Redis: pass redis_url= or set ROLLOUTS_REDIS_URL")
@@ -217,15 +215,16 @@ class Feed:
 
     async def _stale(self, item: FeedItem) -> bool:
         """Whether a member of `item` ran under a version older than the current one less
-        `max_policy_lag` (as the trainer's version is when the item is handed out); counted."""
-        if self.max_policy_lag is None:
-            return False
-        current = await self._r.hget(keys.feed_counts(self.name), "policy_version")
-        if current is None:
-            return False
-        floor = int(current) - self.max_policy_lag
+        `max_policy_lag` (as the trainer's version is when the item is handed out; the run's
+        `max_policy_lag` unless this reader set its own); counted."""
+        raw = await self._r.hmget(keys.feed_counts(self.name), ["policy_version", "max_policy_lag"])
+        current = int(raw[0]) if raw[0] is not None else None
+        lag = self.max_policy_lag
+        if lag is None and raw[1] is not None:
+            lag = int(raw[1])
         stale = any(
-            isinstance(v := m.get(F.POLICY_VERSION), int) and v < floor for m in item.members
+            is_stale(v if isinstance(v := m.get(F.POLICY_VERSION), int) else None, current, lag)
+            for m in item.members
         )
         if stale:
             await self._r.hincrby(keys.feed_counts(self.name), "stale", 1)

@@ -135,7 +135,10 @@ class Invocation(CallUpkeep):
         feed = feed_plan(t.settings, self.sent, t.run.shard, t.record)
         if feed is not None:
             # A new call's feed starts empty; a reattached one's goes on (`reattach`).
-            open_feed(self._r, feed.name, t.run.output_dir, fresh=self.to_publish is None)
+            open_feed(
+                self._r, feed.name, t.run.output_dir, fresh=self.to_publish is None,
+                max_lag=feed.max_lag, writer=keys.shard_id(t.run.output_dir, t.run.shard),
+            )  # fmt: skip
         self._messages = CollectMessages.of(t.run, t.config, uncapped, t.deadline, feed)
         self._r.set(keys.api_call(self.invocation), os.getpid(), ex=KEY_TTL_S)
         self._listener = threading.Thread(

@@ -268,15 +268,22 @@ class StatusReader:
         return report
 
     def _feed(self, manifest: Manifest) -> dict[str, Any] | None:
-        """The run's feed counts (`infra/feed.py`), while its keys live; None without a feed."""
+        """The run's feed counts (`infra/feed.py`) while its keys live, else as its finish step
+        kept them in the status file (`at_finish`); None without a feed."""
         name = manifest.settings.get("feed")
-        if not isinstance(name, str) or self.redis_url is None:
+        if not isinstance(name, str):
             return None
         try:
-            counts = feed_counts(client(self.redis_url), name)
+            r = client(self.redis_url) if self.redis_url is not None else None
+            if r is not None and r.exists(keys.feed_counts(name)):
+                counts = feed_counts(r, name)
+                return {"name": name, **dataclasses.asdict(counts), "lag": counts.lag}
         except (redis.RedisError, OSError):
+            pass
+        kept = read_status(self.rd, self.shard)
+        if kept is None or kept.feed is None:
             return None
-        return {"name": name, **dataclasses.asdict(counts), "lag": counts.lag}
+        return {**kept.feed.model_dump(), "at_finish": True}
 
     def _health(self, manifest: Manifest, snap: LiveSnapshot | None) -> HealthJson:
         """The live verdict counts (the workers', from Redis, while its keys live) and, once
@@ -533,16 +540,28 @@ def health_line(report: dict[str, Any]) -> str:
     )
 
 
+def _staleness(feed: dict[str, Any]) -> str:
+    """The feed's stale groups, re-runs and dropped results, those that are not zero."""
+    names = (("stale", "stale"), ("reruns", "re-run"), ("dropped", "dropped"))
+    return "".join(f" · {label} {feed[k]}" for k, label in names if feed.get(k))
+
+
 def feed_line(report: dict[str, Any]) -> str:
     """The feed's groups: delivered, not read by any consumer (lag), read and not acknowledged,
-    acknowledged, waiting for members."""
+    acknowledged, waiting for members; then, when there were any, the groups handed out stale
+    and the rollouts run again for being stale (and of those, the ones dropped)."""
     feed = report.get("feed")
     if not feed:
         return ""
+    if feed.get("at_finish"):  # the feed's keys are gone: its counts as the finish kept them
+        return (
+            f"\nfeed {feed['name']} (at the finish): {feed['groups']} groups · acknowledged "
+            f"{feed['acked']}{_staleness(feed)}"
+        )
     return (
         f"\nfeed {feed['name']}: {feed['groups']} groups · lag {feed['lag']} · unacknowledged "
         f"{feed['pending']} · acknowledged {feed['acked']} · open {feed['open']}"
-        + (f" · stale {feed['stale']}" if feed["stale"] else "")
+        + _staleness(feed)
         + (" · closed" if feed["closed"] else "")
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import redis
 
+from infra import keys
 from infra.feed import open_feed
 from producer.shard.opening import OpenedRun, iter_materialized
 from schemas.feed import FeedPlan
@@ -22,12 +23,10 @@ def shard_feed(r: redis.Redis, opened: OpenedRun, settings: CollectionSettings) 
         return None
     shard = opened.manifest.shard
     rows = iter_materialized(opened.rd, shard)
-    plan = FeedPlan.of(
-        settings.feed, rows, shard, settings.feed_group_key, settings.group_timeout_s,
-        settings.max_unconsumed_groups,
-    )  # fmt: skip
+    plan = settings.feed_plan(settings.feed, rows, shard)
     fresh = opened.run.generation == 0
-    open_feed(r, plan.name, opened.rd.url, fresh=fresh)
+    writer = keys.shard_id(opened.rd.url, shard)
+    open_feed(r, plan.name, opened.rd.url, fresh=fresh, max_lag=plan.max_lag, writer=writer)
     if not fresh:  # a resume: what Redis may have lost since (a restart) comes back, once
         rebuild_feed(r, plan, opened.rd.url)
     return plan

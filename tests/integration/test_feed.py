@@ -21,6 +21,7 @@ from examples.servers import RunningServers
 from examples.tasks import make_row
 from infra import keys
 from infra.embedded import EmbeddedRedis
+from infra.feed_scripts import feed_keys
 from infra.store import RunDir
 from producer import preprocess_examples, run_examples
 from producer.api.feed import Feed, FeedGroup
@@ -29,7 +30,7 @@ from schemas.feed import FeedMember, FeedPlan
 from schemas.settings import CollectionSettings
 from tests.cluster import ExampleServers, Workers
 from tests.helpers import ROOT, math_rows, read_jsonl
-from tests.ops_helpers import ENV, cli, wait_for
+from tests.ops_helpers import ENV, cli, manifest, results_once, wait_for
 from tests.runs import MakeRun
 
 pytestmark = pytest.mark.integration
@@ -139,9 +140,13 @@ def test_the_feed_carries_where_each_row_lies_and_the_trainer_gets_the_rows(
 
 
 def consumer(redis_url: str, feed: str, name: str, log: Path, hold_s: float,
-             claim_after_s: float = 60.0) -> subprocess.Popen[bytes]:  # fmt: skip
-    """A trainer rank in its own process (`tests/feed_consumer.py`)."""
+             claim_after_s: float = 60.0, advance_every: int | None = None,
+             ) -> subprocess.Popen[bytes]:  # fmt: skip
+    """A trainer rank in its own process (`tests/feed_consumer.py`); `advance_every`: it
+    advances the feed's policy version every that many groups."""
     args = [redis_url, feed, name, str(log), str(hold_s), str(claim_after_s)]
+    if advance_every is not None:
+        args.append(str(advance_every))
     return subprocess.Popen([sys.executable, "-m", "tests.feed_consumer", *args], cwd=ROOT)
 
 
@@ -409,3 +414,151 @@ def test_rollouts_feed_ack_id_acknowledges_an_entry_once_and_logs_it(
     assert orjson.loads(again.stdout) == {"id": entry, "acked": False}
     [logged] = list((tmp_path / "feeds" / "tid" / "acks").iterdir())
     assert orjson.loads(logged.read_bytes())["members"] == ["0:0"]
+
+
+def slow_first(servers: RunningServers, slow_ms: int) -> list[dict[str, Any]]:
+    """12 tasks x 2: tasks 0 and 1 answer in `slow_ms` and are dispatched first (they start under
+    version 0), the other ten in 50 ms (their groups advance the trainer meanwhile)."""
+    rows = planned(servers, 12, 2)
+    for row in rows:
+        row["agent_latency_ms"] = slow_ms if row[F.TASK_INDEX] < 2 else 50
+    return rows
+
+
+def set_aside(out: Path) -> list[dict[str, Any]]:
+    """The stale results set aside in shard 0's `_superseded` folder."""
+    folder = out / "rollouts-0_superseded"
+    return [row for p in sorted(folder.glob("*.jsonl")) for row in read_jsonl(p)]
+
+
+def fresh_within_the_lag(seen: list[tuple[bool, int, list[int]]], lag: int) -> None:
+    """Each group handed out fresh holds no member older than its version then less `lag`."""
+    for is_stale, current, versions in seen:
+        if not is_stale:
+            assert min(versions) >= current - lag, (current, versions)
+
+
+def test_with_rerun_a_stale_rollout_is_run_again_under_the_current_version_and_counted(
+    make_run: MakeRun, redis_url: str, tmp_path: Path
+) -> None:
+    """The trainer advances the policy version every 2 groups; with `max_policy_lag=1` and
+    `stale_rollouts="rerun"`, the slow rollouts (started under version 0) end stale once ten fast
+    groups moved the version to 5: each is set aside and run again under the current version,
+    lands once, and its group comes fresh. No group handed out fresh holds a rollout older than
+    the version less one; the re-runs are counted, in the feed and in `rollouts status`."""
+    servers = make_run({"math_agent": "math_env"}, workers=1, concurrency=8).servers
+    rows, out = slow_first(servers, 4000), tmp_path / "o"
+    settings = {"feed": "t8", "max_policy_lag": 1, "stale_rollouts": "rerun", "max_stale_reruns": 5}
+
+    async def go() -> tuple[list[tuple[bool, int, list[int]]], list[FeedGroup]]:
+        feed = Feed("t8", redis_url, block_s=0.2)  # its lag: the run's
+        feed.set_policy_version(0)
+        completions = run_examples(
+            rows, servers.config(), broker_url=redis_url, record_output_dir=str(out),
+            settings=settings,
+        )  # fmt: skip
+        collected = asyncio.gather(*completions)
+        seen, got, version = [], [], 0
+        try:
+            async for group in feed.groups(consumer="rank0"):
+                seen.append((group.stale, version, [m[F.POLICY_VERSION] for m in group.members]))
+                got.append(group)
+                await group.ack()
+                if len(got) % 2 == 0:
+                    version += 1
+                    feed.set_policy_version(version)
+            await collected
+            return seen, got
+        finally:
+            await completions.aclose()
+            await feed.aclose()
+
+    seen, got = asyncio.run(asyncio.wait_for(go(), 180))
+    assert sorted(g.group for g in got) == sorted({FeedPlan.group_of(r, "0", None) for r in rows})
+    assert all(g.reason == "complete" for g in got)
+    fresh_within_the_lag(seen, 1)
+    counts = Feed("t8", redis_url).counts()
+    aside = set_aside(out)  # the results that came back stale (a call cut sets none aside)
+    assert counts.reruns >= 4 and counts.reruns >= len(aside) and counts.dropped == 0
+    assert counts.stale == sum(s for s, _, _ in seen)
+    slow = [g for g in got if g.group in ("0/0", "0/1")]
+    assert not any(g.stale for g in slow)  # run again until fresh
+    for row in aside:  # each set aside for being more than one version behind
+        assert row[F.POLICY_VERSION] < row[F.SET_ASIDE]["policy_version"] - 1
+    landed = read_jsonl(out / "rollouts-0.jsonl")
+    assert sorted(F.rollout_key(r) for r in landed) == sorted(F.rollout_key(r) for r in rows)
+    rerun = [r for r in landed if r.get(F.STALE_RERUNS)]
+    assert sum(r[F.STALE_RERUNS] for r in rerun) == counts.reruns
+    # The slow ones were (a fast one too, when the version moved two steps while it ran).
+    assert {(0, 0), (0, 1), (1, 0), (1, 1)} <= {F.rollout_key(r) for r in rerun}
+    assert {F.rollout_key(r) for r in aside} <= {F.rollout_key(r) for r in rerun}
+    status = cli("status", str(out), "--redis", redis_url)
+    assert f"re-run {counts.reruns}" in status.stdout, status.stdout
+
+
+def test_a_rollouts_run_with_rerun_whose_producer_left_reruns_its_stale_rollouts_on_the_workers(
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """`rollouts run --feed ... +max_policy_lag=1 +stale_rollouts=rerun --no-wait`: the producer
+    leaves once the tasks are sent; a trainer in its own process advances the version every 2
+    groups; the workers run the stale rollouts again themselves, and the run completes with
+    every rollout landed once and no group handed out fresh older than the lag allows."""
+    run = make_run({"math_agent": "math_env"}, workers=1, concurrency=8)
+    rows = math_rows(12)
+    for i, row in enumerate(rows):
+        row["agent_latency_ms"] = 4000 if i < 2 else 50
+    log = tmp_path / "trainer.log"
+    trainer = consumer(redis_url, "tcr", "rank0", log, hold_s=0.0, advance_every=2)
+    wait_for(lambda: bool(log_lines(log)), 60, "the trainer started")
+    proc = run.cli(rows, "--num-repeats", "2", "--feed", "tcr", "+max_policy_lag=1",
+                   "+stale_rollouts=rerun", "+max_stale_reruns=5", "--no-wait")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert trainer.wait(120) == 0  # the feed closed by the run's finish, every group read
+    results_once(run.out, 24)
+    assert manifest(run.out)["state"] == "completed"
+    got = [parts for parts in log_lines(log) if parts[0] == "got"]
+    assert sorted(parts[1] for parts in got) == sorted(f"0/{i}" for i in range(12))
+    seen = [(p[2] == "1", int(p[3]), [int(m.split("/")[0]) for m in p[4:]]) for p in got]
+    fresh_within_the_lag(seen, 1)
+    assert all(p[2] == "0" for p in got if p[1] in ("0/0", "0/1"))  # the slow ones: fresh
+    counts = Feed("tcr", redis_url).counts()
+    assert counts.reruns >= max(4, len(set_aside(run.out)))
+    rerun = [m for p in got for m in p[4:] if not m.endswith("/0")]
+    assert sum(int(m.split("/")[1]) for m in rerun) == counts.reruns  # the trainer saw them
+    # Kept with the run once the feed's keys are gone: the status file, the report, the status.
+    kept = orjson.loads((run.out / "rollouts-0_status.json").read_bytes())["feed"]
+    assert kept["name"] == "tcr" and kept["reruns"] == counts.reruns and kept["groups"] == 12
+    assert f"re-run {counts.reruns}" in (run.out / "report.html").read_text()
+    r.delete(*feed_keys("tcr"))  # as if they expired: `rollouts status` shows the finish's
+    status = cli("status", str(run.out), "--redis", redis_url)
+    assert "feed tcr (at the finish): 12 groups" in status.stdout, status.stdout
+    assert f"re-run {counts.reruns}" in status.stdout
+
+
+def test_a_feed_two_shards_publish_on_closes_only_once_both_finished(
+    make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Shards 0 and 1 of a run (`--num-shards 2`) publish on one feed; shard 1's rollouts take
+    15 s, shard 0's 50 ms, and shard 0 starts once shard 1 publishes, so it finishes first (in
+    a few seconds). Its finish leaves the feed open: the trainer, reading until the feed is
+    closed, gets every group of both shards, whole, and ends once shard 1 finished too. (Closed
+    by shard 0's finish, it ended before shard 1's groups came.)"""
+    run = make_run({"math_agent": "math_env"}, workers=1, concurrency=16)  # room for both
+    rows = math_rows(8)
+    for i, row in enumerate(rows):
+        row["agent_latency_ms"] = 15_000 if i % 2 else 50  # shard 1 holds the odd tasks
+    log = tmp_path / "trainer.log"
+    trainer = consumer(redis_url, "tsh", "rank0", log, hold_s=0.0)
+    wait_for(lambda: bool(log_lines(log)), 60, "the trainer started")
+    common = ("--num-repeats", "2", "--num-shards", "2", "--feed", "tsh")
+    slow = run.start(rows, *common, "--shard-index", "1")
+    wait_for(lambda: r.scard(keys.feed_writers("tsh")) == 1, 60, "shard 1 publishes")
+    fast = run.cli(rows, *common, "--shard-index", "0")
+    assert fast.returncode == 0, fast.stdout + fast.stderr
+    assert slow.wait(120) == 0, run.log()
+    assert trainer.wait(120) == 0
+    got = [parts[1] for parts in log_lines(log) if parts[0] == "got"]
+    assert sorted(got) == sorted(f"{i % 2}/{i}" for i in range(8))  # each group once, both shards
+    counts = Feed("tsh", redis_url).counts()
+    assert counts.closed and counts.by_reason == {"complete": 8}
+    assert r.scard(keys.feed_writers("tsh")) == 0

@@ -71,3 +71,23 @@ def test_an_entry_is_acknowledged_once(redis_url: str) -> None:
     assert ack(keys=feed_keys("f"), args=args) == [1]
     assert ack(keys=feed_keys("f"), args=args) == [0]
     assert feed_counts(r, "f").acked == 1 and r.xlen(keys.feed_stream("f")) == 0
+
+
+def test_a_feed_two_shards_write_closes_when_the_last_one_finishes(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    open_feed(r, "f", "runs/f", fresh=True, writer="shard-a")
+    land(r, ("a/0", 2, "0:0", False))
+    open_feed(r, "f", "runs/f", fresh=True, writer="shard-b")  # another writer: nothing dropped
+    land(r, ("b/1", 2, "1:0", False))
+    assert close_feed(r, "f", "shard-a") == 0  # b still writes: nothing delivered, not closed
+    assert not feed_counts(r, "f").closed and feed_counts(r, "f").open == 2
+    land(r, ("b/1", 2, "1:1", False))
+    assert close_feed(r, "f", "shard-b") == 1  # the last one: what is open goes, closed
+    assert entries(r) == [("b/1", "complete", ["1:0", "1:1"]), ("a/0", "closed", ["0:0"])]
+    assert feed_counts(r, "f").closed
+    open_feed(r, "f", "runs/f", fresh=True, writer="shard-c")  # a new run: the feed anew
+    assert entries(r) == [] and not feed_counts(r, "f").closed
+    land(r, ("c/0", 2, "0:0", False))
+    # A run elsewhere on the same name while shard c never finished (its caller died): anew.
+    open_feed(r, "f", "runs/g", fresh=True, writer="shard-d")
+    assert feed_counts(r, "f").open == 0 and r.smembers(keys.feed_writers("f")) == {b"shard-d"}

@@ -25,7 +25,7 @@ from schemas.errors import StorageError
 from schemas.messages import Admission, CallPolicy, CollectRequest, HealthRef, RunRef
 from schemas.outcomes import Ended, RolloutOutcome
 from schemas.replies import RolloutReply, admission_row
-from tests.engine_helpers import RESULT, ROW, Handler, Harness, limited, replies
+from tests.engine_helpers import RESULT, ROW, Handler, Harness, limited, loop_thread, replies
 from workers.replies import reply_body
 from workers.rollout import (
     Delivery,
@@ -38,11 +38,7 @@ from workers.rollout.leases import Lease, LeaseTicket
 
 @pytest.fixture(scope="module")
 def loop() -> Iterator[EventLoopThread]:
-    thread = EventLoopThread("test-engine")
-    yield thread
-    thread.loop.call_soon_threadsafe(thread.loop.stop)
-    thread.thread.join(5)
-    thread.loop.close()
+    yield from loop_thread("test-engine")
 
 
 STAMPS = (F.STARTED_AT, F.RUN_MS, F.EXECUTION)

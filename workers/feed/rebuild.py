@@ -48,7 +48,10 @@ def rebuild_feed(r: redis.Redis, plan: FeedPlan, output_dir: str) -> int:
     """Rebuild `plan`'s feed from shard `plan.shard` of `output_dir`; returns the members that
     entered it again."""
     rd = RunDir(output_dir)
-    open_feed(r, plan.name, output_dir)
+    open_feed(
+        r, plan.name, output_dir, max_lag=plan.max_lag,
+        writer=keys.shard_id(rd.url, plan.shard),
+    )  # fmt: skip
     pipe = r.pipeline(transaction=True)
     for acked in read_acks(rd, plan.name):
         pipe.sadd(keys.feed_delivered(plan.name), acked.group)

@@ -280,6 +280,8 @@ class RunDigest:
     """Failure rows (attempts), by (agent, class)."""
     states: Counter[str] = field(default_factory=Counter)
     generations: list[Generation] = field(default_factory=list)
+    feeds: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each feed's counts as its run's finish saw them (`ShardStatus.feed`), by name."""
     created_at: float | None = None
     updated_at: float | None = None
     groups: dict[tuple[str, str], Group] = field(default_factory=dict)
@@ -343,8 +345,13 @@ class RunDigest:
                 listed.append(Offender(check, rollout_id, where, detail, _str_or_none(call)))
 
     def read_documents(self, rd: RunDir, stem: str) -> bool:
-        """Read the source's manifest, coverage and aggregate metrics; whether it had a manifest."""
+        """Read the source's manifest, coverage, aggregate metrics and its feed's counts (the
+        status file); whether it had a manifest."""
         self.read_aggregate(rd, stem)
+        status = read_json(rd, f"{stem}_status.json")
+        feed = status.get("feed") if isinstance(status, dict) else None
+        if isinstance(feed, dict) and isinstance(feed.get("name"), str):
+            self.feeds[feed["name"]] = feed  # shards sharing a feed: its counts, once
         coverage = read_json(rd, f"{stem}_coverage.json")
         if isinstance(coverage, dict):
             self.coverage.append(coverage)

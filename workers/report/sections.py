@@ -78,6 +78,21 @@ def verdict_badge(healthy: Any) -> str:
     return f'<span class="verdict {name}">{name.upper()}</span>'
 
 
+def _feed_line(feed: dict[str, Any]) -> str:
+    """A feed's counts at its run's finish: groups delivered, handed out stale, rollouts run
+    again for being stale (and of those, dropped), its policy version."""
+
+    def n(key: str) -> str:
+        value = feed.get(key)
+        return f"{value:,}" if isinstance(value, int) else "—"
+
+    return (
+        f"<p>Feed {escape(str(feed['name']))}: {n('groups')} groups · acknowledged "
+        f"{n('acked')} · stale {n('stale')} · re-run {n('reruns')} · dropped {n('dropped')} · "
+        f"policy version {n('policy_version')} (at the finish)</p>"
+    )
+
+
 def summary(d: RunDigest) -> str:
     failed = sum(d.failed_by.values())
     missing = None if d.planned is None else max(0, d.planned - d.landed - failed)
@@ -107,6 +122,7 @@ def summary(d: RunDigest) -> str:
         f"{escape('; '.join(map(str, reasons)) if reasons else '' if d.health else 'no quality summary in the folder')}</p>",
         f"<p>State: {escape(states)} · planned {_when(d.created_at)} · last update {_when(d.updated_at)}"
         f" · sources: {escape(', '.join(d.sources) or '—')}</p>",
+        *(_feed_line(feed) for _, feed in sorted(d.feeds.items())),
         "<h3>Generations</h3>",
         table(["shard", "kind", "started", "enqueued"], gens, {3}) if gens else "<p>—</p>",
     ]

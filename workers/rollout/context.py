@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 from infra import generation
 from infra.http import EventLoopThread, PostClient
-from schemas.feed import FeedMember, FeedState
+from schemas.feed import FeedMember, FeedState, is_stale
 from schemas.messages import CallPolicy, CollectRequest, RunRef
 from workers.rollout.admission import Ticket
 from workers.rollout.agent_call import CallOutcome, call_run
@@ -35,6 +35,8 @@ from workers.rollout.landing import LAND_WAIT_S, LandReport
 from workers.rollout.leases import Lease, LeaseTicket, ReplyPush, Settled, Stage
 
 STOP_POLL_S = 0.5
+STALE = "stale"
+"""Why `AgentCaller.call` cut a call whose rollout fell behind its feed's policy version."""
 
 CALL_ENDED: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
     "rollouts_call_ended", default=None
@@ -122,6 +124,14 @@ class FeedRoom(Protocol):
     (`workers/feed/backpressure.py`)."""
 
     def room(self, feed: FeedMember, sid: str) -> FeedState: ...
+
+    def version(self, feed: FeedMember) -> int | None: ...
+
+    def current(self, feed: FeedMember) -> int | None: ...
+
+    def set_aside(self, feed: FeedMember, run: RunRef, row: dict[str, Any], rerun: int) -> str: ...
+
+    def count(self, feed: FeedMember, name: str) -> None: ...
 
 
 class LeaseKeeper(Protocol):
@@ -315,6 +325,55 @@ class StopWatch:
                         waiter.set_result(reason)
 
 
+class StaleWatch:
+    """The feed's policy version for every rollout of a process whose call may be cut when it
+    falls behind (`stale_rollouts="rerun"`): one read per feed every `poll_s`, however many of
+    its rollouts are in flight.
+
+    `wait(...)` is a future that resolves with the feed's version once a rollout of `version`
+    is stale against it (`schemas.feed.is_stale`); a poller runs for a feed while anyone waits.
+    """
+
+    def __init__(self, poll_s: float = STOP_POLL_S) -> None:
+        self.poll_s = poll_s
+        self._waiters: dict[str, dict[asyncio.Future[int], int]] = {}
+        self._pollers: dict[str, asyncio.Task[None]] = {}
+
+    def wait(
+        self, blocking: Blocking, feeds: FeedRoom, feed: FeedMember, version: int
+    ) -> asyncio.Future[int]:
+        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(feed.name, {})[waiter] = version
+        waiter.add_done_callback(lambda done: self._left(feed.name, done))
+        if feed.name not in self._pollers:
+            poll = self._poll(blocking, feeds, feed)
+            self._pollers[feed.name] = asyncio.get_running_loop().create_task(poll)
+        return waiter
+
+    def _left(self, name: str, waiter: asyncio.Future[int]) -> None:
+        waiters = self._waiters.get(name)
+        if waiters is None:
+            return
+        waiters.pop(waiter, None)
+        if not waiters:
+            del self._waiters[name]
+            poller = self._pollers.pop(name, None)
+            if poller is not None:
+                poller.cancel()
+
+    async def _poll(self, blocking: Blocking, feeds: FeedRoom, feed: FeedMember) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                current = await blocking(lambda: feeds.current(feed))
+            except Exception:  # Redis away: the call ends as it would, and is judged then
+                continue
+            for waiter, version in list(self._waiters.get(feed.name, {}).items()):
+                if not waiter.done() and is_stale(version, current, feed.max_lag):
+                    assert current is not None  # stale against a version
+                    waiter.set_result(current)
+
+
 WAIT_REFRESH_S = 10.0
 """How often a rollout waiting behind others in its line asks for a slot anyway: its entry in the
 waiting lists (`rollouts status`, stall detection) expires a lease TTL (30 s by default) after
@@ -399,24 +458,31 @@ class AgentCaller:
         self._stops = stops
 
     async def call(
-        self, agent_url: str, row: dict[str, Any], policy: CallPolicy, sid: str
-    ) -> tuple[CallOutcome | None, str | None]:
+        self, agent_url: str, row: dict[str, Any], policy: CallPolicy, sid: str,
+        stale: asyncio.Future[int] | None = None,
+    ) -> tuple[CallOutcome | None, str | None]:  # fmt: skip
+        """The call's outcome; or None and why it was cut: the run's stop reason, or `stale`
+        when `stale` (`StaleWatch.wait`) resolved first."""
         call = asyncio.ensure_future(call_run(self._client(), agent_url, row, policy))
         stopped = self._stops.wait(sid)
+        waits: tuple[asyncio.Future[Any], ...] = (call, stopped) if stale is None else (
+            call, stopped, stale)  # fmt: skip
         try:
-            await asyncio.wait((call, stopped), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             call.cancel()
             raise
         finally:
-            if not stopped.done():
-                stopped.cancel()
+            for waiter in waits[1:]:
+                if not waiter.done():
+                    waiter.cancel()
         if call.done():
             return call.result(), None
         call.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await call
-        return None, stopped.result()
+        # The run's stop wins over falling behind: a stopped run calls nothing again.
+        return None, stopped.result() if not stopped.cancelled() else STALE
 
 
 @dataclass(frozen=True)
@@ -448,3 +514,5 @@ class RolloutContext:
     """Where the rollouts told to wait for a slot take turns asking again."""
     feeds: FeedRoom | None = None
     """Whether a rollout's feed is full (`workers/feed/backpressure.py`); None: never."""
+    stale: StaleWatch = field(default_factory=StaleWatch)
+    """Cuts a call whose rollout fell behind its feed's policy version (`stale_rollouts`)."""

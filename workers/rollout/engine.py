@@ -60,6 +60,7 @@ from workers.rollout.context import (
     CALL_ENDED,
     FIRST_WAIT_MAX_S,
     SLOT,
+    STALE,
     STOP_POLL_S,
     LeaseKeeper,
     RolloutContext,
@@ -189,7 +190,12 @@ class _Run:
         self.verdict: RolloutVerdict | None = None
         """The result's live verdict (`workers/health/live.py`), when it is judged."""
         self.policy_version: int | None = None
-        """The feed's policy version the rollout started under, stamped on its records."""
+        """The feed's policy version the rollout was admitted to call its agent under, stamped on
+        its records."""
+        self.reruns = 0
+        """How many times its call ended stale and it was run again (`rerun_stale`)."""
+        self.cut: int | None = None
+        """The feed's version that cut its last call for being stale (`agent_call`)."""
 
     def end(self, ended: Ended, **fields: Any) -> RolloutOutcome:
         return RolloutOutcome(rollout=self.rollout, ended=ended, **fields)
@@ -411,10 +417,102 @@ class _Run:
             return ticket
         if ticket.verdict != "run":
             return self.not_run(ticket, seen)
+        if readmit is None:
+            self.note_version()
         self.staged("calling")
         if readmit is None and self.delivery.on_admitted is not None:
             self.delivery.on_admitted()
         return ticket
+
+    def note_version(self) -> None:
+        """Note the feed's policy version as the rollout is admitted to call its agent (as this
+        process read it at most half a second ago; read now with `stale_rollouts="rerun"`, whose
+        rollouts are judged by it); blocking."""
+        feed, feeds = self.req.feed, self.ctx.feeds
+        if feed is None or feeds is None:
+            return
+        try:
+            self.policy_version = feeds.current(feed) if feed.reruns else feeds.version(feed)
+        except redis.RedisError as exc:  # the version read before it started stays
+            log.warning("rollout %s: feed %s unreadable (%s)", self.rollout, feed.name, exc)
+
+    async def rerun_stale(
+        self, called: tuple[Ticket, CallOutcome, float]
+    ) -> tuple[Ticket, CallOutcome, float] | RolloutOutcome:
+        """With `stale_rollouts="rerun"`: call the agent again, with the same slot and under the
+        feed's current version, while the call was cut for falling more than `max_policy_lag`
+        behind it (`agent_call`) or ended with a result that far behind (that result is set
+        aside: the shard's `_superseded` folder); each counted as a re-run, at most
+        `max_stale_reruns`, then the result lands as it is (its group is handed out marked
+        stale). A set-aside result whose re-runs end without one is counted dropped."""
+        feed, feeds = self.req.feed, self.ctx.feeds
+        if feed is None or feeds is None or not feed.reruns or not self.delivery.record:
+            return called
+        aside = False
+        while True:
+            slot, outcome, started = called
+            version, cut, self.cut = self.policy_version, self.cut, None
+            if cut is None and outcome.result is None:
+                if aside:
+                    await self.feed_count("dropped")
+                return called
+            if cut is not None:
+                current: int | None = cut
+                await self.feed_count("reruns")
+            else:
+                assert outcome.result is not None
+                own = outcome.result.get(F.POLICY_VERSION)  # an agent's own version wins
+                version = own if isinstance(own, int) else version
+                try:
+                    current = await self.ctx.blocking(lambda: feeds.current(feed))
+                    if not feed.rerun(version, current, self.reruns):
+                        return called
+                    put = partial(self.set_aside, outcome.result, version, current, started)
+                    await self.ctx.blocking(put)  # counted as a re-run there
+                except Exception as exc:  # Redis, storage, the capture: it lands as it is
+                    log.warning("rollout %s: its result lands as it is: %s", self.rollout, exc)
+                    return called
+                aside = True
+            self.reruns += 1
+            self.policy_version = current
+            log.info("rollout %s: its call %s under policy %s, the feed's is %s: run again",
+                     self.rollout, "cut" if cut is not None else "ended", version,
+                     current)  # fmt: skip
+            again = await self.call(slot)
+            if isinstance(again, RolloutOutcome):
+                if aside:
+                    await self.feed_count("dropped")
+                return again
+            again[1].failures[:0] = outcome.failures  # its earlier attempts' rows still land
+            again[1].requests_sent += outcome.requests_sent
+            called = again
+
+    async def feed_count(self, name: str) -> None:
+        """Add one to the feed's count `name`; a Redis error only loses the count."""
+        feed, feeds = self.req.feed, self.ctx.feeds
+        assert feed is not None and feeds is not None
+        try:
+            await self.ctx.blocking(lambda: feeds.count(feed, name))
+        except redis.RedisError as exc:
+            log.warning("rollout %s: feed %s not counted (%s): %s", self.rollout, feed.name,
+                        name, exc)  # fmt: skip
+
+    def set_aside(
+        self, result: dict[str, Any], version: int | None, current: int | None, started: float
+    ) -> None:
+        """Keep a stale result as evidence (`rerun_stale`), stamped as it would have landed, with
+        its capture merged; the capture is cleared for the re-run."""
+        feed, feeds = self.req.feed, self.ctx.feeds
+        assert feed is not None and feeds is not None
+        now = self.ctx.monotonic()
+        row = merge_into(self.req, dict(result), (now - started) * 1000)
+        stamp_timing([row], time.time() - (now - started), (now - started) * 1000)
+        if version is not None:
+            row.setdefault(F.POLICY_VERSION, version)
+        self.stamp_execution([row])
+        row[F.SET_ASIDE] = {"reason": "stale", "policy_version": current}
+        clear_for(self.req)
+        feeds.set_aside(feed, self.req.run, row, self.reruns + 1)
 
     async def attempt(self, ticket: Ticket) -> RolloutOutcome:
         """Call `/run` with the admitted slot, then sort and land the outcome."""
@@ -422,6 +520,8 @@ class _Run:
         if ticket.verdict == "worker_lost":
             return await self.lost(ticket)
         called = await self.call(ticket)
+        if not isinstance(called, RolloutOutcome):
+            called = await self.rerun_stale(called)
         if isinstance(called, RolloutOutcome):
             return called
         slot, outcome, started = called
@@ -496,6 +596,8 @@ class _Run:
         if self.policy_version is not None:  # an agent that names its own version wins
             for record in records:
                 record.setdefault(F.POLICY_VERSION, self.policy_version)
+        if self.reruns and result is not None:
+            result[F.STALE_RERUNS] = self.reruns
         self.stamp_execution(records)
         self.verdict = judge(self.req.health, result)
         queued: Queued
@@ -522,11 +624,13 @@ class _Run:
             called = ctx.monotonic()
             started = called if started is None else started
             try:
-                outcome, stop = await ctx.agent.call(req.agent_url, row, req.policy, self.sid)
+                outcome, stop = await self.agent_call(row)
             except BaseException:
                 ctx.gate.release(ticket, token)
                 raise
-            if outcome is None:
+            if outcome is None and self.cut is not None:  # stale: called again (`rerun_stale`)
+                outcome = CallOutcome(requests_sent=1)
+            elif outcome is None:
                 ctx.gate.release(ticket, token, field=generation.CANCELLED)
                 return self.end(Ended.CANCELLED, detail=stop)
             requests += outcome.requests_sent
@@ -561,6 +665,21 @@ class _Run:
         outcome.requests_sent = requests
         assert started is not None  # set by the first call
         return ticket, outcome, started
+
+    async def agent_call(self, row: dict[str, Any]) -> tuple[CallOutcome | None, str | None]:
+        """`/run`, cut (None, and `cut` set to the feed's version) when the rollout falls more
+        than `max_policy_lag` behind its feed's version while it runs and it has re-runs left
+        (`stale_rollouts="rerun"`): the agent sees the client go away."""
+        ctx, req = self.ctx, self.req
+        feed, feeds, version = req.feed, ctx.feeds, self.policy_version
+        stale = None
+        has_left = feed is not None and self.reruns < feed.reruns
+        if has_left and feed is not None and feeds is not None and version is not None:
+            stale = ctx.stale.wait(ctx.blocking, feeds, feed, version)
+        outcome, stop = await ctx.agent.call(req.agent_url, row, req.policy, self.sid, stale)
+        if stop == STALE and stale is not None:
+            self.cut = stale.result()
+        return outcome, stop
 
     async def wait(self, wait_s: float) -> str | None:
         """Sleep out a rate-limit wait; returns the stop reason if the run was failed or cancelled."""

@@ -9,7 +9,9 @@ as the lander does (records encoded one by one, fenced writers refused, a result
 before is a duplicate). Either can be told to fail its next calls; the lander also to never answer.
 `FakeLeases` keeps the rollout leases as the lease scripts do (a fresh lease of this generation
 makes a copy of a delivery `live`, a settled rollout `settled`; a takeover, `take_over`, makes a
-new current attempt), and the lander refuses an attempt that is not current.
+new current attempt), and the lander refuses an attempt that is not current. `FakeFeeds` is a
+feed whose policy version the test moves (`versions`: one per read, the last repeated) and
+which keeps what is set aside and counted.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import orjson
 
 from schemas.errors import ShardFencedError
-from schemas.feed import FeedMember
+from schemas.feed import FeedMember, FeedState
 from schemas.messages import CollectRequest, RunRef
 from workers.rollout.admission import WINDOW_DECREASE, Ticket
 from workers.rollout.encoding import EncodedRecords, encode_records
@@ -364,3 +366,33 @@ class FakeLeases:
         self.held[key] = lease
         self.shard.attempts[key] = lease.attempt
         return lease
+
+
+@dataclass
+class FakeFeeds:
+    """A feed's room, policy version and re-run bookkeeping (`FeedRoom`)."""
+
+    versions: list[int | None] = field(default_factory=lambda: [0])
+    """The version each read returns in turn; the last one stays."""
+    set_aside_rows: list[dict[str, Any]] = field(default_factory=list)
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def _read(self) -> int | None:
+        return self.versions.pop(0) if len(self.versions) > 1 else self.versions[0]
+
+    def room(self, feed: FeedMember, sid: str) -> FeedState:
+        return FeedState(full=False, policy_version=self._read())
+
+    def version(self, feed: FeedMember) -> int | None:
+        return self._read()
+
+    def current(self, feed: FeedMember) -> int | None:
+        return self._read()
+
+    def set_aside(self, feed: FeedMember, run: RunRef, row: dict[str, Any], rerun: int) -> str:
+        self.set_aside_rows.append(row)
+        self.counts["reruns"] += 1
+        return f"_superseded/{rerun}"
+
+    def count(self, feed: FeedMember, name: str) -> None:
+        self.counts[name] += 1

@@ -158,9 +158,16 @@ def materialized_sha256(rd: RunDir, shard: str) -> str | None:
     return digest.hexdigest()
 
 
+STALE_MARK = ".stale"
+"""In the name of a `_superseded` object that is a stale result set aside before its rollout was
+run again (`stale_rollouts="rerun"`, `workers/feed/backpressure.py`), not a late delivery."""
+
+
 def superseded_count(rd: RunDir, shard: str) -> int:
-    """Late deliveries of older attempts kept as evidence (`_superseded` objects)."""
-    return len(rd.list_folder(ShardFiles(shard).superseded))
+    """Late deliveries of older attempts kept as evidence (`_superseded` objects; the stale
+    results a feed's re-runs set aside there are not late deliveries and not counted)."""
+    names = rd.list_folder(ShardFiles(shard).superseded)
+    return sum(STALE_MARK not in name.rsplit("/", 1)[-1] for name in names)
 
 
 def write_coverage(rd: RunDir, coverage: RunCoverage) -> None:
