@@ -97,8 +97,9 @@ class CollectionSettings(BaseModel):
     queue_window: int | None = Field(default=None, ge=1)
     """`rollouts run` keeps at most about this many rollout tasks not yet started in the broker
     queue, publishing the rest from the materialized inputs as rollouts settle (workers do, so
-    the run finishes without its producer); None publishes every task at once. Not applied by
-    `resume` nor the Python API."""
+    the run finishes without its producer); None publishes every task at once. `resume` applies
+    it to the rollouts it runs (written first to the shard's resume inputs); the Python API does
+    not (it has `max_resident_tasks`)."""
     dispatch_budget_s: float | None = Field(default=None, ge=0)
     """No rollout starts later than this many seconds after dispatch began."""
     drain_margin_s: float | None = Field(default=None, ge=0)

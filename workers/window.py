@@ -2,7 +2,7 @@
 
 With the `queue_window` setting, `rollouts run` does not publish every rollout task at once: the
 broker queue holds about `queue_window` tasks not yet started, and the rest wait in the shard's
-materialized inputs. The shard's window hash (`keys.shard_window`) holds where the next row lies
+materialized inputs (a resume's: in its resume inputs, `producer/shard/resume.py`). The shard's window hash (`keys.shard_window`) holds where the next row lies
 (a byte offset), how many tasks went out and what every task is built from (`CollectMessages`,
 as JSON). `QueueWindow.refill` publishes the next rows while there is room: the producer when
 it opens the window and at each poll while it waits, a worker after the rollouts it settles (at
@@ -56,14 +56,14 @@ and full."""
 
 @dataclass(frozen=True)
 class WindowPlan:
-    """A generation's window: its size, its rows (a shard's materialized inputs), its tasks' ids."""
+    """A generation's window: its size, its rows (a shard's materialized or resume inputs), its tasks' ids."""
 
     window: int
     total: int
     """Rollout tasks of the generation: every row of the file."""
     run_dir: str
     inputs: str
-    """The materialized inputs' name in `run_dir`."""
+    """The name in `run_dir` of the file of its rows."""
     group_id: str
     """The generation's group id, which every task carries with its row's index."""
     task_prefix: str

@@ -29,7 +29,6 @@ from rich.console import Console
 from infra import generation, keys, telemetry
 from infra.environment import from_env
 from infra.redis_client import client
-from infra.store import ShardFiles
 from producer.shard.feed import shard_feed
 from producer.shard.opening import OpenedRun
 from producer.shard.supervise import wait_for_shard
@@ -56,14 +55,15 @@ def enqueue(
     deadline: float | None = None,
     job: Job = NO_JOB,
     window: int | None = None,
+    inputs: str | None = None,
 ) -> str:
     """Publish one collect task per row, counted toward the finish task; returns the finish's id.
 
     `deadline` is the dispatch budget's end on the Redis server's clock, when there is a budget.
     `job`: the generation's job span; each task then roots its rollout's trace, linked to it.
-    `window`: publish only the first `window` rows (`rows` are the shard's materialized inputs,
-    still read through here for their count); the rest follow as rollouts settle
-    (`workers/window.py`), their tasks linked to no job span.
+    `window`: publish only the first `window` rows of the run directory's file `inputs` (`rows`
+    are its rows, still read through here for what they count); the rest follow as rollouts
+    settle (`workers/window.py`), their tasks linked to no job span.
     """
     finish_id = f"finish-{opened.manifest.run_id}-{opened.run.token[:8]}"
     finish_payload = FinishRequest(run=opened.run).model_dump(mode="json")
@@ -84,9 +84,8 @@ def enqueue(
         opened.run, config, settings, deadline, shard_feed(r, opened, settings)
     )
     prefix = f"{opened.manifest.run_id}.{opened.run.token[:8]}"
-    if window is not None:
+    if window is not None and inputs is not None:
         sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
-        inputs = ShardFiles(opened.manifest.shard).materialized
         plan = WindowPlan(window, count, opened.rd.url, inputs, group_id, prefix)
         pipe = r.pipeline(transaction=True)
         open_window(pipe, sid, opened.run.token, plan, messages)
@@ -142,12 +141,12 @@ class ShardDispatch:
 
 def dispatch_generation(
     to: ShardDispatch, rows: Iterator[dict[str, Any]], count: int, console: Console,
-    wait: bool = True, windowed: bool = False,
+    wait: bool = True, inputs: str | None = None,
 ) -> FinishResult | None:  # fmt: skip
     """Enqueue `count` rows as this generation's chord and, with `wait`, return the finish result.
 
-    `windowed`: `rows` are every row of the shard's materialized inputs, so the `queue_window`
-    setting applies (`rollouts run`)."""
+    `inputs`: the run directory's file `rows` are every row of (the shard's materialized inputs
+    for `rollouts run`, the resume's inputs for `resume`), so the `queue_window` setting applies."""
     opened, settings = to.opened, to.settings
     sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
     deadline = open_generation(
@@ -157,9 +156,9 @@ def dispatch_generation(
         telemetry.request()
     run_id, shard = opened.manifest.run_id, opened.manifest.shard
     with job(run_id, shard, opened.run.token, count) as traced:
-        window = settings.queue_window if windowed else None
+        window = settings.queue_window if inputs is not None and settings.queue_window else None
         finish_id = enqueue(
-            to.app, opened, rows, count, to.config, settings, deadline, traced, window
+            to.app, opened, rows, count, to.config, settings, deadline, traced, window, inputs
         )
         console.print(f"enqueued {count} rollouts of {run_id} (shard {shard})")
         if not wait:

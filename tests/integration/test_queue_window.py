@@ -100,7 +100,8 @@ def test_a_windowed_run_is_cancelled_and_resumed(
     drain: bool, make_run: MakeRun, redis_url: str, r: redis.Redis
 ) -> None:
     """The rows a cancelled windowed run never published settle as stopped, published by the
-    workers as the others are, so the cancel finishes; the resume runs them (without a window)."""
+    workers as the others are, so the cancel finishes; the resume runs them through a window of
+    its own (its rows written to the resume inputs), so its queue stays a window long too."""
     run = make_run(workers=1, concurrency=CONCURRENCY)
     rows = slow_rows()
     for row in rows:
@@ -113,10 +114,19 @@ def test_a_windowed_run_is_cancelled_and_resumed(
     assert manifest(run.out)["state"] == "cancelled"
     assert landed_lines(run.out) < ROWS
     assert window_hash(r, run.out)["published"] == str(ROWS)
-    proc = cli("resume", str(run.out), "--broker", redis_url)
+    rerun = ROWS - landed_lines(run.out)
+    sampler = Sampler(lambda: int(r.llen(QUEUE)), 0.01)
+    try:
+        proc = cli("resume", str(run.out), "--broker", redis_url)
+    finally:
+        sampler.stop()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert manifest(run.out)["state"] == "completed"
     results_once(run.out, ROWS)
+    # Without a window the resume publishes all of them at once, faster than 1 worker takes them.
+    largest = max(n for _, n in sampler.samples)
+    assert 0 < largest <= WINDOW + PREFETCH, (largest, rerun)
+    assert window_hash(r, run.out)["published"] == str(rerun)
 
 
 def test_a_windowed_run_out_of_dispatch_budget_drains_the_rest(
