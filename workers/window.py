@@ -34,7 +34,7 @@ from infra import keys
 from infra.environment import from_env
 from infra.scripts import REFILL_DONE_LUA, REFILL_TAKE_LUA
 from infra.store import RunDir
-from workers.collect_messages import CollectMessages, publish_rows
+from workers.collect_messages import CollectMessages, TraceHeaders, publish_rows
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +94,19 @@ def open_window(
 class QueueWindow:
     """Refills the queue windows of the shards this process settles rollouts of."""
 
-    def __init__(self, app: Celery, r: redis.Redis, share: float = WORKER_SHARE) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        r: redis.Redis,
+        share: float = WORKER_SHARE,
+        traced: TraceHeaders | None = None,
+    ) -> None:
         self.app = app
         self.r = r
         self.share = share
         """The share of a window that must have room before a refill publishes."""
+        self.traced = traced
+        """The trace headers of each task published (the producer's: linked to its job span)."""
         self.host = f"{socket.gethostname()}:{os.getpid()}"
         self._take = r.register_script(REFILL_TAKE_LUA)
         self._done = r.register_script(REFILL_DONE_LUA)
@@ -163,7 +171,7 @@ class QueueWindow:
             end = line_end
             if len(batch) == room:
                 break
-        sent = publish_rows(self.app, messages, batch, plan.group_id, plan.task_prefix)
+        sent = publish_rows(self.app, messages, batch, plan.group_id, plan.task_prefix, self.traced)
         return end, sent
 
     def _spec(self, sid: str, token: str) -> tuple[CollectMessages, WindowPlan]:

@@ -39,7 +39,7 @@ from schemas.messages import (
     FinishRequest,
 )
 from schemas.settings import CollectionSettings
-from workers.collect_messages import CollectMessages, publish_rows
+from workers.collect_messages import CollectMessages, TraceHeaders, publish_rows
 from workers.shard.state import refresh_shard_keys
 from workers.tracing import NO_JOB, Job, job
 from workers.window import PRODUCER_SHARE, QueueWindow, WindowPlan, open_window
@@ -63,7 +63,7 @@ def enqueue(
     `job`: the generation's job span; each task then roots its rollout's trace, linked to it.
     `window`: publish only the first `window` rows of the run directory's file `inputs` (`rows`
     are its rows, still read through here for what they count); the rest follow as rollouts
-    settle (`workers/window.py`), their tasks linked to no job span.
+    settle (`workers/window.py`), those the workers publish linked to no job span.
     """
     finish_id = f"finish-{opened.manifest.run_id}-{opened.run.token[:8]}"
     finish_payload = FinishRequest(run=opened.run).model_dump(mode="json")
@@ -90,17 +90,21 @@ def enqueue(
         pipe = r.pipeline(transaction=True)
         open_window(pipe, sid, opened.run.token, plan, messages)
         pipe.execute()
-        QueueWindow(app, r, PRODUCER_SHARE).refill(sid)
+        QueueWindow(app, r, PRODUCER_SHARE, job_links(job, messages.run_payload)).refill(sid)
         for _ in rows:  # read through for what `rows` counts
             pass
         return finish_id
-    traced = (
-        (lambda row, task_id: job.enqueued(row, messages.run_payload, task_id))
-        if job.span
-        else None
-    )
+    traced = job_links(job, messages.run_payload)
     publish_rows(app, messages, enumerate(rows), group_id, prefix, traced)
     return finish_id
+
+
+def job_links(job: Job, run: dict[str, Any]) -> TraceHeaders | None:
+    """The trace headers of the tasks the producer publishes: each roots its rollout's trace,
+    linked to the generation's job span; None when telemetry is off."""
+    if not job.span:
+        return None
+    return lambda row, task_id: job.enqueued(row, run, task_id)
 
 
 def count_toward(r: redis.Redis, opened: OpenedRun, count: int, finish: dict[str, Any]) -> None:
@@ -165,7 +169,8 @@ def dispatch_generation(
             return None
         refill = None
         if window is not None:
-            refiller = QueueWindow(to.app, client(to.redis_url), PRODUCER_SHARE)
+            links = job_links(traced, opened.run.model_dump(mode="json"))
+            refiller = QueueWindow(to.app, client(to.redis_url), PRODUCER_SHARE, links)
             refill = functools.partial(refiller.refill, sid)
         finished = wait_for_shard(to.app, opened, to.redis_url, settings, console, finish_id,
                                   count, refill)  # fmt: skip
