@@ -115,9 +115,9 @@ once, `workers/rollout/leases.py`): the delivery that settles the last of `enque
 shard_window = _shard_key("window")
 """Hash of the shard's queue window (the `queue_window` setting; `workers/window.py`): `token`
 (its generation), `window`, `total` (rollout tasks of the generation), `published` (published so
-far: the next one's index), `cursor` (byte offset of the next row in the materialized inputs)
-and `messages` (JSON: what every task is built from). Written by the producer when it opens the
-generation; its cursor moved by each refill."""
+far: the next one's index), `cursor` (byte offset of the next row in the materialized inputs, or
+in a resume's inputs) and `messages` (JSON: what every task is built from). Written by the
+producer when it opens the generation; its cursor moved by each refill."""
 
 shard_window_lock = _shard_key("window_lock")
 """Lock: the one refiller publishing the window's next rows holds it, a few seconds at most. A

@@ -64,6 +64,12 @@ class ShardFiles:
         return f"{self.stem}_materialized_inputs.jsonl"
 
     @property
+    def resume_inputs(self) -> str:
+        """The rows a windowed resume runs, in its order (`producer/shard/resume.py`): what the
+        queue window publishes from (`workers/window.py`), replaced by each resume."""
+        return f"{self.stem}_resume_inputs.jsonl"
+
+    @property
     def aggregate(self) -> str:
         return f"{self.stem}_aggregate_metrics.json"
 
@@ -91,6 +97,7 @@ class ShardFiles:
             self.results,
             self.failures,
             self.materialized,
+            self.resume_inputs,
             self.aggregate,
             self.manifest,
             self.status,

@@ -18,6 +18,9 @@ DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
 DEFAULT_READ_IDLE_TIMEOUT_S = 300.0
 DEFAULT_RATE_LIMIT_BUDGET_S = 900.0
 DEFAULT_RATE_LIMIT_MAX_WAIT_S = 120.0
+DEFAULT_QUEUE_WINDOW = 4096
+"""Rollout tasks the broker queue holds at most, not yet started (`queue_window`): ~9 MB of
+Redis at ~2.2 KB a message, whatever the run's size."""
 
 
 class SkillsSetting(BaseModel):
@@ -95,11 +98,15 @@ class CollectionSettings(BaseModel):
         validation_alias=AliasChoices("max_resident_tasks", "max_resident_rollout_tasks"),
     )
     """Cluster-wide cap on rollouts running at once."""
-    queue_window: int | None = Field(default=None, ge=1)
+    queue_window: int | None = Field(default=DEFAULT_QUEUE_WINDOW, ge=0)
     """`rollouts run` keeps at most about this many rollout tasks not yet started in the broker
     queue, publishing the rest from the materialized inputs as rollouts settle (workers do, so
-    the run finishes without its producer); None publishes every task at once. Not applied by
-    `resume` nor the Python API."""
+    the run finishes without its producer), so Redis holds a window of the queue, not all of it;
+    0 or null publishes every task at once. The default is a few times the slots of a fleet of
+    up to ~1,000 rollouts in flight: raise it for a wider fleet, whose workers would otherwise
+    wait between refills. `resume` applies the run's (or its own `+queue_window`) to the
+    rollouts it runs (written first to the shard's resume inputs); the Python API does not (it
+    has `max_resident_tasks`)."""
     dispatch_budget_s: float | None = Field(default=None, ge=0)
     """No rollout starts later than this many seconds after dispatch began."""
     drain_margin_s: float | None = Field(default=None, ge=0)

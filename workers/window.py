@@ -2,7 +2,7 @@
 
 With the `queue_window` setting, `rollouts run` does not publish every rollout task at once: the
 broker queue holds about `queue_window` tasks not yet started, and the rest wait in the shard's
-materialized inputs. The shard's window hash (`keys.shard_window`) holds where the next row lies
+materialized inputs (a resume's: in its resume inputs, `producer/shard/resume.py`). The shard's window hash (`keys.shard_window`) holds where the next row lies
 (a byte offset), how many tasks went out and what every task is built from (`CollectMessages`,
 as JSON). `QueueWindow.refill` publishes the next rows while there is room: the producer when
 it opens the window and at each poll while it waits, a worker after the rollouts it settles (at
@@ -34,7 +34,7 @@ from infra import keys
 from infra.environment import from_env
 from infra.scripts import REFILL_DONE_LUA, REFILL_TAKE_LUA
 from infra.store import RunDir
-from workers.collect_messages import CollectMessages, publish_rows
+from workers.collect_messages import CollectMessages, TraceHeaders, publish_rows
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +56,14 @@ and full."""
 
 @dataclass(frozen=True)
 class WindowPlan:
-    """A generation's window: its size, its rows (a shard's materialized inputs), its tasks' ids."""
+    """A generation's window: its size, its rows (a shard's materialized or resume inputs), its tasks' ids."""
 
     window: int
     total: int
     """Rollout tasks of the generation: every row of the file."""
     run_dir: str
     inputs: str
-    """The materialized inputs' name in `run_dir`."""
+    """The name in `run_dir` of the file of its rows."""
     group_id: str
     """The generation's group id, which every task carries with its row's index."""
     task_prefix: str
@@ -94,11 +94,19 @@ def open_window(
 class QueueWindow:
     """Refills the queue windows of the shards this process settles rollouts of."""
 
-    def __init__(self, app: Celery, r: redis.Redis, share: float = WORKER_SHARE) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        r: redis.Redis,
+        share: float = WORKER_SHARE,
+        traced: TraceHeaders | None = None,
+    ) -> None:
         self.app = app
         self.r = r
         self.share = share
         """The share of a window that must have room before a refill publishes."""
+        self.traced = traced
+        """The trace headers of each task published (the producer's: linked to its job span)."""
         self.host = f"{socket.gethostname()}:{os.getpid()}"
         self._take = r.register_script(REFILL_TAKE_LUA)
         self._done = r.register_script(REFILL_DONE_LUA)
@@ -163,7 +171,7 @@ class QueueWindow:
             end = line_end
             if len(batch) == room:
                 break
-        sent = publish_rows(self.app, messages, batch, plan.group_id, plan.task_prefix)
+        sent = publish_rows(self.app, messages, batch, plan.group_id, plan.task_prefix, self.traced)
         return end, sent
 
     def _spec(self, sid: str, token: str) -> tuple[CollectMessages, WindowPlan]:

@@ -29,7 +29,6 @@ from rich.console import Console
 from infra import generation, keys, telemetry
 from infra.environment import from_env
 from infra.redis_client import client
-from infra.store import ShardFiles
 from producer.shard.feed import shard_feed
 from producer.shard.opening import OpenedRun
 from producer.shard.supervise import wait_for_shard
@@ -40,7 +39,7 @@ from schemas.messages import (
     FinishRequest,
 )
 from schemas.settings import CollectionSettings
-from workers.collect_messages import CollectMessages, publish_rows
+from workers.collect_messages import CollectMessages, TraceHeaders, publish_rows
 from workers.shard.state import refresh_shard_keys
 from workers.tracing import NO_JOB, Job, job
 from workers.window import PRODUCER_SHARE, QueueWindow, WindowPlan, open_window
@@ -56,14 +55,15 @@ def enqueue(
     deadline: float | None = None,
     job: Job = NO_JOB,
     window: int | None = None,
+    inputs: str | None = None,
 ) -> str:
     """Publish one collect task per row, counted toward the finish task; returns the finish's id.
 
     `deadline` is the dispatch budget's end on the Redis server's clock, when there is a budget.
     `job`: the generation's job span; each task then roots its rollout's trace, linked to it.
-    `window`: publish only the first `window` rows (`rows` are the shard's materialized inputs,
-    still read through here for their count); the rest follow as rollouts settle
-    (`workers/window.py`), their tasks linked to no job span.
+    `window`: publish only the first `window` rows of the run directory's file `inputs` (`rows`
+    are its rows, still read through here for what they count); the rest follow as rollouts
+    settle (`workers/window.py`), those the workers publish linked to no job span.
     """
     finish_id = f"finish-{opened.manifest.run_id}-{opened.run.token[:8]}"
     finish_payload = FinishRequest(run=opened.run).model_dump(mode="json")
@@ -84,24 +84,27 @@ def enqueue(
         opened.run, config, settings, deadline, shard_feed(r, opened, settings)
     )
     prefix = f"{opened.manifest.run_id}.{opened.run.token[:8]}"
-    if window is not None:
+    if window is not None and inputs is not None:
         sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
-        inputs = ShardFiles(opened.manifest.shard).materialized
         plan = WindowPlan(window, count, opened.rd.url, inputs, group_id, prefix)
         pipe = r.pipeline(transaction=True)
         open_window(pipe, sid, opened.run.token, plan, messages)
         pipe.execute()
-        QueueWindow(app, r, PRODUCER_SHARE).refill(sid)
+        QueueWindow(app, r, PRODUCER_SHARE, job_links(job, messages.run_payload)).refill(sid)
         for _ in rows:  # read through for what `rows` counts
             pass
         return finish_id
-    traced = (
-        (lambda row, task_id: job.enqueued(row, messages.run_payload, task_id))
-        if job.span
-        else None
-    )
+    traced = job_links(job, messages.run_payload)
     publish_rows(app, messages, enumerate(rows), group_id, prefix, traced)
     return finish_id
+
+
+def job_links(job: Job, run: dict[str, Any]) -> TraceHeaders | None:
+    """The trace headers of the tasks the producer publishes: each roots its rollout's trace,
+    linked to the generation's job span; None when telemetry is off."""
+    if not job.span:
+        return None
+    return lambda row, task_id: job.enqueued(row, run, task_id)
 
 
 def count_toward(r: redis.Redis, opened: OpenedRun, count: int, finish: dict[str, Any]) -> None:
@@ -142,12 +145,12 @@ class ShardDispatch:
 
 def dispatch_generation(
     to: ShardDispatch, rows: Iterator[dict[str, Any]], count: int, console: Console,
-    wait: bool = True, windowed: bool = False,
+    wait: bool = True, inputs: str | None = None,
 ) -> FinishResult | None:  # fmt: skip
     """Enqueue `count` rows as this generation's chord and, with `wait`, return the finish result.
 
-    `windowed`: `rows` are every row of the shard's materialized inputs, so the `queue_window`
-    setting applies (`rollouts run`)."""
+    `inputs`: the run directory's file `rows` are every row of (the shard's materialized inputs
+    for `rollouts run`, the resume's inputs for `resume`), so the `queue_window` setting applies."""
     opened, settings = to.opened, to.settings
     sid = keys.shard_id(opened.rd.url, opened.manifest.shard)
     deadline = open_generation(
@@ -157,16 +160,17 @@ def dispatch_generation(
         telemetry.request()
     run_id, shard = opened.manifest.run_id, opened.manifest.shard
     with job(run_id, shard, opened.run.token, count) as traced:
-        window = settings.queue_window if windowed else None
+        window = settings.queue_window if inputs is not None and settings.queue_window else None
         finish_id = enqueue(
-            to.app, opened, rows, count, to.config, settings, deadline, traced, window
+            to.app, opened, rows, count, to.config, settings, deadline, traced, window, inputs
         )
         console.print(f"enqueued {count} rollouts of {run_id} (shard {shard})")
         if not wait:
             return None
         refill = None
         if window is not None:
-            refiller = QueueWindow(to.app, client(to.redis_url), PRODUCER_SHARE)
+            links = job_links(traced, opened.run.model_dump(mode="json"))
+            refiller = QueueWindow(to.app, client(to.redis_url), PRODUCER_SHARE, links)
             refill = functools.partial(refiller.refill, sid)
         finished = wait_for_shard(to.app, opened, to.redis_url, settings, console, finish_id,
                                   count, refill)  # fmt: skip

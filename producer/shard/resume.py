@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 from rich.console import Console
 
-from infra import keys, telemetry
+from infra import jsonl, keys, telemetry
 from infra.redis_client import client
 from infra.runs import read_manifest
 from infra.store import RunDir, ShardFiles
@@ -131,6 +131,22 @@ def by_target(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     planned = ((0, F.dispatch_target(row) or "", orjson.dumps(row) + b"\n") for row in rows)
     for line in in_run_order(planned, interleave_by_agent=True):
         yield orjson.loads(line)
+
+
+def written(
+    rd: RunDir, name: str, rows: Iterator[dict[str, Any]], count: int
+) -> Iterator[dict[str, Any]]:
+    """Write `rows` to the run directory's file `name` (replaced whole) and return them as read
+    back from it: the file a windowed resume publishes from, a window at a time
+    (`workers/window.py`)."""
+    n = 0
+    with rd.writing(name) as out:
+        for row in rows:
+            out.write(jsonl.dumps_line(row))
+            n += 1
+    if n != count:
+        raise StorageError(f"{rd.path(name)}: {n} rows to run written, {count} planned")
+    return (row for _, row in rd.iter_objects(name) if row is not None)
 
 
 def resume_settings(
@@ -304,7 +320,11 @@ def execute_resume(opts: ResumeOptions, console: Console | None = None) -> int:
         rows = rows_to_run(rd, opts.shard, plan) if plan is not None else iter(())
         if interleave:
             rows = by_target(rows)
-        return dispatch_generation(to, rows, to_run, console, wait=opts.wait)
+        inputs = None
+        if settings.queue_window and to_run:
+            inputs = ShardFiles(opts.shard).resume_inputs
+            rows = written(rd, inputs, rows, to_run)
+        return dispatch_generation(to, rows, to_run, console, wait=opts.wait, inputs=inputs)
 
     if named is not None:
         if named.broker_from == RECORDED_BROKER:

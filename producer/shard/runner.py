@@ -10,6 +10,7 @@ from rich.console import Console
 
 from infra import keys, telemetry
 from infra.redis_client import client
+from infra.store import ShardFiles
 from producer.config.loading import load_run_config
 from producer.config.overrides import resolve_settings
 from producer.planning.materialize import PlannedShard, plan_shard
@@ -81,8 +82,9 @@ def dispatch_and_wait(
             )
             app = client_app(broker_url, redis_url)
             to = ShardDispatch(app, redis_url, opened, config, settings)
+            inputs = ShardFiles(opened.manifest.shard).materialized
             return dispatch_generation(
-                to, rows, opened.manifest.planned, console, wait=opts.wait, windowed=True
+                to, rows, opened.manifest.planned, console, wait=opts.wait, inputs=inputs
             )
     except Stopped:
         # Stopped while enqueueing: the per-group counts are partial, so fractions are unknown.

@@ -5,7 +5,6 @@ producer."""
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 
 import orjson
 import pytest
@@ -15,9 +14,11 @@ from infra import keys
 from infra.store import RunDir
 from producer.shard.celery_client import client_app
 from schemas.messages import QUEUE
+from schemas.settings import DEFAULT_QUEUE_WINDOW
 from tests.helpers import Sampler, demo_rows
 from tests.ops_helpers import cli, landed_lines, manifest, results_once, wait_for
 from tests.runs import MakeRun
+from tests.window_helpers import completed, window_hash
 from workers.window import QueueWindow
 
 pytestmark = pytest.mark.integration
@@ -34,17 +35,6 @@ def slow_rows() -> list[dict[str, object]]:
     for row in rows:
         row["agent_latency_ms"] = 100
     return rows
-
-
-def completed(out: Path) -> bool:
-    path = out / "rollouts-0_manifest.json"
-    return path.exists() and manifest(out)["state"] == "completed"
-
-
-def window_hash(r: redis.Redis, out: Path) -> dict[str, str]:
-    sid = keys.shard_id(RunDir(str(out)).url, "0")
-    raw: dict[bytes, bytes] = r.hgetall(keys.shard_window(sid))  # type: ignore[assignment]
-    return {k.decode(): v.decode() for k, v in raw.items() if k != b"messages"}
 
 
 def test_a_windowed_run_lands_every_rollout_once_and_its_queue_holds_the_window(
@@ -100,7 +90,8 @@ def test_a_windowed_run_is_cancelled_and_resumed(
     drain: bool, make_run: MakeRun, redis_url: str, r: redis.Redis
 ) -> None:
     """The rows a cancelled windowed run never published settle as stopped, published by the
-    workers as the others are, so the cancel finishes; the resume runs them (without a window)."""
+    workers as the others are, so the cancel finishes; the resume runs them through a window of
+    its own (its rows written to the resume inputs), so its queue stays a window long too."""
     run = make_run(workers=1, concurrency=CONCURRENCY)
     rows = slow_rows()
     for row in rows:
@@ -113,10 +104,19 @@ def test_a_windowed_run_is_cancelled_and_resumed(
     assert manifest(run.out)["state"] == "cancelled"
     assert landed_lines(run.out) < ROWS
     assert window_hash(r, run.out)["published"] == str(ROWS)
-    proc = cli("resume", str(run.out), "--broker", redis_url)
+    rerun = ROWS - landed_lines(run.out)
+    sampler = Sampler(lambda: int(r.llen(QUEUE)), 0.01)
+    try:
+        proc = cli("resume", str(run.out), "--broker", redis_url)
+    finally:
+        sampler.stop()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert manifest(run.out)["state"] == "completed"
     results_once(run.out, ROWS)
+    # Without a window the resume publishes all of them at once, faster than 1 worker takes them.
+    largest = max(n for _, n in sampler.samples)
+    assert 0 < largest <= WINDOW + PREFETCH, (largest, rerun)
+    assert window_hash(r, run.out)["published"] == str(rerun)
 
 
 def test_a_windowed_run_out_of_dispatch_budget_drains_the_rest(
@@ -150,3 +150,17 @@ def test_rows_a_dead_refiller_published_without_moving_the_cursor_land_once(
     run.workers.start(2, CONCURRENCY)
     wait_for(lambda: completed(run.out), 120, "the run completed")
     results_once(run.out, ROWS)
+
+
+@pytest.mark.parametrize(("setting", "queued"), [((), DEFAULT_QUEUE_WINDOW),
+                                                 (("+queue_window=0",), 5000),
+                                                 (("+queue_window=null",), 5000)],
+                         ids=["default", "zero", "null"])  # fmt: skip
+def test_a_run_has_a_window_unless_it_is_turned_off(
+    setting: tuple[str, ...], queued: int, make_run: MakeRun, r: redis.Redis
+) -> None:
+    run = make_run(workers=0)
+    proc = run.cli(demo_rows(5000), *setting, "--no-wait")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert r.llen(QUEUE) == queued
+    assert bool(window_hash(r, run.out)) == (queued < 5000)

@@ -61,8 +61,8 @@ def refused(rows: list[dict[str, Any]], **settings: Any) -> str:
 
 
 def test_reserved_suffixes_are_derived_from_the_artifact_names() -> None:
-    expected = {"_failures", "_materialized_inputs", "_aggregate_metrics", "_manifest", "_status",
-                "_coverage", "_superseded"}  # fmt: skip
+    expected = {"_failures", "_materialized_inputs", "_resume_inputs", "_aggregate_metrics",
+                "_manifest", "_status", "_coverage", "_superseded"}  # fmt: skip
     assert set(RESERVED_SUFFIXES) == expected | {MERGED_SHARDS_SUFFIX.removesuffix(".json")}
 
 

@@ -24,7 +24,7 @@ from schemas.usage import TokenUsage
 from workers.health.io import file_digest, iter_range
 
 SHARD_FILE = re.compile(r"^rollouts-(.+)\.jsonl$")
-SIDECAR_SUFFIXES = ("_failures", "_materialized_inputs")
+SIDECAR_SUFFIXES = ("_failures", "_materialized_inputs", "_resume_inputs")
 
 
 def stem_of(name: str) -> str:
