@@ -280,7 +280,8 @@ async def tail(
     ever with `follow`. Returns how many groups were written."""
     n = 0
     async for group in feed.groups(consumer, until_closed=not follow):
-        out(orjson.dumps(group.item.model_dump(), option=orjson.OPT_APPEND_NEWLINE))
+        line = {**group.item.model_dump(), "stale": group.stale}
+        out(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE))
         if ack:
             await group.ack()
         n += 1

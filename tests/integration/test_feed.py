@@ -286,6 +286,7 @@ def test_rollouts_run_feed_is_tailed_as_jsonl_and_counted_in_the_status(
     groups = [orjson.loads(line) for line in out.splitlines()]
     assert sorted(g["group"] for g in groups) == [f"0/{i}" for i in range(6)]
     assert all(g["reason"] == "complete" and len(g["members"]) == 3 for g in groups)
+    assert all(g["stale"] is False for g in groups)  # no policy version set: none is stale
     status = cli("status", str(run.out), "--redis", redis_url)
     assert "feed tcli: 6 groups · lag 0 · unacknowledged 0 · acknowledged 6" in status.stdout
 
