@@ -170,8 +170,7 @@ def latency(
             rss = f"{min(rss_per_1k[m.name]):.1f}" if m.name in rss_per_1k else "-"
             if "unfinished" in m.extra:
                 out.append(
-                    [m.name, m.n, f"did not finish in {m.extra['unfinished']:g} s"
-                     + (f" ({m.extra['why']})" if "why" in m.extra else ""),
+                    [m.name, m.n, f"did not finish in {m.extra['unfinished']:g} s",
                      "-" if wave_s is None else wave_s, m.extra.get("enqueue_s", "-"),
                      "-", "-", "-", rss]
                 )  # fmt: skip
