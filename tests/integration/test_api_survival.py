@@ -227,8 +227,10 @@ def test_a_redis_restarted_without_its_data_mid_call_leaves_no_row_hanging(
         def restart() -> dict[str, Any]:
             wait_for(lambda: calls_started(log) >= 24, 60, "24 calls")
             time.sleep(0.5)
-            if recorded:
-                landed_first.update(key(row) for row in read_jsonl(out / "rollouts-0.jsonl"))
+            if recorded:  # the first calls may all have started together: one must land first
+                results = out / "rollouts-0.jsonl"
+                wait_for(lambda: results.exists() and bool(read_jsonl(results)), 60, "a landed row")
+                landed_first.update(key(row) for row in read_jsonl(results))
             private_redis.restart_empty()
             return {"at": time.monotonic()}
 
