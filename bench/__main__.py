@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,7 @@ from bench.otlp_sink import OtlpSink
 from bench.wave import StartLog, wave_start_s
 from examples.tasks import make_row
 from infra import telemetry
+from infra.embedded import EmbeddedRedis
 
 
 def write_rows(path: str, n: int) -> list[dict[str, object]]:
@@ -81,6 +83,16 @@ PRESETS = {
 def chord_limit_default(n: int, in_flight: int, latency_ms: float) -> float:
     """Ten times the ideal wall time, at least a minute: the sleeping chord's time limit."""
     return max(60.0, 10 * n * latency_ms / 1000 / in_flight)
+
+
+def chord_maxclients(in_flight: int) -> int:
+    """Connections the sleeping chord's Redis must take: each of its `in_flight` threads stores
+    its result on a connection of its own (Celery's Redis backend pools one per thread that uses
+    it at once), beside the brokers' and the producer's. Redis's default, 10,000, refuses the
+    16,384 threads of `inflight-16k` while the chord is published; the server also needs as many
+    file descriptors, so it is capped below this process's limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(10_000, min(in_flight + 1_000, soft - 64))
 
 
 def latency(
@@ -147,6 +159,7 @@ def latency(
                     concurrency=in_flight // workers,
                     pool="threads",
                     env={"ROLLOUTS_BENCH_START_LOG": chord_log.path},
+                    redis=EmbeddedRedis(maxclients=chord_maxclients(in_flight)),
                 ) as cluster:
                     chord_pids = [p.pid for p in cluster.procs]
                     sleeping = partial(

@@ -48,11 +48,19 @@ class EmbeddedRedis:
     """A private Redis server for one run or one test session."""
 
     def __init__(
-        self, port: int | None = None, *, protected: bool = True, host: str = "127.0.0.1"
+        self,
+        port: int | None = None,
+        *,
+        protected: bool = True,
+        host: str = "127.0.0.1",
+        maxclients: int = 10000,
     ) -> None:
         self.port = port or free_port()
         self.host = host
         """The address it listens on (the netns tests: an address the namespaces reach)."""
+        self.maxclients = maxclients
+        """Redis's `maxclients`: a connection beyond it is refused ("max number of clients
+        reached"). The server also needs that many file descriptors (`ulimit -n`)."""
         # Unprotected: a test session's stand-in for a cluster Redis without a password.
         self.password = secrets.token_urlsafe(24) if protected else None
         self._dir = Path(tempfile.mkdtemp(prefix="rollouts-redis-"))
@@ -89,7 +97,7 @@ class EmbeddedRedis:
             "--save", "",
             "--appendonly", "no",
             "--dir", str(self._dir),
-            "--maxclients", "10000",
+            "--maxclients", str(self.maxclients),
             "--loglevel", "warning",
             "--logfile", str(self._dir / "server.log"),
         ]  # fmt: skip

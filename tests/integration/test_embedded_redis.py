@@ -39,3 +39,10 @@ def test_its_password_survives_a_restart_that_loses_its_data() -> None:
         server.restart_empty()
         r = redis.Redis.from_url(server.url)
         assert r.ping() and r.get("k") is None
+
+
+def test_it_takes_as_many_clients_as_it_is_given() -> None:
+    # The benchmark's sleeping chord opens a connection per thread: 16,384 at inflight-16k.
+    with EmbeddedRedis() as default, EmbeddedRedis(maxclients=12_000) as larger:
+        assert redis.Redis.from_url(default.url).config_get("maxclients")["maxclients"] == "10000"
+        assert redis.Redis.from_url(larger.url).config_get("maxclients")["maxclients"] == "12000"
