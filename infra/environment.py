@@ -63,9 +63,9 @@ class Environment:
     """`ROLLOUTS_GC_THRESHOLDS`: a worker's garbage-collector thresholds, as `700,10,10`
     (CPython's own); None: the worker's (`workers/gc_tuning.py`)."""
     prefetch_ahead: int | None = None
-    """`ROLLOUTS_PREFETCH_AHEAD`: deliveries a rollout worker takes beyond its `-c` slots, so that a
-    slot freed when a `/run` call ends is refilled at once; None: a quarter of the slots
-    (`workers/pool.py`)."""
+    """`ROLLOUTS_PREFETCH_AHEAD`: deliveries a rollout worker holds beyond its `-c` slots while they
+    are all busy; None: none (a slot given back while its rollout lands is refilled at once
+    anyway: `workers/pool.py`'s `PrefetchAhead`)."""
 
 
 def read_environment(environ: Mapping[str, str]) -> Environment:

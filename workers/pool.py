@@ -61,17 +61,17 @@ FINISHING_THREADS = 2
 """Threads per process running Celery's tracer for a rollout that has its outcome: an
 acknowledgement and events, under a millisecond each (few: see BLOCKING_THREADS)."""
 
-AHEAD_FRACTION = 4
-"""Deliveries a worker takes ahead of its slots by default: one per this many slots (at least one;
-`ROLLOUTS_PREFETCH_AHEAD` sets the number)."""
+
+LEND_FRACTION = 4
+"""A worker lends its consumer at most one message of prefetch per this many slots
+(`RolloutPool.lend_cap`)."""
 
 _runners: dict[str, Runner] = {}
 
 
 def prefetch_ahead(limit: int) -> int:
     """How many deliveries a pool of `limit` slots takes beyond them (`RolloutPool.ahead`)."""
-    configured = from_env().prefetch_ahead
-    return configured if configured is not None else max(1, limit // AHEAD_FRACTION)
+    return from_env().prefetch_ahead or 0
 
 
 R = TypeVar("R", bound=Runner)
@@ -165,6 +165,14 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         self._tasks: set[asyncio.Task[None]] = set()
         """The deliveries' tasks on the loop (touched on the loop only)."""
         self._slots: asyncio.Semaphore | None = None
+        self.consumer: Any = None
+        """Celery's consumer of this worker (set by `PrefetchAhead`): its prefetch is lent a
+        message while a rollout that gave its slot back lands (`_Slot.give_back`)."""
+        self.lend_cap = max(1, self.limit // LEND_FRACTION)
+        """At most this many messages lent at once: while landing stalls (a store outage), a
+        worker holds at most `limit + ahead + lend_cap` messages, not one more per freed slot."""
+        self.lent = 0
+        """Messages lent and not paid back yet (touched on the loop only)."""
 
     @property
     def num_processes(self) -> int:
@@ -262,7 +270,7 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         own = getattr(runner, OWN_SLOT, False) and self._slots.locked()
         if not own and not await slot.take():
             return  # taken ahead and still waiting when the warm stop began
-        ended = CALL_ENDED.set(slot.release)
+        ended = CALL_ENDED.set(slot.give_back)
         waits = SLOT.set(slot.take if own else None)
         try:
             try:
@@ -295,6 +303,28 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
             )
         finally:
             _ran.pop(number, None)
+            self.repay(slot.lent)
+
+    def lend(self) -> Any:
+        """Raise the consumer's prefetch by one (Celery applies it on its next loop turn): a
+        rollout gave its slot back and keeps its message until it is acknowledged. The QoS
+        lent to, or None (no consumer, or `lend_cap` messages lent already)."""
+        qos = getattr(self.consumer, "qos", None)
+        if qos is None or self.lent >= self.lend_cap:
+            return None
+        qos.increment_eventually()
+        self.lent += 1
+        return qos
+
+    def repay(self, qos: Any) -> None:
+        """Once the message is acknowledged: lower the prefetch again, unless the consumer has
+        a new QoS since (a reconnection sizes it afresh)."""
+        if qos is None:
+            return
+        self.lent -= 1
+        current: Any = getattr(self.consumer, "qos", None)
+        if current is qos:
+            current.decrement_eventually()
 
     async def _keep_held(self) -> None:
         """While deliveries wait for a slot, mark them held every third of the lease TTL.
@@ -330,6 +360,7 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
             {
                 "max-concurrency": self.limit,
                 "prefetch-ahead": self.ahead,
+                "prefetch-lent": self.lent,
                 # in their `/run` call (at most max-concurrency), landing, or taken ahead
                 "deliveries": held,
                 "gc": gc_state(),
@@ -393,6 +424,8 @@ class _Slot:
     accepted: bool = field(default=False, init=False)
     refused: bool = field(default=False, init=False)
     """The worker began its warm stop before the slot was free: the delivery must not start."""
+    lent: Any = field(default=None, init=False)
+    """The consumer's QoS that lent this delivery a message of prefetch (`give_back`)."""
 
     async def take(self) -> bool:
         """Wait for a free slot, then accept the delivery; False if the warm stop came first."""
@@ -432,36 +465,53 @@ class _Slot:
         else:  # bookkeeping only: no hop for it
             accept_callback(os.getpid(), accepted)
 
-    def release(self) -> None:
+    def release(self, lend: bool = False) -> None:
         """Give the slot back (if taken), once; from any thread."""
         try:
             on_loop = asyncio.get_running_loop() is self.loop
         except RuntimeError:
             on_loop = False
         if on_loop:
-            self._release()
+            self._release(lend)
         else:
-            self.loop.call_soon_threadsafe(self._release)
+            self.loop.call_soon_threadsafe(self._release, lend)
 
-    def _release(self) -> None:
+    def give_back(self) -> None:
+        """The rollout's `/run` call ended (`CALL_ENDED`): its slot is given back while it lands,
+        and the consumer may take one more message meanwhile, so that the next rollout is
+        delivered for the freed slot. Taking deliveries ahead of free slots instead
+        (`RolloutPool.ahead`) strands them behind busy slots when the queue runs dry, while
+        another worker's slots are free."""
+        self.release(lend=True)
+
+    def _release(self, lend: bool = False) -> None:
         if self.held and not self.done:
             self.done = True
             self.slots.release()
+            if lend:
+                self.lent = self.pool.lend()
 
 
 class PrefetchAhead(bootsteps.StartStopStep):  # type: ignore[misc]  # celery's bootsteps are untyped
-    """A consumer step: a rollout pool's worker takes `RolloutPool.ahead` deliveries beyond its
-    slots.
+    """A consumer step: a rollout pool's worker takes deliveries for the slots its landing
+    rollouts gave back, and `RolloutPool.ahead` beyond its slots if set.
 
     With late acknowledgement and a prefetch of one message per slot, a slot freed when a
     rollout's `/run` call ends could be refilled only after that rollout landed, was settled
     and acknowledged, and the next claim came back: when thousands of replies arrived together,
-    the next rollouts started seconds after the slots were free. Celery sizes the consumer's
-    prefetch by `-c` at first and by the pool's `num_processes` afterwards; this makes the first
-    agree. The caps still hold: a delivery taken ahead waits for a slot, then for admission.
+    the next rollouts started seconds after the slots were free. So the pool lends the
+    consumer's prefetch a message for each slot given back while its rollout lands (up to
+    `RolloutPool.lend_cap`), and takes it back with the acknowledgement. A standing number taken
+    ahead (`ROLLOUTS_PREFETCH_AHEAD`, none by default) does the same for a full worker, but its
+    deliveries wait behind busy slots when the queue runs dry, while another worker's slots are
+    free: at 4,096 in flight the last of them started a whole agent latency late. Celery sizes
+    the consumer's prefetch by `-c` at first and by the pool's `num_processes` afterwards; this
+    makes the first agree. The caps still hold: a delivery waits for a slot, then for admission.
     """
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
-        if isinstance(parent.pool, RolloutPool) and parent.initial_prefetch_count:
-            parent.initial_prefetch_count = parent.max_prefetch_count
+        if isinstance(parent.pool, RolloutPool):
+            parent.pool.consumer = parent
+            if parent.initial_prefetch_count:
+                parent.initial_prefetch_count = parent.max_prefetch_count

@@ -1,8 +1,8 @@
 """The trainer's path survives what `rollouts run` survives: a worker SIGKILLed, SIGSTOPped, cut
 off from Redis; Redis restarted without its data; the caller itself SIGKILLed.
 
-Two `celery worker` processes on a real Redis with the default settings (deliveries taken ahead
-of the slots included) but short leases (`tests/api_helpers.py`), the example agent, and the
+Two `celery worker` processes on a real Redis with the default settings (deliveries lent to
+slots given back while their rollouts land included) but short leases (`tests/api_helpers.py`), the example agent, and the
 caller in this process. Each test asserts the liveness contract: every row resolves exactly
 once, a failed worker's rows within the lease TTL, a third of it and the rollout's own time
 (with slack for a shared machine), and prints what it measured.
@@ -129,7 +129,7 @@ def within_bound(got: Got, since: float, held: set[tuple[int, int]], what: str) 
 def test_a_sigkilled_worker_s_rows_resolve_once_within_the_lease_bound(
     make_run: MakeRun, redis_url: str, r: redis.Redis, tmp_path: Path, recorded: bool
 ) -> None:
-    """150 rows of 1 s on two workers of 32 slots (and 8 taken ahead each); one worker SIGKILLed
+    """150 rows of 1 s on two workers of 32 slots; one worker SIGKILLed
     after 60 `/run` calls. Recorded with `max_resident_tasks`; or neither, the rows given as a
     trainer has them (not planned: no identity, so no rollout id in any reply, the case whose
     replies once killed the caller's listener)."""

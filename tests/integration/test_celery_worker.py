@@ -94,16 +94,16 @@ def test_worker_tunes_its_garbage_collector_and_prefetch(
     redis_url: str, start_workers: StartWorkers
 ) -> None:
     """A ready worker has frozen its start-up objects and set the collector's thresholds
-    (`workers/gc_tuning.py`); `ROLLOUTS_GC_THRESHOLDS` sets others. It takes a quarter more
-    deliveries than its slots (`workers/pool.py`); `ROLLOUTS_PREFETCH_AHEAD` sets how many. Seen
-    as Flower sees a worker: its `inspect stats`."""
+    (`workers/gc_tuning.py`); `ROLLOUTS_GC_THRESHOLDS` sets others. An idle worker takes as many
+    deliveries as its slots (`workers/pool.py`); `ROLLOUTS_PREFETCH_AHEAD` sets how many more.
+    Seen as Flower sees a worker: its `inspect stats`."""
     from workers.gc_tuning import GC_THRESHOLDS
 
     worker = [CELERY, "-A", "workers.app", "worker", "-c", "4", "-l", "INFO"]
     workers = start_workers(command=[*worker, "-n", "tuned@%h"], wait=False)
     workers.start(
         command=[*worker, "-n", "plain@%h"],
-        env={"ROLLOUTS_GC_THRESHOLDS": "700,10,10", "ROLLOUTS_PREFETCH_AHEAD": "0"},
+        env={"ROLLOUTS_GC_THRESHOLDS": "700,10,10", "ROLLOUTS_PREFETCH_AHEAD": "2"},
         wait=False,
     )
     workers.wait_ready()
@@ -118,6 +118,8 @@ def test_worker_tunes_its_garbage_collector_and_prefetch(
     for state in gc_of.values():
         assert state["frozen"] > 10_000  # the modules, the app and the context at least
     prefetch = {name.split("@")[0]: info["prefetch_count"] for name, info in stats.items()}
-    assert prefetch == {"tuned": 5, "plain": 4}  # -c 4, and one ahead by default
+    assert prefetch == {"tuned": 4, "plain": 6}  # -c 4, and none ahead by default
     ahead = {name.split("@")[0]: info["pool"]["prefetch-ahead"] for name, info in stats.items()}
-    assert ahead == {"tuned": 1, "plain": 0}
+    assert ahead == {"tuned": 0, "plain": 2}
+    lent = {name.split("@")[0]: info["pool"]["prefetch-lent"] for name, info in stats.items()}
+    assert lent == {"tuned": 0, "plain": 0}  # nothing lands

@@ -27,7 +27,8 @@ ROWS = 60
 WINDOW = 8
 CONCURRENCY = 4
 PREFETCH = CONCURRENCY + CONCURRENCY // 4 + 1
-"""What a worker takes from the queue ahead of its slots (`workers/pool.py`'s `PrefetchAhead`)."""
+"""What a worker takes from the queue at most: its slots, one more per slot given back while its
+rollout lands, up to a quarter of the slots (`workers/pool.py`'s `PrefetchAhead`), and one."""
 
 
 def slow_rows() -> list[dict[str, object]]:

@@ -25,7 +25,8 @@ ROWS = 20_000
 WORKERS = 2
 CONCURRENCY = 128
 PREFETCH = CONCURRENCY + CONCURRENCY // 4 + 1
-"""What a worker takes from the queue ahead of its slots (`workers/pool.py`'s `PrefetchAhead`)."""
+"""What a worker takes from the queue at most: its slots, one more per slot given back while its
+rollout lands, up to a quarter of the slots (`workers/pool.py`'s `PrefetchAhead`), and one."""
 
 
 def test_a_run_started_with_no_wait_finishes_every_rollout_once(

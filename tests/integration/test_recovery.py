@@ -296,12 +296,15 @@ def test_rollouts_longer_than_the_visibility_timeout_run_once_each(
 def one_waiting_ahead(
     make_run: MakeRun, r: redis.Redis, latency_ms: float
 ) -> Iterator[tuple[Run, subprocess.Popen[bytes], Path]]:
-    """A run of 3 rollouts on one worker of 2 slots: it yields (the run, its producer, the
-    agent's request log) once two calls are in flight and the third message is out of the
-    queue, taken ahead by the worker (`workers/pool.py`) and waiting for a slot."""
+    """A run of 3 rollouts on one worker of 2 slots that takes one delivery ahead of them
+    (`ROLLOUTS_PREFETCH_AHEAD=1`): it yields (the run, its producer, the agent's request log)
+    once two calls are in flight and the third message is out of the queue, taken ahead by the
+    worker (`workers/pool.py`) and waiting for a slot."""
     log = make_run.folder / "requests.jsonl"
     run = make_run(
-        knobs=AgentKnobs(latency_ms=latency_ms, request_log=str(log)), concurrency=2, env=ENV
+        knobs=AgentKnobs(latency_ms=latency_ms, request_log=str(log)),
+        concurrency=2,
+        env={**ENV, "ROLLOUTS_PREFETCH_AHEAD": "1"},
     )
     try:
         producer = run.start(demo_rows(3), ON_SIDECAR)

@@ -17,6 +17,7 @@ import orjson
 import pytest
 from celery import Celery
 from celery.app.task import Context
+from kombu.common import QoS
 
 from infra.environment import from_env
 from workers.pool import RolloutPool, on_loop, take_ran
@@ -181,11 +182,11 @@ def test_a_slot_is_refilled_when_the_call_ends_not_when_the_rollout_landed(
 def test_the_prefetch_counts_the_slots_and_the_deliveries_taken_ahead(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Celery sizes the consumer's prefetch by `num_processes`: a quarter more than the slots by
-    default, `ROLLOUTS_PREFETCH_AHEAD` more when set (0: none)."""
+    """Celery sizes the consumer's prefetch by `num_processes`: the slots by default,
+    `ROLLOUTS_PREFETCH_AHEAD` more when set."""
     app = Celery("test-pool-count")
     try:
-        for env, limit, ahead in ((None, 64, 16), (None, 2, 1), ("0", 64, 0), ("5", 64, 5)):
+        for env, limit, ahead in ((None, 64, 0), (None, 2, 0), ("0", 64, 0), ("5", 64, 5)):
             if env is None:
                 monkeypatch.delenv("ROLLOUTS_PREFETCH_AHEAD", raising=False)
             else:
@@ -195,6 +196,82 @@ def test_the_prefetch_counts_the_slots_and_the_deliveries_taken_ahead(
             assert (pool.ahead, pool.num_processes) == (ahead, limit + ahead), env
     finally:
         from_env.cache_clear()
+
+
+LENDING_TASK = "tests.pooled_lending"
+landed = threading.Event()
+
+
+@on_loop(LENDING_TASK)
+async def _gives_back(request: Any, name: str) -> str:
+    """A rollout that says its `/run` call ended, then lands once `landed` is set."""
+    hook = CALL_ENDED.get()
+    assert hook is not None
+    hook()
+    while not landed.is_set():
+        await asyncio.sleep(0.01)
+    return name
+
+
+class _Consumer:
+    """The part of Celery's consumer the pool lends to: its QoS (kombu's, as Celery builds it)."""
+
+    def __init__(self, prefetch: int) -> None:
+        self.qos = QoS(lambda prefetch_count: None, prefetch)
+
+
+def _values_while_landing(
+    pool: RolloutPool, consumer: _Consumer, names: list[str], reconnect: bool = False
+) -> tuple[list[int], int, int]:
+    """Deliver `names` to `pool`, each giving its slot back and landing once `landed` is set:
+    the prefetch while they land, then after they were acknowledged, and what Celery's
+    consumer would apply meanwhile (`reconnect`: a new QoS before the acknowledgements)."""
+    landed.clear()
+    acknowledged = []
+    for name in names:
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        pool.apply_async(
+            lambda *_: None,
+            args=(LENDING_TASK, name, {"id": name, "task": LENDING_TASK},
+                  orjson.dumps([[name], {}, {"chord": None, "callbacks": None}]),
+                  "application/json", "utf-8"),
+            callback=done.set_result,
+            accept_callback=lambda pid, at: None,
+        )  # fmt: skip
+        acknowledged.append(done)
+    deadline = time.monotonic() + 10
+    while pool.lent < min(len(names), pool.lend_cap) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    lent = [consumer.qos.value, pool.lent]
+    old = consumer.qos
+    if reconnect:
+        consumer.qos = QoS(lambda prefetch_count: None, old.value - pool.lent)
+    landed.set()
+    for done in acknowledged:
+        done.result(10)
+    deadline = time.monotonic() + 10
+    while pool.lent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return lent, consumer.qos.value, pool.lent
+
+
+def test_a_slot_given_back_while_its_rollout_lands_lends_the_consumer_a_message() -> None:
+    """The consumer may take one message more per slot given back until that rollout's message
+    is acknowledged, at most `lend_cap` at once (a quarter of the slots): the freed slot's
+    successor is delivered without holding deliveries ahead behind busy slots."""
+    pool = RolloutPool(limit=8, app=Celery("test-pool-lend"))
+    consumer = _Consumer(8)
+    pool.consumer = consumer
+    pool.start()
+    try:
+        assert pool.lend_cap == 2
+        assert _values_while_landing(pool, consumer, ["a"]) == ([9, 1], 8, 0)
+        assert _values_while_landing(pool, consumer, ["b", "c", "d"]) == ([10, 2], 8, 0)
+        # A reconnection sizes the new QoS afresh: the acknowledgements after it lower nothing.
+        assert _values_while_landing(pool, consumer, ["e"], reconnect=True) == ([9, 1], 8, 0)
+    finally:
+        landed.set()
+        pool.stop()
 
 
 HELD_TASK = "tests.pooled_held"
