@@ -27,8 +27,9 @@ from producer.cli.options import (
     shard_options,
 )
 from producer.cli.overrides import parse_overrides, pop_flag_override
+from producer.shard.launch import DEFAULT_CONCURRENCY
 from producer.shard.resume import ResumeOptions, execute_plan, execute_resume
-from producer.shard.runner import DEFAULT_CONCURRENCY, RunOptions, execute_run
+from producer.shard.runner import RunOptions, execute_run
 from schemas.errors import RolloutsError, UsageError
 
 # Piped (CI logs): lines are not wrapped at 80 columns, so paths and URLs stay whole to copy.

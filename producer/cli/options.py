@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import click
 
-from producer.shard.runner import DEFAULT_CONCURRENCY, DEFAULT_WORKERS
+from producer.shard.launch import DEFAULT_CONCURRENCY, DEFAULT_WORKERS
 
 C = TypeVar("C", bound=Callable[..., Any])
 
