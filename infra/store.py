@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, overload
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -41,6 +41,22 @@ def write_parts(fd: int, parts: Sequence[bytes | bytearray | memoryview]) -> Non
                 written = 0
 
 
+class _Artifact:
+    """A shard artifact's name: the shard's stem followed by a fixed suffix."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+
+    @overload
+    def __get__(self, files: None, owner: type[ShardFiles]) -> _Artifact: ...
+
+    @overload
+    def __get__(self, files: ShardFiles, owner: type[ShardFiles]) -> str: ...
+
+    def __get__(self, files: ShardFiles | None, owner: type[ShardFiles]) -> str | _Artifact:
+        return self if files is None else f"{files.stem}{self.suffix}"
+
+
 @dataclass(frozen=True)
 class ShardFiles:
     """The artifact names of one shard, relative to the run directory."""
@@ -51,46 +67,20 @@ class ShardFiles:
     def stem(self) -> str:
         return f"rollouts-{self.shard}"
 
-    @property
-    def results(self) -> str:
-        return f"{self.stem}.jsonl"
-
-    @property
-    def failures(self) -> str:
-        return f"{self.stem}_failures.jsonl"
-
-    @property
-    def materialized(self) -> str:
-        return f"{self.stem}_materialized_inputs.jsonl"
-
-    @property
-    def resume_inputs(self) -> str:
-        """The rows a windowed resume runs, in its order (`producer/shard/resume.py`): what the
-        queue window publishes from (`workers/window.py`), replaced by each resume."""
-        return f"{self.stem}_resume_inputs.jsonl"
-
-    @property
-    def aggregate(self) -> str:
-        return f"{self.stem}_aggregate_metrics.json"
-
-    @property
-    def manifest(self) -> str:
-        return f"{self.stem}_manifest.json"
-
-    @property
-    def status(self) -> str:
-        return f"{self.stem}_status.json"
-
-    @property
-    def coverage(self) -> str:
-        """The exact inventory of the shard's expected rollouts (`schemas/coverage.py`)."""
-        return f"{self.stem}_coverage.json"
-
-    @property
-    def superseded(self) -> str:
-        """The folder of late records of older attempts, kept as evidence, never selected
-        (`workers/rollout/landing.py`); not a JSONL file, so no reader of shards takes it for one."""
-        return f"{self.stem}_superseded"
+    results = _Artifact(".jsonl")
+    failures = _Artifact("_failures.jsonl")
+    materialized = _Artifact("_materialized_inputs.jsonl")
+    resume_inputs = _Artifact("_resume_inputs.jsonl")
+    """The rows a windowed resume runs, in its order (`producer/shard/resume.py`): what the
+    queue window publishes from (`workers/window.py`), replaced by each resume."""
+    aggregate = _Artifact("_aggregate_metrics.json")
+    manifest = _Artifact("_manifest.json")
+    status = _Artifact("_status.json")
+    coverage = _Artifact("_coverage.json")
+    """The exact inventory of the shard's expected rollouts (`schemas/coverage.py`)."""
+    superseded = _Artifact("_superseded")
+    """The folder of late records of older attempts, kept as evidence, never selected
+    (`workers/rollout/landing.py`); not a JSONL file, so no reader of shards takes it for one."""
 
     def all(self) -> list[str]:
         return [

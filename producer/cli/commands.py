@@ -24,11 +24,14 @@ from producer.cli.options import (
     overrides_argument,
     result_backend_options,
     running_shard_options,
+    setting_option,
+    settings_given,
     shard_options,
 )
 from producer.cli.overrides import parse_overrides, pop_flag_override
+from producer.shard.launch import DEFAULT_CONCURRENCY
 from producer.shard.resume import ResumeOptions, execute_plan, execute_resume
-from producer.shard.runner import DEFAULT_CONCURRENCY, RunOptions, execute_run
+from producer.shard.runner import RunOptions, execute_run
 from schemas.errors import RolloutsError, UsageError
 
 # Piped (CI logs): lines are not wrapped at 80 columns, so paths and URLs stay whole to copy.
@@ -49,27 +52,30 @@ def main() -> None:
 )
 @click.option("--output-dir", default=None, help="Run directory: a folder or an fsspec URL.")
 @click.option("--shard", default=None, help="Shard label.  [default: 0]")
-@click.option("--agent", default=None, help="Agent for rows that name none.")
-@click.option("--num-repeats", type=int, default=None, help="Rollouts per task.")
-@click.option(
+@setting_option("agent_name", "--agent", help="Agent for rows that name none.")
+@setting_option("num_repeats", "--num-repeats", type=int, help="Rollouts per task.")
+@setting_option(
+    "route_failures_to_sidecar",
     "--route-failures-to-sidecar",
     is_flag=True,
-    default=None,
     help="Keep going after failed rollouts.",
 )
-@click.option(
-    "--max-resident-tasks", type=int, default=None, help="Cluster-wide cap on running rollouts."
+@setting_option(
+    "max_resident_tasks",
+    "--max-resident-tasks",
+    type=int,
+    help="Cluster-wide cap on running rollouts.",
 )
-@click.option(
+@setting_option(
+    "num_shards",
     "--num-shards",
     type=int,
-    default=None,
     help="Split the input into N shards by task number (with --shard-index).",
 )
-@click.option(
+@setting_option(
+    "shard_index",
     "--shard-index",
     type=int,
-    default=None,
     help="Run the tasks whose number is I modulo N; numbers stay the whole input's. Shard label "
     "default: I.",
 )
@@ -87,16 +93,15 @@ def main() -> None:
     default=None,
     help="A running NeMo Gym head server (http://host:port) to read the servers config from.",
 )
-@click.option(
+@setting_option(
+    "allow_unsupported_pairing",
     "--allow-unsupported-pairing",
     is_flag=True,
-    default=None,
     help="Skip the allowed_agents checks.",
 )
-@click.option(
-    "--feed",
+@setting_option(
     "feed",
-    default=None,
+    "--feed",
     help="Publish the landed rollouts on this feed, a group at a time (see `rollouts feed`).",
 )
 @events_option
@@ -108,12 +113,6 @@ def run(
     input_path: str | None,
     output_dir: str | None,
     shard: str | None,
-    agent: str | None,
-    num_repeats: int | None,
-    route_failures_to_sidecar: bool | None,
-    max_resident_tasks: int | None,
-    num_shards: int | None,
-    shard_index: int | None,
     workers: int,
     concurrency: int,
     broker: str | None,
@@ -121,8 +120,6 @@ def run(
     no_wait: bool,
     overwrite: bool,
     head_server: str | None,
-    allow_unsupported_pairing: bool | None,
-    feed: str | None,
     events: bool,
     fail_on_unhealthy: bool,
     overrides: tuple[str, ...],
@@ -134,18 +131,7 @@ def run(
     """
     settings: dict[str, Any] = parse_overrides(list(overrides))
     fail_on_unhealthy = pop_flag_override(settings, "fail_on_unhealthy", fail_on_unhealthy)
-    for key, value in (
-        ("agent_name", agent),
-        ("num_repeats", num_repeats),
-        ("route_failures_to_sidecar", route_failures_to_sidecar),
-        ("max_resident_tasks", max_resident_tasks),
-        ("allow_unsupported_pairing", allow_unsupported_pairing),
-        ("num_shards", num_shards),
-        ("shard_index", shard_index),
-        ("feed", feed),
-    ):
-        if value is not None:
-            settings[key] = value
+    settings.update(settings_given())
     split = settings.get("shard_index")
     if shard is None and isinstance(split, int) and "output_jsonl_fpath" not in settings:
         shard = str(split)  # one shard of a split input: labelled by its index

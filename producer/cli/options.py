@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import click
 
-from producer.shard.runner import DEFAULT_CONCURRENCY, DEFAULT_WORKERS
+from producer.shard.launch import DEFAULT_CONCURRENCY, DEFAULT_WORKERS
 
 C = TypeVar("C", bound=Callable[..., Any])
 
@@ -17,6 +17,29 @@ PASS_THROUGH: dict[str, Any] = {"ignore_unknown_options": True, "allow_extra_arg
 
 overrides_argument = click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 """`+key=value ...`: collection settings, NeMo Gym style (`producer/config/overrides.py`)."""
+
+SETTINGS_GIVEN = "rollouts.settings_given"
+"""Where `setting_option`s keep what they were given (`click.Context.meta`)."""
+
+
+def setting_option(setting: str, *decls: str, **attrs: Any) -> Callable[[C], C]:
+    """An option that sets the collection setting `setting`, over a `+setting=value` override;
+    left off (its default is None, a flag's too) it sets nothing. The command reads the values
+    given with `settings_given`."""
+
+    def given(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        if value is not None:
+            ctx.meta.setdefault(SETTINGS_GIVEN, {})[param.name] = (setting, value)
+
+    return click.option(*decls, default=None, expose_value=False, callback=given, **attrs)
+
+
+def settings_given() -> dict[str, Any]:
+    """The settings the current command's `setting_option`s were given, in declaration order."""
+    ctx = click.get_current_context()
+    given = ctx.meta.get(SETTINGS_GIVEN, {})
+    return dict(given[p.name] for p in ctx.command.params if p.name in given)
+
 
 no_wait_option = click.option("--no-wait", is_flag=True, help="Enqueue and return.")
 events_option = click.option(

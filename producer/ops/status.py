@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypedDict
@@ -104,26 +103,6 @@ class FileTally:
             self.ledger.read_planned()
             self._planned_read = True
         self.ledger.refresh()
-
-    @property
-    def planned(self) -> int:
-        return self.ledger.planned
-
-    @property
-    def landed(self) -> AbstractSet[tuple[int, int]]:
-        return self.ledger.landed_keys
-
-    @property
-    def failed(self) -> Counter[str]:
-        return self.ledger.failed
-
-    @property
-    def failure_rows(self) -> int:
-        return self.ledger.failure_rows
-
-    @property
-    def duplicates(self) -> int:
-        return self.ledger.duplicates
 
     @property
     def by_agent(self) -> dict[str, GroupCounts]:
@@ -216,11 +195,12 @@ class StatusReader:
         manifest = read_manifest(self.rd, self.shard)
         t = self._tally_for(manifest)
         t.refresh()
+        ledger = t.ledger
         final = manifest.state in FINAL_STATES
         snap = None if final else self.live()
         current = snap is not None and snap.token == manifest.token
-        failed_total = sum(t.failed.values())
-        settled = len(t.landed) + failed_total
+        failed_total = sum(ledger.failed.values())
+        settled = len(ledger.landed_keys) + failed_total
         now = time.monotonic()
         self.samples.append((now, settled))
         while self.samples and now - self.samples[0][0] > RATE_WINDOW_S:
@@ -233,13 +213,13 @@ class StatusReader:
             "error": manifest.error,
             "generations": len(manifest.generations),
             "planned": manifest.planned,
-            "landed": len(t.landed),
-            "failed": dict(sorted(t.failed.items())),
+            "landed": len(ledger.landed_keys),
+            "failed": dict(sorted(ledger.failed.items())),
             "failed_total": failed_total,
-            "failure_rows": t.failure_rows,
-            "omitted": t.ledger.omitted(),
-            "duplicates": t.duplicates,
-            "missing": max(0, manifest.planned - settled - t.ledger.omitted()),
+            "failure_rows": ledger.failure_rows,
+            "omitted": ledger.omitted(),
+            "duplicates": ledger.duplicates,
+            "missing": max(0, manifest.planned - settled - ledger.omitted()),
             "in_flight": None,
             "waiting": None,
             "queued": None,
@@ -251,7 +231,7 @@ class StatusReader:
             "live": snap is not None,
             "by_agent": {k: v.as_json() for k, v in sorted(t.by_agent.items())},
             "by_environment": {k: v.as_json() for k, v in sorted(t.by_env.items())},
-            "tokens": t.ledger.tokens.usage(_prices(manifest)).model_dump(mode="json"),
+            "tokens": ledger.tokens.usage(_prices(manifest)).model_dump(mode="json"),
         }
         coverage = self.coverage(manifest)
         report["coverage"] = {

@@ -37,6 +37,7 @@ from producer.planning.ordering import in_run_order
 from producer.shard.celery_client import client_app
 from producer.shard.cluster import RECORDED_BROKER, recorded_cluster
 from producer.shard.dispatch import ShardDispatch, dispatch_generation
+from producer.shard.launch import LaunchOptions
 from producer.shard.local_cluster import LocalCluster
 from producer.shard.opening import OpenedRun, record_opening
 from producer.shard.plan import ResumePlan, plan_resume, plan_targets, rows_to_run, show_plan
@@ -64,7 +65,7 @@ PLANNING_SETTINGS = frozenset(
 
 
 @dataclass
-class ResumeOptions:
+class ResumeOptions(LaunchOptions):
     """Everything `rollouts resume` was asked to do."""
 
     output_dir: str
@@ -73,14 +74,6 @@ class ResumeOptions:
     config_path: str | None = None
     head_server: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
-    workers: int = 2
-    concurrency: int = 256
-    broker_url: str | None = None
-    redis_url: str | None = None
-    wait: bool = True
-    events: bool = False
-    fail_on_unhealthy: bool = False
-    """Exit 1 when the finished shard's health verdict is UNHEALTHY."""
     as_json: bool = False
     """`--plan --json`: the plan as JSON."""
     extend_retries: int | None = None

@@ -17,6 +17,7 @@ from producer.planning.materialize import PlannedShard, plan_shard
 from producer.shard.celery_client import client_app
 from producer.shard.cluster import named_cluster
 from producer.shard.dispatch import ShardDispatch, dispatch_generation
+from producer.shard.launch import LaunchOptions
 from producer.shard.local_cluster import LocalCluster
 from producer.shard.opening import iter_materialized, open_planned
 from producer.shard.report import print_counts, print_health, print_metrics, raise_if_unhealthy
@@ -27,12 +28,9 @@ from schemas.finish import FinishResult
 from schemas.settings import CollectionSettings
 from workers.shard.state import set_planned_by_agent
 
-DEFAULT_WORKERS = 2
-DEFAULT_CONCURRENCY = 256
-
 
 @dataclass
-class RunOptions:
+class RunOptions(LaunchOptions):
     """Everything `rollouts run` was asked to do."""
 
     config_path: str | None
@@ -41,17 +39,8 @@ class RunOptions:
     shard: str = "0"
     settings: dict[str, Any] = field(default_factory=dict)
     overwrite: bool = False
-    workers: int = DEFAULT_WORKERS
-    concurrency: int = DEFAULT_CONCURRENCY
-    broker_url: str | None = None
-    redis_url: str | None = None
-    wait: bool = True
     head_server: str | None = None
     """A running NeMo Gym head server to read the servers config from, instead of config_path."""
-    events: bool = False
-    """Local workers send task events (for Flower)."""
-    fail_on_unhealthy: bool = False
-    """Exit 1 when the finished run's health verdict is UNHEALTHY."""
 
 
 def dispatch_and_wait(

@@ -133,7 +133,7 @@ def test_file_tally_counts_incrementally_and_matches_the_files(tmp_path: Path) -
     write(tmp_path / "rollouts-0_failures.jsonl", [fail(2), fail(3, "agent_request_failed")])
     tally = FileTally(RunDir(str(tmp_path)), "0")
     tally.refresh()
-    assert (tally.planned, len(tally.landed), dict(tally.failed)) == (
+    assert (tally.ledger.planned, len(tally.ledger.landed_keys), dict(tally.ledger.failed)) == (
         6, 1, {"agent_run_error": 1, "agent_request_failed": 1},
     )  # fmt: skip
     assert tally.by_agent["a"].planned == 3 and tally.by_agent["b"].planned == 3
@@ -144,9 +144,9 @@ def test_file_tally_counts_incrementally_and_matches_the_files(tmp_path: Path) -
     with open(tmp_path / "rollouts-0_failures.jsonl", "ab") as f:
         f.write(orjson.dumps(fail(3, "worker_lost")) + b"\n")
     tally.refresh()
-    assert sorted(tally.landed) == [(0, 0), (1, 0), (2, 0)]
-    assert dict(tally.failed) == {"worker_lost": 1}
-    assert tally.failure_rows == 3
+    assert sorted(tally.ledger.landed_keys) == [(0, 0), (1, 0), (2, 0)]
+    assert dict(tally.ledger.failed) == {"worker_lost": 1}
+    assert tally.ledger.failure_rows == 3
     assert dict(tally.by_env["env"].failed) == {"worker_lost": 1}
     assert tally.by_agent["b"].landed == 2 and tally.by_agent["a"].landed == 1
 

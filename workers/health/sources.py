@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import posixpath
 import re
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from infra import jsonl
 from infra.store import RunDir
@@ -22,6 +22,8 @@ from schemas.records import Generation, RateLimitWaits
 from schemas.run_facts import ConfigFacts
 from schemas.usage import TokenUsage
 from workers.health.io import file_digest, iter_range
+
+M = TypeVar("M", bound=BaseModel)
 
 SHARD_FILE = re.compile(r"^rollouts-(.+)\.jsonl$")
 SIDECAR_SUFFIXES = ("_failures", "_materialized_inputs", "_resume_inputs")
@@ -39,9 +41,14 @@ def read_json(rd: RunDir, name: str) -> Any:
         return None
 
 
+def _member(doc: Any, key: str) -> Any:
+    """`doc[key]` of a JSON object; None when it has no such key or `doc` is no object."""
+    return doc.get(key) if isinstance(doc, dict) else None
+
+
 def _rate_limit_waits(status: Any) -> dict[str, RateLimitWaits] | None:
     """The status record's waits per agent; None when it has none (an older record) or is bad."""
-    raw = status.get("rate_limit_waits") if isinstance(status, dict) else None
+    raw = _member(status, "rate_limit_waits")
     if not isinstance(raw, dict):
         return None
     try:
@@ -50,18 +57,10 @@ def _rate_limit_waits(status: Any) -> dict[str, RateLimitWaits] | None:
         return None
 
 
-def _tokens(status: Any) -> TokenUsage | None:
-    raw = status.get("tokens") if isinstance(status, dict) else None
+def _valid(raw: Any, model: type[M]) -> M | None:
+    """`raw` as a `model`; None when it is absent (an older record) or bad."""
     try:
-        return TokenUsage.model_validate(raw) if isinstance(raw, dict) else None
-    except ValidationError:
-        return None
-
-
-def _facts(manifest: Any) -> ConfigFacts | None:
-    raw = manifest.get("config_facts") if isinstance(manifest, dict) else None
-    try:
-        return ConfigFacts.model_validate(raw) if isinstance(raw, dict) else None
+        return model.model_validate(raw) if isinstance(raw, dict) else None
     except ValidationError:
         return None
 
@@ -69,7 +68,7 @@ def _facts(manifest: Any) -> ConfigFacts | None:
 def capture_dir_of(manifest: Any) -> str | None:
     """The run's model-call capture dir from its manifest's settings; None when capture was
     off or misconfigured (a capture setting never stops the check)."""
-    settings = manifest.get("settings") if isinstance(manifest, dict) else None
+    settings = _member(manifest, "settings")
     if not isinstance(settings, dict) or settings.get("observability_enabled") is not True:
         return None
     found = settings.get("model_call_capture_dir")
@@ -77,18 +76,11 @@ def capture_dir_of(manifest: Any) -> str | None:
 
 
 def _generations(manifest: Any) -> list[Generation]:
-    raw = manifest.get("generations") if isinstance(manifest, dict) else None
+    raw = _member(manifest, "generations")
     try:
         return [Generation.model_validate(g) for g in raw] if isinstance(raw, list) else []
     except ValidationError:
         return []
-
-
-def _coverage(raw: Any) -> RunCoverage | None:
-    try:
-        return RunCoverage.model_validate(raw) if isinstance(raw, dict) else None
-    except ValidationError:
-        return None
 
 
 def source_for(rd: RunDir, name: str, label: str) -> Source:
@@ -100,7 +92,7 @@ def source_for(rd: RunDir, name: str, label: str) -> Source:
     manifest = read_json(rd, f"{stem}_manifest.json")
     coverage_file = f"{stem}_coverage.json"
     coverage = read_json(rd, coverage_file)
-    drained = status.get("drained") if isinstance(status, dict) else None
+    drained = _member(status, "drained")
     return Source(
         label=label,
         dir=rd.url,
@@ -109,12 +101,12 @@ def source_for(rd: RunDir, name: str, label: str) -> Source:
         materialized=materialized if rd.exists(materialized) else None,
         drained=drained if isinstance(drained, int) else None,
         rate_limit_waits=_rate_limit_waits(status),
-        tokens=_tokens(status),
-        config_facts=_facts(manifest),
+        tokens=_valid(_member(status, "tokens"), TokenUsage),
+        config_facts=_valid(_member(manifest, "config_facts"), ConfigFacts),
         capture_dir=capture_dir_of(manifest),
         generations=_generations(manifest),
         coverage_file=coverage_file if coverage is not None else None,
-        coverage=_coverage(coverage),
+        coverage=_valid(coverage, RunCoverage),
     )
 
 
@@ -214,7 +206,7 @@ def persisted_limits(report: RunDir, sources: list[Source]) -> Limits:
     for source in sources:
         folder = RunDir(source.dir)
         manifest = read_json(folder, f"{stem_of(source.name)}_manifest.json")
-        settings = manifest.get("settings") if isinstance(manifest, dict) else None
+        settings = _member(manifest, "settings")
         if isinstance(settings, dict):
             return Limits(**{n: settings.get(n) for n in LIMIT_NAMES})
     run = earlier_run(report)
@@ -242,14 +234,14 @@ def earlier_run(rd: RunDir) -> dict[str, Any] | None:
                 data = jsonl.loads(text)
             except jsonl.JSONDecodeError:
                 return None
-            run = data.get("run") if isinstance(data, dict) else None
+            run = _member(data, "run")
             return run if isinstance(run, dict) else None
         head.append(line)
         size += len(line)
         if size > SUMMARY_HEAD_LIMIT:
             return None
     data = jsonl.loads(b"\n".join(head)) if head else None
-    run = data.get("run") if isinstance(data, dict) else None
+    run = _member(data, "run")
     return run if isinstance(run, dict) else None
 
 

@@ -111,6 +111,8 @@ class _Pending:
     """The rollout's landing span, when it is traced (`workers/tracing.py`)."""
     feed: FeedMember | None = None
     """The feed and group the rollout enters as it lands, when its run has a feed."""
+    report: LandReport = field(default_factory=LandReport)
+    """What became of its records, filled in by the commit that takes it."""
 
 
 def _settle(pending: list[_Pending], exc: BaseException) -> None:
@@ -286,17 +288,16 @@ class Lander:
                     tracing.landed(p.span, waited, locked, time.time_ns(), refused)
             if not accepted:
                 return
-            reports = {id(p): LandReport(not_stored=p.records.not_stored) for p in accepted}
+            for p in accepted:
+                p.report = LandReport(not_stored=p.records.not_stored)
             has_failures = any(p.records.failures for p in accepted)
-            self._land_results(
-                st, state, accepted, reports, present, None if has_failures else lock
-            )
-            self._land_failures(st, state, accepted, reports, lock)
+            self._land_results(st, state, accepted, present, None if has_failures else lock)
+            self._land_failures(st, state, accepted, lock)
         written = time.time_ns()
         for p in accepted:
             if p.span is not None:
                 tracing.landed(p.span, waited, locked, written)
-            p.future.set_result(reports[id(p)])
+            p.future.set_result(p.report)
         self._maybe_write_status(st, state)
 
     def _fences(
@@ -387,7 +388,6 @@ class Lander:
         st: ShardState,
         state: dict[str, str],
         accepted: list[_Pending],
-        reports: dict[int, LandReport],
         present: dict[str, bool],
         lock: HeldLock | None,
     ) -> None:
@@ -408,7 +408,7 @@ class Lander:
             verdicts: Counter[str] = Counter()
             fed: list[tuple[FeedMember, str, int]] = []
             for p, (k, line) in with_result:
-                report = reports[id(p)]
+                report = p.report
                 report.landed = report.duplicate = False
                 if present.get(k) or k in seen:
                     report.duplicate = True
@@ -463,7 +463,6 @@ class Lander:
         st: ShardState,
         state: dict[str, str],
         accepted: list[_Pending],
-        reports: dict[int, LandReport],
         lock: HeldLock,
     ) -> None:
         """Write the batch's failure rows and commit them (releasing `lock` with the commit).
@@ -489,7 +488,7 @@ class Lander:
                     last_line[id(p)] = len(lines) - 1
                 counts[name] += 1
                 counts[by_agent] += 1
-                reports[id(p)].failures_written += 1
+                p.report.failures_written += 1
         if not lines:
             return
         for _ in range(MAX_CONFLICTS):
