@@ -19,7 +19,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, NoReturn, TypeVar, cast, overload
+from typing import Any
 
 import orjson
 import redis
@@ -39,8 +39,6 @@ from schemas.settings import CollectionSettings
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 DEFAULT_CLAIM_AFTER_S = 60.0
 RETRY_WAITS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
 """Waits between tries of an acknowledgement while Redis does not answer (half a minute)."""
@@ -59,25 +57,6 @@ def feed_plan(
     return settings.feed_plan(settings.feed, rows, shard)
 
 
-class _OfItem(Generic[T]):
-    """A `FeedGroup` attribute read from its `FeedItem`, under the same name."""
-
-    def __set_name__(self, owner: type[FeedGroup], name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, group: None, owner: type[FeedGroup]) -> _OfItem[T]: ...
-
-    @overload
-    def __get__(self, group: FeedGroup, owner: type[FeedGroup]) -> T: ...
-
-    def __get__(self, group: FeedGroup | None, owner: type[FeedGroup]) -> T | _OfItem[T]:
-        return self if group is None else cast(T, getattr(group.item, self.name))
-
-    def __set__(self, group: FeedGroup, value: object) -> NoReturn:
-        raise AttributeError(f"FeedGroup.{self.name} is read-only (it is the item's)")
-
-
 @dataclass
 class FeedGroup:
     """One group handed to a consumer; `ack()` once it is used."""
@@ -89,16 +68,25 @@ class FeedGroup:
     stale: bool = False
     """A member ran under a policy version older than the current one less `max_policy_lag`."""
 
-    id = _OfItem[str]()
-    """The stream entry id (what `ack` acknowledges)."""
-    group = _OfItem[str]()
-    """The group's id."""
-    members = _OfItem[list[dict[str, Any]]]()
-    """The members' rows: a landed result, or the failure row a member settled with."""
-    incomplete = _OfItem[bool]()
-    """Whether the group lacks a result of some member (a failure row, or a member missing)."""
-    reason = _OfItem[str]()
-    """Why it was delivered now (`schemas.feed.Delivered`: `complete`, `failed`, `timeout`, ...)."""
+    @property
+    def id(self) -> str:
+        return self.item.id
+
+    @property
+    def group(self) -> str:
+        return self.item.group
+
+    @property
+    def members(self) -> list[dict[str, Any]]:
+        return self.item.members
+
+    @property
+    def incomplete(self) -> bool:
+        return self.item.incomplete
+
+    @property
+    def reason(self) -> str:
+        return self.item.reason
 
     async def ack(self) -> bool:
         """Acknowledge the group: it is never delivered again. True for the acknowledgement that
