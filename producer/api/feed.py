@@ -70,22 +70,27 @@ class FeedGroup:
 
     @property
     def id(self) -> str:
+        """The stream entry id (what `ack` acknowledges)."""
         return self.item.id
 
     @property
     def group(self) -> str:
+        """The group's id."""
         return self.item.group
 
     @property
     def members(self) -> list[dict[str, Any]]:
+        """The members' rows: a landed result, or the failure row a member settled with."""
         return self.item.members
 
     @property
     def incomplete(self) -> bool:
+        """Whether the group lacks a result of some member (a failure row, or a member missing)."""
         return self.item.incomplete
 
     @property
     def reason(self) -> str:
+        """Why it was delivered now (`schemas.feed.Delivered`: `complete`, `failed`, `timeout`, ...)."""
         return self.item.reason
 
     async def ack(self) -> bool:
