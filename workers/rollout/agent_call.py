@@ -26,7 +26,7 @@ import httpx
 import orjson
 from pydantic import JsonValue
 
-from infra import telemetry
+from infra import jsonl, telemetry
 from infra.backoff import RATE_LIMIT_STATUSES, parse_retry_after
 from infra.http import PostClient, StreamedReply, heartbeat
 from infra.telemetry import ROLLOUT_ID, client_span
@@ -355,7 +355,8 @@ async def call_run(
     replays = 0
     while True:
         sent_row = with_attempt(row, attempt)
-        body = episode_body(sent_row) if episode else orjson.dumps(sent_row)
+        # Held for the whole call (and its replays): in an allocation of its own length.
+        body = jsonl.kept(episode_body(sent_row) if episode else orjson.dumps(sent_row))
         try:
             result = await _post(client, url, body, policy, sent_row)
             if episode:

@@ -107,7 +107,7 @@ def encode_records(result: dict[str, Any] | None, failures: list[dict[str, Any]]
     last_replaced: dict[str, Any] | None = None
     for row in failures:
         try:
-            line, last_replaced = jsonl.dumps_line(row), None
+            line, last_replaced = jsonl.dumps_kept_line(row), None
         except orjson.JSONEncodeError as exc:
             row = last_replaced = not_stored_row(row, "the failure row", exc)
             line = _encode_replacement(row, exc)
@@ -115,7 +115,7 @@ def encode_records(result: dict[str, Any] | None, failures: list[dict[str, Any]]
         out.failure_lines.append(line)
     if result is not None:
         try:
-            out.result_line, out.result_key = jsonl.dumps_line(result), key_str(result)
+            out.result_line, out.result_key = jsonl.dumps_kept_line(result), key_str(result)
             out.result_kind = result_kind(result)
             out.agent = F.agent_name(result)
         except orjson.JSONEncodeError as exc:
@@ -140,7 +140,7 @@ def result_kind(result: dict[str, Any]) -> str:
 
 def _encode_replacement(row: dict[str, Any], cause: Exception) -> bytes:
     try:
-        return jsonl.dumps_line(row)
+        return jsonl.dumps_kept_line(row)
     except orjson.JSONEncodeError as exc:
         raise StorageError(
             f"a record could not be encoded ({cause}), nor its identity ({exc}); nothing stored"
