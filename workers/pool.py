@@ -61,17 +61,11 @@ FINISHING_THREADS = 2
 """Threads per process running Celery's tracer for a rollout that has its outcome: an
 acknowledgement and events, under a millisecond each (few: see BLOCKING_THREADS)."""
 
-
 LEND_FRACTION = 4
 """A worker lends its consumer at most one message of prefetch per this many slots
 (`RolloutPool.lend_cap`)."""
 
 _runners: dict[str, Runner] = {}
-
-
-def prefetch_ahead(limit: int) -> int:
-    """How many deliveries a pool of `limit` slots takes beyond them (`RolloutPool.ahead`)."""
-    return from_env().prefetch_ahead or 0
 
 
 R = TypeVar("R", bound=Runner)
@@ -140,10 +134,10 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.ahead = prefetch_ahead(self.limit)
-        """Deliveries held beyond the `limit` slots (`PrefetchAhead`): a rollout gives its slot
-        back when its `/run` call ends (`CALL_ENDED`) and keeps its message until it landed and
-        was acknowledged; the successor is delivered already and starts at once."""
+        self.ahead = from_env().prefetch_ahead or 0
+        """Deliveries held beyond the `limit` slots while all are busy (`ROLLOUTS_PREFETCH_AHEAD`,
+        none by default); a slot given back while its rollout lands is refilled by a lent
+        message instead (`lend`, `PrefetchAhead`)."""
         self._threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.limit, thread_name_prefix="rollouts-task"
         )
