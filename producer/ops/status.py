@@ -193,11 +193,13 @@ class StatusReader:
 
     def report(self) -> dict[str, Any]:
         manifest = read_manifest(self.rd, self.shard)
+        final = manifest.state in FINAL_STATES
+        # Redis before the files: a worker appends its lines before it counts them there, so
+        # the live counts read first never exceed the landed rows read after them.
+        snap = None if final else self.live()
         t = self._tally_for(manifest)
         t.refresh()
         ledger = t.ledger
-        final = manifest.state in FINAL_STATES
-        snap = None if final else self.live()
         current = snap is not None and snap.token == manifest.token
         failed_total = sum(ledger.failed.values())
         settled = len(ledger.landed_keys) + failed_total

@@ -234,3 +234,50 @@ def test_the_coverage_line_fits_80_columns_and_names_what_is_not_zero() -> None:
     assert all(len(line) <= 80 for line in lines)
     done = dict(big, masked=0, failed=0, intentionally_omitted=0, measured=1_000_000, complete=True)
     assert coverage_text({"coverage": done}).endswith("unknown 0 · complete")
+
+
+def test_live_verdicts_never_exceed_the_landed_rows_read_with_them(
+    shard: RunDir, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker appends its lines, then counts their verdicts in Redis. A result landing
+    between status's two reads (whichever it makes first) must not be counted live but not
+    landed."""
+    import redis
+
+    from infra import keys
+    from producer.ops.status import StatusReader
+
+    manifest_for(shard)
+    r = redis.Redis.from_url(redis_url)
+    sid = keys.shard_id(shard.url, "0")
+    r.hset(keys.shard_health(sid), mapping={"healthy": 3})  # the three rows on file
+    reader = StatusReader(shard, "0", redis_url)
+    landed_between = False
+
+    def land_one() -> None:  # what `workers/rollout/landing.py` does, in its order
+        nonlocal landed_between
+        if landed_between:
+            return
+        landed_between = True
+        with open(Path(shard.path("rollouts-0.jsonl")), "ab") as f:
+            f.write(orjson.dumps(planned(8)[7]) + b"\n")
+        r.hincrby(keys.shard_health(sid), "healthy", 1)
+
+    live, refresh = StatusReader.live, FileTally.refresh
+
+    def live_then_land(self: StatusReader) -> Any:
+        out = live(self)
+        land_one()
+        return out
+
+    def refresh_then_land(self: FileTally) -> None:
+        refresh(self)
+        land_one()
+
+    monkeypatch.setattr(StatusReader, "live", live_then_land)
+    monkeypatch.setattr(FileTally, "refresh", refresh_then_land)
+    report = reader.report()
+    assert report["state"] not in ("completed", "failed") and report["live"]
+    verdicts = report["health"]["live"]["verdicts"]
+    assert sum(verdicts.values()) <= report["landed"], (verdicts, report["landed"])
+    r.close()
