@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, PrivateAttr, model_validator
 
 from schemas import fields as F
+from schemas.base import StrictModel
 from schemas.run_facts import ConfigFacts
 
 # Key, header and query-parameter names whose values are secrets, matched case-insensitively
@@ -100,10 +101,8 @@ class ResourcesServerConfig(BaseModel):
     """Datasets this resources server declares."""
 
 
-class ServersConfig(BaseModel):
+class ServersConfig(StrictModel):
     """Every server of a run, by instance name."""
-
-    model_config = ConfigDict(extra="forbid")
 
     agents: dict[str, AgentConfig] = Field(default_factory=dict)
     """Agent instances by name."""

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from typing import Literal, Required, TypedDict, Unpack, get_args
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
+from schemas.base import StrictModel
 from schemas.documents import ShardDocument
 from schemas.errors import RunFailedError, RunPartialError
 
@@ -51,10 +52,8 @@ FAILED: frozenset[RecoveryState] = frozenset(
 WrittenBy = Literal["finish", "plan", "stop"]
 
 
-class RunCoverage(ShardDocument):
+class RunCoverage(ShardDocument, StrictModel):
     """`rollouts-S_coverage.json`: every expected rollout accounted for, in NeMo Gym's names."""
-
-    model_config = ConfigDict(extra="forbid")
 
     expected: int
     """Expected rollouts: lines of the materialized inputs."""

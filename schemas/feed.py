@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from schemas.base import FrozenModel, StrictModel
 
 FEED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 """A feed's name: it goes into Redis key names (`keys.feed_key`)."""
@@ -19,10 +19,8 @@ closed the feed first (`closed`), or a member settled after its group was delive
 an item of that member alone)."""
 
 
-class FeedMember(BaseModel):
+class FeedMember(FrozenModel):
     """What a rollout task carries when its run has a feed: where it goes and in which group."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
     """The feed's name."""
@@ -66,10 +64,8 @@ class FeedState:
     """The feed's current policy version (None: never set)."""
 
 
-class FeedItem(BaseModel):
+class FeedItem(StrictModel):
     """One group as the feed delivers it: its members' rows, results and failure rows alike."""
-
-    model_config = ConfigDict(extra="forbid")
 
     id: str
     """The stream entry id (what is acknowledged)."""
@@ -93,11 +89,9 @@ class FeedItem(BaseModel):
         return [m for m in self.members if "_ng_failure_class" in m]
 
 
-class FeedPlan(BaseModel):
+class FeedPlan(FrozenModel):
     """A dispatch's feed: its name, the rows' groups and their sizes (built from the planned rows
     before any is sent, so each task is told how many members its group has)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
     group_key: str | None

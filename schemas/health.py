@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 from typing_extensions import TypedDict
 
+from schemas.base import FrozenModel, StrictModel
 from schemas.coverage import RunCoverage
 from schemas.records import Generation, RateLimitWaits
 from schemas.run_facts import ConfigFacts
@@ -91,10 +92,8 @@ class RolloutVerdict:
         return {"verdict": self.verdict, "findings": checks}
 
 
-class LiveHealth(BaseModel):
+class LiveHealth(StrictModel):
     """A shard's verdict counts over the records landed so far, from its Redis counters."""
-
-    model_config = ConfigDict(extra="forbid")
 
     verdicts: dict[str, int]
     """Landed records by verdict: healthy, unhealthy, unobserved."""
@@ -170,10 +169,8 @@ CALL_BINDING_VIEWS = frozenset(
 """The views that join references to captured calls; a check reads at most one of them."""
 
 
-class CheckSpec(BaseModel):
+class CheckSpec(FrozenModel):
     """A stable, self-describing health-check contract: its id, scope, subject and reads."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str
     """The check id, as it appears in the summary and the verdict lines."""
@@ -203,10 +200,8 @@ SummaryState = Literal["complete", "provisional", "disabled"]
 LIMIT_NAMES: tuple[str, ...] = ("max_failed_rollouts", "max_failed_fraction")
 
 
-class Limits(BaseModel):
+class Limits(StrictModel):
     """The limits `run_excessive_failures` judges by; None is no limit."""
-
-    model_config = ConfigDict(extra="forbid")
 
     max_failed_rollouts: int | None = Field(default=None, ge=0)
     """A group fails once this many of its rollouts failed."""
@@ -217,10 +212,8 @@ class Limits(BaseModel):
         return self.max_failed_rollouts is not None or self.max_failed_fraction is not None
 
 
-class Source(BaseModel):
+class Source(StrictModel):
     """One rollouts file a check reads, with the sidecars found beside it."""
-
-    model_config = ConfigDict(extra="forbid")
 
     label: str
     """Its path relative to the folder the reports are written in (`run.sources`)."""
@@ -255,10 +248,8 @@ class Source(BaseModel):
 FileKind = Literal["results", "failures", "materialized"]
 
 
-class ScanJob(BaseModel):
+class ScanJob(StrictModel):
     """One recheck job: the lines that start inside [start, end) of one file of one source."""
-
-    model_config = ConfigDict(extra="forbid")
 
     scratch: str
     """URL of the folder the job writes its sorted runs into."""
@@ -282,10 +273,8 @@ class ScanJob(BaseModel):
     """Check ids to skip."""
 
 
-class ScanResult(BaseModel):
+class ScanResult(StrictModel):
     """What one job wrote and counted."""
-
-    model_config = ConfigDict(extra="forbid")
 
     sha256: str | None = None
     """SHA-256 of the whole file, when the job read all of it (None for a byte range)."""
@@ -306,10 +295,8 @@ class ScanResult(BaseModel):
     """Bytes of those lines."""
 
 
-class HealthPlan(BaseModel):
+class HealthPlan(StrictModel):
     """Everything the combine step needs besides the jobs' results."""
-
-    model_config = ConfigDict(extra="forbid")
 
     report_dir: str
     """URL of the folder the reports are written in."""

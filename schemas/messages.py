@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import Field
 
+from schemas.base import FrozenModel, StrictModel
 from schemas.feed import FeedMember
 from schemas.settings import (
     DEFAULT_MAX_ATTEMPTS,
@@ -26,10 +27,8 @@ QUEUE = "rollouts"
 """The queue rollout tasks go to."""
 
 
-class RunRef(BaseModel):
+class RunRef(FrozenModel):
     """Which shard of which run a task belongs to, and the dispatch generation that sent it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     run_id: str
     """The run's id (stable across resumes)."""
@@ -43,10 +42,8 @@ class RunRef(BaseModel):
     """That generation's index in the manifest: the first half of each record's execution."""
 
 
-class CallPolicy(BaseModel):
+class CallPolicy(FrozenModel):
     """How a worker calls `/run` for one rollout."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     timeout_s: float = DEFAULT_ROLLOUT_TIMEOUT_S
     """Time limit of the rollout."""
@@ -72,10 +69,8 @@ class CallPolicy(BaseModel):
     """Cap on one wait: a larger `Retry-After` is cut to this."""
 
 
-class Admission(BaseModel):
+class Admission(FrozenModel):
     """When a rollout may start: the cluster-wide caps and the dispatch budget (docs/explanation/contract.md#failures)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_resident_tasks: int | None = None
     """At most this many rollouts of the run running at once, across the cluster."""
@@ -89,10 +84,8 @@ class Admission(BaseModel):
     """Stop starting this long before the deadline; None: the p75 of observed durations."""
 
 
-class CaptureRef(BaseModel):
+class CaptureRef(StrictModel):
     """Where a rollout's model calls are captured, when observability is on."""
-
-    model_config = ConfigDict(extra="forbid")
 
     dir: str
     """The `model_call_capture_dir` URL."""
@@ -102,19 +95,15 @@ class CaptureRef(BaseModel):
     """Keep the calls' request and response bodies in the merged `ng_trajectory`."""
 
 
-class HealthRef(BaseModel):
+class HealthRef(FrozenModel):
     """That the worker landing a rollout judges it and counts its verdict (live health)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    ignored: list[str] = []
+    ignored: list[str] = Field(default_factory=list)
     """The check ids the run's health check skips (`health_check_ignored_checks`)."""
 
 
-class CollectRequest(BaseModel):
+class CollectRequest(StrictModel):
     """One rollout: the planned row and where its agent listens."""
-
-    model_config = ConfigDict(extra="forbid")
 
     run: RunRef
     """The run and shard the result lands in."""
@@ -135,19 +124,15 @@ class CollectRequest(BaseModel):
     """The feed and group the rollout enters as it lands; None when its run has no feed."""
 
 
-class FinishRequest(BaseModel):
+class FinishRequest(StrictModel):
     """The chord callback's payload: the shard to finish."""
-
-    model_config = ConfigDict(extra="forbid")
 
     run: RunRef
     """The run and shard to finish."""
 
 
-class OmitRequest(BaseModel):
+class OmitRequest(StrictModel):
     """Rows of a recorded shard to write as intentional omissions (`_ng_omitted` sidecar rows)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     run: RunRef
     """The recorded shard, and the generation the omissions belong to."""

@@ -16,10 +16,11 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, Literal, Required, cast
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, SkipValidation, model_validator
+from pydantic import Field, JsonValue, SkipValidation, model_validator
 from typing_extensions import TypedDict
 
 from schemas import fields as F
+from schemas.base import FrozenModel
 from schemas.health import VerdictJson
 
 
@@ -95,10 +96,8 @@ class ChordSummary(TypedDict, total=False):
     """The landed result's live verdict."""
 
 
-class RolloutOutcome(BaseModel):
+class RolloutOutcome(FrozenModel):
     """What the rollout engine returns for one delivery of a rollout."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     rollout: str | None = None
     """The rollout's id (`_ng_rollout_id`, else `<task>-<rollout>`); None for an API row
@@ -161,10 +160,8 @@ def spends_attempt(row: Mapping[str, Any]) -> bool:
     return not (row.get(F.DISPATCH_DRAINED) or kind in _NOT_SENT_KINDS)
 
 
-class EpisodeId(BaseModel):
+class EpisodeId(FrozenModel):
     """Which rollout, and which attempt of it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     rollout_id: str
     """The rollout's id without the attempt suffix: `_ng_rollout_id`, else `<task>-<rollout>`."""
@@ -172,10 +169,8 @@ class EpisodeId(BaseModel):
     """`_ng_attempt_index` of the failed attempt."""
 
 
-class FailureDetail(BaseModel):
+class FailureDetail(FrozenModel):
     """Why the rollout failed."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     failure_reason: str = Field(max_length=REASON_LIMIT)
     """The failure message, at most 2,000 characters."""
@@ -187,10 +182,8 @@ class FailureDetail(BaseModel):
     """Where it failed; `agent` for everything the collector sees of `/run`."""
 
 
-class RolloutFailureRecord(BaseModel):
+class RolloutFailureRecord(FrozenModel):
     """A rollout that produced no `/run` result: an HTTP, JSON or shape failure, or a drained row."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     schema_version: Literal[1] = 1
     """Layout version of this record."""

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from schemas import fields as F
+from schemas.base import FrozenModel, StrictModel
 from schemas.messages import CollectRequest
 from schemas.outcomes import RolloutOutcome
 
@@ -19,10 +18,8 @@ COLLECT_REPLY_TASK = "rollouts.collect_reply"
 """Task name of one rollout started through the Python API."""
 
 
-class ReplyTo(BaseModel):
+class ReplyTo(FrozenModel):
     """Where a rollout started through the Python API reports back, and whether it is recorded."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     invocation: str
     """The `run_examples` call: names its reply list and its set of running rollouts."""
@@ -40,10 +37,8 @@ class ReplyingCollectRequest(CollectRequest):
     """Where the outcome goes."""
 
 
-class RolloutReply(BaseModel):
+class RolloutReply(StrictModel):
     """What a worker pushes onto the invocation's reply list when one of its rollouts ends."""
-
-    model_config = ConfigDict(extra="forbid")
 
     index: int
     """The row's position in the invocation."""

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import Field
+
+from schemas.base import FrozenModel
 
 ServerKind = Literal["responses_api_agents", "resources_servers", "environment_servers"]
 
 
-class ServerFacts(BaseModel):
+class ServerFacts(FrozenModel):
     """One server entry of the config, by its instance name."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: ServerKind
     """Which kind of server the entry is."""
@@ -31,14 +31,12 @@ class ServerFacts(BaseModel):
     interpolated or not a boolean), never a default."""
 
 
-class ConfigFacts(BaseModel):
+class ConfigFacts(FrozenModel):
     """What the run's config and settings state, as written."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     route_failures_to_sidecar: bool | None = None
     """The setting when the run was given it; null when it ran with the default."""
-    servers: dict[str, ServerFacts] = {}
+    servers: dict[str, ServerFacts] = Field(default_factory=dict)
     """Every agent, resources server and environment server of the config (model servers are
     not servers a run calls)."""
     mlflow_names: bool | None = None
@@ -48,10 +46,8 @@ class ConfigFacts(BaseModel):
     string. It says nothing of whether anything was exported; no value is copied."""
 
 
-class InputDigest(BaseModel):
+class InputDigest(FrozenModel):
     """One saved rollout input a verdict was read from."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     source: str
     """The rollouts file's label (`run.sources`)."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, ConfigDict, Field, field_validator, model_validator
 
+from schemas.base import StrictModel
 from schemas.config import RoutingMode
 from schemas.feed import FEED_NAME_PATTERN, FeedPlan
 from schemas.usage import ModelPrice
@@ -23,19 +24,17 @@ DEFAULT_QUEUE_WINDOW = 4096
 Redis at ~2.2 KB a message, whatever the run's size."""
 
 
-class SkillsSetting(BaseModel):
+class SkillsSetting(StrictModel):
     """Run-level skills: a directory of Agent Skills made available to the agent (NeMo Gym's)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     path: str
     """A directory of skill directories, each with a `SKILL.md`."""
 
 
-class CollectionSettings(BaseModel):
+class CollectionSettings(StrictModel):
     """Every knob of a run that is not a server address; stored in the manifest."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     agent_name: str | None = None
     """Agent for rows that name none (shorthand for `agent_map._default`)."""

@@ -12,14 +12,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, model_validator
 
+from schemas.base import StrictModel
+
 ObservationStatus = Literal["completed", "failed", "incomplete", "unknown"]
 ToolStatus = Literal["completed", "failed", "timeout", "cancelled", "incomplete", "unknown"]
 
 
-class _Observation(BaseModel):
+class _Observation(StrictModel):
     """NeMo Gym's `ObservationModel`: unknown keys are refused."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(validate_assignment=True)
 
 
 class ModelServerRef(BaseModel):

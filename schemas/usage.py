@@ -8,13 +8,13 @@ the record's own `response.usage`. Prices are per million tokens, per model name
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from schemas.base import StrictModel
 
 
-class ModelPrice(BaseModel):
+class ModelPrice(StrictModel):
     """USD per million tokens of one model."""
-
-    model_config = ConfigDict(extra="forbid")
 
     input: float = Field(ge=0)
     """Per million prompt tokens not served from a cache."""
