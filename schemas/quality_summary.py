@@ -77,10 +77,14 @@ class TimeoutGroup(TypedDict):
     agent: str | None
     rollouts: int
     measured: NotRequired[int]
+    """Rollouts whose time could be split (their captured calls and `/run` duration read)."""
     model_calls: NotRequired[int]
     model_call_s: NotRequired[float]
+    """Seconds inside model calls, over the measured rollouts."""
     other_s: NotRequired[float]
+    """Seconds of `/run` outside model calls (tools, the agent's own work)."""
     unmeasured: NotRequired[dict[str, int]]
+    """Rollouts counted but not measured, by why (`workers.health.timeouts.UNMEASURED`)."""
 
 
 class TimeoutsSection(TypedDict):

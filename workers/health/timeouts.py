@@ -16,9 +16,7 @@ unobserved, and never fails the check.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from infra.capture import CaptureStore
@@ -43,22 +41,6 @@ UNMEASURED = (
     "unreadable",
     "no_capture_dir",
 )
-
-
-@dataclass
-class Group:
-    """The failed rollouts of one (failure class, agent)."""
-
-    rollouts: int = 0
-    measured: int = 0
-    """Rollouts whose time could be split (their captured calls and `/run` duration read)."""
-    model_calls: int = 0
-    model_call_s: float = 0.0
-    """Seconds inside model calls, over the measured rollouts."""
-    other_s: float = 0.0
-    """Seconds of `/run` outside model calls (tools, the agent's own work)."""
-    unmeasured: Counter[str] = field(default_factory=Counter)
-    """Rollouts counted but not measured, by why (`UNMEASURED`)."""
 
 
 def in_calls_s(calls: Sequence[Mapping[str, Any]]) -> float | None:
@@ -88,14 +70,15 @@ def in_calls_s(calls: Sequence[Mapping[str, Any]]) -> float | None:
 
 
 class Timeouts:
-    """Builds the section, one failed rollout at a time; holds only counters per group."""
+    """Builds the section, one failed rollout at a time; holds only counters per group: its
+    section entry, whose sums are rounded (and reasons ordered) as the section is read."""
 
     def __init__(self, capture_dirs: list[str | None]) -> None:
         self._stores: list[CaptureStore | None] = []
         self._why: set[str] = set()
         for url in capture_dirs:
             self._stores.append(self._open(url))
-        self.groups: dict[tuple[str, str | None], Group] = {}
+        self.groups: dict[tuple[str, str | None], TimeoutGroup] = {}
 
     def _open(self, url: str | None) -> CaptureStore | None:
         if url is None:
@@ -118,18 +101,27 @@ class Timeouts:
     def add(self, source: int, cls: str, agent: str | None, rows: list[list[Any]]) -> None:
         """One failed rollout of input `source`: the failure rows of its latest delivery, the
         latest last."""
-        g = self.groups.setdefault((cls, agent), Group())
-        g.rollouts += 1
+        g = self._group(cls, agent)
+        g["rollouts"] += 1
         store = self._stores[source]
         if store is None:
             if self.observed:  # another input's dir was read: this one's rollouts count apart
-                g.unmeasured["no_capture_dir"] += 1
+                _count(g, "no_capture_dir")
             return
         why = self._measure(store, g, rows)
         if why is not None:
-            g.unmeasured[why] += 1
+            _count(g, why)
 
-    def _measure(self, store: CaptureStore, g: Group, rows: list[list[Any]]) -> str | None:
+    def _group(self, cls: str, agent: str | None) -> TimeoutGroup:
+        g = self.groups.get((cls, agent))
+        if g is None:
+            g = self.groups[cls, agent] = {"failure_class": cls, "agent": agent, "rollouts": 0}
+            if self.observed:  # the time split, summed; rounded as the section is read
+                g.update({"measured": 0, "model_calls": 0, "model_call_s": 0.0, "other_s": 0.0,
+                          "unmeasured": {}})  # fmt: skip
+        return g
+
+    def _measure(self, store: CaptureStore, g: TimeoutGroup, rows: list[list[Any]]) -> str | None:
         if any(row[OWN] for row in rows):
             return "own_capture"
         keys = list(dict.fromkeys(row[KEY] for row in rows))
@@ -151,32 +143,35 @@ class Timeouts:
         in_calls = in_calls_s(calls)
         if run_ms is None or in_calls is None:
             return "no_timing"
-        g.measured += 1
-        g.model_calls += len(calls)
-        g.model_call_s += in_calls
-        g.other_s += max(0.0, run_ms / 1000 - in_calls)
+        g["measured"] += 1
+        g["model_calls"] += len(calls)
+        g["model_call_s"] += in_calls
+        g["other_s"] += max(0.0, run_ms / 1000 - in_calls)
         return None
 
     def section(self) -> TimeoutsSection:
         """`run.timeouts`: per (failure class, agent), the failed rollouts and their time split."""
         observed = self.observed
         groups: list[TimeoutGroup] = []
-        for (cls, agent), g in sorted(
-            self.groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))
-        ):
-            entry: TimeoutGroup = {"failure_class": cls, "agent": agent, "rollouts": g.rollouts}
-            if observed:
-                entry["measured"] = g.measured
-                entry["model_calls"] = g.model_calls
-                entry["model_call_s"] = round(g.model_call_s, 3)
-                entry["other_s"] = round(g.other_s, 3)
-                entry["unmeasured"] = {k: g.unmeasured[k] for k in UNMEASURED if g.unmeasured[k]}
+        for _, tally in sorted(self.groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            entry = tally
+            if observed:  # a copy: the tally goes on summing if more rollouts are added
+                why = tally["unmeasured"]
+                entry = {**tally, "model_call_s": round(tally["model_call_s"], 3),
+                         "other_s": round(tally["other_s"], 3),
+                         "unmeasured": {k: why[k] for k in UNMEASURED if k in why}}  # fmt: skip
             groups.append(entry)
         return {
             "state": "observed" if observed else "unobserved",
             "unobserved_reason": None if observed else "; ".join(sorted(self._why)) or CAPTURE_OFF,
             "groups": groups,
         }
+
+
+def _count(g: TimeoutGroup, why: str) -> None:
+    """One more of the group's rollouts left unmeasured, for reason `why` (`UNMEASURED`)."""
+    unmeasured = g["unmeasured"]
+    unmeasured[why] = unmeasured.get(why, 0) + 1
 
 
 def latest_delivery(failures: list[list[Any]]) -> list[list[Any]]:
