@@ -72,8 +72,6 @@ class Group:
     rewarded: int = 0
     """Results with a numeric reward."""
     reward_sum: float = 0.0
-    passes: int = 0
-    """Results whose reward is full credit (`PASS_REWARD`)."""
     tokens_in: int = 0
     """Input tokens the results' usage reports (0 for a result without usage)."""
     tokens_out: int = 0
@@ -481,7 +479,6 @@ class RunDigest:
             passed = reward >= PASS_REWARD
             group.rewarded += 1
             group.reward_sum += reward
-            group.passes += passed
             if slot is not None:
                 self.tasks.passes[slot] += passed
                 self.tasks.reward[slot] += reward
