@@ -24,7 +24,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -91,30 +91,28 @@ def open_window(
     pipe.sadd(keys.WINDOWS, sid)
 
 
+@dataclass(eq=False)
 class QueueWindow:
     """Refills the queue windows of the shards this process settles rollouts of."""
 
-    def __init__(
-        self,
-        app: Celery,
-        r: redis.Redis,
-        share: float = WORKER_SHARE,
-        traced: TraceHeaders | None = None,
-    ) -> None:
-        self.app = app
-        self.r = r
-        self.share = share
-        """The share of a window that must have room before a refill publishes."""
-        self.traced = traced
-        """The trace headers of each task published (the producer's: linked to its job span)."""
-        self.host = f"{socket.gethostname()}:{os.getpid()}"
-        self._take = r.register_script(REFILL_TAKE_LUA)
-        self._done = r.register_script(REFILL_DONE_LUA)
-        self._specs: dict[tuple[str, str], tuple[CollectMessages, WindowPlan]] = {}
-        self._windowed: dict[str, bool] = {}
-        """Whether each shard seen has a window with rows left (asked once, then kept by `tick`)."""
-        self._asked: dict[str, float] = {}
-        """When a settling last asked whether each shard's window has room (monotonic)."""
+    app: Celery
+    r: redis.Redis
+    share: float = WORKER_SHARE
+    """The share of a window that must have room before a refill publishes."""
+    traced: TraceHeaders | None = None
+    """The trace headers of each task published (the producer's: linked to its job span)."""
+    host: str = field(init=False, default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    _specs: dict[tuple[str, str], tuple[CollectMessages, WindowPlan]] = field(
+        init=False, default_factory=dict
+    )
+    _windowed: dict[str, bool] = field(init=False, default_factory=dict)
+    """Whether each shard seen has a window with rows left (asked once, then kept by `tick`)."""
+    _asked: dict[str, float] = field(init=False, default_factory=dict)
+    """When a settling last asked whether each shard's window has room (monotonic)."""
+
+    def __post_init__(self) -> None:
+        self._take = self.r.register_script(REFILL_TAKE_LUA)
+        self._done = self.r.register_script(REFILL_DONE_LUA)
 
     def settled(self, sid: str) -> int:
         """A rollout of shard `sid` settled: refill its window if it has one."""
