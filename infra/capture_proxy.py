@@ -22,7 +22,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
@@ -36,10 +36,20 @@ from infra.sse import reassemble, sse_events, terminal
 log = logging.getLogger(__name__)
 
 PREFIX = re.compile(r"^/ng-rollout/([^/]+)(?:/training-token-capture)?(/.*)$")
+
+
+class Route(NamedTuple):
+    """A captured path: the dialect its calls speak, and the name of NeMo Gym's model-server
+    span for one of them."""
+
+    dialect: str
+    span: str
+
+
 OBSERVED = {
-    "/v1/responses": "responses",
-    "/v1/chat/completions": "chat",
-    "/v1/messages": "messages",
+    "/v1/responses": Route("responses", "gym.model.responses"),
+    "/v1/chat/completions": Route("chat", "gym.model.chat_completions"),
+    "/v1/messages": Route("messages", "gym.model.messages"),
 }
 HOP_HEADERS = frozenset(
     {
@@ -209,15 +219,17 @@ class CaptureProxy:
         matched = PREFIX.match(path)
         if matched is not None:
             key, path = matched.group(1), matched.group(2)
-        dialect = OBSERVED.get(path)
-        if dialect is None or telemetry.tracer() is None:
+        route = OBSERVED.get(path)
+        dialect = None if route is None else route.dialect
+        if route is None or telemetry.tracer() is None:
             return await self._handle(request, path, key, dialect)
         # A model call of a traced rollout: NeMo Gym's model-server span, then the upstream call.
-        name = "gym.model." + {"chat": "chat_completions"}.get(dialect, dialect)
         attrs = {"http.request.method": request.method, "url.path": request.path}
         if key is not None:
             attrs[telemetry.ROLLOUT_ID] = key
-        with telemetry.served(name, request.headers.get(telemetry.TRACEPARENT), attrs) as span:
+        with telemetry.served(
+            route.span, request.headers.get(telemetry.TRACEPARENT), attrs
+        ) as span:
             reply = await self._handle(request, path, key, dialect)
             span.status(reply.status)
             return reply
