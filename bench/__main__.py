@@ -194,7 +194,7 @@ def latency(
                  m.cpu_ms_per_rollout, rss]
             )  # fmt: skip
         nemo_note = (
-            "" if nemo_python else " (NeMo Gym not installed: see docs/explanation/performance.md)"
+            "" if nemo_python else " (NeMo Gym left out: see docs/explanation/performance.md)"
         )
         rss_note = (
             f"; RSS: the peak beyond idle over the run per 1,000 in flight, least of {rounds} "
@@ -480,12 +480,13 @@ def main() -> None:
     parser.add_argument(
         "--nemo-python",
         default=None,
-        help="latency, ratelimit: an interpreter with nemo-gym 0.7.0 (default $ROLLOUTS_BENCH_NEMO_PYTHON, "
-        "or this one if it has nemo_gym)",
+        help="latency, ratelimit: an interpreter with nemo-gym 0.7.0 (default "
+        "$ROLLOUTS_BENCH_NEMO_PYTHON, this one if it has nemo_gym, else the peer's venv, built "
+        "when a Python 3.13 is found: bench/peer.py); '' leaves NeMo Gym out",
     )
     a = parser.parse_args()
     if a.scenario == "latency":
-        nemo = nemo_gym_python(a.nemo_python)
+        nemo = nemo_gym_python(a.nemo_python, build=True)
         if a.preset is not None:
             n, in_flight, latency_ms = PRESETS[a.preset]
             pad_kb = 64 if a.pad_kb is None else a.pad_kb
@@ -501,7 +502,7 @@ def main() -> None:
     elif a.scenario == "ratelimit":
         from bench.ratelimit import ratelimit
 
-        nemo = nemo_gym_python(a.nemo_python)
+        nemo = nemo_gym_python(a.nemo_python, build=True)
         latency_ms = 200.0 if a.latency_ms is None else a.latency_ms
         concurrency = a.in_flight // a.workers
         report = ratelimit(

@@ -266,13 +266,15 @@ def _aiohttp_child() -> None:
     print(orjson.dumps(line).decode())
 
 
-def nemo_gym_python(explicit: str | None = None) -> str | None:
+def nemo_gym_python(explicit: str | None = None, build: bool = False) -> str | None:
     """An interpreter with nemo-gym installed: the one named, $ROLLOUTS_BENCH_NEMO_PYTHON, this
-    one, or that of the venv the NeMo Gym peer tests build (`$ROLLOUTS_PEER_VENV`, by default
-    `~/.cache/rollouts/nemo-gym-0.7.0`) when it exists."""
+    one, or that of the peer's venv (`bench/peer.py`), which `build` builds when it has none
+    and a Python 3.13 is found (None, with a line on stderr saying why, when it cannot be)."""
     import importlib.util
+    import subprocess
     import sys
-    from pathlib import Path
+
+    from bench import peer
 
     if explicit is not None:
         return explicit or None  # "" leaves NeMo Gym out
@@ -280,9 +282,15 @@ def nemo_gym_python(explicit: str | None = None) -> str | None:
         return os.environ["ROLLOUTS_BENCH_NEMO_PYTHON"]
     if importlib.util.find_spec("nemo_gym") is not None:
         return sys.executable
-    default_venv = Path.home() / ".cache" / "rollouts" / "nemo-gym-0.7.0"
-    peer = Path(os.environ.get("ROLLOUTS_PEER_VENV", default_venv)) / "bin" / "python"
-    return str(peer) if peer.exists() else None
+    python = peer.venv_dir() / "bin" / "python"
+    if (peer.venv_dir() / "bin" / "gym").exists() or not build:
+        return str(python) if python.exists() else None
+    print(f"building NeMo Gym's venv in {peer.venv_dir()} (a few minutes)", file=sys.stderr)
+    try:
+        return str(peer.ensure_venv() / "bin" / "python")
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        print(f"NeMo Gym left out: {exc}", file=sys.stderr)
+        return None
 
 
 def run_nemo_gym(

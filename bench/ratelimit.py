@@ -73,7 +73,7 @@ def ratelimit(
                     )
                 )
         nemo_note = (
-            "" if nemo_python else " (NeMo Gym not installed: see docs/explanation/performance.md)"
+            "" if nemo_python else " (NeMo Gym left out: see docs/explanation/performance.md)"
         )
         return (
             f"ratelimit: N={n}, agent latency {latency_ms:g} ms, 429 above {limit} concurrent "

@@ -7,8 +7,9 @@ acceptance 4), and its `aggregate` a task-set run (issue 38, acceptance 3).
 
 NeMo Gym 0.7.0 needs Python 3.13, so the test builds its own venv (once, under
 `ROLLOUTS_PEER_VENV`, default `~/.cache/rollouts/nemo-gym-0.7.0`) with that Python
-(`ROLLOUTS_PEER_PYTHON`, default `python3.13`) and `pip install nemo-gym==0.7.0`. It is behind
-the `peer` marker (it needs the package index once): `pytest -m peer`.
+(`ROLLOUTS_PEER_PYTHON`, else `python3.13` on the PATH, else pyenv's) and `pip install
+nemo-gym==0.7.0` (`bench/peer.py`, which the benchmark shares). It is behind the `peer` marker
+(it needs the package index once): `pytest -m peer`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import orjson
 import pytest
 
+from bench.peer import ensure_venv
 from examples.demo import run_demo, write_dataset
 from examples.servers import DEMO_TASKSETS, start_servers
 from producer.shard.runner import RunOptions, execute_run
@@ -33,26 +35,13 @@ from tests.runs import MakeRun
 
 pytestmark = [pytest.mark.integration, pytest.mark.peer]
 
-VENV = Path(
-    os.environ.get("ROLLOUTS_PEER_VENV", Path.home() / ".cache" / "rollouts" / "nemo-gym-0.7.0")
-)
-
 
 def peer_venv() -> Path:
-    """The venv's `gym` command, building the venv when it has none."""
-    gym = VENV / "bin" / "gym"
-    if gym.exists():
-        return gym
-    python = shutil.which(os.environ.get("ROLLOUTS_PEER_PYTHON", "python3.13"))
-    assert python is not None, "the peer test needs Python 3.13 (set ROLLOUTS_PEER_PYTHON)"
-    subprocess.run([python, "-m", "venv", str(VENV)], check=True)
-    subprocess.run(
-        [str(VENV / "bin" / "pip"), "install", "-q", "--ignore-requires-python",
-         "nemo-gym==0.7.0"],
-        check=True, timeout=1800,
-    )  # fmt: skip
-    assert gym.exists(), "nemo-gym 0.7.0 installed no `gym` command"
-    return gym
+    """The venv's `gym` command, building the venv when it has none (`bench/peer.py`)."""
+    try:
+        return ensure_venv() / "bin" / "gym"
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
 
 
 def summary(folder: Path) -> dict[str, Any]:
