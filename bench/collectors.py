@@ -282,10 +282,11 @@ def nemo_gym_python(explicit: str | None = None, build: bool = False) -> str | N
         return os.environ["ROLLOUTS_BENCH_NEMO_PYTHON"]
     if importlib.util.find_spec("nemo_gym") is not None:
         return sys.executable
-    python = peer.venv_dir() / "bin" / "python"
-    if (peer.venv_dir() / "bin" / "gym").exists() or not build:
+    venv = peer.venv_dir()
+    python = venv / "bin" / "python"
+    if (venv / "bin" / "gym").exists() or not build:
         return str(python) if python.exists() else None
-    print(f"building NeMo Gym's venv in {peer.venv_dir()} (a few minutes)", file=sys.stderr)
+    print(f"building NeMo Gym's venv in {venv} (a few minutes)", file=sys.stderr)
     try:
         return str(peer.ensure_venv() / "bin" / "python")
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:

@@ -2,10 +2,10 @@
 off from Redis; Redis restarted without its data; the caller itself SIGKILLed.
 
 Two `celery worker` processes on a real Redis with the default settings (deliveries lent to
-slots given back while their rollouts land included) but short leases (`tests/api_helpers.py`), the example agent, and the
-caller in this process. Each test asserts the liveness contract: every row resolves exactly
-once, a failed worker's rows within the lease TTL, a third of it and the rollout's own time
-(with slack for a shared machine), and prints what it measured.
+slots given back while their rollouts land included) but short leases (`tests/api_helpers.py`),
+the example agent, and the caller in this process. Each test asserts the liveness contract:
+every row resolves exactly once, a failed worker's rows within the lease TTL, a third of it and
+the rollout's own time (with slack for a shared machine), and prints what it measured.
 """
 
 from __future__ import annotations

@@ -154,12 +154,12 @@ class Timeouts:
         observed = self.observed
         groups: list[TimeoutGroup] = []
         for _, tally in sorted(self.groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-            entry = tally
-            if observed:  # a copy: the tally goes on summing if more rollouts are added
+            entry: TimeoutGroup = {**tally}  # a copy: the tally goes on summing if more are added
+            if observed:
                 why = tally["unmeasured"]
-                entry = {**tally, "model_call_s": round(tally["model_call_s"], 3),
-                         "other_s": round(tally["other_s"], 3),
-                         "unmeasured": {k: why[k] for k in UNMEASURED if k in why}}  # fmt: skip
+                entry["model_call_s"] = round(tally["model_call_s"], 3)
+                entry["other_s"] = round(tally["other_s"], 3)
+                entry["unmeasured"] = {k: why[k] for k in UNMEASURED if k in why}
             groups.append(entry)
         return {
             "state": "observed" if observed else "unobserved",

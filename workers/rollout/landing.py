@@ -289,7 +289,7 @@ class Lander:
             if not accepted:
                 return
             for p in accepted:
-                p.report = LandReport(not_stored=p.records.not_stored)
+                p.report.not_stored = p.records.not_stored
             has_failures = any(p.records.failures for p in accepted)
             self._land_results(st, state, accepted, present, None if has_failures else lock)
             self._land_failures(st, state, accepted, lock)
