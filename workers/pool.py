@@ -289,6 +289,10 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         if slot.refused:  # not started: left unacknowledged for another worker
             _ran.pop(number, None)
             return
+        # The lent message is paid back before the acknowledgement, not after: the consumer
+        # must not see the acknowledged message's room and the lent one at once, and claim a
+        # message that then waits behind busy slots.
+        self.repay(slot.lent)
         await slot.accept()  # a delivery that ended before it needed a slot (a copy)
         # The tracer's own steps (result, after_return, acknowledgement, events).
         try:
@@ -297,11 +301,10 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
             )
         finally:
             _ran.pop(number, None)
-            self.repay(slot.lent)
 
     def lend(self) -> Any:
         """Raise the consumer's prefetch by one (Celery applies it on its next loop turn): a
-        rollout gave its slot back and keeps its message until it is acknowledged. The QoS
+        rollout gave its slot back and keeps its message until it landed (`repay`). The QoS
         lent to, or None (no consumer, or `lend_cap` messages lent already)."""
         qos = getattr(self.consumer, "qos", None)
         if qos is None or self.lent >= self.lend_cap:
@@ -311,8 +314,8 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
         return qos
 
     def repay(self, qos: Any) -> None:
-        """Once the message is acknowledged: lower the prefetch again, unless the consumer has
-        a new QoS since (a reconnection sizes it afresh)."""
+        """Once the rollout landed, before its message is acknowledged: lower the prefetch
+        again, unless the consumer has a new QoS since (a reconnection sizes it afresh)."""
         if qos is None:
             return
         self.lent -= 1
@@ -495,7 +498,7 @@ class PrefetchAhead(bootsteps.StartStopStep):  # type: ignore[misc]  # celery's 
     and acknowledged, and the next claim came back: when thousands of replies arrived together,
     the next rollouts started seconds after the slots were free. So the pool lends the
     consumer's prefetch a message for each slot given back while its rollout lands (up to
-    `RolloutPool.lend_cap`), and takes it back with the acknowledgement. A standing number taken
+    `RolloutPool.lend_cap`), and takes it back once the rollout landed. A standing number taken
     ahead (`ROLLOUTS_PREFETCH_AHEAD`, none by default) does the same for a full worker, but its
     deliveries wait behind busy slots when the queue runs dry, while another worker's slots are
     free: at 4,096 in flight the last of them started a whole agent latency late. Celery sizes
