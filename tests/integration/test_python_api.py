@@ -138,7 +138,13 @@ def test_aclose_after_10_of_100_closes_running_calls_and_starts_nothing_more(
     events = request_log(tmp_path / "agent.log")
     assert not [e for e in events if e["event"] == "start" and e["start"] > closed_at]
     ends = [e for e in events if e["event"] == "end"]
-    assert sorted(e["task"] for e in ends if e["outcome"] == "cancelled") == list(range(10, 18))
+    # The calls cancelled are exactly the slow ones that started. Which 8 they are is not fixed:
+    # deliveries waiting for a slot take their leases on parallel step threads, so row 18 may
+    # start before row 17. They come from the 10 slow rows the worker can hold at most (its 8
+    # slots and a quarter of them lent: `workers/pool.py`).
+    started = sorted(e["task"] for e in events if e["event"] == "start" and e["task"] >= 10)
+    assert sorted(e["task"] for e in ends if e["outcome"] == "cancelled") == started
+    assert len(started) == 8 and set(started) <= set(range(10, 20)), started
 
 
 def test_aclose_and_drain_returns_the_completed_unconsumed_outcomes_once(
