@@ -47,7 +47,7 @@ from tests.ops_helpers import (
 from tests.runs import MakeRun, Run
 from workers.redispatch import CollectTaskMessage, UnackedSweep, publish_collect
 from workers.rollout.admission import Gate
-from workers.rollout.leases import Lease, ReplyPush, RolloutLeases, Settled
+from workers.rollout.leases import Lease, ReplyPush, RolloutLeases, SettleCall, Settled
 from workers.shard.leases import lease_rows
 
 pytestmark = pytest.mark.integration
@@ -126,6 +126,37 @@ def test_settling_counts_each_rollout_once_and_the_last_one_hands_back_the_finis
     assert r.smembers(keys.shard_settled(sid, "gen-2")) == {b"70000:1"}
     assert r.hlen(keys.shard_attempts(sid)) == 0 and lease_rows(r, sid) == []
     assert all(r.ttl(k) > 0 for k in r.scan_iter(keys.shard_settled(sid, "gen-2") + "*"))
+    r.close()
+
+
+def test_settlings_gathered_in_one_pipeline_answer_each_as_alone(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    sid, finish = "sid-many", {"task": "rollouts.finish", "options": {"task_id": "finish-m"}}
+    pipe = r.pipeline()
+    generation.write_counting(pipe, sid, "gen-2", 3, orjson.dumps(finish).decode())
+    pipe.execute()
+    leases = RolloutLeases(redis_url, ttl_s=5.0, start=False)
+    msg = {"task_id": "t"}
+    first = leases.take(sid, "0:0", "gen-2", msg).lease
+    second = leases.take(sid, "1:0", "gen-2", msg).lease
+    taken = leases.take(sid, "4:0", "gen-2", msg).lease
+    assert first is not None and second is not None and taken is not None
+    again = leases.take(sid, "4:0", "gen-2", msg)  # not yet: the lease is live
+    assert again.verdict == "live"
+    r.hset(keys.shard_attempts(sid), "4:0", "someone-else")  # taken over meanwhile
+    r.script_flush()  # Redis restarted: the digest is unknown, the calls go again once loaded
+    got = leases.settle_many([
+        SettleCall(first, "gen-2", count=True),
+        SettleCall(first, "gen-2", count=True),  # a copy in the same batch counts nothing
+        SettleCall(taken, "gen-2", count=True),  # its attempt was taken over: void
+        SettleCall(second, "gen-2", count=True),
+        SettleCall(Lease(sid, "2:0", ""), "gen-2", count=True),  # the last: the finish
+    ])  # fmt: skip
+    assert got == [Settled(True), Settled(False), Settled(False), Settled(True),
+                   Settled(True, finish)]  # fmt: skip
+    assert int(r.hget(keys.shard_generation(sid), generation.COUNTED) or 0) == 3
+    assert r.hget(keys.shard_attempts(sid), "4:0") == b"someone-else"  # not its to drop
+    assert leases._held == {}  # none of them is renewed any more
     r.close()
 
 

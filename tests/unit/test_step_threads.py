@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from workers.rollout.context import Blocking, StepThreads
+from workers.rollout.context import Blocking, Gathered, StepThreads
 
 WHO = contextvars.ContextVar("who", default="nobody")
 
@@ -112,3 +112,55 @@ def test_a_step_queued_first_runs_before_those_queued_earlier_without() -> None:
 
     asyncio.run(main())
     assert order == ["start c", "settle a", "settle b"]
+
+
+def test_gathered_calls_made_while_a_step_runs_go_together_in_the_next(
+    threads: StepThreads,
+) -> None:
+    batches: list[list[int]] = []
+    release = threading.Event()
+
+    def run_many(items: list[int]) -> list[int | Exception]:
+        batches.append(items)
+        if len(batches) == 1:
+            release.wait(5)  # the first step holds while the others are called
+        return [ValueError(f"no {i}") if i == 7 else i * 10 for i in items]
+
+    gathered: Gathered[int, int] = Gathered(run_many, Blocking(threads), most=4)
+
+    async def main() -> list[int | BaseException]:
+        first = asyncio.ensure_future(gathered(0))
+        await asyncio.sleep(0.05)  # the first step took call 0 alone and holds
+        rest = [asyncio.ensure_future(gathered(i)) for i in range(1, 10)]
+        await asyncio.sleep(0.05)
+        rest[2].cancel()  # call 3, cancelled before a step took it: not run
+        release.set()
+        return await asyncio.gather(first, *rest, return_exceptions=True)
+
+    got = asyncio.run(main())
+    assert batches == [[0], [1, 2, 4], [5, 6, 7, 8], [9]]  # at most 4 taken at a time
+    assert got[:3] == [0, 10, 20] and isinstance(got[3], asyncio.CancelledError)
+    assert got[4:7] == [40, 50, 60] and got[8:] == [80, 90]
+    assert isinstance(got[7], ValueError) and str(got[7]) == "no 7"  # its own error, in its place
+
+
+def test_a_gathered_step_that_raises_fails_each_of_its_calls_and_the_next_runs(
+    threads: StepThreads,
+) -> None:
+    calls: list[list[str]] = []
+
+    def run_many(items: list[str]) -> list[str | Exception]:
+        calls.append(items)
+        if "boom" in items:
+            raise ConnectionError("Redis went away")
+        return [s.upper() for s in items]
+
+    gathered: Gathered[str, str] = Gathered(run_many, Blocking(threads))
+
+    async def main() -> tuple[list[str | BaseException], str]:
+        got = await asyncio.gather(gathered("a"), gathered("boom"), return_exceptions=True)
+        return got, await gathered("c")
+
+    got, after = asyncio.run(main())
+    assert calls == [["a", "boom"], ["c"]]  # both called before the loop ran the step
+    assert all(isinstance(g, ConnectionError) for g in got) and after == "C"

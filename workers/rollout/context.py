@@ -22,7 +22,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from functools import partial
+from typing import Any, Generic, Protocol, TypeVar
 
 from infra import generation
 from infra.http import EventLoopThread, PostClient
@@ -32,7 +33,7 @@ from workers.rollout.admission import Ticket
 from workers.rollout.agent_call import CallOutcome, call_run
 from workers.rollout.encoding import EncodedRecords
 from workers.rollout.landing import LAND_WAIT_S, LandReport
-from workers.rollout.leases import Lease, LeaseTicket, ReplyPush, Settled, Stage
+from workers.rollout.leases import Lease, LeaseTicket, ReplyPush, SettleCall, Settled, Stage
 
 STOP_POLL_S = 0.5
 STALE = "stale"
@@ -57,6 +58,9 @@ back, and the broker gives its message to another worker). Unset elsewhere: the 
 taken before the delivery started."""
 
 T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741
+GATHERED_MOST = 512
+"""Calls one gathered step runs at most (`Gathered`)."""
 
 
 class AdmissionGate(Protocol):
@@ -150,6 +154,11 @@ class LeaseKeeper(Protocol):
     def settle(
         self, lease: Lease, token: str, reply: ReplyPush | None = None, count: bool = False
     ) -> Settled: ...
+
+    def settle_many(self, calls: list[SettleCall]) -> list[Settled | Exception]:
+        """`settle` for each of `calls` in one round trip; a call that failed alone gets its
+        error in its place."""
+        ...
 
     def forget(self, lease: Lease) -> None: ...
 
@@ -272,6 +281,68 @@ class Blocking:
             return step()
         # The step sees the rollout's context (its trace, `workers/tracing.py`) on the thread.
         return await self._threads.submit(asyncio.get_running_loop(), step, first)
+
+
+class Gathered(Generic[I, T]):
+    """Calls of one blocking function gathered on the event loop and run many at a time, in one
+    step (a group commit): `run_many(items)` gives each item's value or exception in its place.
+
+    The first call starts a step at once; the calls made while it runs wait for it and go
+    together in the next (at most `most`). So a burst of rollouts ending together settles in a
+    few round trips instead of one each, which the step threads (a start goes first) would only
+    reach behind the starts of the next wave, each rollout holding its delivery meanwhile. A
+    call whose awaiting coroutine was cancelled before its step took it is not run, as a step.
+    """
+
+    def __init__(
+        self,
+        run_many: Callable[[list[I]], list[T | Exception]],
+        blocking: Blocking,
+        most: int = GATHERED_MOST,
+    ) -> None:
+        self._run_many = run_many
+        self._blocking = blocking
+        self._most = most
+        self._waiting: list[tuple[I, asyncio.Future[T]]] = []
+        self._step: asyncio.Task[None] | None = None
+
+    async def __call__(self, item: I) -> T:
+        loop = asyncio.get_running_loop()
+        if self._step is not None and self._step.get_loop() is not loop:
+            self._waiting, self._step = [], None  # another loop's (a test's, a forked parent's)
+        future: asyncio.Future[T] = loop.create_future()
+        self._waiting.append((item, future))
+        if self._step is None:
+            self._step = loop.create_task(self._steps())
+        return await future
+
+    async def _steps(self) -> None:
+        taken: list[tuple[I, asyncio.Future[T]]] = []
+        try:
+            while self._waiting:
+                taken = [(i, f) for i, f in self._waiting[: self._most] if not f.cancelled()]
+                del self._waiting[: self._most]
+                if not taken:
+                    continue
+                items = [item for item, _ in taken]
+                try:
+                    values = await self._blocking(partial(self._run_many, items))
+                except Exception as exc:  # each caller sees it, as it would its own step's
+                    values = [exc] * len(taken)
+                for (_, future), value in zip(taken, values, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(value, Exception):
+                        future.set_exception(value)
+                    else:
+                        future.set_result(value)
+        except asyncio.CancelledError:  # the loop is closing: nobody waits in vain
+            for _, future in [*taken, *self._waiting]:
+                future.cancel()
+            self._waiting = []
+            raise
+        finally:
+            self._step = None
 
 
 class StopWatch:
@@ -516,3 +587,9 @@ class RolloutContext:
     """Whether a rollout's feed is full (`workers/feed/backpressure.py`); None: never."""
     stale: StaleWatch = field(default_factory=StaleWatch)
     """Cuts a call whose rollout fell behind its feed's policy version (`stale_rollouts`)."""
+    settles: Gathered[SettleCall, Settled] | None = field(default=None, init=False)
+    """The leases' settlings, gathered (`LeaseKeeper.settle_many`); None without leases."""
+
+    def __post_init__(self) -> None:
+        if self.leases is not None:
+            object.__setattr__(self, "settles", Gathered(self.leases.settle_many, self.blocking))

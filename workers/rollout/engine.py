@@ -67,7 +67,7 @@ from workers.rollout.context import (
 )
 from workers.rollout.encoding import EncodedRecords
 from workers.rollout.landing import LandReport
-from workers.rollout.leases import Lease, ReplyPush, Settled, Stage
+from workers.rollout.leases import Lease, ReplyPush, SettleCall, Settled, Stage
 from workers.rollout.rows import (
     drained_row,
     not_started_message,
@@ -219,7 +219,7 @@ class _Run:
             # It took no lease (Redis was away): it still counts toward the finish, once.
             seen = self.delivery.admission or self.req
             lease = Lease(self.sid, key_str(seen.row), "")
-        return await self.ctx.blocking(lambda: self.settle(lease, outcome))
+        return await self.settle(lease, outcome)
 
     async def feed_room(self) -> None:
         """Wait, holding nothing, while the rollout's feed holds its bound of unconsumed groups
@@ -323,21 +323,24 @@ class _Run:
         self.lease = ticket.lease
         return None
 
-    def settle(self, lease: Lease, outcome: RolloutOutcome) -> RolloutOutcome:
-        """Settle the lease (now, or as `settle_later` says), counting the rollout toward its
-        generation's finish and publishing the finish if it was the last; an attempt that was
-        taken over meanwhile ends `TAKEN_OVER`."""
-        leases, token = self.ctx.leases, self.req.run.token
-        assert leases is not None
+    async def settle(self, lease: Lease, outcome: RolloutOutcome) -> RolloutOutcome:
+        """Settle the lease (now, gathered with the settlings of other rollouts that ended
+        meanwhile, or as `settle_later` says), counting the rollout toward its generation's
+        finish and publishing the finish if it was the last; an attempt that was taken over
+        meanwhile ends `TAKEN_OVER`."""
+        ctx, token = self.ctx, self.req.run.token
+        leases, settles = ctx.leases, ctx.settles
+        assert leases is not None and settles is not None
         later = self.delivery.settle_later
         settled = Settled(False)
         try:
             if later is not None:
-                if leases.current(lease, token):
+                if await ctx.blocking(lambda: leases.current(lease, token)):
                     later(Settling(leases, lease, token))
                     return outcome
             else:
-                settled = leases.settle(lease, token, count=self.delivery.finish is not None)
+                count = self.delivery.finish is not None
+                settled = await settles(SettleCall(lease, token, count))
         except redis.RedisError as exc:
             # Not counted: the lease expires and is taken over, and a new attempt counts it.
             leases.forget(lease)
@@ -352,9 +355,10 @@ class _Run:
             return self.end(
                 Ended.TAKEN_OVER, detail=f"taken over; this attempt {outcome.ended.value}"
             )
-        if settled.finish is not None and self.delivery.finish is not None:
+        finish, publish = settled.finish, self.delivery.finish
+        if finish is not None and publish is not None:
             log.info("rollout %s was the generation's last: publishing its finish", self.rollout)
-            self.delivery.finish(settled.finish)
+            await ctx.blocking(lambda: publish(finish))
         return outcome
 
     def stamp_execution(self, records: list[dict[str, Any]]) -> None:

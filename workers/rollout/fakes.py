@@ -29,7 +29,7 @@ from schemas.messages import CollectRequest, RunRef
 from workers.rollout.admission import WINDOW_DECREASE, Ticket
 from workers.rollout.encoding import EncodedRecords, encode_records
 from workers.rollout.landing import LandReport
-from workers.rollout.leases import Lease, LeaseTicket, ReplyPush, Settled, Stage
+from workers.rollout.leases import Lease, LeaseTicket, ReplyPush, SettleCall, Settled, Stage
 from workers.shard.state import key_str
 
 
@@ -337,6 +337,9 @@ class FakeLeases:
             if self.counted == self.generation[1]:
                 return Settled(True, self.generation[2])
         return Settled(True)
+
+    def settle_many(self, calls: list[SettleCall]) -> list[Settled | Exception]:
+        return [self.settle(c.lease, c.token, count=c.count) for c in calls]
 
     def forget(self, lease: Lease) -> None:
         self.held.pop(lease.key, None)

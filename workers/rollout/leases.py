@@ -138,6 +138,15 @@ class Settled:
     """It settled the generation's last rollout: the finish task's signature, to publish."""
 
 
+@dataclass(frozen=True)
+class SettleCall:
+    """One attempt's settling, as `LeaseKeeper.settle_many` takes it."""
+
+    lease: Lease
+    token: str
+    count: bool = False
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -244,27 +253,76 @@ class RolloutLeases:
         finish. Not counted (nothing pushed) if the attempt was taken over (the current attempt
         settles it) or the rollout settled already. A lease whose attempt is '' is a delivery
         that took none: it settles and counts the same way."""
-        with self._lock:
-            self._held.pop(lease.member, None)
-        names = [*self._keys(lease.sid, token), keys.shard_generation(lease.sid)]
-        args: list[str | int] = [
-            lease.key, lease.attempt, token, lease.member, self.key_ttl_s, 1 if count else 0
-        ]  # fmt: skip
-        if reply is not None:
-            names += [reply.replies, reply.active]
-            args += [reply.body, reply.ttl_s, reply.index]
+        call = SettleCall(lease, token, count)
+        names, args = self._settle_script_call(call, reply)
         # Retried through a Redis restart: a lease left behind would be taken over and its
         # rollout, counted already, counted again.
-        counted, finish = with_redis_retry(
+        answer = with_redis_retry(
             "lease settle",
             lambda: self._settle(keys=names, args=args, client=self.r),
             budget_s=SETTLE_RETRY_S,
         )
-        if counted and count and self._window is not None:
+        return self._settled(call, answer)
+
+    def settle_many(self, calls: list[SettleCall]) -> list[Settled | Exception]:
+        """`settle` for each of `calls` (none pushes a reply), in one round trip: the engine
+        gathers the settlings of the rollouts that ended meanwhile (`Gathered`). A call whose
+        script failed gets its error; a Redis outage past the retries raises for all."""
+        prepared = [self._settle_script_call(call) for call in calls]
+        answers = with_redis_retry(
+            "lease settle", lambda: self._settle_pipelined(prepared), budget_s=SETTLE_RETRY_S
+        )
+        return [
+            answer if isinstance(answer, Exception) else self._settled(call, answer)
+            for call, answer in zip(calls, answers, strict=True)
+        ]
+
+    def _settle_pipelined(self, prepared: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """SETTLE_LUA once per call, by its digest, in one pipeline (not a transaction: each
+        script is atomic on its own). Those Redis did not know the script for (it restarted)
+        did not run: they are sent again once it is loaded."""
+        answers: list[Any] = [None] * len(prepared)
+        todo = list(range(len(prepared)))
+        for _ in range(2):
+            pipe = self.r.pipeline(transaction=False)
+            for i in todo:
+                names, args = prepared[i]
+                pipe.evalsha(self._settle.sha, len(names), *names, *args)
+            for i, answer in zip(todo, pipe.execute(raise_on_error=False), strict=True):
+                answers[i] = answer
+            todo = [i for i in todo if isinstance(answers[i], redis.exceptions.NoScriptError)]
+            if not todo:
+                break
+            self.r.script_load(SETTLE_LUA)
+        return answers
+
+    def _settle_script_call(
+        self, call: SettleCall, reply: ReplyPush | None = None
+    ) -> tuple[list[str], list[Any]]:
+        """SETTLE_LUA's keys and arguments for `call`; the lease stops being renewed."""
+        lease = call.lease
+        with self._lock:
+            self._held.pop(lease.member, None)
+        names = [*self._keys(lease.sid, call.token), keys.shard_generation(lease.sid)]
+        args: list[Any] = [
+            lease.key, lease.attempt, call.token, lease.member, self.key_ttl_s,
+            1 if call.count else 0,
+        ]  # fmt: skip
+        if reply is not None:
+            names += [reply.replies, reply.active]
+            args += [reply.body, reply.ttl_s, reply.index]
+        return names, args
+
+    def _settled(self, call: SettleCall, answer: Any) -> Settled:
+        """What SETTLE_LUA's `answer` says; a counted settling refills the shard's queue window."""
+        counted, finish = answer
+        if counted and call.count and self._window is not None:
             try:
-                self._window.settled(lease.sid)
+                self._window.settled(call.lease.sid)
             except Exception as exc:  # the next renewal refills it
-                log.warning("could not refill the queue window of shard %s: %r", lease.sid, exc)
+                log.warning(
+                    "could not refill the queue window of shard %s: %r", call.lease.sid, exc
+                )
         signature = _text(finish)
         return Settled(bool(counted), json.loads(signature) if signature else None)
 
