@@ -47,7 +47,15 @@ from tests.ops_helpers import (
 from tests.runs import MakeRun, Run
 from workers.redispatch import CollectTaskMessage, UnackedSweep, publish_collect
 from workers.rollout.admission import Gate
-from workers.rollout.leases import Lease, ReplyPush, RolloutLeases, SettleCall, Settled
+from workers.rollout.leases import (
+    Lease,
+    LeaseTicket,
+    ReplyPush,
+    RolloutLeases,
+    SettleCall,
+    Settled,
+    TakeCall,
+)
 from workers.shard.leases import lease_rows
 
 pytestmark = pytest.mark.integration
@@ -129,7 +137,7 @@ def test_settling_counts_each_rollout_once_and_the_last_one_hands_back_the_finis
     r.close()
 
 
-def test_settlings_gathered_in_one_pipeline_answer_each_as_alone(redis_url: str) -> None:
+def test_leases_taken_and_settled_in_one_pipeline_answer_each_as_alone(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     sid, finish = "sid-many", {"task": "rollouts.finish", "options": {"task_id": "finish-m"}}
     pipe = r.pipeline()
@@ -137,12 +145,20 @@ def test_settlings_gathered_in_one_pipeline_answer_each_as_alone(redis_url: str)
     pipe.execute()
     leases = RolloutLeases(redis_url, ttl_s=5.0, start=False)
     msg = {"task_id": "t"}
-    first = leases.take(sid, "0:0", "gen-2", msg).lease
-    second = leases.take(sid, "1:0", "gen-2", msg).lease
-    taken = leases.take(sid, "4:0", "gen-2", msg).lease
+    r.script_flush()  # Redis restarted: the digest is unknown, the calls go again once loaded
+    tickets = leases.take_many([
+        TakeCall(sid, "0:0", "gen-2", msg),
+        TakeCall(sid, "1:0", "gen-2", msg),
+        TakeCall(sid, "4:0", "gen-2", msg),
+        TakeCall(sid, "4:0", "gen-2", msg),  # a copy in the same batch: the lease is live
+    ])  # fmt: skip
+    assert all(isinstance(t, LeaseTicket) for t in tickets)
+    first, second, taken = (t.lease for t in tickets[:3] if isinstance(t, LeaseTicket))
     assert first is not None and second is not None and taken is not None
-    again = leases.take(sid, "4:0", "gen-2", msg)  # not yet: the lease is live
-    assert again.verdict == "live"
+    assert tickets[3] == LeaseTicket("live", leases.holder)
+    assert all(leases.fresh(lease) for lease in (first, second, taken))  # renewed from now on
+    assert sorted(row["key"] for row in lease_rows(r, sid)) == ["0:0", "1:0", "4:0"]
+    assert r.hget(keys.shard_lease_messages(sid), "0:0") == orjson.dumps(msg)
     r.hset(keys.shard_attempts(sid), "4:0", "someone-else")  # taken over meanwhile
     r.script_flush()  # Redis restarted: the digest is unknown, the calls go again once loaded
     got = leases.settle_many([

@@ -159,7 +159,7 @@ def test_a_gathered_step_that_raises_fails_each_of_its_calls_and_the_next_runs(
 
     async def main() -> tuple[list[str | BaseException], str]:
         got = await asyncio.gather(gathered("a"), gathered("boom"), return_exceptions=True)
-        return got, await gathered("c")
+        return list(got), await gathered("c")
 
     got, after = asyncio.run(main())
     assert calls == [["a", "boom"], ["c"]]  # both called before the loop ran the step

@@ -33,7 +33,15 @@ from workers.rollout.admission import Ticket
 from workers.rollout.agent_call import CallOutcome, call_run
 from workers.rollout.encoding import EncodedRecords
 from workers.rollout.landing import LAND_WAIT_S, LandReport
-from workers.rollout.leases import Lease, LeaseTicket, ReplyPush, SettleCall, Settled, Stage
+from workers.rollout.leases import (
+    Lease,
+    LeaseTicket,
+    ReplyPush,
+    SettleCall,
+    Settled,
+    Stage,
+    TakeCall,
+)
 
 STOP_POLL_S = 0.5
 STALE = "stale"
@@ -142,6 +150,11 @@ class LeaseKeeper(Protocol):
     """Rollout leases: who runs each rollout, and the takeover of silent ones (`workers/rollout/leases.py`)."""
 
     def take(self, sid: str, key: str, token: str, message: dict[str, Any]) -> LeaseTicket: ...
+
+    def take_many(self, calls: list[TakeCall]) -> list[LeaseTicket | Exception]:
+        """`take` for each of `calls` in one round trip; a call that failed alone gets its error
+        in its place."""
+        ...
 
     def stage(self, lease: Lease, stage: Stage) -> None: ...
 
@@ -299,10 +312,13 @@ class Gathered(Generic[I, T]):
         run_many: Callable[[list[I]], list[T | Exception]],
         blocking: Blocking,
         most: int = GATHERED_MOST,
+        first: bool = False,
     ) -> None:
         self._run_many = run_many
         self._blocking = blocking
         self._most = most
+        self._first = first
+        """Its steps go ahead of the others in the step threads' queue (`StepThreads.submit`)."""
         self._waiting: list[tuple[I, asyncio.Future[T]]] = []
         self._step: asyncio.Task[None] | None = None
 
@@ -326,7 +342,7 @@ class Gathered(Generic[I, T]):
                     continue
                 items = [item for item, _ in taken]
                 try:
-                    values = await self._blocking(partial(self._run_many, items))
+                    values = await self._blocking(partial(self._run_many, items), self._first)
                 except Exception as exc:  # each caller sees it, as it would its own step's
                     values = [exc] * len(taken)
                 for (_, future), value in zip(taken, values, strict=True):
@@ -587,9 +603,14 @@ class RolloutContext:
     """Whether a rollout's feed is full (`workers/feed/backpressure.py`); None: never."""
     stale: StaleWatch = field(default_factory=StaleWatch)
     """Cuts a call whose rollout fell behind its feed's policy version (`stale_rollouts`)."""
+    takes: Gathered[TakeCall, LeaseTicket] | None = field(default=None, init=False)
+    """The leases taken by deliveries that start together, gathered (`LeaseKeeper.take_many`),
+    ahead of other steps as any start; None without leases."""
     settles: Gathered[SettleCall, Settled] | None = field(default=None, init=False)
     """The leases' settlings, gathered (`LeaseKeeper.settle_many`); None without leases."""
 
     def __post_init__(self) -> None:
         if self.leases is not None:
+            takes = Gathered(self.leases.take_many, self.blocking, first=True)
+            object.__setattr__(self, "takes", takes)
             object.__setattr__(self, "settles", Gathered(self.leases.settle_many, self.blocking))

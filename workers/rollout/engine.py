@@ -67,7 +67,15 @@ from workers.rollout.context import (
 )
 from workers.rollout.encoding import EncodedRecords
 from workers.rollout.landing import LandReport
-from workers.rollout.leases import Lease, ReplyPush, SettleCall, Settled, Stage
+from workers.rollout.leases import (
+    Lease,
+    LeaseTicket,
+    ReplyPush,
+    SettleCall,
+    Settled,
+    Stage,
+    TakeCall,
+)
 from workers.rollout.rows import (
     drained_row,
     not_started_message,
@@ -249,7 +257,7 @@ class _Run:
         slot = SLOT.get()
         if slot is None:
             return await self.ctx.blocking(self.open, first=True)
-        taken = await self.ctx.blocking(self.take_lease, first=True)
+        taken = await self.take_lease_gathered()
         if taken is not None:
             return taken
         if not await slot():
@@ -304,16 +312,41 @@ class _Run:
 
     def take_lease(self) -> RolloutOutcome | None:
         """Take the rollout's lease (setting `self.lease`); or how a copy of a delivery ends."""
-        leases, message = self.ctx.leases, self.delivery.message
-        if leases is None or message is None:
+        leases, call = self.ctx.leases, self.take_call()
+        if leases is None or call is None:
             return None
         try:
-            seen = self.delivery.admission or self.req
-            ticket = leases.take(self.sid, key_str(seen.row), self.req.run.token, message)
+            ticket = leases.take(call.sid, call.key, call.token, call.message)
         except redis.RedisError as exc:
-            # Admission retries Redis, and ends the rollout in error if it stays away.
-            log.warning("rollout %s runs without a lease: %s", self.rollout, exc)
+            self.without_lease(exc)
             return None
+        return self.taken(ticket)
+
+    async def take_lease_gathered(self) -> RolloutOutcome | None:
+        """`take_lease` in one round trip with the deliveries that start meanwhile (a claim's
+        batch arrives together): the way a delivery taken ahead of its slot starts."""
+        takes, call = self.ctx.takes, self.take_call()
+        if takes is None or call is None:
+            return None
+        try:
+            ticket = await takes(call)
+        except redis.RedisError as exc:
+            self.without_lease(exc)
+            return None
+        return self.taken(ticket)
+
+    def take_call(self) -> TakeCall | None:
+        message = self.delivery.message
+        if message is None:
+            return None
+        seen = self.delivery.admission or self.req
+        return TakeCall(self.sid, key_str(seen.row), self.req.run.token, message)
+
+    def without_lease(self, exc: redis.RedisError) -> None:
+        # Admission retries Redis, and ends the rollout in error if it stays away.
+        log.warning("rollout %s runs without a lease: %s", self.rollout, exc)
+
+    def taken(self, ticket: LeaseTicket) -> RolloutOutcome | None:
         if ticket.verdict == "live":
             log.info("rollout %s is running on %s: this copy is acknowledged", self.rollout,
                      ticket.detail)  # fmt: skip

@@ -29,7 +29,15 @@ from schemas.messages import CollectRequest, RunRef
 from workers.rollout.admission import WINDOW_DECREASE, Ticket
 from workers.rollout.encoding import EncodedRecords, encode_records
 from workers.rollout.landing import LandReport
-from workers.rollout.leases import Lease, LeaseTicket, ReplyPush, SettleCall, Settled, Stage
+from workers.rollout.leases import (
+    Lease,
+    LeaseTicket,
+    ReplyPush,
+    SettleCall,
+    Settled,
+    Stage,
+    TakeCall,
+)
 from workers.shard.state import key_str
 
 
@@ -309,6 +317,9 @@ class FakeLeases:
         self.held[key], self.tokens[key], self.messages[key] = lease, token, message
         self.shard.attempts[key] = lease.attempt
         return LeaseTicket("taken", lease=lease)
+
+    def take_many(self, calls: list[TakeCall]) -> list[LeaseTicket | Exception]:
+        return [self.take(c.sid, c.key, c.token, c.message) for c in calls]
 
     def stage(self, lease: Lease, stage: Stage) -> None:
         self.stages.append((lease.key, stage))

@@ -139,6 +139,16 @@ class Settled:
 
 
 @dataclass(frozen=True)
+class TakeCall:
+    """One delivery's asking for its rollout's lease, as `LeaseKeeper.take_many` takes it."""
+
+    sid: str
+    key: str
+    token: str
+    message: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class SettleCall:
     """One attempt's settling, as `LeaseKeeper.settle_many` takes it."""
 
@@ -202,21 +212,42 @@ class RolloutLeases:
 
     def take(self, sid: str, key: str, token: str, message: dict[str, Any]) -> LeaseTicket:
         """Take the rollout's lease for a new attempt of generation `token`, unless it runs or ended."""
-        member = lease_member(sid, key)
-        args: list[str | bytes | float] = [
-            key, token, self.holder, self.ttl_s, _encoded(message), member, self.key_ttl_s
-        ]  # fmt: skip
+        call = TakeCall(sid, key, token, message)
+        names, args = self._take_script_call(call)
         sent = time.monotonic()
-        answer = self._take(keys=self._keys(sid, token), args=args, client=self.r)
+        return self._taken(call, self._take(keys=names, args=args, client=self.r), sent)
+
+    def take_many(self, calls: list[TakeCall]) -> list[LeaseTicket | Exception]:
+        """`take` for each of `calls`, in one round trip: the engine gathers the starts of the
+        deliveries that arrived together (`Gathered`). A call whose script failed gets its
+        error; a Redis error of the round trip raises for all."""
+        prepared = [self._take_script_call(call) for call in calls]
+        sent = time.monotonic()
+        answers = self._pipelined(self._take, TAKE_LEASE_LUA, prepared)
+        return [
+            answer if isinstance(answer, Exception) else self._taken(call, answer, sent)
+            for call, answer in zip(calls, answers, strict=True)
+        ]
+
+    def _take_script_call(self, call: TakeCall) -> tuple[list[str], list[Any]]:
+        member = lease_member(call.sid, call.key)
+        args: list[Any] = [
+            call.key, call.token, self.holder, self.ttl_s, _encoded(call.message), member,
+            self.key_ttl_s,
+        ]  # fmt: skip
+        return self._keys(call.sid, call.token), args
+
+    def _taken(self, call: TakeCall, answer: Any, sent: float) -> LeaseTicket:
+        """What TAKE_LEASE_LUA's `answer` says; a lease taken is held (renewed) from `sent`."""
         verdict, detail, lost = (_text(v) for v in answer)
         if verdict != "taken":
             return LeaseTicket(cast(Literal["live", "settled"], verdict), detail)
-        lease = Lease(sid, key, detail)
+        lease = Lease(call.sid, call.key, detail)
         with self._lock:
-            self._held[member] = (lease.attempt, "admitted", sent)
+            self._held[lease.member] = (lease.attempt, "admitted", sent)
         if lost:
-            log.warning("rollout %s of shard %s taken over from %s, which went silent", key, sid,
-                        lost)  # fmt: skip
+            log.warning("rollout %s of shard %s taken over from %s, which went silent", call.key,
+                        call.sid, lost)  # fmt: skip
         return LeaseTicket("taken", lease=lease, lost=lost)
 
     def stage(self, lease: Lease, stage: Stage) -> None:
@@ -270,15 +301,19 @@ class RolloutLeases:
         script failed gets its error; a Redis outage past the retries raises for all."""
         prepared = [self._settle_script_call(call) for call in calls]
         answers = with_redis_retry(
-            "lease settle", lambda: self._settle_pipelined(prepared), budget_s=SETTLE_RETRY_S
+            "lease settle",
+            lambda: self._pipelined(self._settle, SETTLE_LUA, prepared),
+            budget_s=SETTLE_RETRY_S,
         )
         return [
             answer if isinstance(answer, Exception) else self._settled(call, answer)
             for call, answer in zip(calls, answers, strict=True)
         ]
 
-    def _settle_pipelined(self, prepared: list[tuple[list[str], list[Any]]]) -> list[Any]:
-        """SETTLE_LUA once per call, by its digest, in one pipeline (not a transaction: each
+    def _pipelined(
+        self, script: Any, source: str, prepared: list[tuple[list[str], list[Any]]]
+    ) -> list[Any]:
+        """`script` once per call, by its digest, in one pipeline (not a transaction: each
         script is atomic on its own). Those Redis did not know the script for (it restarted)
         did not run: they are sent again once it is loaded."""
         answers: list[Any] = [None] * len(prepared)
@@ -287,13 +322,13 @@ class RolloutLeases:
             pipe = self.r.pipeline(transaction=False)
             for i in todo:
                 names, args = prepared[i]
-                pipe.evalsha(self._settle.sha, len(names), *names, *args)
+                pipe.evalsha(script.sha, len(names), *names, *args)
             for i, answer in zip(todo, pipe.execute(raise_on_error=False), strict=True):
                 answers[i] = answer
             todo = [i for i in todo if isinstance(answers[i], redis.exceptions.NoScriptError)]
             if not todo:
                 break
-            self.r.script_load(SETTLE_LUA)
+            self.r.script_load(source)
         return answers
 
     def _settle_script_call(
