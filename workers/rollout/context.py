@@ -328,8 +328,8 @@ class Gathered(Generic[I, T]):
             self._waiting, self._step = [], None  # another loop's (a test's, a forked parent's)
         future: asyncio.Future[T] = loop.create_future()
         self._waiting.append((item, future))
-        if self._step is None:
-            self._step = loop.create_task(self._steps())
+        if self._step is None:  # in a context of its own: it serves every caller's rollout
+            self._step = loop.create_task(self._steps(), context=contextvars.Context())
         return await future
 
     async def _steps(self) -> None:
