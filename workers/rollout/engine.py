@@ -69,7 +69,6 @@ from workers.rollout.encoding import EncodedRecords
 from workers.rollout.landing import LandReport
 from workers.rollout.leases import (
     Lease,
-    LeaseTicket,
     ReplyPush,
     SettleCall,
     Settled,
@@ -248,28 +247,22 @@ class _Run:
                         exc)  # fmt: skip
 
     async def start(self) -> RolloutOutcome | Ticket:
-        """One hop off the loop: the lease, the manifest check and the first admission (`open`).
-        First in the step threads' queue: a start waits behind no landing or settling.
+        """The lease (`take_lease`), then one hop off the loop: the manifest check and the first
+        admission (`begin`). Both go first in the step threads' queue: a start waits behind no
+        landing or settling.
 
-        A delivery taken ahead of its worker's slots (`SLOT`) takes its lease in a first hop,
-        waits for its slot on the loop, leased, then makes the rest of its start in a second.
+        A delivery taken ahead of its worker's slots (`SLOT`) waits for its slot on the loop
+        between the two, leased.
         """
-        slot = SLOT.get()
-        if slot is None:
-            return await self.ctx.blocking(self.open, first=True)
-        taken = await self.take_lease_gathered()
+        taken = await self.take_lease()
         if taken is not None:
             return taken
+        slot = SLOT.get()
+        if slot is None:
+            return await self.ctx.blocking(self.begin, first=True)
         if not await slot():
             return await self.ctx.blocking(self.not_started)
         return await self.ctx.blocking(self.after_slot, first=True)
-
-    def open(self) -> RolloutOutcome | Ticket:
-        """The blocking start of a delivery: its lease, then `begin`."""
-        taken = self.take_lease()
-        if taken is not None:
-            return taken
-        return self.begin()
 
     def after_slot(self) -> RolloutOutcome | Ticket:
         """The start of a delivery that waited for its slot holding its lease: `begin`, unless
@@ -310,43 +303,20 @@ class _Run:
             # The lease taken above is settled by `run`, whatever happened here.
             return unexpected(self.rollout, exc)
 
-    def take_lease(self) -> RolloutOutcome | None:
-        """Take the rollout's lease (setting `self.lease`); or how a copy of a delivery ends."""
-        leases, call = self.ctx.leases, self.take_call()
-        if leases is None or call is None:
-            return None
-        try:
-            ticket = leases.take(call.sid, call.key, call.token, call.message)
-        except redis.RedisError as exc:
-            self.without_lease(exc)
-            return None
-        return self.taken(ticket)
-
-    async def take_lease_gathered(self) -> RolloutOutcome | None:
-        """`take_lease` in one round trip with the deliveries that start meanwhile (a claim's
-        batch arrives together): the way a delivery taken ahead of its slot starts."""
-        takes, call = self.ctx.takes, self.take_call()
-        if takes is None or call is None:
-            return None
-        try:
-            ticket = await takes(call)
-        except redis.RedisError as exc:
-            self.without_lease(exc)
-            return None
-        return self.taken(ticket)
-
-    def take_call(self) -> TakeCall | None:
-        message = self.delivery.message
-        if message is None:
+    async def take_lease(self) -> RolloutOutcome | None:
+        """Take the rollout's lease (setting `self.lease`) in one round trip with those of the
+        deliveries that start meanwhile (a claim's batch arrives together); or how a copy of a
+        delivery ends."""
+        takes, message = self.ctx.takes, self.delivery.message
+        if takes is None or message is None:
             return None
         seen = self.delivery.admission or self.req
-        return TakeCall(self.sid, key_str(seen.row), self.req.run.token, message)
-
-    def without_lease(self, exc: redis.RedisError) -> None:
-        # Admission retries Redis, and ends the rollout in error if it stays away.
-        log.warning("rollout %s runs without a lease: %s", self.rollout, exc)
-
-    def taken(self, ticket: LeaseTicket) -> RolloutOutcome | None:
+        try:
+            ticket = await takes(TakeCall(self.sid, key_str(seen.row), self.req.run.token, message))
+        except redis.RedisError as exc:
+            # Admission retries Redis, and ends the rollout in error if it stays away.
+            log.warning("rollout %s runs without a lease: %s", self.rollout, exc)
+            return None
         if ticket.verdict == "live":
             log.info("rollout %s is running on %s: this copy is acknowledged", self.rollout,
                      ticket.detail)  # fmt: skip
