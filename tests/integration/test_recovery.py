@@ -104,14 +104,22 @@ def test_lease_scripts_take_renew_take_over_and_settle(redis_url: str) -> None:
     r.close()
 
 
+def counting_generation(r: redis.Redis, sid: str, finish_id: str) -> dict[str, Any]:
+    """Shard `sid` runs generation gen-2 of 3 rollouts; the finish task's signature it hands
+    back when the last one settles."""
+    finish = {"task": "rollouts.finish", "options": {"task_id": finish_id}}
+    pipe = r.pipeline()
+    generation.write_counting(pipe, sid, "gen-2", 3, orjson.dumps(finish).decode())
+    pipe.execute()
+    return finish
+
+
 def test_settling_counts_each_rollout_once_and_the_last_one_hands_back_the_finish(
     redis_url: str,
 ) -> None:
     r = redis.Redis.from_url(redis_url)
-    sid, finish = "sid-count", {"task": "rollouts.finish", "options": {"task_id": "finish-r"}}
-    pipe = r.pipeline()
-    generation.write_counting(pipe, sid, "gen-2", 3, orjson.dumps(finish).decode())
-    pipe.execute()
+    sid = "sid-count"
+    finish = counting_generation(r, sid, "finish-r")
     leases = RolloutLeases(redis_url, ttl_s=5.0, start=False)
     msg = {"task_id": "t"}
     first = leases.take(sid, "0:0", "gen-2", msg).lease
@@ -139,10 +147,8 @@ def test_settling_counts_each_rollout_once_and_the_last_one_hands_back_the_finis
 
 def test_leases_taken_and_settled_in_one_pipeline_answer_each_as_alone(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
-    sid, finish = "sid-many", {"task": "rollouts.finish", "options": {"task_id": "finish-m"}}
-    pipe = r.pipeline()
-    generation.write_counting(pipe, sid, "gen-2", 3, orjson.dumps(finish).decode())
-    pipe.execute()
+    sid = "sid-many"
+    finish = counting_generation(r, sid, "finish-m")
     leases = RolloutLeases(redis_url, ttl_s=5.0, start=False)
     msg = {"task_id": "t"}
     r.script_flush()  # Redis restarted: the digest is unknown, the calls go again once loaded
