@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
-from pydantic import Field
+import orjson
+from pydantic import Field, ValidationError
 
 from schemas.base import FrozenModel, StrictModel
 from schemas.feed import FeedMember
@@ -122,6 +123,65 @@ class CollectRequest(StrictModel):
     """Count the landed result's verdict live; None when the run's health check is off."""
     feed: FeedMember | None = None
     """The feed and group the rollout enters as it lands; None when its run has no feed."""
+
+
+R = TypeVar("R", bound=CollectRequest)
+
+
+class SharedParts:
+    """Validates rollout messages, sharing the parts that every rollout of a generation carries
+    the same: its run, call policy, admission and health (frozen models).
+
+    A worker holds the request of every rollout it runs (thousands at once), and each held its
+    own copy of those four models, most of its size. Each part is now validated once per
+    distinct JSON and shared: a bench rollout's request took 4.5 KB and 14 µs to validate, and
+    takes 1.3 KB and 7 µs (`docs/explanation/performance.md`). A request validates exactly as `model_validate` does: a part that fails on its
+    own is not shared, and a payload that fails does so with the errors (locations, inputs)
+    of a plain validation.
+    """
+
+    PARTS: ClassVar[dict[str, type[FrozenModel]]] = {
+        "run": RunRef,
+        "policy": CallPolicy,
+        "admission": Admission,
+        "health": HealthRef,
+    }
+    """The fields shared, and their models."""
+
+    def __init__(self, most: int = 256) -> None:
+        self._most = most
+        self._parts: dict[tuple[str, bytes], FrozenModel] = {}
+
+    def validate(self, model: type[R], payload: Any) -> R:
+        """`model.model_validate(payload)`, with the shared parts taken from what was validated
+        before."""
+        if not isinstance(payload, dict):
+            return model.model_validate(payload)
+        shared: dict[str, FrozenModel] = {}
+        for name, part_model in self.PARTS.items():
+            value = payload.get(name)
+            if not isinstance(value, dict):
+                continue
+            try:
+                key = (name, orjson.dumps(value))
+            except orjson.JSONEncodeError:
+                continue  # not JSON (built in process): validated on its own below
+            part = self._parts.get(key)
+            if part is None:
+                try:
+                    part = part_model.model_validate(value)
+                except ValidationError:
+                    continue  # the whole payload fails below, located as usual
+                if len(self._parts) >= self._most:
+                    self._parts.clear()  # a worker sees a handful at a time: no order kept
+                self._parts[key] = part
+            shared[name] = part
+        if not shared:
+            return model.model_validate(payload)
+        try:
+            return model.model_validate({**payload, **shared})
+        except ValidationError:
+            return model.model_validate(payload)  # raises, with the payload as it came
 
 
 class FinishRequest(StrictModel):

@@ -27,6 +27,7 @@ from schemas.messages import (
     CollectRequest,
     FinishRequest,
     OmitRequest,
+    SharedParts,
 )
 from schemas.outcomes import VOID_ENDS, ChordSummary, RolloutOutcome
 from schemas.quality_summary import HealthBrief
@@ -61,10 +62,14 @@ def publish_finish(signature: dict[str, Any]) -> None:
         log.exception("could not publish the finish task %s", signature.get("options", {}))
 
 
+_PARTS = SharedParts()
+"""This process's rollout requests share their run, policy, admission and health models."""
+
+
 def _collect(request: Any, payload: dict[str, Any]) -> tuple[CollectRequest, Delivery]:
     """The rollout of a collect task's delivery: a run's takes its rollout's lease and counts
     toward its generation's finish."""
-    req = CollectRequest.model_validate(payload)
+    req = _PARTS.validate(CollectRequest, payload)
     if request.group is None:  # a task sent outside a run's generation: no lease, no count
         return req, Delivery(returns_record=False)
     message = CollectTaskMessage.from_request(request, payload).to_json()
@@ -132,7 +137,7 @@ def health_combine_task(results: list[dict[str, Any]], plan: dict[str, Any]) -> 
 @on_loop(COLLECT_REPLY_TASK, own_slot=True)
 async def _reply_on_loop(request: Any, payload: dict[str, Any]) -> ReplySummary:
     url = state_redis_url()
-    req = ReplyingCollectRequest.model_validate(payload)
+    req = _PARTS.validate(ReplyingCollectRequest, payload)
     message = CollectTaskMessage.from_request(request, payload, COLLECT_REPLY_TASK).to_json()
     with tracing.delivery(request, payload):
         return await collect_and_reply(req, url, process_context(url), message)
