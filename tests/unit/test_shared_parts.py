@@ -40,6 +40,23 @@ def test_requests_of_one_generation_share_their_parts_and_equal_a_plain_validati
     assert (a.row["_ng_task_index"], b.row["_ng_task_index"]) == (1, 2)
 
 
+def test_the_payloads_share_one_decoded_copy_of_each_part_equal_to_their_own() -> None:
+    parts = SharedParts()
+    first, second = decoded(PAYLOAD, _ng_task_index=1), decoded(PAYLOAD, _ng_task_index=2)
+    before = copy.deepcopy(second)
+    parts.validate(CollectRequest, first)
+    parts.validate(CollectRequest, second)
+    assert second == before  # what Celery shows of the delivery is unchanged
+    for name in ("run", "policy", "admission", "health"):
+        assert second[name] is first[name]
+    assert second["row"] is not first["row"]
+    bad = decoded(PAYLOAD)
+    bad["agent_url"] = 7
+    with pytest.raises(ValidationError):
+        parts.validate(CollectRequest, bad)
+    assert bad["policy"] is not first["policy"]  # a payload that fails is left as it came
+
+
 def test_a_part_that_differs_is_its_own() -> None:
     parts = SharedParts()
     other = decoded(PAYLOAD)
