@@ -84,10 +84,12 @@ def rows_by_key(path: Path) -> dict[Key, list[dict[str, Any]]]:
 
 
 def request_log(path: Path) -> list[dict[str, Any]]:
-    """The example agent's request log: one `start` and one `end` event per /run request."""
+    """The example agent's request log: one `start` and one `end` event per /run request (a
+    last line still being written is left for the next read)."""
     if not path.exists():
         return []
-    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    lines = path.read_bytes().splitlines(keepends=True)
+    return [orjson.loads(line) for line in lines if line.endswith(b"\n") and line.strip()]
 
 
 def requests_per_key(path: Path, run_id: str | None = None) -> Counter[Key]:

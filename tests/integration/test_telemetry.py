@@ -180,14 +180,20 @@ def test_a_rollout_taken_over_from_a_killed_worker_keeps_its_trace(
     producer = run.start(demo_rows(planned), "+route_failures_to_sidecar=true", env=receiver.env())
 
     def exported_in_flight() -> set[Key]:
-        """Rollouts the worker to kill has exported a delivery span of and not landed: what
-        it holds mid-call whose spans reached the receiver (a span still in the exporter's
-        queue at the kill dies with the process)."""
+        """Rollouts the worker to kill has exported a delivery span of, whose `/run` call the
+        agent has open, and that have not landed: what it holds mid-call whose spans reached
+        the receiver (a span still in the exporter's queue at the kill dies with the process).
+        A delivery still waiting for its turn, or a call already answered, may never be
+        called again after the kill, so neither is a victim."""
         results = (out / "rollouts-0.jsonl").read_bytes().splitlines(keepends=True)
         landed_keys = {key(orjson.loads(line)) for line in results if line.endswith(b"\n")}
         delivered = receiver.spans("rollouts.queue_wait")
         mine = {rollout_key(s) for s in delivered if s.resource["process.pid"] == killed_pid}
-        return mine - landed_keys
+        calls: dict[Key, int] = defaultdict(int)
+        for e in request_log(log):
+            calls[(e["task"], e["rollout"])] += 1 if e["event"] == "start" else -1
+        open_calls = {k for k, n in calls.items() if n > 0}
+        return (mine & open_calls) - landed_keys
 
     wait_for(lambda: landed_lines(out) >= 20, 60, "20 results")
     wait_for(lambda: bool(exported_in_flight()), 30, "an exported delivery mid-call")
