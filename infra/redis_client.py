@@ -105,3 +105,27 @@ _clients: PerProcess[str, redis.Redis] = PerProcess(_connect)
 def client(url: str) -> redis.Redis:
     """A shared client for `url` in this process (a bounded pool shared by its threads)."""
     return _clients.get(url)
+
+
+def run_scripts(
+    r: redis.Redis, script: Any, prepared: list[tuple[list[str], list[Any]]]
+) -> list[Any]:
+    """`script` (a registered `redis.commands.core.Script`) once per (keys, args) of `prepared`,
+    by its digest, in one pipeline (not a transaction: each script is atomic on its own): each
+    call's answer, or its error, in its place. Those Redis did not know the script for (it
+    restarted) did not run: they are sent again once it is loaded. A connection error raises
+    for all."""
+    answers: list[Any] = [None] * len(prepared)
+    todo = list(range(len(prepared)))
+    for _ in range(2):
+        pipe = r.pipeline(transaction=False)
+        for i in todo:
+            names, args = prepared[i]
+            pipe.evalsha(script.sha, len(names), *names, *args)
+        for i, answer in zip(todo, pipe.execute(raise_on_error=False), strict=True):
+            answers[i] = answer
+        todo = [i for i in todo if isinstance(answers[i], redis.exceptions.NoScriptError)]
+        if not todo:
+            break
+        r.script_load(script.script)
+    return answers

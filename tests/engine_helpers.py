@@ -65,6 +65,7 @@ class Harness:
         self.land_wait_s = 5.0
         self.refused_because: str | None = None
         self.checked: list[tuple[RunRef, str]] = []
+        self.vouched_for: set[tuple[RunRef, str]] = set()
         self.row: dict[str, Any] = dict(ROW)
         """The planned row its rollouts run."""
         self.feeds: FakeFeeds | None = None
@@ -73,7 +74,13 @@ class Harness:
     def refusal(self, run: RunRef, agent_url: str) -> str | None:
         """The manifest check (`RunCheck`): records what it was asked."""
         self.checked.append((run, agent_url))
+        if self.refused_because is None:
+            self.vouched_for.add((run, agent_url))
         return self.refused_because
+
+    def vouched(self, run: RunRef, agent_url: str) -> bool:
+        """As `ManifestCheck` keeps it: vouched for once a check said None."""
+        return (run, agent_url) in self.vouched_for
 
     async def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)

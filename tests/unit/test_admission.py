@@ -11,7 +11,7 @@ import redis
 
 from infra import generation, keys
 from tests.shard_helpers import SID, TOKEN, open_generation, request
-from workers.rollout.admission import Gate, p75
+from workers.rollout.admission import AdmitCall, Gate, Ticket, p75
 
 
 @pytest.fixture
@@ -42,6 +42,31 @@ def gate(make_gate: Callable[[float], Gate], r: redis.Redis) -> Gate:
 def live_leases(r: redis.Redis) -> int:
     sec, usec = r.time()
     return int(r.zcount(keys.shard_leases(SID), sec + usec / 1e6, "+inf"))
+
+
+def test_tries_gathered_in_one_round_trip_answer_as_one_at_a_time(
+    gate: Gate, r: redis.Redis
+) -> None:
+    """`try_admit_many`: each try in its place, the caps counted across them (two run, the third
+    waits listed), the slots renewed like a single try's; a Redis that lost its scripts (it
+    restarted) is sent them again."""
+    calls = [AdmitCall(request(i, max_resident_tasks=2), SID) for i in range(3)]
+    got = gate.try_admit_many(calls)
+    assert all(isinstance(t, Ticket) for t in got)
+    tickets = [t for t in got if isinstance(t, Ticket)]
+    assert [t.verdict for t in tickets] == ["run", "run", "wait"]
+    assert [t.key for t in tickets] == ["0:0", "1:0", "2:0"]
+    assert live_leases(r) == 2 and r.zcard(keys.shard_waiting(SID)) == 1
+    assert {t.member for t in tickets[:2]} <= set(gate.renewer._held)
+    gate.release(tickets[0], TOKEN)
+    gate.releaser.flush()
+    r.script_flush()
+    [again] = gate.try_admit_many(
+        [AdmitCall(request(2, max_resident_tasks=2), SID, None, tickets[2])]
+    )
+    assert (
+        isinstance(again, Ticket) and again.verdict == "run" and again.member == tickets[2].member
+    )
 
 
 def test_run_cap_holds_and_a_released_slot_admits_the_next(gate: Gate, r: redis.Redis) -> None:

@@ -113,6 +113,40 @@ def test_a_task_its_manifest_does_not_vouch_for_is_fenced_before_admission(h: Ha
     assert h.requests == [] and h.gate.admitted == [] and h.lander.calls == 0
 
 
+def test_a_run_vouched_for_is_not_checked_again(h: Harness) -> None:
+    """A process reads a shard's manifest once per run and agent: a later delivery of the run
+    checks without leaving the event loop (`RunCheck.vouched`)."""
+    assert h.run().ended is Ended.LANDED
+    h.row = {**h.row, F.TASK_INDEX: 4}
+    assert h.run().ended is Ended.LANDED
+    assert len(h.checked) == 1 and sorted(h.gate.admitted) == ["3:1", "4:1"]
+
+
+def task_request(task: int) -> CollectRequest:
+    """The harness's request of the row with task index `task` (several rollouts of one run)."""
+    return CollectRequest(
+        run=RunRef(run_id="r", output_dir="/tmp/nowhere", shard="0", token="token-1"),
+        agent_url="http://agent",
+        policy=CallPolicy(),
+        row={**ROW, F.TASK_INDEX: task},
+    )
+
+
+def test_rollouts_starting_together_are_admitted_in_one_round_trip(h: Harness) -> None:
+    """The first tries at admission of the deliveries that start together go in one gathered
+    round trip (`RolloutContext.admits`), each rollout still with its own ticket."""
+    ctx = h.context()
+
+    async def together() -> list[RolloutOutcome]:
+        return await asyncio.gather(*(run_rollout_async(task_request(t), ctx) for t in range(6)))
+
+    outcomes = h.loop.run(together())
+    assert [o.ended for o in outcomes] == [Ended.LANDED] * 6
+    assert sorted(h.gate.admitted) == [f"{t}:1" for t in range(6)]
+    assert sum(h.gate.rounds) == 6 and len(h.gate.rounds) < 6, h.gate.rounds
+    assert h.slots_returned()
+
+
 def test_an_unrecorded_call_is_not_checked_against_a_manifest(h: Harness) -> None:
     h.refused_because = "never asked"
     out = h.run(Delivery(record=False, fails_run=False))
@@ -686,17 +720,9 @@ def _waiting_rollouts(
     h.gate.try_admit = gate_try  # type: ignore[method-assign]
     ctx = dataclasses.replace(h.context(), sleep=asyncio.sleep, lines=WaitingLines(refresh_s))
 
-    def request(task: int) -> CollectRequest:
-        return CollectRequest(
-            run=RunRef(run_id="r", output_dir="/tmp/nowhere", shard="0", token="token-1"),
-            agent_url="http://agent",
-            policy=CallPolicy(),
-            row={**ROW, F.TASK_INDEX: task},
-        )
-
     async def scenario() -> list[RolloutOutcome]:
         nonlocal full
-        runs = [asyncio.ensure_future(run_rollout_async(request(t), ctx)) for t in range(n)]
+        runs = [asyncio.ensure_future(run_rollout_async(task_request(t), ctx)) for t in range(n)]
         await asyncio.sleep(full_s)
         full = False
         return await asyncio.gather(*runs)

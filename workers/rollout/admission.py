@@ -39,7 +39,7 @@ from celery.signals import worker_shutdown
 from infra import generation, keys
 from infra.environment import from_env
 from infra.process import PerProcess
-from infra.redis_client import client
+from infra.redis_client import client, run_scripts
 from infra.scripts import BACK_OFF_LUA, BEGIN_LUA, END_LUA, RENEW_LUA
 from infra.slots import slot_agent, slot_member
 from schemas import fields as F
@@ -95,6 +95,28 @@ class Ticket:
     member: str
     agent_key: str
     agent_url: str = ""
+
+
+@dataclass(frozen=True)
+class AdmitCall:
+    """One try at admission (`Gate.try_admit_many`): as `Gate.try_admit` takes it."""
+
+    req: CollectRequest
+    sid: str
+    readmit: Ticket | None = None
+    waiting: Ticket | None = None
+
+
+@dataclass(frozen=True)
+class _BeginCall:
+    """BEGIN_LUA's keys and arguments for one try, and what its ticket is made of."""
+
+    keys: list[str]
+    args: list[str | int | float]
+    sid: str
+    key: str
+    member: str
+    agent_url: str
 
 
 def with_redis_retry(what: str, fn: Callable[[], T], budget_s: float = REDIS_RETRY_S) -> T:
@@ -365,16 +387,38 @@ class Gate:
             traced.set("rollouts.admission.verdict", ticket.verdict)
             return ticket
 
+    def try_admit_many(self, calls: list[AdmitCall]) -> list[Ticket | Exception]:
+        """`try_admit` for each of `calls`, in one round trip: the engine gathers the admissions
+        of the deliveries that start together (`Gathered`), and opens each one's admission span
+        itself. A call whose script failed gets its error in its place; a Redis error of the
+        round trip raises for all."""
+        prepared = [self._prepare(c.req, c.sid, c.readmit, c.waiting) for c in calls]
+        scripts = [(p.keys, p.args) for p in prepared]
+        answers = with_redis_retry("admission", lambda: run_scripts(self.r, self._begin, scripts))
+        return [
+            answer if isinstance(answer, Exception) else self._ticket(p, answer)
+            for p, answer in zip(prepared, answers, strict=True)
+        ]
+
     def _admit(
         self, req: CollectRequest, sid: str, readmit: Ticket | None, waiting: Ticket | None
     ) -> Ticket:
+        p = self._prepare(req, sid, readmit, waiting)
+        answer = with_redis_retry(
+            "admission", lambda: self._begin(keys=p.keys, args=p.args, client=self.r)
+        )
+        return self._ticket(p, answer)
+
+    def _prepare(
+        self, req: CollectRequest, sid: str, readmit: Ticket | None, waiting: Ticket | None
+    ) -> _BeginCall:
+        """BEGIN_LUA's keys and arguments for one try (reading the drain margin if need be)."""
         row = req.row
         key = f"{row[F.TASK_INDEX]}:{row[F.ROLLOUT_INDEX]}"
         agent = F.dispatch_target(row) or ""
         listed = readmit or waiting
         member = listed.member if listed is not None else self._member(agent, key)
         call_keys = self._begin_keys(sid, req.agent_url)
-        agent_key, leases = call_keys[9], call_keys[7]
         adm = req.admission
         margin = None
         if adm.dispatch_deadline is not None:
@@ -397,15 +441,17 @@ class Gate:
             from_env().live_key_ttl_s,
             SLOW_START_PROBE_S,
         ]
-        answer = with_redis_retry(
-            "admission", lambda: self._begin(keys=call_keys, args=args, client=self.r)
-        )
+        return _BeginCall(call_keys, args, sid, key, member, req.agent_url)
+
+    def _ticket(self, p: _BeginCall, answer: Any) -> Ticket:
+        """The ticket BEGIN_LUA's `answer` gives; a slot taken is renewed from now on."""
         word, detail = (v.decode() if isinstance(v, bytes) else str(v) for v in answer)
         # `wait`: the caps are full; the waiting entry expires unless a next try re-adds it.
         verdict = cast(Admit, word)
-        ticket = Ticket(verdict, detail, sid, key, member, agent_key, req.agent_url)
+        agent_key, leases = p.keys[9], p.keys[7]
+        ticket = Ticket(verdict, detail, p.sid, p.key, p.member, agent_key, p.agent_url)
         if verdict == "run":
-            self.renewer.add(member, (leases, agent_key))
+            self.renewer.add(p.member, (leases, agent_key))
         return ticket
 
     def free_slot(self, ticket: Ticket, token: str, ok: bool = False) -> None:

@@ -29,7 +29,7 @@ from infra import generation
 from infra.http import EventLoopThread, PostClient
 from schemas.feed import FeedMember, FeedState, is_stale
 from schemas.messages import CallPolicy, CollectRequest, RunRef
-from workers.rollout.admission import Ticket
+from workers.rollout.admission import AdmitCall, Ticket
 from workers.rollout.agent_call import CallOutcome, call_run
 from workers.rollout.encoding import EncodedRecords
 from workers.rollout.landing import LAND_WAIT_S, LandReport
@@ -82,6 +82,11 @@ class AdmissionGate(Protocol):
         waiting: Ticket | None = None,
     ) -> Ticket:
         """A slot's ticket, `wait` while the caps are full, or why the rollout must not start."""
+        ...
+
+    def try_admit_many(self, calls: list[AdmitCall]) -> list[Ticket | Exception]:
+        """`try_admit` for each of `calls` in one round trip; a call that failed alone gets its
+        error in its place."""
         ...
 
     def free_slot(self, ticket: Ticket, token: str, ok: bool = False) -> None: ...
@@ -184,6 +189,10 @@ class RunCheck(Protocol):
     """Why a task's run fields must not be trusted, or None (`ManifestCheck`)."""
 
     def refusal(self, run: RunRef, agent_url: str) -> str | None: ...
+
+    def vouched(self, run: RunRef, agent_url: str) -> bool:
+        """Whether `refusal` said None already (it would answer without a read)."""
+        ...
 
 
 class StepThreads:
@@ -608,8 +617,13 @@ class RolloutContext:
     ahead of other steps as any start; None without leases."""
     settles: Gathered[SettleCall, Settled] | None = field(default=None, init=False)
     """The leases' settlings, gathered (`LeaseKeeper.settle_many`); None without leases."""
+    admits: Gathered[AdmitCall, Ticket] = field(init=False)
+    """The admissions of deliveries that start together, gathered (`AdmissionGate.try_admit_many`),
+    ahead of other steps as any start."""
 
     def __post_init__(self) -> None:
+        admits = Gathered(self.gate.try_admit_many, self.blocking, first=True)
+        object.__setattr__(self, "admits", admits)
         if self.leases is not None:
             takes = Gathered(self.leases.take_many, self.blocking, first=True)
             object.__setattr__(self, "takes", takes)

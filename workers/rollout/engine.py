@@ -53,7 +53,7 @@ from schemas.outcomes import (
 from workers import tracing
 from workers.capture import clear_for, merge_into
 from workers.health.live import judge
-from workers.rollout.admission import AdmissionWaits, Ticket
+from workers.rollout.admission import AdmissionWaits, AdmitCall, Ticket
 from workers.rollout.agent_call import CallOutcome, stamp_failure_records, with_attempt
 from workers.rollout.backpressure import RateLimitWaits, budget_failure
 from workers.rollout.context import (
@@ -247,9 +247,9 @@ class _Run:
                         exc)  # fmt: skip
 
     async def start(self) -> RolloutOutcome | Ticket:
-        """The lease (`take_lease`), then one hop off the loop: the manifest check and the first
-        admission (`begin`). Both go first in the step threads' queue: a start waits behind no
-        landing or settling.
+        """The lease (`take_lease`), then the manifest check and the first admission (`begin`),
+        each gathered with those of the deliveries that start meanwhile and ahead of other steps
+        in the step threads' queue: a start waits behind no landing or settling.
 
         A delivery taken ahead of its worker's slots (`SLOT`) waits for its slot on the loop
         between the two, leased.
@@ -258,26 +258,30 @@ class _Run:
         if taken is not None:
             return taken
         slot = SLOT.get()
-        if slot is None:
-            return await self.ctx.blocking(self.begin, first=True)
-        if not await slot():
-            return await self.ctx.blocking(self.not_started)
-        return await self.ctx.blocking(self.after_slot, first=True)
+        if slot is not None:
+            if not await slot():
+                return await self.ctx.blocking(self.not_started)
+            lease, leases = self.lease, self.ctx.leases
+            if lease is not None and leases is not None and not leases.fresh(lease):
+                over = await self.ctx.blocking(self.taken_over_meanwhile, first=True)
+                if over is not None:
+                    return over
+        return await self.begin()
 
-    def after_slot(self) -> RolloutOutcome | Ticket:
-        """The start of a delivery that waited for its slot holding its lease: `begin`, unless
-        the lease was taken over meanwhile (its worker was frozen or cut off, and the rollout
-        runs elsewhere): then it calls nothing and ends as the attempt taken over it is."""
+    def taken_over_meanwhile(self) -> RolloutOutcome | None:
+        """For a delivery that waited for its slot while its worker was silent for most of the
+        lease TTL (frozen, cut off): how it ends if its lease was taken over meanwhile (the
+        rollout runs elsewhere; it calls nothing and ends as the attempt taken over it is);
+        blocking."""
         lease, leases = self.lease, self.ctx.leases
-        if lease is not None and leases is not None and not leases.fresh(lease):
-            # Its worker was silent for most of the lease TTL (frozen, cut off): ask Redis.
-            try:
-                current = leases.current(lease, self.req.run.token)
-            except redis.RedisError:
-                current = True  # admission retries Redis; landing fences a stale attempt
-            if not current:
-                return self.end(Ended.TAKEN_OVER, detail="taken over while it waited for a slot")
-        return self.begin()
+        assert lease is not None and leases is not None
+        try:
+            current = leases.current(lease, self.req.run.token)
+        except redis.RedisError:
+            current = True  # admission retries Redis; landing fences a stale attempt
+        if not current:
+            return self.end(Ended.TAKEN_OVER, detail="taken over while it waited for a slot")
+        return None
 
     def not_started(self) -> RolloutOutcome:
         """A delivery refused its slot (the worker stops): its lease goes back at once, and the
@@ -287,21 +291,36 @@ class _Run:
             self.lease = None
         return self.end(Ended.REDELIVERED, detail="not started: the worker is stopping")
 
-    def begin(self) -> RolloutOutcome | Ticket:
+    async def begin(self) -> RolloutOutcome | Ticket:
         """Its run fields vouched for, its capture cleared and its first try at admission; the
-        slot's ticket (`wait` while the caps are full), or how the delivery ended."""
+        slot's ticket (`wait` while the caps are full), or how the delivery ended. A hop off the
+        loop only when there is something to read or clear (the manifest not yet vouched for in
+        this process, a capture)."""
         try:
-            ctx = self.ctx
-            if self.delivery.record and ctx.runs is not None:
-                refused = ctx.runs.refusal(self.req.run, self.req.agent_url)
+            ctx, req = self.ctx, self.req
+            runs = ctx.runs if self.delivery.record else None
+            if req.capture is not None or (
+                runs is not None and not runs.vouched(req.run, req.agent_url)
+            ):
+                refused = await ctx.blocking(self.vouch, first=True)
                 if refused is not None:
-                    log.error("rollout %s refused: %s", self.rollout, refused)
-                    return self.end(Ended.FENCED, detail=refused)
-            clear_for(self.req)  # before dispatch: no attempt reads an earlier delivery's calls
-            return self.admit(None, None)
+                    return refused
+            return await self.admit(None, None)
         except Exception as exc:
             # The lease taken above is settled by `run`, whatever happened here.
             return unexpected(self.rollout, exc)
+
+    def vouch(self) -> RolloutOutcome | None:
+        """Check the run fields against the shard's manifest and clear the capture (blocking);
+        how the delivery ends when they are refused."""
+        ctx = self.ctx
+        if self.delivery.record and ctx.runs is not None:
+            refused = ctx.runs.refusal(self.req.run, self.req.agent_url)
+            if refused is not None:
+                log.error("rollout %s refused: %s", self.rollout, refused)
+                return self.end(Ended.FENCED, detail=refused)
+        clear_for(self.req)  # before dispatch: no attempt reads an earlier delivery's calls
+        return None
 
     async def take_lease(self) -> RolloutOutcome | None:
         """Take the rollout's lease (setting `self.lease`) in one round trip with those of the
@@ -392,7 +411,7 @@ class _Run:
                         await self.until(ctx.lines.bell(key), waits.next_s())
                     else:
                         await self.until(turn, ctx.lines.refresh_s)
-                got = await ctx.blocking(partial(self.admit, readmit, waiting))
+                got = await self.admit(readmit, waiting)
                 if isinstance(got, RolloutOutcome) or got.verdict != "wait":
                     return got
                 waiting = got
@@ -407,28 +426,35 @@ class _Run:
         finally:
             slept.cancel()
 
-    def admit(self, readmit: Ticket | None, waiting: Ticket | None) -> RolloutOutcome | Ticket:
-        """Try to admit the rollout (again, after a rate-limit wait: no new start); blocking.
+    async def admit(
+        self, readmit: Ticket | None, waiting: Ticket | None
+    ) -> RolloutOutcome | Ticket:
+        """Try to admit the rollout (again, after a rate-limit wait: no new start), in one round
+        trip with the tries of the rollouts that ask meanwhile (`RolloutContext.admits`).
 
         The slot's ticket, the `wait` one while the caps are full, or the `worker_lost` one of a
         rollout past its attempt limit (its row lands: `lost`); or how the rollout ended: not
         admitted (`not_run`), or Redis away.
         """
+        ctx = self.ctx
         seen = self.delivery.admission or self.req
         try:
-            ticket = self.ctx.gate.try_admit(seen, self.sid, readmit=readmit, waiting=waiting)
+            with tracing.step("rollouts.admission_wait") as traced:
+                ticket = await ctx.admits(AdmitCall(seen, self.sid, readmit, waiting))
+                traced.set("rollouts.readmit", readmit is not None)
+                traced.set("rollouts.admission.verdict", ticket.verdict)
         except redis.RedisError as exc:
             log.error("rollout %s not started: Redis unavailable: %s", self.rollout, exc)
             return self.end(Ended.ERROR, detail=f"{type(exc).__name__}: {exc}")
         if ticket.verdict in ("wait", "worker_lost"):
             return ticket
         if ticket.verdict != "run":
-            return self.not_run(ticket, seen)
-        if readmit is None:
-            self.note_version()
+            return await ctx.blocking(partial(self.not_run, ticket, seen))
+        if readmit is None and self.req.feed is not None and ctx.feeds is not None:
+            await ctx.blocking(self.note_version)
         self.staged("calling")
         if readmit is None and self.delivery.on_admitted is not None:
-            self.delivery.on_admitted()
+            await ctx.blocking(self.delivery.on_admitted)
         return ticket
 
     def note_version(self) -> None:

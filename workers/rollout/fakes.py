@@ -26,7 +26,7 @@ import orjson
 from schemas.errors import ShardFencedError
 from schemas.feed import FeedMember, FeedState
 from schemas.messages import CollectRequest, RunRef
-from workers.rollout.admission import WINDOW_DECREASE, Ticket
+from workers.rollout.admission import WINDOW_DECREASE, AdmitCall, Ticket
 from workers.rollout.encoding import EncodedRecords, encode_records
 from workers.rollout.landing import LandReport
 from workers.rollout.leases import (
@@ -111,6 +111,8 @@ class FakeGate:
         """Tries `try_admit` answers `wait` before it admits."""
         self.waited: list[str | None] = []
         """The waiting member each `wait` answer was given (None: a first try)."""
+        self.rounds: list[int] = []
+        """How many tries each round trip of `try_admit_many` carried."""
         self._held: set[str] = set()
 
     def try_admit(
@@ -125,6 +127,11 @@ class FakeGate:
             self.waited.append(waiting.member if waiting is not None else None)
             return Ticket("wait", "", sid, key_str(req.row), f"fake|{key_str(req.row)}", "agent")
         return self.admit(req, sid, readmit)
+
+    def try_admit_many(self, calls: list[AdmitCall]) -> list[Ticket | Exception]:
+        """Each try as `try_admit` answers it (an error raises for all, as a round trip's)."""
+        self.rounds.append(len(calls))
+        return [self.try_admit(c.req, c.sid, c.readmit, c.waiting) for c in calls]
 
     def admit(self, req: CollectRequest, sid: str, readmit: Ticket | None = None) -> Ticket:
         s, key = self.shard, key_str(req.row)

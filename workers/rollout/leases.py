@@ -46,7 +46,7 @@ import redis
 
 from infra import keys
 from infra.environment import from_env
-from infra.redis_client import client
+from infra.redis_client import client, run_scripts
 from infra.scripts import GIVE_BACK_LUA, RENEW_ROLLOUTS_LUA, SETTLE_LUA, TAKE_LEASE_LUA
 from workers.rollout.admission import with_redis_retry
 from workers.shard.landed import settled
@@ -223,7 +223,7 @@ class RolloutLeases:
         error; a Redis error of the round trip raises for all."""
         prepared = [self._take_script_call(call) for call in calls]
         sent = time.monotonic()
-        answers = self._pipelined(self._take, TAKE_LEASE_LUA, prepared)
+        answers = run_scripts(self.r, self._take, prepared)
         return [
             answer if isinstance(answer, Exception) else self._taken(call, answer, sent)
             for call, answer in zip(calls, answers, strict=True)
@@ -302,34 +302,13 @@ class RolloutLeases:
         prepared = [self._settle_script_call(call) for call in calls]
         answers = with_redis_retry(
             "lease settle",
-            lambda: self._pipelined(self._settle, SETTLE_LUA, prepared),
+            lambda: run_scripts(self.r, self._settle, prepared),
             budget_s=SETTLE_RETRY_S,
         )
         return [
             answer if isinstance(answer, Exception) else self._settled(call, answer)
             for call, answer in zip(calls, answers, strict=True)
         ]
-
-    def _pipelined(
-        self, script: Any, source: str, prepared: list[tuple[list[str], list[Any]]]
-    ) -> list[Any]:
-        """`script` once per call, by its digest, in one pipeline (not a transaction: each
-        script is atomic on its own). Those Redis did not know the script for (it restarted)
-        did not run: they are sent again once it is loaded."""
-        answers: list[Any] = [None] * len(prepared)
-        todo = list(range(len(prepared)))
-        for _ in range(2):
-            pipe = self.r.pipeline(transaction=False)
-            for i in todo:
-                names, args = prepared[i]
-                pipe.evalsha(script.sha, len(names), *names, *args)
-            for i, answer in zip(todo, pipe.execute(raise_on_error=False), strict=True):
-                answers[i] = answer
-            todo = [i for i in todo if isinstance(answers[i], redis.exceptions.NoScriptError)]
-            if not todo:
-                break
-            self.r.script_load(source)
-        return answers
 
     def _settle_script_call(
         self, call: SettleCall, reply: ReplyPush | None = None

@@ -54,6 +54,13 @@ class ManifestCheck:
             self._verdicts[key] = verdict
         return verdict
 
+    def vouched(self, run: RunRef, agent_url: str) -> bool:
+        """Whether this process found the task's run fields vouched for already (no read): the
+        rollout engine then checks without leaving its event loop."""
+        key = (run.output_dir, run.shard, run.run_id, run.token, agent_url)
+        with self._lock:
+            return key in self._verdicts and self._verdicts[key] is None
+
 
 def _check(run: RunRef, agent_url: str) -> str | None:
     where = f"shard {run.shard} of {run.output_dir}"
