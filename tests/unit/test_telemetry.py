@@ -310,11 +310,18 @@ def test_a_traced_rollout_s_rate_limit_wait_is_a_span_between_its_attempts(
         loop.thread.join(5)
         loop.loop.close()
     assert out.ended is Ended.LANDED
-    first, waited, second = spans.get_finished_spans()
+    finished = spans.get_finished_spans()
+    # Admitted, then admitted again after the wait (no new start): each try its own span.
+    admissions = [s for s in finished if s.name == "rollouts.admission_wait"]
+    assert [(s.attributes or {})["rollouts.readmit"] for s in admissions] == [False, True]
+    assert all((s.attributes or {})["rollouts.admission.verdict"] == "run" for s in admissions)
+    first, waited, second = [s for s in finished if s.name != "rollouts.admission_wait"]
     assert [first.name, waited.name, second.name] == ["HTTP POST", "rollouts.rate_limit_wait",
                                                       "HTTP POST"]  # fmt: skip
+    assert admissions[1].start_time is not None and waited.end_time is not None
+    assert waited.end_time <= admissions[1].start_time
     assert (first.attributes or {})["http.response.status_code"] == 429
     assert (waited.attributes or {})["rollouts.wait_s"] == 1.0
     assert first.end_time is not None and waited.start_time is not None
     assert first.end_time <= waited.start_time
-    assert {f"{s.context.trace_id:032x}" for s in (first, waited, second)} == {PARENT.trace_id}
+    assert {f"{s.context.trace_id:032x}" for s in finished} == {PARENT.trace_id}
