@@ -74,19 +74,10 @@ GATHERED_MOST = 512
 class AdmissionGate(Protocol):
     """Whether a rollout may start, the slots it holds, and the run's stop flags (`workers/rollout/admission.py`)."""
 
-    def try_admit(
-        self,
-        req: CollectRequest,
-        sid: str,
-        readmit: Ticket | None = None,
-        waiting: Ticket | None = None,
-    ) -> Ticket:
-        """A slot's ticket, `wait` while the caps are full, or why the rollout must not start."""
-        ...
-
     def try_admit_many(self, calls: list[AdmitCall]) -> list[Ticket | Exception]:
-        """`try_admit` for each of `calls` in one round trip; a call that failed alone gets its
-        error in its place."""
+        """For each of `calls`, in one round trip: a slot's ticket, `wait` while the caps are
+        full, or why the rollout must not start; a call that failed alone gets its error in its
+        place."""
         ...
 
     def free_slot(self, ticket: Ticket, token: str, ok: bool = False) -> None: ...

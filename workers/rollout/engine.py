@@ -247,9 +247,11 @@ class _Run:
                         exc)  # fmt: skip
 
     async def start(self) -> RolloutOutcome | Ticket:
-        """The lease (`take_lease`), then the manifest check and the first admission (`begin`),
-        each gathered with those of the deliveries that start meanwhile and ahead of other steps
-        in the step threads' queue: a start waits behind no landing or settling.
+        """The lease (`take_lease`), then the manifest check and the first admission (`begin`).
+        The lease and the admission are each gathered with those of the deliveries that start
+        meanwhile, and they and the manifest check (a hop only until the run is vouched for) go
+        ahead of other steps in the step threads' queue: a start waits behind no landing or
+        settling.
 
         A delivery taken ahead of its worker's slots (`SLOT`) waits for its slot on the loop
         between the two, leased.
