@@ -61,6 +61,44 @@ def test_ranges_cover_every_line_once(
     assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
 
 
+@given(
+    lines=st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"x")), max_size=30),
+    final_newline=st.booleans(),
+    batch_bytes=st.integers(min_value=1, max_value=120),
+    views=st.booleans(),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_digest_hashed_in_batches_on_its_thread_is_the_files(
+    lines: list[bytes], final_newline: bool, batch_bytes: int, views: bool
+) -> None:
+    """The digest's batches (several waiting for the hashing thread when they are small) add
+    up to the SHA-256 of the file, with or without its last newline; a range job has none."""
+    import hashlib
+    import importlib
+
+    from schemas.health import ScanJob, ScanResult
+
+    scan = importlib.import_module("workers.health.scan")  # the package's `scan` is a function
+
+    data = b"\n".join(lines) + (b"\n" if final_newline and lines else b"")
+    job = ScanJob(scratch="/x", job=0, source=0, kind="results", dir="/x", name="f.jsonl",
+                  label="f", start=0, end=None, ignored=[])  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scan, "DIGEST_BATCH_BYTES", batch_bytes)
+        digest = scan.FileDigest(job)
+        for line in lines:
+            digest.add(memoryview(bytes(line)) if views else line)
+        result = ScanResult(job=0)
+        digest.finish(result, len(data))
+    assert (result.sha256, result.size) == (hashlib.sha256(data).hexdigest(), len(data))
+    ranged = scan.FileDigest(job.model_copy(update={"start": 1}))
+    for line in lines:
+        ranged.add(line)
+    result = ScanResult(job=0)
+    ranged.finish(result, len(data))
+    assert result.sha256 is None
+
+
 def test_summary_stream_is_orjson_pretty(tmp_path: Path) -> None:
     run = {"a": [1, {"b": None}], "c": {}, "d": "x\ny"}
     tasks = {"0": {"repeats": 2, "flags": []}, "10": {"repeats": 1, "flags": ["t"]}}
