@@ -11,7 +11,8 @@ does (`examples/agent_server.py`).
 
 `GET /stats` counts the requests it received; `GET /episodes` lists the `/run` bodies received,
 as received; `--fail` (or `POST /admin/knobs {"fail": true}`) makes `/aggregate_metrics` answer
-HTTP 500, and `require_content_length` makes every request without a `Content-Length` (a chunked
+HTTP 500, `aggregate_delay_ms` delays its answer (a slow server's aggregate; `answered_at`
+holds when each answer went), and `require_content_length` makes every request without a `Content-Length` (a chunked
 body) answer HTTP 411, as some servers and proxies do.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import time
 from typing import Any
 
 import orjson
@@ -45,6 +47,9 @@ class EnvironmentServer:
         self.require_content_length = False
         self.requests = 0
         self.refused_chunked = 0
+        self.aggregate_delay_ms = 0.0
+        self.answered_at: list[float] = []
+        """When each `/aggregate_metrics` answer went (`time.time()`)."""
         self.last_rows: list[dict[str, Any]] = []
         self.episode_bodies: list[dict[str, Any]] = []
         self.episodes = 0
@@ -66,6 +71,9 @@ class EnvironmentServer:
         if not isinstance(rows, list):
             return web.Response(status=422, text="expected {'verify_responses': [...]}")
         self.last_rows = rows
+        if self.aggregate_delay_ms > 0:
+            await asyncio.sleep(self.aggregate_delay_ms / 1000)
+        self.answered_at.append(time.time())
         if self.fail:
             return web.Response(status=500, text=f"injected fault: {self.name} cannot aggregate")
         return web.Response(
@@ -146,9 +154,12 @@ class EnvironmentServer:
             self.fail = bool(changes["fail"])
         if "require_content_length" in changes:
             self.require_content_length = bool(changes["require_content_length"])
+        if "aggregate_delay_ms" in changes:
+            self.aggregate_delay_ms = float(changes["aggregate_delay_ms"])
         return web.json_response(
-            {"fail": self.fail, "require_content_length": self.require_content_length}
-        )
+            {"fail": self.fail, "require_content_length": self.require_content_length,
+             "aggregate_delay_ms": self.aggregate_delay_ms}
+        )  # fmt: skip
 
     def app(self) -> web.Application:
         app = web.Application(

@@ -24,11 +24,13 @@ from schemas.messages import RunRef
 from schemas.quality_summary import HealthBrief, HealthError, SummaryRun
 from schemas.records import (
     Finished,
+    ShardStatus,
     rate_limit_waits,
 )
 from schemas.settings import CollectionSettings
 from workers.finish_pass import (
     ShardFacts,
+    ShardPass,
     count_and_aggregate,
     count_only,
     members_at_finish,
@@ -75,14 +77,19 @@ def health_brief(run: SummaryRun, path: str) -> HealthBrief:
 
 
 def check_shard_health(
-    rd: RunDir, shard: str, settings: CollectionSettings, folded: FoldedCheck | None = None
+    rd: RunDir,
+    shard: str,
+    settings: CollectionSettings,
+    folded: FoldedCheck | None = None,
+    status: ShardStatus | None = None,
 ) -> HealthBrief | HealthError:
     """Write the shard's quality summary (or the disabled one); never raises. `folded`: the
-    check whose results scan the finish step's pass fed."""
+    check whose results scan the finish step's pass fed; `status`: the shard's status, when
+    the check runs before it is written (else it is read beside the results)."""
     files = ShardFiles(shard)
     path = rd.path(QUALITY_SUMMARY)
     with step("rollouts.health_check", **{"rollouts.shard": shard}) as traced:
-        brief = _check_shard_health(rd, shard, settings, files, path, folded)
+        brief = _check_shard_health(rd, shard, settings, files, path, folded, status)
         if "error" in brief:
             traced.fail(str(brief["error"]))
         else:
@@ -97,7 +104,9 @@ def _check_shard_health(
     files: ShardFiles,
     path: str,
     folded: FoldedCheck | None,
+    status: ShardStatus | None,
 ) -> HealthBrief | HealthError:
+    doc = None if status is None else status.model_dump(mode="json")
     try:
         if settings.disable_health_check:
             run = write_disabled(
@@ -105,15 +114,15 @@ def _check_shard_health(
                 [files.results],
                 settings.health_check_ignored_checks,
                 settings_limits(settings),
-                coverage_of=[source_for(rd, files.results, files.results)],
+                coverage_of=[source_for(rd, files.results, files.results, doc)],
             )
         elif folded is not None:
-            sources = [source_for(rd, files.results, files.results)]
+            sources = [source_for(rd, files.results, files.results, doc)]
             run = folded.run(sources, settings_limits(settings))
         else:
             run = check_sources_here(
                 rd.url,
-                [source_for(rd, files.results, files.results)],
+                [source_for(rd, files.results, files.results, doc)],
                 ignored=settings.health_check_ignored_checks,
                 limits=settings_limits(settings),
             )
@@ -206,8 +215,33 @@ def _finish_in(
     if settings.write_report and not settings.disable_aggregation:
         reporting = _folded_report(rd, results)
     shard = ShardFacts.of(rd, manifest, settings)
+    current = generation.read(client(redis_url), sid)
+    ours = current if current.token == run.token else generation.Generation()
+    status: ShardStatus | None = None
+
+    def counted(done: ShardPass) -> None:
+        """The shard's coverage, its status but for the members' aggregation, and its health
+        check: what needs the pass's accounting and not the servers' answers, done while the
+        servers are asked (their aggregate can take seconds on a large shard)."""
+        nonlocal health, status
+        counts = done.ledger
+        write_coverage(rd, done.coverage)
+        status = counts.status(manifest.run_id, run.shard)
+        status.drained = ours.count(generation.DRAINED)
+        status.cancelled = ours.count(generation.CANCELLED)
+        status.stopped = ours.count(generation.STOPPED)
+        status.rate_limit_waits = rate_limit_waits(shard_counts(r, sid))
+        status.tokens = counts.tokens.usage(settings.model_prices)
+        status.feed = feed
+        if run_error == STOPPED_BY_SIGTERM:
+            # The provisional summary written at the stop stays until `rollouts health-check`.
+            log.info("%s shard %s was stopped: its provisional summary is kept", rd.url, run.shard)
+        elif not settings.disable_aggregation:
+            health = check_shard_health(rd, run.shard, settings, folded, status)
+
     if settings.disable_aggregation:
         done = count_only(rd, shard)
+        counted(done)
     else:
         done = count_and_aggregate(
             rd,
@@ -215,26 +249,13 @@ def _finish_in(
             config,
             watchers=tuple(w for w in (folded, reporting) if w is not None),
             on_landed=reporting.landed if reporting is not None else None,
+            counted=counted,
         )
     counts, run_coverage = done.ledger, done.coverage
-    write_coverage(rd, run_coverage)
-    status = counts.status(manifest.run_id, run.shard)
-    current = generation.read(client(redis_url), sid)
-    ours = current if current.token == run.token else generation.Generation()
-    status.drained = ours.count(generation.DRAINED)
-    status.cancelled = ours.count(generation.CANCELLED)
-    status.stopped = ours.count(generation.STOPPED)
-    status.rate_limit_waits = rate_limit_waits(shard_counts(r, sid))
-    status.tokens = counts.tokens.usage(settings.model_prices)
+    assert status is not None, "the pass calls counted once its rows are read"
     status.members = members_at_finish(counts, shard.policy, settings, done)
-    status.feed = feed
     rejection = str(done.rejection) if done.rejection is not None else None
     write_status(rd, status)
-    if run_error == STOPPED_BY_SIGTERM:
-        # The provisional summary written at the stop stays until `rollouts health-check`.
-        log.info("%s shard %s was stopped: its provisional summary is kept", rd.url, run.shard)
-    elif not settings.disable_aggregation:
-        health = check_shard_health(rd, run.shard, settings, folded)
 
     manifest.state = "failed" if run_error else "cancelled" if cancelled else "completed"
     manifest.error = run_error

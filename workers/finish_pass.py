@@ -49,6 +49,7 @@ def write_aggregate_file(
     stamp: Callable[[], Mapping[str, Any]] | None = None,
     reject: Callable[[], str | None] | None = None,
     failures: dict[str, AggregationError] | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> str | None:
     """Aggregate `rows` per environment server and save `name`; returns the first error's text.
 
@@ -59,7 +60,9 @@ def write_aggregate_file(
     no rows to score. Once the rows were read (and before any server is asked): `stamp` gives
     fields set in every entry, and `reject` the strict-completion rejection, if any: a
     rejected run asks no server and its entries carry no metric values, only why. `failures`
-    is told each failed entry's error (type and HTTP status), keyed by its label. The answers
+    is told each failed entry's error (type and HTTP status), keyed by its label. `meanwhile`
+    runs on this thread while the servers are asked (the finish step's health check), after
+    `stamp` and `reject`; not at all when there are no rows to score. The answers
     wait in a local scratch folder and the file is written from there, a list item at a time
     (`workers/aggregate_file.py`).
     """
@@ -77,8 +80,15 @@ def write_aggregate_file(
                 for s in sorted(groups)
             ]
             error = None
+            if meanwhile is not None:
+                meanwhile()
         else:
-            entries, error = process_io().loop.run(aggregate(groups, config, scratch, failures))
+            asked = process_io().loop.submit(aggregate(groups, config, scratch, failures))
+            try:
+                if meanwhile is not None:
+                    meanwhile()
+            finally:
+                entries, error = asked.result()
         with rd.writing(name) as out:
             write_entries(out, ({**entry, **extra} for entry in entries))
     finally:
@@ -163,9 +173,12 @@ def count_and_aggregate(
     config: ServersConfig,
     watchers: tuple[LineWatcher, ...] = (),
     on_landed: Callable[[int, dict[str, Any]], None] | None = None,
+    counted: Callable[[ShardPass], None] | None = None,
 ) -> ShardPass:
     """The shard's accounting and its aggregate, reading the results once (and handing each line
     to `watchers`, each landed row to `on_landed`: the health check's scan and the report).
+    `counted` is called once with the pass's accounting complete (the rows read, the coverage
+    counted, strict completion decided), while the servers are asked when any are.
 
     The scored rows are the results plus the zeros `count_failure_classes_as_zero` and
     `count_missing_rollouts_as_zero` impute (`workers/shard/scored.py`), each result folded into
@@ -180,25 +193,30 @@ def count_and_aggregate(
     done = ShardPass(ledger, shard.coverage(ledger))
     read: list[bool] = []
 
-    def counted() -> RunCoverage:
+    def count() -> RunCoverage:
         done.coverage = shard.coverage(ledger, rows.imputed)
         done.rejection = shard.rejection(rd, ledger, done.coverage)
         read.append(True)
         return done.coverage
 
     def stamp() -> dict[str, dict[str, int]]:
-        return {"coverage": counted().metrics()}
+        return {"coverage": count().metrics()}
 
     def reject() -> str | None:
         return None if done.rejection is None else str(done.rejection)
 
+    def meanwhile() -> None:
+        if counted is not None:
+            counted(done)
+
     done.error = write_aggregate_file(
         rd, ledger.files.aggregate, rows, config, raise_on_error=False, stamp=stamp,
-        reject=reject, failures=done.failures,
+        reject=reject, failures=done.failures, meanwhile=meanwhile,
     )  # fmt: skip
     done.metrics = rows.coverage()
     if not read:  # nothing to score: the rows were read all the same, and no file written
-        counted()
+        count()
+        meanwhile()
     return done
 
 

@@ -71,6 +71,35 @@ def test_run_ends_with_health_summary_and_verdict_line(make_run: MakeRun) -> Non
     assert printed.index("environment math_env") < printed.index("Run health")
 
 
+def test_the_health_check_runs_while_the_environment_servers_aggregate(
+    make_run: MakeRun,
+) -> None:
+    """The finish step checks the run's health while the servers are asked for their aggregate
+    (it needs the rows, not their answer): with a server that takes 2 s to answer, the quality
+    summary is written before the answer came, and the status and the aggregate file after;
+    the reports are still a standalone recheck's (which reads the status written since)."""
+    run = make_run(concurrency=16)
+    out = run.out
+    for env in run.servers.environments.values():
+        env.aggregate_delay_ms = 2000
+    code = run.execute(demo_rows(10), {"num_repeats": 2}, console=Console(file=io.StringIO()))
+    assert code == 0
+    answered = min(t for env in run.servers.environments.values() for t in env.answered_at)
+    written = {n: os.stat(out / n).st_mtime for n in (
+        "quality_summary.json", "rollouts-0_coverage.json", "rollouts-0_status.json",
+        "rollouts-0_aggregate_metrics.json",
+    )}  # fmt: skip
+    assert written["rollouts-0_coverage.json"] <= written["quality_summary.json"] < answered
+    assert answered <= written["rollouts-0_status.json"]
+    assert answered <= written["rollouts-0_aggregate_metrics.json"]
+    assert summary(out)["run"]["state"] == "complete"
+    reports = [(out / n).read_bytes() for n in ("quality_summary.json", "rollout_verdicts.jsonl")]
+    run_local(plan_recheck(str(out)))
+    assert [(out / n).read_bytes() for n in ("quality_summary.json", "rollout_verdicts.jsonl")] == (
+        reports
+    )
+
+
 FAILING = ("count_env",)
 
 

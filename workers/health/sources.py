@@ -83,12 +83,14 @@ def _generations(manifest: Any) -> list[Generation]:
         return []
 
 
-def source_for(rd: RunDir, name: str, label: str) -> Source:
+def source_for(rd: RunDir, name: str, label: str, status: Any = None) -> Source:
     """A rollouts file with the sidecars found beside it (by NeMo Gym's path rules), and what
-    its manifest says of the run's config and capture dir."""
+    its manifest says of the run's config and capture dir. `status`: the status record as its
+    file will hold it (JSON values), when it is not written yet (the finish step's)."""
     stem = stem_of(name)
     failures, materialized = f"{stem}_failures.jsonl", f"{stem}_materialized_inputs.jsonl"
-    status = read_json(rd, f"{stem}_status.json")
+    if status is None:
+        status = read_json(rd, f"{stem}_status.json")
     manifest = read_json(rd, f"{stem}_manifest.json")
     coverage_file = f"{stem}_coverage.json"
     coverage = read_json(rd, coverage_file)
