@@ -47,7 +47,7 @@ from bench.collectors import (
 )
 from bench.harness import ROOT, AgentProcess, BenchCluster, RssSampler, table
 from bench.otlp_sink import OtlpSink
-from bench.wave import StartLog, wave_start_s
+from bench.wave import StartLog, last_reply_s, wave_start_s
 from examples.tasks import make_row
 from infra import telemetry
 from infra.embedded import EmbeddedRedis
@@ -122,8 +122,11 @@ def latency(
         chord_log = StartLog(os.path.join(tmp, "chord-starts.log"))
 
         def waved(log: StartLog, m: Measure) -> Measure:
-            """`m` with its wave start (`extra["wave_s"]`), read from `log`."""
-            m.extra["wave_s"] = wave_start_s(log.starts(), m.extra["dispatched_at"], wave)
+            """`m` with its wave start and last reply (`extra["wave_s"]`, `["last_reply_s"]`),
+            read from `log`."""
+            starts, ends = log.read()
+            m.extra["wave_s"] = wave_start_s(starts, m.extra["dispatched_at"], wave)
+            m.extra["last_reply_s"] = last_reply_s(ends, m.extra["dispatched_at"])
             return m
 
         def sampled(pids: list[int], measure: Callable[[], Measure]) -> Measure:
@@ -180,16 +183,18 @@ def latency(
         out = []
         for m in results:
             wave_s = m.extra.get("wave_s")
+            last = m.extra.get("last_reply_s")
+            last_cell = "-" if last is None else last
             rss = f"{min(rss_per_1k[m.name]):.1f}" if m.name in rss_per_1k else "-"
             if "unfinished" in m.extra:
                 out.append(
                     [m.name, m.n, f"did not finish in {m.extra['unfinished']:g} s",
-                     "-" if wave_s is None else wave_s, m.extra.get("enqueue_s", "-"),
+                     "-" if wave_s is None else wave_s, last_cell, m.extra.get("enqueue_s", "-"),
                      "-", "-", "-", rss]
                 )  # fmt: skip
                 continue
             out.append(
-                [m.name, m.n, m.wall_s, "-" if wave_s is None else wave_s,
+                [m.name, m.n, m.wall_s, "-" if wave_s is None else wave_s, last_cell,
                  m.extra.get("enqueue_s", "-"), m.rate, f"{100 * m.rate / ideal:.1f}%",
                  m.cpu_ms_per_rollout, rss]
             )  # fmt: skip
@@ -203,6 +208,8 @@ def latency(
         wave_note = (
             f"; wave start: from dispatch until the agent saw its {wave:,}th /run (the chord: "
             f"until its {wave:,}th task started); the agent declares max_concurrency {in_flight}"
+            "; last reply: from dispatch until the agent ended its last /run (the wall time beyond"
+            " it: landing the last replies and, for ours, the finish step)"
         )
         return (
             f"latency: N={n}, agent latency {latency_ms:g} ms, {in_flight} in flight, "
@@ -214,6 +221,7 @@ def latency(
                     "N",
                     "wall s",
                     "wave start s",
+                    "last reply s",
                     "of which enqueue s",
                     "rollouts/s",
                     "of ideal",

@@ -1,4 +1,6 @@
-"""Wave start: how long from dispatch until the agent has seen a whole first wave of `/run`s.
+"""Wave start: how long from dispatch until the agent has seen a whole first wave of `/run`s;
+last reply: until the agent ended its last `/run` (what a collector's wall time holds beyond it is
+landing the last replies and, for ours, the finish step).
 
 Read from the request logs the latency scenario keeps: the example agent's (one JSON line per
 event, `examples/agent_server.py`) and, for the sleeping chord, whose tasks call no agent, the
@@ -19,24 +21,27 @@ class StartLog:
         self.path = path
         self._offset = 0
 
-    def starts(self) -> list[float]:
-        """The start times logged since the last call, sorted."""
+    def read(self) -> tuple[list[float], list[float]]:
+        """The start and end times logged since the last call, each sorted (a log of start
+        times alone, the sleeping chord's, has no ends)."""
         if not os.path.exists(self.path):
-            return []
+            return [], []
         with open(self.path, "rb") as f:
             f.seek(self._offset)
             data = f.read()
         end = data.rfind(b"\n") + 1  # a line still being written is read next time
         self._offset += end
-        found = []
+        starts, ends = [], []
         for line in data[:end].splitlines():
             if line.startswith(b"{"):
                 event = orjson.loads(line)
                 if event.get("event") == "start":
-                    found.append(float(event["start"]))
+                    starts.append(float(event["start"]))
+                elif event.get("event") == "end":
+                    ends.append(float(event["end"]))
             elif line.strip():
-                found.append(float(line))
-        return sorted(found)
+                starts.append(float(line))
+        return sorted(starts), sorted(ends)
 
 
 def wave_start_s(starts: list[float], dispatched_at: float, wave: int) -> float | None:
@@ -44,3 +49,8 @@ def wave_start_s(starts: list[float], dispatched_at: float, wave: int) -> float 
     if wave <= 0 or len(starts) < wave:
         return None
     return starts[wave - 1] - dispatched_at
+
+
+def last_reply_s(ends: list[float], dispatched_at: float) -> float | None:
+    """Seconds from `dispatched_at` to the last end; None if nothing ended."""
+    return ends[-1] - dispatched_at if ends else None

@@ -54,6 +54,12 @@ def test_latency_table_has_every_collector() -> None:
     assert all(float(cells(r)[-1]) == float(cells(r)[-1]) for r in rows), rows
     # and so is its wave start: its 16th /run (the chord: its 16th task) was seen after dispatch
     assert all(float(cells(r)[3]) >= 0 for r in rows), rows
+    # the agent ended its last /run after dispatch; ours finished after it (the chord calls none)
+    last = {cells(r)[0]: cells(r)[4] for r in rows}
+    assert last["Celery chord, tasks only sleep 0.05 s"] == "-"
+    assert float(last["asyncio + aiohttp (in-process)"]) > 0
+    ours = next(cells(r) for r in rows if cells(r)[0] == "rollouts (ours)")
+    assert 0 < float(ours[4]) < float(ours[2]), ours
 
 
 @pytest.mark.timeout(320)
@@ -65,7 +71,7 @@ def test_latency_gives_up_on_a_chord_past_its_time_limit() -> None:
     assert "the agent declares max_concurrency 20" in output
     by_name = {cells(r)[0]: cells(r) for r in table_rows(output)}
     chord = by_name["Celery chord, tasks only sleep 2 s"]
-    assert chord[2] == "did not finish in 1 s" and chord[5] == "-", chord
+    assert chord[2] == "did not finish in 1 s" and chord[4] == chord[6] == "-", chord
     for name in ("asyncio + aiohttp (in-process)", "rollouts (ours)"):
         assert float(by_name[name][2]) > 0 and float(by_name[name][3]) >= 0, by_name[name]
 
