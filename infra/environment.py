@@ -66,6 +66,11 @@ class Environment:
     """`ROLLOUTS_PREFETCH_AHEAD`: deliveries a rollout worker holds beyond its `-c` slots while they
     are all busy; None: none (a slot given back while its rollout lands is refilled at once
     anyway: `workers/pool.py`'s `PrefetchAhead`)."""
+    finish_read_ahead: bool = True
+    """`ROLLOUTS_FINISH_READ_AHEAD`: `0` turns off reading ahead, the finish step's pass over a
+    generation's results run by the worker that landed them first while they land
+    (`workers/finish_ahead.py`); the finish task then reads them all once the last rollout
+    settled."""
 
 
 def read_environment(environ: Mapping[str, str]) -> Environment:
@@ -85,6 +90,7 @@ def read_environment(environ: Mapping[str, str]) -> Environment:
         live_key_ttl_s=max(1, int(environ.get("ROLLOUTS_LIVE_KEY_TTL_S", LIVE_KEY_TTL_S))),
         gc_thresholds=parse_thresholds(environ.get("ROLLOUTS_GC_THRESHOLDS") or None),
         prefetch_ahead=_non_negative("ROLLOUTS_PREFETCH_AHEAD", environ),
+        finish_read_ahead=environ.get("ROLLOUTS_FINISH_READ_AHEAD", "1") != "0",
     )
 
 

@@ -194,6 +194,13 @@ shard_finishing = _shard_key("finishing")
 """Lock held while the shard's finish step runs: one finish at a time, and proof to a waiting
 producer that the run is not stalled while a long aggregation runs."""
 
+shard_reading = _shard_key("reading")
+"""Lock `<token>:<holder>` of the worker thread that runs generation `<token>`'s finish step ahead,
+its results read as they land (`workers/finish_ahead.py`); the finish task waits while it lives."""
+
+shard_finish_asked = _shard_key("finish_asked")
+"""String: the token of a generation whose finish task came; its reader ends the step now."""
+
 shard_status_tick = _shard_key("status_tick")
 """String with a short expiry: set (NX) by the writer whose turn it is to save the status file.
 
@@ -268,6 +275,7 @@ def all_shard_keys(sid: str) -> list[str]:
         shard_generation(sid),
         shard_durations(sid),
         shard_status_tick(sid),
+        shard_finish_asked(sid),
         shard_rollout_leases(sid),
         shard_lease_messages(sid),
         shard_attempts(sid),

@@ -8,7 +8,13 @@ fails the run: an error in it is logged and reported, and the run's state stands
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import redis
 
 from infra import generation, keys
 from infra.feed import close_feed, feed_status
@@ -16,6 +22,7 @@ from infra.locks import held
 from infra.redis_client import client
 from infra.runs import read_manifest, write_manifest, write_status
 from infra.store import RunDir, ShardFiles
+from infra.telemetry import TRACEPARENT
 from schemas.config import ServersConfig
 from schemas.errors import RunPartialError
 from schemas.finish import FinishResult
@@ -24,10 +31,19 @@ from schemas.messages import RunRef
 from schemas.quality_summary import HealthBrief, HealthError, SummaryRun
 from schemas.records import (
     Finished,
+    Manifest,
     ShardStatus,
     rate_limit_waits,
 )
 from schemas.settings import CollectionSettings
+from workers import tracing
+from workers.finish_ahead import (
+    Abandoned,
+    ReadAhead,
+    ask_to_finish,
+    register,
+    wait_for_reader,
+)
 from workers.finish_pass import (
     ShardFacts,
     ShardPass,
@@ -41,14 +57,18 @@ from workers.health.sources import source_for
 from workers.health.summary import blind_checks
 from workers.report import write_report
 from workers.report.build import FoldedReport
-from workers.shard.coverage import (
-    write_coverage,
-)
+from workers.shard.coverage import superseded_count, write_coverage
 from workers.shard.ledger import ShardLedger
 from workers.shard.state import compact_shard, expire_shard_keys, shard_counts
 from workers.tracing import step
 
-__all__ = ["finish_shard", "health_brief", "settings_limits", "write_aggregate_file"]
+__all__ = [
+    "finish_ahead",
+    "finish_shard",
+    "health_brief",
+    "settings_limits",
+    "write_aggregate_file",
+]
 
 log = logging.getLogger(__name__)
 
@@ -163,12 +183,72 @@ def _folded_report(rd: RunDir, results: str) -> FoldedReport | None:
 
 
 def finish_shard(run: RunRef, redis_url: str) -> FinishResult:
-    """Finish a shard after its last rollout task returned."""
+    """Finish a shard after its last rollout task returned; when a worker read its results ahead
+    (`workers/finish_ahead.py`), wait for it to end the step and return what it recorded."""
+    finished = finished_ahead(run, redis_url)
+    return finished if finished is not None else finish_here(run, redis_url)
+
+
+def finished_ahead(run: RunRef, redis_url: str) -> FinishResult | None:
+    """Ask the worker reading the shard ahead, if one is, to end the finish step now and wait
+    for it; the result it recorded, or None when the step is still to do (no reader, or one
+    that stopped short)."""
+    rd = RunDir(run.output_dir)
+    r = client(redis_url)
+    ask_to_finish(r, run)
+    if not wait_for_reader(r, keys.shard_id(rd.url, run.shard), run.token):
+        return None
+    manifest = read_manifest(rd, run.shard)
+    return standing_result(rd, manifest, run.token)
+
+
+def finish_here(run: RunRef, redis_url: str) -> FinishResult:
+    """The finish step in this thread (it returns the result recorded for the generation, if a
+    finish recorded one already)."""
     rd = RunDir(run.output_dir)
     sid = keys.shard_id(rd.url, run.shard)
     # Held while finishing: one finish of a shard at a time, and a sign of life to the producer.
     with held(client(redis_url), keys.shard_finishing(sid)):
         return _finish(rd, sid, run, redis_url)
+
+
+def finish_ahead(
+    run: RunRef, redis_url: str, r: redis.Redis, signature: dict[str, Any]
+) -> FinishResult:
+    """The finish step run ahead by the worker thread that holds the shard's reader lock: its
+    pass reads the results as they land, and the step ends once the generation settled (raises
+    `Abandoned` when it stops short). `signature`: the generation's finish task, whose trace
+    parent (the job span, when traced) its spans take."""
+    rd = RunDir(run.output_dir)
+    sid = keys.shard_id(rd.url, run.shard)
+    ahead = ReadAhead(r, rd, sid, run.token)
+    headers = (signature.get("options") or {}).get("headers") or {}
+    request = SimpleNamespace(**{TRACEPARENT: headers.get(TRACEPARENT)})
+    payload = (signature.get("args") or [{}])[0]
+    with tracing.finishing(request, payload), contextlib.ExitStack() as stack:
+        result = _finish_in(rd, sid, run, redis_url, stack, ahead)
+    if ahead.settled_at is not None:
+        log.info(
+            "%s shard %s finished %.2fs after its generation settled, its results read ahead",
+            rd.url,
+            run.shard,
+            time.monotonic() - ahead.settled_at,
+        )
+    return result
+
+
+register(finish_ahead)
+
+
+def standing_result(rd: RunDir, manifest: Manifest, token: str) -> FinishResult | None:
+    """The result the manifest records for generation `token`, when finishing again would read
+    the same rows (its files are the sizes that finish read); else None."""
+    finished = manifest.finished
+    if finished is None or finished.token != token or manifest.token != token:
+        return None
+    files = ShardFiles(manifest.shard)
+    sizes = (rd.size(files.results), rd.size(files.failures))
+    return finished.result if sizes == (finished.results_bytes, finished.failures_bytes) else None
 
 
 def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
@@ -177,7 +257,12 @@ def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
 
 
 def _finish_in(
-    rd: RunDir, sid: str, run: RunRef, redis_url: str, stack: contextlib.ExitStack
+    rd: RunDir,
+    sid: str,
+    run: RunRef,
+    redis_url: str,
+    stack: contextlib.ExitStack,
+    ahead: ReadAhead | None = None,
 ) -> FinishResult:
     manifest = read_manifest(rd, run.shard)
     if manifest.token != run.token:
@@ -187,36 +272,62 @@ def _finish_in(
         return FinishResult(state="superseded")
     config = ServersConfig.model_validate(manifest.config)
     settings = CollectionSettings.model_validate(manifest.settings)
-    # Every appended file becomes one object before anything reads it for the reports: after a
-    # run finishes, any JSONL reader reads it.
-    compact_shard(client(redis_url), rd, run.shard, close=True)
-    feed = None
-    if settings.feed is not None:  # nothing lands any more: its readers end once they caught up
-        close_feed(client(redis_url), settings.feed, sid)
-        feed = feed_status(client(redis_url), settings.feed)
-    results = ShardFiles(run.shard).results
-    if not rd.exists(results):
-        # Nothing landed: NeMo Gym's readers (`gym eval health-check`) still expect the file.
-        rd.write_atomic(results, b"")
     r = client(redis_url)
-    failed_raw, cancel_raw = r.mget(keys.shard_run_failed(sid), keys.shard_cancel(sid))
-    run_error = failed_raw.decode() if isinstance(failed_raw, bytes) else None
-    cancelled = cancel_raw.decode() if isinstance(cancel_raw, bytes) else None
+    results = ShardFiles(run.shard).results
+    feed = None
+    run_error: str | None = None
+    cancelled: str | None = None
+    shard = ShardFacts.of(rd, manifest, settings)
+
+    def close() -> None:
+        """From here nothing lands in the shard: it is closed, its feed too, and what stopped
+        the run (its first error, a cancel) is read. Read ahead, the step takes the finishing
+        lock here and reads the manifest again (the producer may have written it since)."""
+        nonlocal manifest, feed, run_error, cancelled
+        if ahead is not None:
+            stack.enter_context(held(r, keys.shard_finishing(sid)))
+            manifest = read_manifest(rd, run.shard)
+            if manifest.token != run.token:
+                raise Abandoned("the generation was superseded")
+            if standing_result(rd, manifest, run.token) is not None:
+                raise Abandoned("a finish task finished it")
+            # Written while the rollouts landed: the records a newer attempt superseded.
+            shard.manifest = manifest
+            shard.facts = dataclasses.replace(
+                shard.facts, superseded=superseded_count(rd, run.shard)
+            )
+        # Every appended file becomes one object before anything reads it for the reports:
+        # after a run finishes, any JSONL reader reads it.
+        compact_shard(r, rd, run.shard, close=True)
+        if settings.feed is not None:  # nothing lands any more: its readers end once caught up
+            close_feed(r, settings.feed, sid)
+            feed = feed_status(r, settings.feed)
+        if not rd.exists(results):
+            # Nothing landed: NeMo Gym's readers (`gym eval health-check`) still expect the file.
+            rd.write_atomic(results, b"")
+        failed_raw, cancel_raw = r.mget(keys.shard_run_failed(sid), keys.shard_cancel(sid))
+        run_error = failed_raw.decode() if isinstance(failed_raw, bytes) else None
+        cancelled = cancel_raw.decode() if isinstance(cancel_raw, bytes) else None
+
+    if ahead is None:
+        standing = standing_result(rd, manifest, run.token)
+        if standing is not None:  # read ahead and finished by a worker, or a redelivery
+            return standing
+        close()
+    elif settings.disable_aggregation:
+        raise Abandoned("no pass to read ahead (disable_aggregation)")
 
     health: HealthBrief | HealthError | None = None
     # The health check's scan of the results and the report ride on the counting's pass (one
     # parse of each row, not three) when they will run.
     folded = None
     checking = not (settings.disable_aggregation or settings.disable_health_check)
-    if checking and run_error != STOPPED_BY_SIGTERM:
+    if checking and (ahead is not None or run_error != STOPPED_BY_SIGTERM):
         ignored = settings.health_check_ignored_checks
         folded = stack.enter_context(FoldedCheck(rd, results, ignored))
     reporting = None
     if settings.write_report and not settings.disable_aggregation:
         reporting = _folded_report(rd, results)
-    shard = ShardFacts.of(rd, manifest, settings)
-    current = generation.read(client(redis_url), sid)
-    ours = current if current.token == run.token else generation.Generation()
     status: ShardStatus | None = None
 
     def counted(done: ShardPass) -> None:
@@ -226,6 +337,8 @@ def _finish_in(
         nonlocal health, status
         counts = done.ledger
         write_coverage(rd, done.coverage)
+        current = generation.read(r, sid)
+        ours = current if current.token == run.token else generation.Generation()
         status = counts.status(manifest.run_id, run.shard)
         status.drained = ours.count(generation.DRAINED)
         status.cancelled = ours.count(generation.CANCELLED)
@@ -250,6 +363,8 @@ def _finish_in(
             watchers=tuple(w for w in (folded, reporting) if w is not None),
             on_landed=reporting.landed if reporting is not None else None,
             counted=counted,
+            ahead=ahead,
+            on_settled=close,
         )
     counts, run_coverage = done.ledger, done.coverage
     assert status is not None, "the pass calls counted once its rows are read"

@@ -10,6 +10,7 @@ file's per-agent counts of the finished shard.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 import tempfile
 from collections import Counter
@@ -27,6 +28,7 @@ from schemas.records import AggregationError, AggregationStatus, Manifest, Membe
 from schemas.settings import CollectionSettings
 from workers.aggregate_file import write_entries
 from workers.aggregation import aggregate, empty_entry, group_rows, labels_of
+from workers.finish_ahead import ReadAhead
 from workers.shard.coverage import (
     CoverageFacts,
     RecoveryPolicy,
@@ -174,11 +176,16 @@ def count_and_aggregate(
     watchers: tuple[LineWatcher, ...] = (),
     on_landed: Callable[[int, dict[str, Any]], None] | None = None,
     counted: Callable[[ShardPass], None] | None = None,
+    ahead: ReadAhead | None = None,
+    on_settled: Callable[[], None] | None = None,
 ) -> ShardPass:
     """The shard's accounting and its aggregate, reading the results once (and handing each line
     to `watchers`, each landed row to `on_landed`: the health check's scan and the report).
     `counted` is called once with the pass's accounting complete (the rows read, the coverage
     counted, strict completion decided), while the servers are asked when any are.
+    `ahead`: the results are read as they land, until the generation settled; then
+    `on_settled()` (the finish step closes the shard) and the failure rows are read, before the
+    results' last lines (the ledger's counts do not depend on which it reads first).
 
     The scored rows are the results plus the zeros `count_failure_classes_as_zero` and
     `count_missing_rollouts_as_zero` impute (`workers/shard/scored.py`), each result folded into
@@ -187,9 +194,18 @@ def count_and_aggregate(
     """
     ledger = shard.ledger(rd)
     ledger.read_planned()
-    ledger.read_failures()  # before the results: a result landed later uncounts its failure
     rows = ScoredRows.of(rd, ledger, config, shard.settings, fold=True)
     rows.watchers, rows.on_landed = watchers, on_landed
+    if ahead is None:
+        ledger.read_failures()  # before the results: a result landed later uncounts its failure
+    else:
+
+        def settled() -> None:
+            if on_settled is not None:
+                on_settled()
+            ledger.read_failures()
+
+        rows.lines = functools.partial(ahead.lines, on_settled=settled)
     done = ShardPass(ledger, shard.coverage(ledger))
     read: list[bool] = []
 

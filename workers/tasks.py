@@ -34,7 +34,7 @@ from schemas.quality_summary import HealthBrief
 from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
 from workers import tracing
 from workers.app import app, state_redis_url
-from workers.finish import finish_shard, health_brief
+from workers.finish import finish_here, finished_ahead, health_brief
 from workers.gc_tuning import tune_gc
 from workers.health import combine, scan
 from workers.omissions import omit
@@ -108,9 +108,13 @@ def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> ChordSummary:
 
 @app.task(name=FINISH_TASK, acks_late=True)
 def finish_task(payload: dict[str, Any]) -> dict[str, JsonValue]:
-    """Finish a shard: aggregate metrics, final status, manifest state."""
-    with tracing.finishing(finish_task.request, payload):
-        finished = finish_shard(FinishRequest.model_validate(payload).run, state_redis_url())
+    """Finish a shard: aggregate metrics, final status, manifest state. When a worker read the
+    shard ahead, it ends the step (under the job's trace) and this returns what it recorded."""
+    run, redis_url = FinishRequest.model_validate(payload).run, state_redis_url()
+    finished = finished_ahead(run, redis_url)
+    if finished is None:
+        with tracing.finishing(finish_task.request, payload):
+            finished = finish_here(run, redis_url)
     return finished.model_dump(mode="json")
 
 

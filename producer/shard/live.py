@@ -104,6 +104,7 @@ class LiveSnapshot:
     in_flight_by_agent: Counter[str] = field(default_factory=Counter)
     waiting: int = 0
     finishing: bool = False
+    """The finish step runs, or its task waits for the worker that read the shard ahead."""
     counters: dict[str, int] = field(default_factory=dict)
     """The generation's counters: done, duplicate, drained, stopped, cancelled."""
     shard_counts: dict[str, int] = field(default_factory=dict)
@@ -155,13 +156,21 @@ def snapshot(r: redis.Redis, sid: str) -> LiveSnapshot:
     pipe.hgetall(keys.shard_generation(sid))
     pipe.zrangebyscore(keys.shard_leases(sid), now, "+inf")
     pipe.zcount(keys.shard_waiting(sid), now, "+inf")
+    # Finishing: the finish step runs, or its task waits for the worker that read the shard
+    # ahead to end it (`workers/finish_ahead.py`).
     pipe.exists(keys.shard_finishing(sid))
+    pipe.mget(keys.shard_reading(sid), keys.shard_finish_asked(sid))
     pipe.hgetall(keys.shard_counts(sid))
     pipe.mget(keys.shard_run_failed(sid), keys.shard_cancel(sid))
     pipe.hgetall(keys.shard_health(sid))
-    gen_raw, leases, waiting, finishing, counts_raw, (failed, cancel), health = pipe.execute()
+    gen_raw, leases, waiting, finishing, ahead, counts_raw, (failed, cancel), health = (
+        pipe.execute()
+    )
     gen = Generation.decode(gen_raw)
-    snap = LiveSnapshot(now=now, waiting=int(waiting), finishing=bool(finishing))
+    reading, asked = ahead
+    handed = isinstance(asked, bytes) and isinstance(reading, bytes)
+    handed = handed and reading.startswith(asked + b":")
+    snap = LiveSnapshot(now=now, waiting=int(waiting), finishing=bool(finishing) or handed)
     snap.token = gen.token
     snap.enqueued = gen.enqueued
     snap.started_at = gen.started_at

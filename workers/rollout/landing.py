@@ -58,6 +58,7 @@ from schemas.feed import FeedMember
 from schemas.messages import RunRef
 from workers import tracing
 from workers.feed.publish import Landed, queue_members
+from workers.finish_ahead import maybe_read_ahead
 from workers.rollout.encoding import EncodedRecords, encode_records
 from workers.rollout.leases import Lease
 from workers.shard import landed
@@ -153,6 +154,7 @@ class Lander:
 
     def __init__(self, redis_url: str) -> None:
         self.pid = os.getpid()
+        self.redis_url = redis_url
         self.r = client(redis_url)
         self._queue: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
         self._dirs: dict[str, RunDir] = {}
@@ -299,6 +301,8 @@ class Lander:
                 tracing.landed(p.span, waited, locked, written)
             p.future.set_result(p.report)
         self._maybe_write_status(st, state)
+        if any(p.records.result_line is not None for p in accepted):
+            maybe_read_ahead(self.r, accepted[0].run, self.redis_url)
 
     def _fences(
         self, st: ShardState, state: dict[str, str], group: list[_Pending]

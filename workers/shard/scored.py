@@ -106,6 +106,9 @@ class ScoredRows:
     on_landed: Callable[[int, dict[str, Any]], None] | None = None
     """With `fold`: called with the offset and row of each result the ledger counts as landed
     (not a duplicate) as it is read (the finish step's report)."""
+    lines: Callable[[str], Iterator[tuple[int, bytes | memoryview]]] | None = None
+    """Where the results' complete lines come from (`RunDir.iter_line_views` when None): the
+    finish step read ahead follows them as they land (`workers/finish_ahead.py`)."""
     counted: int = 0
     imputed: int = 0
     _carried: defaultdict[str | None, set[str]] = field(default_factory=lambda: defaultdict(set))
@@ -157,7 +160,8 @@ class ScoredRows:
         position = 0
         chunk: list[tuple[int, bytes | memoryview, Any]] = []
         size = 0
-        for offset, line in self.rd.iter_line_views(name):
+        source = self.lines(name) if self.lines is not None else self.rd.iter_line_views(name)
+        for offset, line in source:
             position = offset + len(line) + 1
             try:
                 value = jsonl.loads(line)
