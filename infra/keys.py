@@ -201,6 +201,9 @@ its results read as they land (`workers/finish_ahead.py`); the finish task waits
 shard_finish_asked = _shard_key("finish_asked")
 """String: the token of a generation whose finish task came; its reader ends the step now."""
 
+shard_finish_wake = _shard_key("finish_wake")
+"""List: pushed with `finish_asked`, so that a reader waiting for new lines wakes at once."""
+
 shard_status_tick = _shard_key("status_tick")
 """String with a short expiry: set (NX) by the writer whose turn it is to save the status file.
 
@@ -276,6 +279,7 @@ def all_shard_keys(sid: str) -> list[str]:
         shard_durations(sid),
         shard_status_tick(sid),
         shard_finish_asked(sid),
+        shard_finish_wake(sid),
         shard_rollout_leases(sid),
         shard_lease_messages(sid),
         shard_attempts(sid),

@@ -61,9 +61,16 @@ class Abandoned(Exception):
 
 
 def ask_to_finish(r: redis.Redis, run: RunRef) -> None:
-    """Tell a reader of `run`'s generation to end the finish step now (a finish task came)."""
+    """Tell a reader of `run`'s generation to end the finish step now (a finish task came), and
+    wake it if it waits for new lines."""
     sid = keys.shard_id(RunDir(run.output_dir).url, run.shard)
-    r.set(keys.shard_finish_asked(sid), run.token, ex=int(from_env().live_key_ttl_s))
+    ttl = int(from_env().live_key_ttl_s)
+    pipe = r.pipeline(transaction=True)
+    pipe.set(keys.shard_finish_asked(sid), run.token, ex=ttl)
+    pipe.delete(keys.shard_finish_wake(sid))
+    pipe.rpush(keys.shard_finish_wake(sid), run.token)
+    pipe.expire(keys.shard_finish_wake(sid), ttl)
+    pipe.execute()
 
 
 def wait_for_reader(r: redis.Redis, sid: str, token: str, poll_s: float = 0.05) -> bool:
@@ -118,7 +125,8 @@ class ReadAhead:
                 yield offset, line
             if self.settled():
                 break
-            time.sleep(self.poll_s)
+            # Until the next look, or at once when a finish task asks.
+            self.r.blpop([keys.shard_finish_wake(self.sid)], timeout=self.poll_s)
         self.settled_at = time.monotonic()
         if on_settled is not None:
             on_settled()
@@ -184,6 +192,9 @@ def maybe_read_ahead(r: redis.Redis, run: RunRef, redis_url: str) -> None:
     now = time.monotonic()
     if now - _tried.get((sid, run.token), -RETRY_S) < RETRY_S:
         return
+    if len(_tried) > 1000:  # generations this process tried for more than a while ago
+        for old in [k for k, t in _tried.items() if now - t > RETRY_S]:
+            del _tried[old]
     _tried[(sid, run.token)] = now
     try:
         gen = r.hmget(keys.shard_generation(sid), generation.TOKEN, generation.ENQUEUED, "finish")

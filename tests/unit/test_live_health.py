@@ -94,3 +94,23 @@ def test_the_lander_counts_each_new_result_once(redis_url: str, tmp_path: Path) 
         {"unhealthy": 1, "issues:model_call_failed": 2, "issues:agent_turn_hollow": 1}
     )
     r.close()
+
+
+def test_a_finish_task_waiting_for_the_reader_ahead_counts_as_finishing(redis_url: str) -> None:
+    """The producer's stall watch sees a shard as finishing while its finish task waits for the
+    worker reading it ahead (`workers/finish_ahead.py`): the reader lock of the generation the
+    finish task asked for, not a reader alone (it reads while the rollouts still run) nor an
+    old generation's ask."""
+    r = redis.Redis.from_url(redis_url)
+    sid = "ahead"
+    assert not snapshot(r, sid).finishing
+    r.set(keys.shard_reading(sid), "t2:123-abc")
+    assert not snapshot(r, sid).finishing  # reading while the rollouts run
+    r.set(keys.shard_finish_asked(sid), "t1")
+    assert not snapshot(r, sid).finishing  # an older generation's finish asked
+    r.set(keys.shard_finish_asked(sid), "t2")
+    assert snapshot(r, sid).finishing
+    r.delete(keys.shard_reading(sid))
+    assert not snapshot(r, sid).finishing  # the reader ended: the finish lock says the rest
+    r.set(keys.shard_finishing(sid), "x")
+    assert snapshot(r, sid).finishing
