@@ -229,10 +229,11 @@ def finish_ahead(
         result = _finish_in(rd, sid, run, redis_url, stack, ahead)
     if ahead.settled_at is not None:
         log.info(
-            "%s shard %s finished %.2fs after its generation settled, its results read ahead",
+            "%s shard %s finished %.2fs after its generation settled (%d result lines read ahead)",
             rd.url,
             run.shard,
             time.monotonic() - ahead.settled_at,
+            ahead.ahead_lines,
         )
     return result
 

@@ -96,6 +96,8 @@ class ReadAhead:
         self.poll_s = POLL_S if rd.can_append else POLL_S_LISTED
         self.settled_at: float | None = None
         """When the reader saw the generation settled (`time.monotonic()`)."""
+        self.ahead_lines = 0
+        """Lines read before the generation settled."""
 
     def settled(self) -> bool:
         """Whether every rollout of the generation was counted, or a finish task asked; raises
@@ -117,12 +119,22 @@ class ReadAhead:
     ) -> Iterator[tuple[int, bytes | memoryview]]:
         """The complete lines of `name` as they are appended, until the generation settled; then
         `on_settled()` (the finish step closes the shard and reads the failure rows) and the
-        lines appended until then."""
+        lines appended until then.
+
+        Lines are read while the file is quiet (it did not grow since the last look): a wave of
+        replies lands in a burst that keeps the workers' cores busy, and the pass waits for the
+        lull after it rather than taking the burst's CPU (on two cores, reading along during the
+        bursts delayed the last reply as much as it saved at the end)."""
         position = 0
+        last_size = -1
         while True:
-            for offset, line in self.rd.iter_line_views(name, position):
-                position = offset + len(line) + 1
-                yield offset, line
+            size = self.rd.size(name)
+            if size == last_size:
+                for offset, line in self.rd.iter_line_views(name, position):
+                    position = offset + len(line) + 1
+                    self.ahead_lines += 1
+                    yield offset, line
+            last_size = size
             if self.settled():
                 break
             # Until the next look, or at once when a finish task asks.

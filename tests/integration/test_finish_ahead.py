@@ -140,6 +140,14 @@ def test_a_finish_read_ahead_writes_what_a_finish_after_the_run_writes(
     _append(ahead_dir, appends[:5])  # a reader starts once something landed
     run = RunRef(run_id="ahead", output_dir=str(ahead_dir), token="t1")
     done: dict[str, Any] = {}
+    readers: list[ReadAhead] = []
+    made = ReadAhead.__init__
+
+    def init(self: ReadAhead, *args: Any) -> None:
+        made(self, *args)
+        readers.append(self)
+
+    monkeypatch.setattr(ReadAhead, "__init__", init)
     reader = threading.Thread(
         target=lambda: done.update(result=finish_ahead(run, redis_url, r, {}))
     )
@@ -155,12 +163,14 @@ def test_a_finish_read_ahead_writes_what_a_finish_after_the_run_writes(
 
     monkeypatch.setattr(ReadAhead, "settled", settled)
     reader.start()
-    for i in range(5, len(appends) - 30, 40):  # appended while it reads, several polls apart
-        _append(ahead_dir, appends[i : min(i + 40, len(appends) - 30)])
-        time.sleep(0.05)
+    for i in range(5, len(appends) - 30, 60):  # bursts, each read in the lull after it
+        _append(ahead_dir, appends[i : min(i + 60, len(appends) - 30)])
+        time.sleep(0.5)
     assert reader.is_alive(), "the reader ended before the generation settled"
     rest.set()
     reader.join(60)
+    [ahead_reader] = readers
+    assert len(appends) - 30 - 60 <= ahead_reader.ahead_lines <= len(appends) - 30
     assert not reader.is_alive()
     ahead = done["result"]
     assert ahead.state == "completed" and ahead.landed == len(planned) - 22
