@@ -52,6 +52,8 @@ POLL_S = 0.2
 """How often a reader looks for new lines and asks whether the generation settled (local
 folders; an object store's LIST costs more: `POLL_S_LISTED`)."""
 POLL_S_LISTED = 1.0
+LULL_CHECK_BYTES = 1 << 20
+"""Bytes read between looks at whether the file grew (a burst began), on a local folder."""
 RETRY_S = 10.0
 """How often a process that lands a generation's results tries for its reader lock again."""
 
@@ -121,7 +123,8 @@ class ReadAhead:
         `on_settled()` (the finish step closes the shard and reads the failure rows) and the
         lines appended until then.
 
-        Lines are read while the file is quiet (it did not grow since the last look): a wave of
+        Lines are read while the file is quiet (it did not grow since the last look), and on a
+        local folder only until it grows again (looked at every `LULL_CHECK_BYTES`): a wave of
         replies lands in a burst that keeps the workers' cores busy, and the pass waits for the
         lull after it rather than taking the burst's CPU (on two cores, reading along during the
         bursts delayed the last reply as much as it saved at the end)."""
@@ -130,10 +133,16 @@ class ReadAhead:
         while True:
             size = self.rd.size(name)
             if size == last_size:
+                checked = position
                 for offset, line in self.rd.iter_line_views(name, position):
                     position = offset + len(line) + 1
                     self.ahead_lines += 1
                     yield offset, line
+                    if self.rd.can_append and position - checked >= LULL_CHECK_BYTES:
+                        checked = position
+                        if self.rd.size(name) > size:
+                            break  # a burst began: wait for its lull
+                size = self.rd.size(name) if self.rd.can_append else size
             last_size = size
             if self.settled():
                 break
