@@ -102,6 +102,28 @@ def _keeper(r: redis.Redis, ttl_s: float) -> _Keeper:
     return _keepers.get((r, ttl_s))
 
 
+def take_kept(r: redis.Redis, name: str, value: str, ttl_s: float) -> bool:
+    """Take lock `name` as `value` if nobody holds it, without waiting; while held (until
+    `drop_kept`), the process's keeper extends it every third of `ttl_s`, so a killed holder's
+    expires after `ttl_s`."""
+    if not r.set(name, value, nx=True, px=int(ttl_s * 1000)):
+        return False
+    keeper = _keeper(r, ttl_s)
+    with keeper.lock:
+        keeper.held[name] = value
+    return True
+
+
+def drop_kept(r: redis.Redis, name: str, value: str, ttl_s: float) -> None:
+    """Stop extending a lock `take_kept` took, and release it if it is still `value`'s."""
+    keeper = _keeper(r, ttl_s)
+    with keeper.lock:
+        if keeper.held.get(name) == value:
+            del keeper.held[name]
+    with contextlib.suppress(redis.RedisError):  # else it expires
+        r.register_script(RELEASE_LUA)(keys=[name], args=[value])
+
+
 @dataclass
 class HeldLock:
     """A held shard lock, with what was read when it was taken."""

@@ -26,9 +26,9 @@ aggregation on is read ahead; `ROLLOUTS_FINISH_READ_AHEAD=0` turns it off.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -40,8 +40,7 @@ import redis
 
 from infra import generation, keys
 from infra.environment import from_env
-from infra.locks import _keeper
-from infra.scripts import RELEASE_LUA
+from infra.locks import drop_kept, take_kept
 from infra.store import RunDir
 from schemas.errors import TransientError
 from schemas.messages import RunRef
@@ -106,7 +105,10 @@ class ReadAhead:
         `Abandoned` once the generation is not the reader's any more."""
         pipe = self.r.pipeline(transaction=False)
         pipe.hmget(
-            keys.shard_generation(self.sid), generation.TOKEN, generation.ENQUEUED, "counted"
+            keys.shard_generation(self.sid),
+            generation.TOKEN,
+            generation.ENQUEUED,
+            generation.COUNTED,
         )
         pipe.get(keys.shard_finish_asked(self.sid))
         (token, enqueued, counted), asked = pipe.execute()
@@ -167,25 +169,17 @@ class _ReaderLock:
         self.ttl_s = from_env().lock_ttl_s
 
     def take(self) -> bool:
-        if not self.r.set(self.name, self.value, nx=True, px=int(self.ttl_s * 1000)):
+        if not take_kept(self.r, self.name, self.value, self.ttl_s):
             return False
-        keeper = _keeper(self.r, self.ttl_s)
-        with keeper.lock:
-            keeper.held[self.name] = self.value
         with _held_lock:
             _held[self.name] = self
         return True
 
     def release(self) -> None:
-        keeper = _keeper(self.r, self.ttl_s)
-        with keeper.lock:
-            if keeper.held.get(self.name) == self.value:
-                del keeper.held[self.name]
         with _held_lock:
             if _held.get(self.name) is self:
                 del _held[self.name]
-        with contextlib.suppress(redis.RedisError):  # else it expires
-            self.r.register_script(RELEASE_LUA)(keys=[self.name], args=[self.value])
+        drop_kept(self.r, self.name, self.value, self.ttl_s)
 
 
 _held: dict[str, _ReaderLock] = {}
@@ -213,12 +207,14 @@ def maybe_read_ahead(r: redis.Redis, run: RunRef, redis_url: str) -> None:
     now = time.monotonic()
     if now - _tried.get((sid, run.token), -RETRY_S) < RETRY_S:
         return
-    if len(_tried) > 1000:  # generations this process tried for more than a while ago
-        for old in [k for k, t in _tried.items() if now - t > RETRY_S]:
-            del _tried[old]
+    while len(_tried) > 1000:  # the generations this process tried for first go first
+        del _tried[next(iter(_tried))]
+    _tried.pop((sid, run.token), None)
     _tried[(sid, run.token)] = now
     try:
-        gen = r.hmget(keys.shard_generation(sid), generation.TOKEN, generation.ENQUEUED, "finish")
+        gen = r.hmget(
+            keys.shard_generation(sid), generation.TOKEN, generation.ENQUEUED, generation.FINISH
+        )
         token, enqueued, finish = gen
         if token != run.token.encode() or not finish or not int(enqueued or 0):
             return  # not the running generation of a `rollouts run`
@@ -231,7 +227,7 @@ def maybe_read_ahead(r: redis.Redis, run: RunRef, redis_url: str) -> None:
         return
     thread = threading.Thread(
         target=_read,
-        args=(lock, run, redis_url, signature),
+        args=(lock, (sid, run.token), run, redis_url, signature),
         name="rollouts-read-ahead",
         daemon=True,
     )
@@ -248,7 +244,13 @@ def register(finisher: Finisher) -> None:
     _finisher[:] = [finisher]
 
 
-def _read(lock: _ReaderLock, run: RunRef, redis_url: str, signature: dict[str, Any]) -> None:
+def _read(
+    lock: _ReaderLock,
+    generation_key: tuple[str, str],
+    run: RunRef,
+    redis_url: str,
+    signature: dict[str, Any],
+) -> None:
     try:
         if not _finisher:
             raise Abandoned("the finish step is not loaded in this process")
@@ -258,4 +260,7 @@ def _read(lock: _ReaderLock, run: RunRef, redis_url: str, signature: dict[str, A
     except Exception:
         log.exception("reading %s ahead failed: the finish task finishes it", run.output_dir)
     finally:
+        # Whatever ended it (the step done, a stop that stays, an error), this process does not
+        # read the generation ahead again.
+        _tried[generation_key] = math.inf
         lock.release()
