@@ -85,6 +85,17 @@ class _Keeper:
         self.thread = threading.Thread(target=self._run, name="rollouts-lock-keeper", daemon=True)
         self.thread.start()
 
+    def keep(self, name: str, token: str) -> None:
+        """Extend lock `name` as `token`'s from now on."""
+        with self.lock:
+            self.held[name] = token
+
+    def forget(self, name: str, token: str) -> None:
+        """Stop extending lock `name`, if it is kept as `token`'s."""
+        with self.lock:
+            if self.held.get(name) == token:
+                del self.held[name]
+
     def _run(self) -> None:
         while True:
             time.sleep(self.ttl_ms / 3000)
@@ -108,18 +119,13 @@ def take_kept(r: redis.Redis, name: str, value: str, ttl_s: float) -> bool:
     expires after `ttl_s`."""
     if not r.set(name, value, nx=True, px=int(ttl_s * 1000)):
         return False
-    keeper = _keeper(r, ttl_s)
-    with keeper.lock:
-        keeper.held[name] = value
+    _keeper(r, ttl_s).keep(name, value)
     return True
 
 
 def drop_kept(r: redis.Redis, name: str, value: str, ttl_s: float) -> None:
     """Stop extending a lock `take_kept` took, and release it if it is still `value`'s."""
-    keeper = _keeper(r, ttl_s)
-    with keeper.lock:
-        if keeper.held.get(name) == value:
-            del keeper.held[name]
+    _keeper(r, ttl_s).forget(name, value)
     with contextlib.suppress(redis.RedisError):  # else it expires
         r.register_script(RELEASE_LUA)(keys=[name], args=[value])
 
@@ -186,11 +192,9 @@ def held_reading(
     state = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
     lock = HeldLock(r, name, token, state, [bool(x) for x in reply[2]])
     keeper = _keeper(r, ttl_s)
-    with keeper.lock:
-        keeper.held[name] = token
+    keeper.keep(name, token)
     try:
         yield lock
     finally:
-        with keeper.lock:
-            keeper.held.pop(name, None)
+        keeper.forget(name, token)
         lock.release()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from infra import jsonl
 from infra.store import RunDir, ShardFiles
 from schemas.errors import StorageError
+from schemas.finish import FinishResult
 from schemas.records import Manifest, ShardStatus, utc_now
 
 
@@ -45,3 +46,20 @@ def read_status(rd: RunDir, shard: str) -> ShardStatus | None:
         return ShardStatus.model_validate_json(rd.read_bytes(files.status))
     except (FileNotFoundError, ValueError):
         return None
+
+
+def recorded_finish(rd: RunDir, manifest: Manifest, token: str) -> FinishResult | None:
+    """The result the manifest records of generation `token`'s finish step, when finishing again
+    would read the same rows: `token` is the manifest's generation and the shard's results and
+    failure rows are the sizes that finish read (the files are append-only and a finished shard
+    is closed). None otherwise."""
+    finished = manifest.finished
+    if finished is None or finished.token != token or manifest.token != token:
+        return None
+    files = ShardFiles(manifest.shard)
+    if (rd.size(files.results), rd.size(files.failures)) != (
+        finished.results_bytes,
+        finished.failures_bytes,
+    ):
+        return None
+    return finished.result

@@ -20,7 +20,7 @@ from infra import generation, keys
 from infra.feed import close_feed, feed_status
 from infra.locks import held
 from infra.redis_client import client
-from infra.runs import read_manifest, write_manifest, write_status
+from infra.runs import read_manifest, recorded_finish, write_manifest, write_status
 from infra.store import RunDir, ShardFiles
 from infra.telemetry import TRACEPARENT
 from schemas.config import ServersConfig
@@ -31,7 +31,6 @@ from schemas.messages import RunRef
 from schemas.quality_summary import HealthBrief, HealthError, SummaryRun
 from schemas.records import (
     Finished,
-    Manifest,
     ShardStatus,
     rate_limit_waits,
 )
@@ -199,7 +198,7 @@ def finished_ahead(run: RunRef, redis_url: str) -> FinishResult | None:
     if not wait_for_reader(r, keys.shard_id(rd.url, run.shard), run.token):
         return None
     manifest = read_manifest(rd, run.shard)
-    return standing_result(rd, manifest, run.token)
+    return recorded_finish(rd, manifest, run.token)
 
 
 def finish_here(run: RunRef, redis_url: str) -> FinishResult:
@@ -241,17 +240,6 @@ def finish_ahead(
 register(finish_ahead)
 
 
-def standing_result(rd: RunDir, manifest: Manifest, token: str) -> FinishResult | None:
-    """The result the manifest records for generation `token`, when finishing again would read
-    the same rows (its files are the sizes that finish read); else None."""
-    finished = manifest.finished
-    if finished is None or finished.token != token or manifest.token != token:
-        return None
-    files = ShardFiles(manifest.shard)
-    sizes = (rd.size(files.results), rd.size(files.failures))
-    return finished.result if sizes == (finished.results_bytes, finished.failures_bytes) else None
-
-
 def _finish(rd: RunDir, sid: str, run: RunRef, redis_url: str) -> FinishResult:
     with contextlib.ExitStack() as stack:
         return _finish_in(rd, sid, run, redis_url, stack)
@@ -290,7 +278,7 @@ def _finish_in(
             manifest = read_manifest(rd, run.shard)
             if manifest.token != run.token:
                 raise Abandoned("the generation was superseded")
-            if standing_result(rd, manifest, run.token) is not None:
+            if recorded_finish(rd, manifest, run.token) is not None:
                 raise Abandoned("a finish task finished it")
             # Written while the rollouts landed: the records a newer attempt superseded.
             shard.manifest = manifest
@@ -311,7 +299,7 @@ def _finish_in(
         cancelled = cancel_raw.decode() if isinstance(cancel_raw, bytes) else None
 
     if ahead is None:
-        standing = standing_result(rd, manifest, run.token)
+        standing = recorded_finish(rd, manifest, run.token)
         if standing is not None:  # read ahead and finished by a worker, or a redelivery
             return standing
         close()

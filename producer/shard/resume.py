@@ -29,7 +29,7 @@ from rich.console import Console
 
 from infra import jsonl, keys, telemetry
 from infra.redis_client import client
-from infra.runs import read_manifest
+from infra.runs import read_manifest, recorded_finish
 from infra.store import RunDir, ShardFiles
 from producer.config.loading import load_run_config
 from producer.config.overrides import resolve_settings
@@ -183,17 +183,10 @@ def open_resume(
 def standing_finish(rd: RunDir, manifest: Manifest) -> FinishResult | None:
     """The last finish step's result, when finishing again could change nothing: it finished the
     current generation completed, and the shard's results and failure rows are the bytes it read
-    (the files are append-only and a finished shard is closed). None otherwise."""
-    finished = manifest.finished
-    if finished is None or finished.token != manifest.token or manifest.state != "completed":
+    (`infra.runs.recorded_finish`). None otherwise."""
+    if manifest.state != "completed":
         return None
-    files = ShardFiles(manifest.shard)
-    if (rd.size(files.results), rd.size(files.failures)) != (
-        finished.results_bytes,
-        finished.failures_bytes,
-    ):
-        return None
-    return finished.result
+    return recorded_finish(rd, manifest, manifest.token)
 
 
 def _check_agents(rd: RunDir, shard: str, plan: ResumePlan, config: ServersConfig) -> None:
