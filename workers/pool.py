@@ -54,8 +54,8 @@ from workers.rollout.context import CALL_ENDED, SLOT, StepThreads
 log = logging.getLogger(__name__)
 
 Runner = Callable[..., Awaitable[Any]]
-"""A task's coroutine: called with the task's request (`celery.app.task.Context`) and its
-arguments; what it returns is what the task body takes with `take_ran`."""
+"""A task's coroutine: called with the task's request (a `RequestView`) and its arguments; what
+it returns is what the task body takes with `take_ran`."""
 
 FINISHING_THREADS = 2
 """Threads per process running Celery's tracer for a rollout that has its outcome: an
@@ -87,6 +87,35 @@ def on_loop(name: str, own_slot: bool = False) -> Callable[[R], R]:
         return runner
 
     return register
+
+
+class RequestView:
+    """A delivery's request as its task's coroutine reads it: the attributes of Celery's
+    `Context` (its defaults where the delivery has none), read in place from the chord the body
+    embeds and the request dict Celery keeps for the delivery until its acknowledgement.
+
+    Celery's tracer builds a `Context` from a merged copy of the two, and a second copy for its
+    custom `headers`: about 2.2 KB more per rollout held, by tracemalloc. This view has no
+    `headers` of its own: a header is an attribute, as in `Context`.
+    """
+
+    __slots__ = ("_embed", "_request")
+
+    def __init__(self, request: dict[str, Any], embed: dict[str, Any] | None) -> None:
+        self._request = request
+        self._embed = embed
+
+    def __getattr__(self, name: str) -> Any:
+        embed = self._embed
+        if embed is not None and name in embed:
+            return embed[name]
+        try:
+            return self._request[name]
+        except KeyError:
+            pass
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(Context, name)  # Context's default, or AttributeError as Context raises
 
 
 class _Raised:
@@ -279,9 +308,9 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
                 # The tracer takes the decoded body as it is (no content type: nothing to decode).
                 args = (*args[:3], decoded, None, None, *args[6:])
                 # The task's request as Celery's tracer builds it: the headers, and the chord the
-                # body embeds (protocol 2).
-                context = Context({**request, **(embed or {})})
-                _ran[number] = await runner(context, *task_args, **task_kwargs)
+                # body embeds (protocol 2), read in place.
+                view = RequestView(request, embed)
+                _ran[number] = await runner(view, *task_args, **task_kwargs)
             except Exception as exc:
                 _ran[number] = _Raised(exc)
         finally:

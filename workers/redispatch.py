@@ -92,7 +92,7 @@ class CollectTaskMessage:
             group_id=request.group,
             group_index=request.group_index,
             chord=dict(chord) if chord is not None else None,
-            headers=trace_headers(vars(request)),
+            headers=trace_headers({k: getattr(request, k, None) for k in TRACE_HEADERS}),
         )
 
 

@@ -214,3 +214,38 @@ def test_one_claim_takes_what_the_prefetch_allows_and_records_each(redis_url: st
     conn.release()  # restores the second batch, unacked (kombu's behaviour)
     with Connection(redis_url, transport=Transport) as again:
         assert sorted(receive(again, 13, ack=True)) == list(range(7, 20))
+
+
+def test_a_delivered_message_holds_its_body_once_and_a_requeued_one_comes_back_whole(
+    redis_url: str,
+) -> None:
+    """The envelope kombu keeps per unacknowledged message loses its base64 body once the
+    message is delivered (the decoded body stays); a reject with requeue restores the message
+    from the unacknowledged hash, body and all."""
+    publish(redis_url, 3)
+    held: list[Any] = []
+
+    def on_message(body: dict[str, int], message: Any) -> None:
+        held.append((body["i"], message))
+
+    with Connection(redis_url, transport=Transport) as conn:
+        channel = conn.channel()
+        channel.basic_qos(0, 3, False)
+        with Consumer(channel, [QUEUE], callbacks=[on_message], accept=["json"]):
+            deadline = time.monotonic() + 20
+            while len(held) < 3 and time.monotonic() < deadline:
+                conn.drain_events(timeout=1)
+            assert sorted(i for i, _ in held) == [0, 1, 2]
+            for i, message in held:
+                assert "body" not in message._raw, "the base64 body is still held"
+                assert orjson.loads(message.body) == {"i": i}
+            i, first = held[0]
+            first.reject(requeue=True)
+            for _, message in held[1:]:
+                message.ack()
+            del held[:]
+            deadline = time.monotonic() + 20
+            while not held and time.monotonic() < deadline:
+                conn.drain_events(timeout=1)
+            assert [(j, m.payload) for j, m in held] == [(i, {"i": i})]
+            held[0][1].ack()

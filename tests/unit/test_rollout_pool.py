@@ -20,7 +20,7 @@ from celery.app.task import Context
 from kombu.common import QoS
 
 from infra.environment import from_env
-from workers.pool import RolloutPool, on_loop, take_ran
+from workers.pool import RequestView, RolloutPool, on_loop, take_ran
 from workers.rollout.context import CALL_ENDED, SLOT
 
 TASK = "tests.pooled"
@@ -76,6 +76,18 @@ def test_each_delivery_runs_its_coroutine_then_the_tracer_with_its_value() -> No
     assert got[2] == "raised boom"
     # Nothing is left behind for a later delivery to take.
     assert take_ran(Context({"id": "t-1", "rollouts_delivery": got[0]["delivery"]})) is None
+
+
+def test_the_coroutine_reads_the_request_as_celery_s_context_without_a_copy() -> None:
+    request: dict[str, Any] = {"id": "t-1", "group": "g1", "chord": None, "traceparent": "00-ab"}
+    embed = {"chord": {"task": "finish"}, "callbacks": None}
+    view, context = RequestView(request, embed), Context({**request, **embed})
+    for name in ("id", "group", "chord", "callbacks", "traceparent", "retries", "reply_to"):
+        assert getattr(view, name) == getattr(context, name), name
+    assert getattr(view, "no_such_field", "absent") == "absent"
+    request["rollouts_delivery"] = 7  # marked in place by the pool: the view reads it
+    assert view.rollouts_delivery == 7
+    assert RequestView(request, None).chord is None
 
 
 class _Request:
