@@ -535,9 +535,12 @@ class WaitingLines:
 
 
 class AgentCaller:
-    """`call_run` on the event loop, cancelled when the run is failed or cancelled meanwhile.
+    """`call_run` on the event loop, cut when the run is failed or cancelled meanwhile.
 
-    The cancel closes the call's connection: the agent sees the client go away.
+    The cut cancels the rollout's own task while it waits in the call (no task of the call's
+    own: a reply is then parsed, sorted and encoded in one step, and its parsed form never waits
+    in the loop's queue behind other replies); the cancel closes the call's connection, and
+    the agent sees the client go away.
     """
 
     def __init__(self, client: Callable[[], PostClient], stops: StopWatch) -> None:
@@ -550,26 +553,42 @@ class AgentCaller:
     ) -> tuple[CallOutcome | None, str | None]:  # fmt: skip
         """The call's outcome; or None and why it was cut: the run's stop reason, or `stale`
         when `stale` (`StaleWatch.wait`) resolved first."""
-        call = asyncio.ensure_future(call_run(self._client(), agent_url, row, policy))
+        task = asyncio.current_task()
+        assert task is not None
         stopped = self._stops.wait(sid)
-        waits: tuple[asyncio.Future[Any], ...] = (call, stopped) if stale is None else (
-            call, stopped, stale)  # fmt: skip
+        waits: tuple[asyncio.Future[Any], ...] = (stopped,) if stale is None else (stopped, stale)
+        cut: list[asyncio.Future[Any]] = []
+        calling = True
+
+        def cut_call(waiter: asyncio.Future[Any]) -> None:
+            # Run by the loop between the task's steps: while it still waits in the call.
+            if calling and not cut and not waiter.cancelled():
+                cut.append(waiter)
+                task.cancel()
+
+        for waiter in waits:
+            waiter.add_done_callback(cut_call)
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            outcome = await call_run(self._client(), agent_url, row, policy)
         except asyncio.CancelledError:
-            call.cancel()
-            raise
+            # Cancelled by the cut alone: swallowed (a cancel from outside besides it stays).
+            if not cut or task.uncancel() > 0:
+                raise
+            outcome = None
         finally:
-            for waiter in waits[1:]:
+            calling = False
+            for waiter in waits:
+                waiter.remove_done_callback(cut_call)
                 if not waiter.done():
                     waiter.cancel()
-        if call.done():
-            return call.result(), None
-        call.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await call
+        if outcome is not None:
+            if cut:  # the call ended with its reply though cancelled: the cancel is spent
+                task.uncancel()
+            return outcome, None
         # The run's stop wins over falling behind: a stopped run calls nothing again.
-        return None, stopped.result() if not stopped.cancelled() else STALE
+        if stopped.done() and not stopped.cancelled():
+            return None, stopped.result()
+        return None, STALE
 
 
 @dataclass(frozen=True)
