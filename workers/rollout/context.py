@@ -557,13 +557,14 @@ class AgentCaller:
         assert task is not None
         stopped = self._stops.wait(sid)
         waits: tuple[asyncio.Future[Any], ...] = (stopped,) if stale is None else (stopped, stale)
-        cut: list[asyncio.Future[Any]] = []
+        cut = False
         calling = True
 
         def cut_call(waiter: asyncio.Future[Any]) -> None:
             # Run by the loop between the task's steps: while it still waits in the call.
+            nonlocal cut
             if calling and not cut and not waiter.cancelled():
-                cut.append(waiter)
+                cut = True
                 task.cancel()
 
         for waiter in waits:
