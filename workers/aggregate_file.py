@@ -2,23 +2,25 @@
 
 An `/aggregate_metrics` answer carries an entry per task (`group_level_metrics`, ~1 KB each from
 the example environment server) and per repeat: a GB of JSON at a million rollouts, several GB
-once parsed into Python objects. So no process holds an answer whole:
+once parsed into Python objects. So no process holds a large answer whole:
 
-- the finish step streams each answer to a local scratch file (`receive`), and reads there only
-  the answer's top-level keys, each value that is not a list parsed, each list left on disk
-  (`Listed`);
+- the finish step streams each answer to a local scratch file (`receive`). An answer of up to
+  `WHOLE_ANSWER_BYTES` is parsed whole there; of a larger one only the top-level keys are read,
+  each value that is not a list parsed, each list left on disk (`Listed`);
 - the file is written from there (`write_entries`), each list's items parsed one at a time
   (ijson: yajl's C parser), in the bytes `jsonl.dumps_pretty` gives the whole document
   (orjson's two-space indentation), so readers see what they always saw;
 - readers take each entry without its lists (`entry_heads`): the server, the agent, the metrics.
 
-yajl reads integers up to 64 bits: an answer holding a larger one is refused with yajl's
-"integer overflow" (the server's entry records it as its `aggregation_error`).
+Both ways parse with yajl, so they read the same numbers and refuse the same documents. yajl
+reads integers up to 64 bits: an answer holding a larger one is refused with yajl's "integer
+overflow" (the server's entry records it as its `aggregation_error`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
@@ -35,6 +37,16 @@ Event = tuple[str, Any]
 _OPENS = frozenset({"start_map", "start_array"})
 _CLOSES = frozenset({"end_map", "end_array"})
 _SCALAR_TYPES = {"string": "str", "boolean": "bool", "null": "NoneType"}
+
+
+WHOLE_ANSWER_BYTES = 32 << 20
+"""An answer up to this size is parsed whole, its lists held in memory while the file is written
+(about three times its size in Python objects: 13 MB for the 4.3 MB answer of 8,000 rollouts of
+the example server, so at most about 100 MB). Walking its events to leave the lists on disk, then
+reading them back an item at a time to write the file, took three times as long as parsing it
+whole and writing it (0.43 s against 0.14 s there)."""
+
+_NOTHING = object()
 
 
 @dataclass(frozen=True)
@@ -59,9 +71,12 @@ async def receive(response: httpx.Response, path: str) -> dict[str, Any]:
 
 
 def read_answer(path: str) -> dict[str, Any]:
-    """The JSON object in `path`, its top-level keys in order: each list a `Listed` (its key
-    naming it for ijson: a key with a dot is parsed whole instead), every other value parsed.
-    Raises ValueError when the document is not one JSON object."""
+    """The JSON object in `path`, its top-level keys in order: parsed whole when the file holds
+    at most `WHOLE_ANSWER_BYTES`; else each list a `Listed` (its key naming it for ijson: a key
+    with a dot is parsed whole instead), every other value parsed. Raises ValueError when the
+    document is not one JSON object."""
+    if os.path.getsize(path) <= WHOLE_ANSWER_BYTES:
+        return _read_whole(path)
     with open(path, "rb") as f:
         events = ijson.basic_parse(f, use_float=True)
         first = next(events, None)
@@ -77,6 +92,18 @@ def read_answer(path: str) -> dict[str, Any]:
         for _ in events:  # anything after the object is an error of the parser's
             pass
     return fields
+
+
+def _read_whole(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        values = ijson.items(f, "", use_float=True)
+        doc = next(values, _NOTHING)
+        for _ in values:  # anything after the value is an error of the parser's
+            pass
+    if not isinstance(doc, dict):
+        kind = "nothing" if doc is _NOTHING else type(doc).__name__
+        raise ValueError(f"/aggregate_metrics returned a JSON {kind}, not an object")
+    return doc
 
 
 def _members(events: Iterator[Event]) -> Iterator[tuple[str, Event]]:

@@ -1,4 +1,7 @@
-"""The aggregate metrics file written and read a piece at a time (`workers/aggregate_file.py`)."""
+"""The aggregate metrics file written and read a piece at a time (`workers/aggregate_file.py`).
+
+An answer up to `WHOLE_ANSWER_BYTES` is parsed whole, a larger one a piece at a time: the tests
+that parse run both ways (`way`), and both must give the same fields, bytes and refusals."""
 
 from __future__ import annotations
 
@@ -16,7 +19,16 @@ import pytest
 from infra import jsonl
 from infra.store import RunDir
 from tests.helpers import ROOT
+from workers import aggregate_file
 from workers.aggregate_file import Listed, entry_heads, read_answer, read_heads, write_entries
+
+
+@pytest.fixture(params=["whole", "streamed"])
+def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How answers are read: parsed whole (the default at these sizes), or a piece at a time."""
+    if request.param == "streamed":
+        monkeypatch.setattr(aggregate_file, "WHOLE_ANSWER_BYTES", 0)
+    return str(request.param)
 
 
 def answer(tasks: int, seed: int = 0) -> dict[str, Any]:
@@ -57,15 +69,18 @@ def written(entries: list[dict[str, Any]]) -> bytes:
 
 
 def test_entries_written_from_spooled_answers_are_the_bytes_of_the_whole_dumped_at_once(
-    tmp_path: Path,
+    tmp_path: Path, way: str
 ) -> None:
     whole = [answer(50, seed=1), answer(0, seed=2), {"agent_metrics": {}}]
     entries = []
     for i, doc in enumerate(whole):
         fields = read_answer(spooled(tmp_path, doc, f"{i}.json"))
-        # The lists stay on disk; the rest is parsed.
+        # Streamed, the lists stay on disk and the rest is parsed; whole, all of it is parsed.
         listed = {k for k, v in fields.items() if isinstance(v, Listed)}
-        assert listed == {k for k, v in doc.items() if isinstance(v, list)}
+        lists = {k for k, v in doc.items() if isinstance(v, list)}
+        assert listed == (lists if way == "streamed" else set())
+        if way == "whole":
+            assert fields == doc
         head = {"agent_ref": {"name": f"agent{i}"}, "_ng_environment_server": f"env{i}"}
         entries.append({**head, **fields, "complete": False})
     expected = [
@@ -78,18 +93,18 @@ def test_entries_written_from_spooled_answers_are_the_bytes_of_the_whole_dumped_
     assert written([{}]) == jsonl.dumps_pretty([{}])
 
 
-def test_an_answer_that_is_not_one_json_object_is_refused(tmp_path: Path) -> None:
+def test_an_answer_that_is_not_one_json_object_is_refused(tmp_path: Path, way: str) -> None:
     for doc, kind in (([1, 2], "list"), ("text", "str"), (3, "int"), (2.5, "float"), (None, "NoneType")):  # fmt: skip
         with pytest.raises(ValueError, match=f"returned a JSON {kind}, not an object"):
             read_answer(spooled(tmp_path, doc))
-    for raw in (b"", b'{"a": [1, 2', b'{"a": 1} trailing', b"{'a': 1}"):
+    for raw in (b"", b'{"a": [1, 2', b'{"a": 1} trailing', b'{"a": 1} {"b": 2}', b"{'a': 1}"):
         path = tmp_path / "bad.json"
         path.write_bytes(raw)
         with pytest.raises((ValueError, ijson.JSONError)):
             read_answer(str(path))
 
 
-def test_an_integer_past_64_bits_is_refused_by_name(tmp_path: Path) -> None:
+def test_an_integer_past_64_bits_is_refused_by_name(tmp_path: Path, way: str) -> None:
     # orjson would have read it as a float; yajl refuses it, and the server's entry records why.
     path = tmp_path / "big.json"
     path.write_bytes(b'{"key_metrics": {"n": 123456789012345678901234567890}}')
@@ -97,7 +112,7 @@ def test_an_integer_past_64_bits_is_refused_by_name(tmp_path: Path) -> None:
         read_answer(str(path))
 
 
-def test_a_key_with_a_dot_is_parsed_whole_and_written_the_same(tmp_path: Path) -> None:
+def test_a_key_with_a_dot_is_parsed_whole_and_written_the_same(tmp_path: Path, way: str) -> None:
     doc = {"a.b": [1, 2], "a": {"b": [3]}}
     fields = read_answer(spooled(tmp_path, doc))
     assert fields["a.b"] == [1, 2] and fields["a"] == {"b": [3]}
@@ -127,7 +142,10 @@ def test_readers_take_each_entry_without_its_lists(tmp_path: Path) -> None:
 PEAK = """
 import sys
 import orjson
+from workers import aggregate_file
 from workers.aggregate_file import entry_heads, read_answer, write_entries
+
+aggregate_file.WHOLE_ANSWER_BYTES = 0  # a piece at a time, whatever its size
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -167,3 +185,14 @@ def test_a_large_answer_is_written_and_read_in_a_bounded_amount_of_memory(tmp_pa
     assert whole * 1024 > 2 * size
     assert streamed < whole / 10, (streamed, whole)
     assert (tmp_path / "streamed.json").read_bytes() == (tmp_path / "whole.json").read_bytes()
+
+
+def test_only_an_answer_up_to_the_whole_size_is_parsed_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = spooled(tmp_path, answer(30))
+    size = Path(path).stat().st_size
+    monkeypatch.setattr(aggregate_file, "WHOLE_ANSWER_BYTES", size)
+    assert isinstance(read_answer(path)["group_level_metrics"], list)
+    monkeypatch.setattr(aggregate_file, "WHOLE_ANSWER_BYTES", size - 1)
+    assert isinstance(read_answer(path)["group_level_metrics"], Listed)
