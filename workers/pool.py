@@ -49,6 +49,7 @@ from infra.environment import from_env, redis_url
 from infra.http import process_io
 from infra.redis_client import client
 from workers.gc_tuning import gc_state
+from workers.malloc_tuning import malloc_state
 from workers.rollout.context import CALL_ENDED, SLOT, StepThreads
 
 log = logging.getLogger(__name__)
@@ -392,6 +393,7 @@ class RolloutPool(BasePool):  # type: ignore[misc]  # celery's BasePool is untyp
                 # in their `/run` call (at most max-concurrency), landing, or taken ahead
                 "deliveries": held,
                 "gc": gc_state(),
+                "malloc": malloc_state(),
             }
         )
         return info

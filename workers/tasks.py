@@ -7,7 +7,7 @@ from typing import Any
 
 from celery import Task
 from celery.exceptions import Ignore
-from celery.signals import worker_ready
+from celery.signals import worker_init, worker_ready
 from pydantic import JsonValue
 
 from infra.environment import from_env
@@ -37,6 +37,7 @@ from workers.app import app, state_redis_url
 from workers.finish import finish_here, finished_ahead, health_brief
 from workers.gc_tuning import tune_gc
 from workers.health import combine, scan
+from workers.malloc_tuning import tune_malloc
 from workers.omissions import omit
 from workers.pool import on_loop, take_ran
 from workers.redispatch import CollectTaskMessage
@@ -156,6 +157,13 @@ def collect_reply_task(self: Task[Any, Any], payload: dict[str, Any]) -> ReplySu
         return summary
     ctx = process_context(state_redis_url())
     return ctx.loop.run(_reply_on_loop(self.request, payload))
+
+
+@worker_init.connect
+def _tune_malloc(**_: Any) -> None:
+    """glibc's arena cap and mmap threshold, before the worker starts its threads
+    (`workers/malloc_tuning.py`)."""
+    tune_malloc()
 
 
 @worker_ready.connect

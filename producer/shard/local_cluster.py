@@ -43,7 +43,8 @@ glibc gives a threaded process up to 8 arenas per core; a worker's hundreds of t
 their short-lived replies over all of them, and freed memory stays mapped in each: one worker of
 64 threads grew from 139 MB after 10k rollouts to 244 MB after 60k, with Python's own
 allocations flat (tracemalloc: 24.06 MB, then 24.09 MB). With two arenas it stays flat
-(docs/how-to/deploy-workers.md#worker-memory). Read by glibc when the process starts, so it is set for the worker's command.
+(docs/how-to/deploy-workers.md#worker-memory). Read by glibc when the process starts, so it is set for the worker's command;
+a worker started without it sets the same cap itself as it starts (`workers/malloc_tuning.py`).
 """
 
 
