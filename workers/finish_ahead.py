@@ -99,6 +99,9 @@ class ReadAhead:
         """When the reader saw the generation settled (`time.monotonic()`)."""
         self.ahead_lines = 0
         """Lines read before the generation settled."""
+        self.all_begun = False
+        """Whether every rollout of the generation began (was admitted) when last asked: the
+        last wave, during whose bursts no refill waits for the cores the pass takes."""
 
     def settled(self) -> bool:
         """Whether every rollout of the generation was counted, or a finish task asked; raises
@@ -111,11 +114,17 @@ class ReadAhead:
             generation.COUNTED,
         )
         pipe.get(keys.shard_finish_asked(self.sid))
-        (token, enqueued, counted), asked = pipe.execute()
+        pipe.hmget(keys.shard_generation(self.sid), *generation.COUNTERS)
+        pipe.hlen(keys.shard_starts(self.sid))
+        (token, enqueued, counted), asked, ended, begun = pipe.execute()
         if token != self.token.encode():
             raise Abandoned("the generation was superseded")
         if asked == self.token.encode():
             return True
+        # Released (counted in the generation) and begun but not released (`keys.shard_starts`):
+        # every rollout was admitted once they make up what was enqueued.
+        released = sum(int(n or 0) for n in ended)
+        self.all_begun = int(enqueued or 0) > 0 and released + int(begun) >= int(enqueued)
         return int(enqueued or 0) > 0 and int(counted or 0) >= int(enqueued or 0)
 
     def lines(
@@ -127,14 +136,17 @@ class ReadAhead:
 
         Lines are read while the file is quiet (it did not grow since the last look), and on a
         local folder only until it grows again (looked at every `LULL_CHECK_BYTES`): a wave of
-        replies lands in a burst that keeps the workers' cores busy, and the pass waits for the
-        lull after it rather than taking the burst's CPU (on two cores, reading along during the
-        bursts delayed the last reply as much as it saved at the end)."""
+        replies lands in a burst that keeps the workers' cores busy starting the next rollouts,
+        and the pass waits for the lull after it rather than taking the burst's CPU (on two
+        cores, reading along during the bursts delayed the last reply as much as it saved at the
+        end). Once every rollout began (`all_begun`: the last wave) no start waits for those
+        cores, and lines are read as they land: what the pass reads then is not left for after
+        the last reply."""
         position = 0
         last_size = -1
         while True:
             size = self.rd.size(name)
-            if size == last_size:
+            if size == last_size or self.all_begun:
                 checked = position
                 for offset, line in self.rd.iter_line_views(name, position):
                     position = offset + len(line) + 1
@@ -142,7 +154,7 @@ class ReadAhead:
                     yield offset, line
                     if self.rd.can_append and position - checked >= LULL_CHECK_BYTES:
                         checked = position
-                        if self.rd.size(name) > size:
+                        if self.rd.size(name) > size and not self.all_begun:
                             break  # a burst began: wait for its lull
                 size = self.rd.size(name) if self.rd.can_append else size
             last_size = size

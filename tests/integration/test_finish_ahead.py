@@ -242,3 +242,49 @@ def test_a_run_finishes_when_the_worker_reading_ahead_is_killed(make_run: MakeRu
     results_once(run.out, 120)
     summary = json.loads((run.out / "quality_summary.json").read_text())
     assert summary["run"]["accounting"]["landed"] == 120
+
+
+def test_once_every_rollout_began_the_reader_reads_along_through_a_burst(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """While rollouts still wait to begin, the pass waits for a lull (a burst's cores go to
+    starting them); once every rollout of the generation began (released ones counted in the
+    generation, the rest in `keys.shard_starts`), it reads lines as they land, lull or not."""
+    r = redis.Redis.from_url(redis_url)
+    rd = RunDir(str(tmp_path))
+    results = tmp_path / ShardFiles("0").results
+    results.write_bytes(b"")
+    sid = _open_generation(r, rd, "t1", 100)
+    r.hset(keys.shard_generation(sid), "done", 40)  # released: 40; begun, not released: none
+    reader = ReadAhead(r, rd, sid, "t1")
+    read: list[int] = []
+    burst = threading.Event()
+
+    def follow() -> None:
+        for offset, _ in reader.lines(ShardFiles("0").results):
+            read.append(offset)
+
+    def land() -> None:  # a burst that never pauses long enough for a lull
+        with results.open("ab") as f:
+            while not burst.is_set():
+                f.write(orjson.dumps({"_ng_task_index": len(read)}) + b"\n")
+                f.flush()
+                time.sleep(0.01)
+
+    landing = threading.Thread(target=land)
+    landing.start()
+    following = threading.Thread(target=follow)
+    following.start()
+    try:
+        time.sleep(1.5)  # seven looks at a file that grew each time
+        assert read == [] and not reader.all_begun
+        r.hset(keys.shard_starts(sid), mapping={f"{t}:0": 1 for t in range(40, 100)})
+        wait_for(lambda: len(read) > 0, 10, "the reader did not read along once all began")
+        assert reader.all_begun
+    finally:
+        burst.set()
+        landing.join()
+        r.hset(keys.shard_generation(sid), "counted", 100)
+        following.join(10)
+    assert not following.is_alive()
+    assert len(read) == len(results.read_bytes().splitlines())
