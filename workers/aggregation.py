@@ -23,8 +23,9 @@ import heapq
 import os
 import shutil
 import tempfile
+import threading
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,9 +220,15 @@ class UnknownServerError(LookupError):
 
 
 async def _request(
-    client: httpx.AsyncClient, url: str, server: str, rows: ServerRows, answer_path: str
+    client: httpx.AsyncClient,
+    url: str,
+    server: str,
+    rows: ServerRows,
+    answer_path: str,
+    sent: Callable[[], None],
 ) -> dict[str, Any]:
-    """POST the rows (retrying a 429/503) and keep the answer at `answer_path` (`receive`)."""
+    """POST the rows (retrying a 429/503) and keep the answer at `answer_path` (`receive`);
+    `sent()` once a body was sent whole."""
     for retry in range(AGGREGATE_RATE_LIMIT_RETRIES + 1):
         attrs = {"rollouts.environment_server": server}
         with client_span("POST", url, attrs) as span:  # the finish step's trace, if traced
@@ -230,7 +237,8 @@ async def _request(
             headers = span.headers(
                 {"content-type": "application/json", "content-length": str(rows.body_size)}
             )
-            async with client.stream("POST", url, content=_stream(rows), headers=headers) as got:
+            body = _stream(rows, sent)
+            async with client.stream("POST", url, content=body, headers=headers) as got:
                 span.status(got.status_code)
                 limited = got.status_code in RATE_LIMIT_STATUSES
                 if not limited or retry == AGGREGATE_RATE_LIMIT_RETRIES:
@@ -248,9 +256,11 @@ async def _post_one(
     server: str,
     rows: ServerRows,
     answer_path: str,
+    sent: Callable[[], None],
 ) -> tuple[dict[str, Any], BaseException | None]:
     """The server's entry: its answer's top level, its lists left at `answer_path`
-    (`workers/aggregate_file.py`); or an empty entry with the error, and the error."""
+    (`workers/aggregate_file.py`); or an empty entry with the error, and the error. `sent()`
+    once its request body was sent whole, or once it is known none will be."""
     try:
         if server not in config.environments and server not in config.agents:
             raise UnknownServerError(
@@ -259,10 +269,12 @@ async def _post_one(
                 "that produced them"
             )
         url = config.aggregation_url(server).rstrip("/") + "/aggregate_metrics"
-        answer = await _request(client, url, server, rows, answer_path)
+        answer = await _request(client, url, server, rows, answer_path, sent)
     except Exception as exc:
         message = f"{type(exc).__name__}: {exc}"
         return empty_entry(label, server, message), exc
+    finally:
+        sent()
     entry = {"agent_ref": {"name": label}, F.ENVIRONMENT_SERVER: server, **answer}
     # Every collection NeMo Gym's file has, also when the server answered without it.
     for key, empty in EMPTY_COLLECTIONS:
@@ -270,10 +282,12 @@ async def _post_one(
     return entry, None
 
 
-async def _stream(rows: ServerRows) -> AsyncIterator[bytes]:
-    """The request body, streamed from the server's rows (`ServerRows.chunks`)."""
+async def _stream(rows: ServerRows, sent: Callable[[], None]) -> AsyncIterator[bytes]:
+    """The request body, streamed from the server's rows (`ServerRows.chunks`); `sent()` after
+    its last chunk."""
     for chunk in rows.chunks():
         yield chunk
+    sent()
 
 
 def error_of(exc: BaseException) -> AggregationError:
@@ -294,22 +308,39 @@ async def aggregate(
     config: ServersConfig,
     scratch: str,
     failures: dict[str, AggregationError] | None = None,
+    sent: threading.Event | None = None,
 ) -> tuple[list[dict[str, Any]], BaseException | None]:
     """One entry per server (sorted by server), and the first original exception, if any;
-    `failures` is told each failed server's error (keyed by its label).
+    `failures` is told each failed server's error (keyed by its label). `sent` is set once every
+    server's request body was sent whole (or will not be): the servers compute from there.
 
     Each answer is kept in the folder `scratch` (its lists are read from there when the file is
     written: `workers/aggregate_file.py`); the caller removes it after writing.
     """
     labels = labels_of(groups)
     servers = sorted(groups)
-    async with httpx.AsyncClient(timeout=AGGREGATE_TIMEOUT_S) as client:
-        done = await asyncio.gather(
-            *(
-                _post_one(client, config, labels[s], s, groups[s], f"{scratch}/{i}.json")
-                for i, s in enumerate(servers)
-            )
-        )
+    bodies: set[str] = set()
+
+    def marker(server: str) -> Callable[[], None]:
+        def mark() -> None:
+            bodies.add(server)
+            if sent is not None and len(bodies) == len(servers):
+                sent.set()
+
+        return mark
+
+    try:
+        async with httpx.AsyncClient(timeout=AGGREGATE_TIMEOUT_S) as client:
+            done = await asyncio.gather(
+                *(
+                    _post_one(client, config, labels[s], s, groups[s], f"{scratch}/{i}.json",
+                              marker(s))
+                    for i, s in enumerate(servers)
+                )
+            )  # fmt: skip
+    finally:
+        if sent is not None:
+            sent.set()
     entries = [entry for entry, _ in done]
     if failures is not None:
         for server, (_, exc) in zip(servers, done, strict=True):

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import shutil
 import tempfile
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +42,10 @@ from workers.shard.ledger import ShardLedger
 from workers.shard.reservations import Reservations
 from workers.shard.scored import LineWatcher, ScoredRows
 
+SENT_POLL_S = 0.05
+"""How often the finish step looks whether the servers have their rows (or the requests ended)
+before it runs its work meanwhile."""
+
 
 def write_aggregate_file(
     rd: RunDir,
@@ -63,8 +68,9 @@ def write_aggregate_file(
     fields set in every entry, and `reject` the strict-completion rejection, if any: a
     rejected run asks no server and its entries carry no metric values, only why. `failures`
     is told each failed entry's error (type and HTTP status), keyed by its label. `meanwhile`
-    runs on this thread while the servers are asked (the finish step's health check), after
-    `stamp` and `reject`; not at all when there are no rows to score. The answers
+    runs on this thread while the servers compute (the finish step's health check): after
+    `stamp` and `reject`, once every request body was sent; not at all when there are no rows
+    to score. The answers
     wait in a local scratch folder and the file is written from there, a list item at a time
     (`workers/aggregate_file.py`).
     """
@@ -85,9 +91,14 @@ def write_aggregate_file(
             if meanwhile is not None:
                 meanwhile()
         else:
-            asked = process_io().loop.submit(aggregate(groups, config, scratch, failures))
+            sent = threading.Event()
+            asked = process_io().loop.submit(aggregate(groups, config, scratch, failures, sent))
             try:
                 if meanwhile is not None:
+                    # Once the servers have their rows: the requests go out first, and this
+                    # runs while the servers compute, not beside the requests for the cores.
+                    while not sent.wait(SENT_POLL_S) and not asked.done():
+                        pass
                     meanwhile()
             finally:
                 entries, error = asked.result()

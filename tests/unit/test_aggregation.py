@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +227,49 @@ def test_task_rows_are_labelled_by_their_servers_attributed_agent() -> None:
         "tb": "t",
         "puzzles": "puzzles",
     }
+
+
+def test_sent_is_set_once_every_body_went_out_before_any_answer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The finish step's health check waits for `sent` and then runs while the servers compute:
+    it is set once each server had its whole body (or will get none: a server not in the
+    config), not when the answers come."""
+    answer = threading.Event()
+    bodies: list[int] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(len(await request.aread()))  # the whole body, then the server computes
+        while not answer.is_set():
+            await asyncio.sleep(0.01)
+        return httpx.Response(200, json={"agent_metrics": {}, "group_level_metrics": []})
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(
+        httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(handler), **kw)
+    )
+    rows = [
+        {"_ng_task_index": t, "_ng_rollout_index": 0, "agent_ref": {"name": name}, "reward": 1}
+        for t in range(50)
+        for name in ("a", "b")
+    ]
+    rows.append({"_ng_task_index": 0, "_ng_environment_server": "gone", "reward": 1})
+    sent = threading.Event()
+    done: list[Any] = []
+    asking = threading.Thread(
+        target=lambda: done.append(
+            asyncio.run(
+                aggregation.aggregate(group_rows(rows, CONFIG), CONFIG, str(tmp_path), sent=sent)
+            )
+        )
+    )
+    asking.start()
+    try:
+        assert sent.wait(10), "the bodies went out but sent was not set"
+        assert len(bodies) == 2 and min(bodies) > 1000 and not done
+    finally:
+        answer.set()
+        asking.join(10)
+    entries, error = done[0]
+    assert [e["_ng_environment_server"] for e in entries] == ["e1", "e2", "gone"]
+    assert isinstance(error, aggregation.UnknownServerError)
