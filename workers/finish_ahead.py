@@ -112,11 +112,11 @@ class ReadAhead:
             generation.TOKEN,
             generation.ENQUEUED,
             generation.COUNTED,
+            *generation.COUNTERS,
         )
         pipe.get(keys.shard_finish_asked(self.sid))
-        pipe.hmget(keys.shard_generation(self.sid), *generation.COUNTERS)
         pipe.hlen(keys.shard_starts(self.sid))
-        (token, enqueued, counted), asked, ended, begun = pipe.execute()
+        (token, enqueued, counted, *ended), asked, begun = pipe.execute()
         if token != self.token.encode():
             raise Abandoned("the generation was superseded")
         if asked == self.token.encode():

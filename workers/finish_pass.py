@@ -42,10 +42,6 @@ from workers.shard.ledger import ShardLedger
 from workers.shard.reservations import Reservations
 from workers.shard.scored import LineWatcher, ScoredRows
 
-SENT_POLL_S = 0.05
-"""How often the finish step looks whether the servers have their rows (or the requests ended)
-before it runs its work meanwhile."""
-
 
 def write_aggregate_file(
     rd: RunDir,
@@ -93,12 +89,12 @@ def write_aggregate_file(
         else:
             sent = threading.Event()
             asked = process_io().loop.submit(aggregate(groups, config, scratch, failures, sent))
+            asked.add_done_callback(lambda _: sent.set())  # also if it never ran
             try:
                 if meanwhile is not None:
                     # Once the servers have their rows: the requests go out first, and this
                     # runs while the servers compute, not beside the requests for the cores.
-                    while not sent.wait(SENT_POLL_S) and not asked.done():
-                        pass
+                    sent.wait()
                     meanwhile()
             finally:
                 entries, error = asked.result()

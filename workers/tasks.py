@@ -161,8 +161,7 @@ def collect_reply_task(self: Task[Any, Any], payload: dict[str, Any]) -> ReplySu
 
 @worker_init.connect
 def _tune_malloc(**_: Any) -> None:
-    """glibc's arena cap and mmap threshold, before the worker starts its threads
-    (`workers/malloc_tuning.py`)."""
+    """glibc's arena cap, before the worker starts its threads (`workers/malloc_tuning.py`)."""
     tune_malloc()
 
 
