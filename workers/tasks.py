@@ -1,8 +1,10 @@
-"""The Celery tasks: each validates its JSON payload, calls plain code, returns a small dict."""
+"""The Celery tasks: each validates its JSON payload, calls plain code, returns a small dict
+(a rollout task's in `Shown`, which Celery renders for Flower in one `repr`)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from celery import Task
@@ -29,7 +31,7 @@ from schemas.messages import (
     OmitRequest,
     SharedParts,
 )
-from schemas.outcomes import VOID_ENDS, ChordSummary, RolloutOutcome
+from schemas.outcomes import VOID_ENDS, RolloutOutcome
 from schemas.quality_summary import HealthBrief
 from schemas.replies import COLLECT_REPLY_TASK, ReplyingCollectRequest
 from workers import tracing
@@ -43,6 +45,7 @@ from workers.pool import on_loop, take_ran
 from workers.redispatch import CollectTaskMessage
 from workers.replies import ReplySummary, collect_and_reply
 from workers.rollout import Delivery, run_rollout, run_rollout_async
+from workers.task_results import shown
 from workers.wiring import process_context
 
 log = logging.getLogger(__name__)
@@ -87,7 +90,7 @@ async def _collect_on_loop(request: Any, payload: dict[str, Any]) -> RolloutOutc
 
 
 @app.task(name=COLLECT_TASK, acks_late=True, bind=True)
-def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> ChordSummary:
+def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> Mapping[str, Any]:
     """Run one rollout and land its result exactly once.
 
     A run's delivery takes the rollout's lease, and settling it counts the rollout toward its
@@ -104,7 +107,7 @@ def collect_task(self: Task[Any, Any], payload: dict[str, Any]) -> ChordSummary:
             traced.ended(outcome)
     if outcome.ended in VOID_ENDS:
         raise Ignore()
-    return outcome.chord_summary()
+    return shown(outcome.chord_summary(), self.resultrepr_maxsize)  # what Flower shows
 
 
 @app.task(name=FINISH_TASK, acks_late=True)
@@ -150,13 +153,13 @@ async def _reply_on_loop(request: Any, payload: dict[str, Any]) -> ReplySummary:
 
 # No result stored: the outcome goes back on the invocation's reply list, not through Celery.
 @app.task(name=COLLECT_REPLY_TASK, acks_late=True, ignore_result=True, bind=True)
-def collect_reply_task(self: Task[Any, Any], payload: dict[str, Any]) -> ReplySummary:
+def collect_reply_task(self: Task[Any, Any], payload: dict[str, Any]) -> Mapping[str, Any]:
     """Run one rollout for the Python API and push its outcome to the caller."""
     summary: ReplySummary | None = take_ran(self.request)
-    if summary is not None:
-        return summary
-    ctx = process_context(state_redis_url())
-    return ctx.loop.run(_reply_on_loop(self.request, payload))
+    if summary is None:
+        ctx = process_context(state_redis_url())
+        summary = ctx.loop.run(_reply_on_loop(self.request, payload))
+    return shown(summary, self.resultrepr_maxsize)
 
 
 @worker_init.connect
