@@ -176,24 +176,28 @@ return {'run', ''}
 END_LUA = """
 -- Releases of many rollouts at once: each frees its slot and, once its rollout landed, takes
 -- back its unfinished start and counts its outcome in the generation. ARGV[1] is how many
--- durations to keep, ARGV[2] the shard keys' expiry; then seven KEYS and six ARGV per release. An empty `key` frees the slot
+-- durations to keep, ARGV[2] the shard keys' expiry (of the generation and the durations).
+-- KEYS come in groups of seven, a shard's and an agent's (each group once, however many of
+-- the batch's releases share it); then each release is seven ARGV: its group's index (from 0),
+-- member, key, token, field, duration and ok. An empty `key` frees the slot
 -- only (the call ended; the accounting follows once it landed); a negative duration is none;
 -- ok = '1' (the call succeeded) grows the agent's window: by one below ssthresh (slow start,
 -- doubling per round trip), else by 1/window (one per round trip), up to its cap. An agent left
 -- idle (no call in flight, nobody waiting for it) forgets its window, as TCP restarts an idle
 -- connection's: the next burst slow-starts again, and a finished run leaves no agent state.
--- ARGV[2] is the expiry of the shard keys it writes (the generation, the durations).
+-- That is looked at once per group, after the releases (its sets only shrink meanwhile, so a
+-- window deleted in between would have grown nothing).
 -- The generation hash's field names are infra/generation.py's (a unit test checks them).
 local keep, key_ttl = tonumber(ARGV[1]), ARGV[2]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-for i = 0, #KEYS / 7 - 1 do
-  local k, a = i * 7, i * 6 + 2
+for i = 0, (#ARGV - 2) / 7 - 1 do
+  local a = i * 7 + 2
+  local k = tonumber(ARGV[a + 1]) * 7
   local leases_key, agent_leases_key, starts_key = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   local generation_key, durations_key, agent_window_key = KEYS[k + 4], KEYS[k + 5], KEYS[k + 6]
-  local agent_waiting_key = KEYS[k + 7]
-  local member, key, token = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-  local field, duration, ok = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
+  local member, key, token = ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+  local field, duration, ok = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7]
   redis.call('ZREM', leases_key, member)
   redis.call('ZREM', agent_leases_key, member)
   if key ~= '' then
@@ -217,6 +221,10 @@ for i = 0, #KEYS / 7 - 1 do
       redis.call('HSET', agent_window_key, 'window', math.min(window, cap))
     end
   end
+end
+for g = 0, #KEYS / 7 - 1 do
+  local agent_leases_key, agent_window_key = KEYS[g * 7 + 2], KEYS[g * 7 + 6]
+  local agent_waiting_key = KEYS[g * 7 + 7]
   redis.call('ZREMRANGEBYSCORE', agent_leases_key, '-inf', now)
   redis.call('ZREMRANGEBYSCORE', agent_waiting_key, '-inf', now)
   if redis.call('ZCARD', agent_leases_key) == 0 and redis.call('ZCARD', agent_waiting_key) == 0 then

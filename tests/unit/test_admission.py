@@ -11,7 +11,7 @@ import redis
 
 from infra import generation, keys
 from tests.shard_helpers import SID, TOKEN, open_generation, request
-from workers.rollout.admission import AdmitCall, Gate, Ticket, p75
+from workers.rollout.admission import AdmitCall, Gate, Release, Ticket, p75, release_call
 
 
 @pytest.fixture
@@ -106,6 +106,37 @@ def test_agent_cap_is_shared_across_runs(gate: Gate, r: redis.Redis) -> None:
     gate.release(first, TOKEN)
     waiter.join(5)
     assert got == ["run"]
+
+
+def test_one_call_releases_a_batch_that_spans_shards_and_agents(
+    gate: Gate, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`release_call` names each shard's and agent's keys once, and the script frees every slot
+    of the batch and counts each landed rollout in its own shard's generation."""
+    other_sid = keys.shard_id("file:///tmp/other-run", "0")
+    r.hset(
+        keys.shard_generation(other_sid), mapping={generation.TOKEN: TOKEN, generation.ENQUEUED: 10}
+    )
+    tickets = [
+        gate.admit(request(0), SID),
+        gate.admit(request(1), SID),
+        gate.admit(request(2, agent_url="http://127.0.0.1:2"), SID),
+        gate.admit(request(0), other_sid),
+    ]
+    assert [t.verdict for t in tickets] == ["run"] * 4
+    batch: list[Release] = []
+    monkeypatch.setattr(gate.releaser, "put", lambda *release: batch.append(release))
+    gate.free_slot(tickets[0], TOKEN, ok=True)  # the call ended; its rollout lands later
+    for ticket in tickets[1:]:
+        gate.release(ticket, TOKEN, duration_s=1.5)
+    call_keys, args = release_call(batch)
+    assert len(call_keys) == 3 * 7 and len(args) == 2 + 4 * 7
+    gate.releaser._script(keys=call_keys, args=args, client=r)
+    assert live_leases(r) == 0 and r.zcard(keys.shard_leases(other_sid)) == 0
+    assert all(r.zcard(t.agent_key) == 0 for t in tickets)
+    assert generation.read(r, SID).count(generation.DONE) == 2  # the freed slot counts nothing
+    assert generation.read(r, other_sid).count(generation.DONE) == 1
+    assert r.lrange(keys.shard_durations(SID), 0, -1) == [b"1.5", b"1.5"]
 
 
 def test_a_dead_holders_slots_come_back_when_its_leases_expire(

@@ -217,6 +217,26 @@ class _LeaseRenewer:
                 self.renew_once()
 
 
+Release = tuple[str, tuple[str, ...], list[str | float]]
+"""A release as `_Releaser.put` queues it: the slot's member, its keys, its arguments."""
+
+
+def release_call(batch: list[Release]) -> tuple[list[str], list[str | float]]:
+    """The KEYS and ARGV of `END_LUA` for `batch`: each group of keys once (a batch's releases
+    share a few: a shard's and an agent's), each release its group's index and its arguments."""
+    groups: dict[tuple[str, ...], int] = {}
+    call_keys: list[str] = []
+    args: list[str | float] = [DURATIONS_KEPT, from_env().live_key_ttl_s]
+    for _, zkeys, item_args in batch:
+        group = groups.get(zkeys)
+        if group is None:
+            group = groups[zkeys] = len(groups)
+            call_keys.extend(zkeys)
+        args.append(group)
+        args.extend(item_args)
+    return call_keys, args
+
+
 class _Releaser:
     """Returns slots from one thread, many per Lua call: a task does not wait for its release,
     and `put` never blocks (the event loop calls it).
@@ -232,9 +252,7 @@ class _Releaser:
         self._r = r
         self._script = script
         self._forget = forget
-        self._queue: queue.SimpleQueue[tuple[str, list[str], list[str | float]]] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[Release] = queue.SimpleQueue()
         self._pending = 0
         """Releases queued and not sent yet (under `_lock`: a bare lock, which `put` takes on the
         event loop once per rollout; a `Condition`'s Python-level enter and exit cost more)."""
@@ -242,7 +260,7 @@ class _Releaser:
         self._thread = threading.Thread(target=self._loop, name="rollouts-release", daemon=True)
         self._thread.start()
 
-    def put(self, member: str, zkeys: list[str], args: list[str | float]) -> None:
+    def put(self, member: str, zkeys: tuple[str, ...], args: list[str | float]) -> None:
         with self._lock:
             self._pending += 1
         self._queue.put((member, zkeys, args))
@@ -266,10 +284,7 @@ class _Releaser:
                     break
             for member, _, _ in batch:
                 self._forget(member)
-            call_keys = [k for _, zkeys, _ in batch for k in zkeys]
-            args: list[str | float] = [DURATIONS_KEPT, from_env().live_key_ttl_s]
-            for _, _, item_args in batch:
-                args.extend(item_args)
+            call_keys, args = release_call(batch)
             try:
                 with_redis_retry(
                     "lease release",
@@ -517,8 +532,8 @@ class Gate:
         )
 
     @staticmethod
-    def _release_keys(ticket: Ticket) -> list[str]:
-        return [
+    def _release_keys(ticket: Ticket) -> tuple[str, ...]:
+        return (
             keys.shard_leases(ticket.sid),
             ticket.agent_key,
             keys.shard_starts(ticket.sid),
@@ -526,7 +541,7 @@ class Gate:
             keys.shard_durations(ticket.sid),
             keys.agent_window(ticket.agent_url),
             keys.agent_waiting(ticket.agent_url),
-        ]  # fmt: skip
+        )  # fmt: skip
 
     def fail_run(self, sid: str, message: str) -> None:
         """Flag the run failed with its first error: nothing new starts after it."""
