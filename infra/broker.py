@@ -294,6 +294,36 @@ class Channel(kombu_redis.Channel):
         if error is not None:
             raise error
 
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        """kombu's `_put` (kombu 5.7), the message's envelope encoded by `json_codec.dumps`: the
+        same values as kombu's encoder writes, by orjson when the envelope is plain (with the
+        body's encoding: a producer's CPU per message from about 112 µs to 95 µs, measured)."""
+        priority = self._get_message_priority(message, reverse=False)  # type: ignore[no-untyped-call]
+        key = self._queue_key(queue, priority)
+        batch = kwargs.pop("_publish_batch", None)
+        data = json_codec.dumps(message)
+        expiry = self._expires[queue] if self._expires and queue in self._expires else None
+        if batch is not None:
+            batch.add("lpush", key, data)
+            if expiry is not None:
+                for p in self.priority_steps:
+                    batch.add("pexpire", self._queue_key(queue, p), expiry)
+            return
+        with self.conn_or_acquire() as client:
+            if expiry is None:
+                client.lpush(key, data)
+                return
+            with client.pipeline() as pipe:
+                pipe.lpush(key, data)
+                for p in self.priority_steps:
+                    pipe.pexpire(self._queue_key(queue, p), expiry)
+                pipe.execute()
+
+    def _queue_key(self, queue: str, priority: int) -> str:
+        """The Redis list of `queue`'s messages of `priority` (kombu's)."""
+        key: str = self._q_for_pri(queue, priority)  # type: ignore[no-untyped-call]
+        return key
+
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
         """kombu builds a new redis-py client for every such call (measured: a seventh of the

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
+from functools import partial
 from typing import Any
 
 import orjson
@@ -249,3 +251,35 @@ def test_a_delivered_message_holds_its_body_once_and_a_requeued_one_comes_back_w
                 conn.drain_events(timeout=1)
             assert [(j, m.payload) for j, m in held] == [(i, {"i": i})]
             held[0][1].ack()
+
+
+def test_a_message_put_through_either_path_reads_back_as_sent(redis_url: str) -> None:
+    """`Channel._put` (kombu's, the envelope by `json_codec.dumps`): one at a time and in a
+    publish batch, to a queue that expires too; a plain envelope is orjson's text, one with a
+    value kombu marks (a UUID header) is kombu's, and each reads back as it was sent."""
+    queue = Queue("put-test", Exchange("put-test", type="direct"), routing_key="put-test",
+                  queue_arguments={"x-expires": 60_000})  # fmt: skip
+    body = {"payload": {"row": {"q": "é€", "x": [1, 2.5, None]}}}
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    with Connection(redis_url, transport=Transport) as conn:
+        producer = Producer(conn.channel())
+        send = partial(producer.publish, exchange=queue.exchange, routing_key="put-test",
+                       declare=[queue], serializer="json")  # fmt: skip
+        send({**body, "i": 0})
+        with producer.batch(10):
+            send({**body, "i": 1})
+            send({**body, "i": 2}, headers={"marked": uuid.UUID(int=7)})
+        texts = [str(m) for m in r.lrange("put-test", 0, -1)]
+        raw = [orjson.loads(t) for t in texts]
+        assert 0 < r.pttl("put-test") <= 60_000
+        channel = conn.channel()
+        got = []
+        for _ in range(3):
+            message = channel.basic_get("put-test", no_ack=True)
+            got.append((message.decode(), message.headers))
+    assert [b for b, _ in got] == [{**body, "i": i} for i in range(3)]
+    assert got[2][1]["marked"] == uuid.UUID(int=7)
+    assert [m["headers"].get("marked") is not None for m in raw] == [True, False, False]
+    # The newest first: the marked envelope is kombu's text, the others orjson's (no spaces).
+    assert '"__type__": "uuid"' in texts[0]
+    assert all('", "' not in t for t in texts[1:])

@@ -64,3 +64,41 @@ def test_installed_the_registry_decodes_with_it(monkeypatch: pytest.MonkeyPatch)
     finally:
         monkeypatch.undo()
         json_codec.install()  # the real one again, as the worker app installs it
+
+
+ENCODED: list[Any] = [
+    *CASES,
+    ([{"row": {"x": 1}}], {}, {"callbacks": None, "chord": None}),  # a task body: tuples
+    {"floats": [0.1, 1e-05, 1e300, -0.0, 3.0], "é": '€😀\n\t"', "": [[], {}]},
+    {"nan": float("nan")},
+    {"inf": [float("inf"), float("-inf")]},
+    {"id": uuid.UUID(int=7)},
+    {"when": datetime.datetime(2026, 12, 2, 10, 0, tzinfo=datetime.UTC)},
+    {"price": decimal.Decimal("1.10")},
+    {1: "a key that is not a string"},
+    {"flag": True, "bytes": b"raw"},
+]
+
+
+def decoded(text: str) -> Any:
+    """What a reader makes of a message's text: kombu's decoder, NaN made comparable."""
+    return kombu_json.loads(text.replace("NaN", '"nan"'))
+
+
+@pytest.mark.parametrize("value", ENCODED)
+def test_encodes_what_kombus_encoder_encodes(value: Any) -> None:
+    """The same values once decoded, by kombu's decoder and by ours; what is not plain JSON
+    (markers, NaN, infinities, integers past 64 bits, keys that are not strings) is kombu's
+    own text."""
+    text, theirs = json_codec.dumps(value), kombu_json.dumps(value)
+    assert decoded(text) == decoded(theirs)
+    assert json_codec.loads(text.replace("NaN", '"nan"')) == decoded(theirs)
+    if not json_codec._plain(value):
+        assert text == theirs
+
+
+def test_only_plain_json_is_written_by_orjson() -> None:
+    plain = [v for v in ENCODED if json_codec._plain(v)]
+    assert len(plain) == 8
+    assert all(json_codec.dumps(v) == orjson.dumps(v).decode() for v in plain if v != CASES[3])
+    assert json_codec.dumps(CASES[3]) == kombu_json.dumps(CASES[3])  # 2**70: orjson refuses
