@@ -84,8 +84,12 @@ def _hashing_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _hash_batch(h: Any, batch: list[bytes | memoryview]) -> None:
-    for part in batch:  # hashlib lets go of the GIL over a part of 2 KB or more
-        h.update(part)
+    """One `update` over the batch joined: hashlib lets go of the GIL while it hashes, and each
+    `update` takes it back after, which a thread parsing meanwhile makes it wait for (up to the
+    5 ms switch interval). A line at a time, the hashing thread waited for the GIL sixteen times
+    a MB, and the reader waited for it: the finish pass over 8,000 rows of 64 KB took 2.03-2.59 s
+    (median 2.40) that way, 1.63-2.46 s (median 2.01) joined, alternating five times each."""
+    h.update(b"".join(batch))
 
 
 class FileDigest:
