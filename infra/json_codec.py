@@ -51,12 +51,18 @@ def install() -> None:
     )
 
 
+PLAIN_CONTAINERS = 100_000
+"""Dicts, lists and tuples `_plain` looks into before it leaves a value to kombu's encoder (which
+refuses a container that holds itself, where this walk would never end)."""
+
+
 def _plain(obj: Any) -> bool:
     """Whether `obj` holds only what orjson and kombu's encoder write alike: dicts with string
     keys, lists, tuples, strings, integers, booleans, None and finite floats (exact types:
     kombu marks a UUID, orjson writes it bare; orjson writes a NaN as null)."""
     stack = [obj]
     pop, extend = stack.pop, stack.extend
+    containers = 0
     while stack:
         o = pop()
         t = type(o)
@@ -65,7 +71,11 @@ def _plain(obj: Any) -> bool:
         if t is float:
             if o - o != 0.0:  # inf and nan
                 return False
-        elif t is dict:
+            continue
+        containers += 1
+        if containers > PLAIN_CONTAINERS:
+            return False  # a container that holds itself, or a very large value
+        if t is dict:
             if not all(type(k) is str for k in o):
                 return False
             extend(o.values())

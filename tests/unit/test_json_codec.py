@@ -102,3 +102,12 @@ def test_only_plain_json_is_written_by_orjson() -> None:
     assert len(plain) == 8
     assert all(json_codec.dumps(v) == orjson.dumps(v).decode() for v in plain if v != CASES[3])
     assert json_codec.dumps(CASES[3]) == kombu_json.dumps(CASES[3])  # 2**70: orjson refuses
+
+
+def test_a_container_that_holds_itself_is_refused_as_kombu_refuses_it() -> None:
+    loop: list[Any] = [1]
+    loop.append(loop)
+    with pytest.raises(ValueError, match="Circular reference"):
+        json_codec.dumps({"loop": loop})
+    large = {"rows": [[i] for i in range(json_codec.PLAIN_CONTAINERS)]}
+    assert json_codec.dumps(large) == kombu_json.dumps(large)  # past the walk: kombu's text
