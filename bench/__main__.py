@@ -15,7 +15,8 @@ ones that answer 411, its time and peak RSS, `--baseline DIR` also with another 
 `bench/finish_rss.py`), soak (N=1M end to end: memory of every process and of Redis at each
 100k, the keys left behind, the finish step, status and resume; `bench/soak.py`), feed (a
 preset's collection in groups of 4 without and with a feed a trainer reads: throughput, CPU, the
-delivery-to-trainer latency p50 and p99; `bench/feed.py`). Figures are ratios within one invocation; this machine is shared and noisy, so
+delivery-to-trainer latency p50 and p99; `bench/feed.py`), ab (ours alone at a `--preset`,
+this checkout and `--baseline DIR`'s code alternating, a row per run; `bench/ab.py`). Figures are ratios within one invocation; this machine is shared and noisy, so
 absolute numbers vary between runs.
 """
 
@@ -427,12 +428,14 @@ def main() -> None:
             "finish-rss",
             "soak",
             "feed",
+            "ab",
         ],
     )
     parser.add_argument(
         "--baseline",
         default=None,
-        help="finish-rss: another checkout whose finish step to measure too (its root folder)",
+        help="finish-rss: another checkout whose finish step to measure too; ab: the checkout"
+        " this one is measured against (its root folder)",
     )
     parser.add_argument(
         "--preset",
@@ -541,6 +544,18 @@ def main() -> None:
         from bench.finish_rss import finish_rss
 
         print(finish_rss(a.n or 100_000, a.baseline, a.rounds))
+    elif a.scenario == "ab":
+        from bench.ab import ab
+
+        if a.baseline is None:
+            parser.error("ab needs --baseline DIR (another checkout, e.g. a git worktree)")
+        if a.preset is not None:
+            n, in_flight, latency_ms = PRESETS[a.preset]
+            pad_kb = 64 if a.pad_kb is None else a.pad_kb
+        else:  # the latency scenario's defaults
+            n, in_flight, latency_ms = 5000, a.in_flight, a.latency_ms or 1000.0
+            pad_kb = a.pad_kb or 0
+        print(ab(a.n or n, in_flight, latency_ms, a.baseline, a.rounds, a.workers, pad_kb))
     elif a.scenario == "soak":
         from bench.soak import main as soak_main
 

@@ -176,3 +176,15 @@ def test_feed_compares_a_run_with_and_without_its_feed() -> None:
     names = [cells(r)[0] for r in rows]
     assert names == ["rollouts (ours)", "rollouts, feed read by a trainer"]
     assert all(cells(r)[1] == "40" for r in rows)
+
+
+@pytest.mark.timeout(320)
+def test_ab_alternates_the_baseline_and_this_checkout() -> None:
+    """Measured against itself (the mechanics: a child per run in each checkout's folder, one
+    agent for both, the agent's log read per run)."""
+    out = bench_output("ab", "--baseline", str(ROOT), "--n", "60", "--in-flight", "8",
+                       "--latency-ms", "50")  # fmt: skip
+    rows = [cells(r) for r in table_rows(out)]
+    assert [r[0] for r in rows] == ["baseline", "this"]
+    assert all(float(r[1]) > 0 and float(r[4]) >= 0 and float(r[5]) > 0 for r in rows), rows
+    assert "medians: baseline: wall" in out

@@ -16,9 +16,9 @@ from workers.task_results import Shown, shown
 
 SUMMARIES: list[dict[str, Any]] = [
     {"rollout": "12-3", "outcome": "landed", "requests": 1,
-     "health": {"verdict": "ok", "findings": {}}},
+     "health": {"verdict": "healthy", "findings": {}}},
     {"rollout": "12-3", "outcome": "landed", "requests": 2,
-     "health": {"verdict": "suspect", "findings": {"empty_output": 1, "truncated": 2}}},
+     "health": {"verdict": "unhealthy", "findings": {"empty_output": 1, "truncated": 2}}},
     {"rollout": None, "outcome": "error", "error": "ConnectionError: refused"},
     {"rollout": 7, "outcome": "landed"},
     # Left to saferepr: a drained row (nested past three levels), a summary past the limit.
