@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -224,6 +225,8 @@ class BenchCluster:
                 p.kill()
                 p.wait()
         self.redis.close()
+        if exc[0] is None:  # the workers' logs stay behind only when the measure failed
+            shutil.rmtree(self.logdir, ignore_errors=True)
 
 
 def table(headers: list[str], rows: list[list[object]]) -> str:
