@@ -18,15 +18,11 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from bench.harness import ROOT, AgentProcess, table
+from bench.harness import ROOT, AgentProcess, run_in_checkout, table
 from bench.wave import StartLog, last_reply_s, wave_start_s
 
 CHILD = """
@@ -55,12 +51,7 @@ def run_child(code: Path, config: str, rows: str, n: int, in_flight: int, worker
     """One run of ours with the code of the checkout at `code`; its figures (`CHILD`)."""
     out = tempfile.mkdtemp(prefix="bench-ab-run-")
     try:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        proc = subprocess.run(
-            [sys.executable, "-c", CHILD, config, rows, out, str(n), str(in_flight), str(workers)],
-            cwd=code, env=env, capture_output=True, check=True,
-        )  # fmt: skip
-        return orjson.loads(proc.stdout.strip().splitlines()[-1])
+        return run_in_checkout(code, CHILD, config, rows, out, str(n), str(in_flight), str(workers))
     finally:
         shutil.rmtree(out, ignore_errors=True)
 

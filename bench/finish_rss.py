@@ -15,15 +15,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from typing import Any
 
 import httpx
 import orjson
 
-from bench.harness import ROOT, table
+from bench.harness import ROOT, run_in_checkout, table
 from examples.servers import start_servers
 from infra.embedded import EmbeddedRedis
 from infra.store import RunDir, ShardFiles
@@ -140,13 +138,7 @@ def finish_once(code: str, n: int, require_length: bool) -> dict[str, Any]:
         write_shard(folder, n, {env: servers.urls[env] for env in ENVIRONMENTS})
         with EmbeddedRedis(protected=False) as redis_server:
             script = CHILD + f"\n_child({folder!r}, {redis_server.url!r})\n"
-            proc = subprocess.run(
-                [sys.executable, "-c", script], capture_output=True, text=True, cwd=code,
-                env={**os.environ, "PYTHONPATH": code}, check=False, timeout=3600,
-            )  # fmt: skip
-        if proc.returncode != 0:
-            raise RuntimeError(proc.stderr[-3000:])
-        out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+            out: dict[str, Any] = run_in_checkout(code, script)
         out["refused"] = sum(e.refused_chunked for e in servers.environments.values())
         return out
     finally:

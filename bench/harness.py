@@ -13,12 +13,27 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import orjson
 import psutil
 
 from infra.embedded import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_in_checkout(code: str | Path, script: str, *args: str, timeout_s: float = 3600) -> Any:
+    """`script` run by this interpreter in the checkout at `code` (its packages, and those of any
+    process it starts, imported from there), and the JSON of its last line of output; raises with
+    its stderr when it fails. How a scenario measures another checkout's code (`--baseline`)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=code,
+        env={**os.environ, "PYTHONPATH": str(code)}, check=False, timeout=timeout_s,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return orjson.loads(proc.stdout.strip().splitlines()[-1])
 
 
 class RssSampler:
