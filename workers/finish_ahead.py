@@ -152,9 +152,13 @@ class ReadAhead:
                     position = offset + len(line) + 1
                     self.ahead_lines += 1
                     yield offset, line
-                    if self.rd.can_append and position - checked >= LULL_CHECK_BYTES:
+                    if (
+                        not self.all_begun
+                        and self.rd.can_append
+                        and position - checked >= LULL_CHECK_BYTES
+                    ):
                         checked = position
-                        if self.rd.size(name) > size and not self.all_begun:
+                        if self.rd.size(name) > size:
                             break  # a burst began: wait for its lull
                 size = self.rd.size(name) if self.rd.can_append else size
             last_size = size
