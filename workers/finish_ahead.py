@@ -7,8 +7,9 @@ run's end. The results file only grows while the generation runs (complete lines
 `workers/shard/state.py`), so the pass can fold each line as it lands instead:
 
 - the worker process that lands a generation's results first (and, should it go, the next one to
-  land) takes the shard's reader lock (`keys.shard_reading`, renewed while it lives) and runs the
-  finish step on a thread of its own, its results read as they are appended (`ReadAhead.lines`);
+  land) takes the shard's reader lock (`keys.shard_reading`, renewed while it lives, expiring
+  with its leases when it is killed) and runs the finish step on a thread of its own, its
+  results read as they are appended (`ReadAhead.lines`);
 - once every rollout of the generation was counted (the settling that publishes the finish task),
   or once a finish task asks (`keys.shard_finish_asked`: a finish that came without it, as a
   stop's), the reader takes the finishing lock, closes the shard as the finish step does, reads
@@ -182,7 +183,10 @@ class _ReaderLock:
         self.name = keys.shard_reading(sid)
         self.value = f"{token}:{os.getpid()}-{uuid.uuid4().hex}"
         """The generation, then this process (the pid) and this holder."""
-        self.ttl_s = from_env().lock_ttl_s
+        self.ttl_s = from_env().lease_ttl_s
+        """A reader is one of its process's holders, as its rollouts are: killed, its lock
+        expires when their leases do (`ROLLOUTS_LEASE_TTL_S`), and the finish task, which waits
+        while the lock is held, goes on no later than the takeover of those rollouts."""
 
     def take(self) -> bool:
         if not take_kept(self.r, self.name, self.value, self.ttl_s):

@@ -21,7 +21,7 @@ from infra import keys
 from infra.store import RunDir, ShardFiles
 from schemas.messages import RunRef
 from tests.helpers import demo_rows
-from tests.ops_helpers import ENV, landed_lines, results_once, wait_for
+from tests.ops_helpers import ENV, LEASE_TTL_S, landed_lines, results_once, wait_for
 from tests.runs import MakeRun
 from workers.finish import finish_ahead, finish_shard
 from workers.finish_ahead import Abandoned, ReadAhead
@@ -219,10 +219,10 @@ def test_a_reader_of_a_superseded_generation_stops_and_leaves_the_finish(
 @pytest.mark.timeout(180)
 def test_a_run_finishes_when_the_worker_reading_ahead_is_killed(make_run: MakeRun) -> None:
     """The worker that reads the shard ahead is SIGKILLed while rollouts still land: its reader
-    lock expires, every rollout lands once, and the run ends complete (read ahead again by the
-    other worker, or finished by the finish task)."""
-    env = {**ENV, "ROLLOUTS_LOCK_TTL_S": "3"}
-    run = make_run(knobs=AgentKnobs(latency_ms=400), workers=2, env=env)
+    lock expires with its leases (the lease TTL, not the shard lock's 30 s), every rollout lands
+    once, and the run ends complete (read ahead again by the other worker, or finished by the
+    finish task)."""
+    run = make_run(knobs=AgentKnobs(latency_ms=400), workers=2, env=ENV)
     try:
         producer = run.start(demo_rows(120), ON_SIDECAR)
         sid = keys.shard_id(RunDir(str(run.out)).url, "0")
@@ -230,6 +230,7 @@ def test_a_run_finishes_when_the_worker_reading_ahead_is_killed(make_run: MakeRu
         wait_for(lambda: r.exists(keys.shard_reading(sid)) > 0, 60, "a worker reading ahead")
         holder = r.get(keys.shard_reading(sid))
         assert isinstance(holder, bytes)
+        assert 0 < r.pttl(keys.shard_reading(sid)) <= LEASE_TTL_S * 1000
         pid = int(holder.decode().split(":")[1].split("-")[0])  # <token>:<pid>-<holder>
         victim = next(p for p in run.workers.procs if p.pid == pid)
         assert landed_lines(run.out) < 120
