@@ -275,7 +275,11 @@ def test_requests_never_sent_spend_no_attempt(make_run: MakeRun, redis_url: str)
         for agent in config["agents"].values():
             agent["url"] = f"http://127.0.0.1:{free_port()}"
         run.write_config(config)
-        proc = run.cli(demo_rows(4), "+route_failures_to_sidecar=true", "+max_attempts=1")
+        # The refused connects are retried as always (`connect_retries`), after short waits.
+        proc = run.cli(
+            demo_rows(4), "+route_failures_to_sidecar=true", "+max_attempts=1",
+            "+retry_backoff_s=0.02",
+        )  # fmt: skip
         plan = cli("resume", str(run.out), "--plan", "--json")
     finally:
         run.servers.stop()
