@@ -23,7 +23,8 @@ class WorkerOptions(TypedDict, total=False):
     extra: list[str] | None
     """Appended to the command line (`-E` for task events)."""
     command: list[str] | None
-    """Run instead of `celery -A workers.app worker ...` (a stalling worker, `rollouts worker`)."""
+    """Run instead of `python -m workers.launch ...`, the worker command `rollouts worker` runs
+    (a stalling worker, the plain `celery -A workers.app worker`)."""
     prefix: list[str] | None
     """Run each worker under another command (`ip netns exec NS`)."""
     wait: bool
@@ -55,7 +56,7 @@ class Workers:
         for _ in range(count):
             i, self.started = self.started, self.started + 1
             cmd = options.get("command") or [
-                sys.executable, "-m", "celery", "-A", "workers.app", "worker",
+                sys.executable, "-m", "workers.launch",
                 "-c", str(concurrency), "-n", f"test{i}-{os.getpid()}@%h",
                 "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
             ]  # fmt: skip

@@ -24,9 +24,10 @@ def worker_command(
 ) -> list[str]:
     """`celery -A workers.app worker` with our defaults: the rollout pool (`celeryconfig.worker_pool`)
     of `concurrency` rollouts in flight, the rollouts queue, node name `node` (when given), task
-    events with `events`, then `extra`."""
+    events with `events`, then `extra`. Started through `workers.launch`: Celery's worker command
+    without the umbrella command's plugins (a faster start, the same options)."""
     cmd = [
-        sys.executable, "-m", "celery", "--quiet", "-A", "workers.app", "worker",
+        sys.executable, "-m", "workers.launch", "--quiet",
         "-c", str(concurrency), "-Q", "rollouts", "-l", loglevel,
     ]  # fmt: skip
     if node is not None:
