@@ -8,20 +8,43 @@ ops/       operating on runs: status, cancel, Flower, health-check, aggregate
 cli/       the `rollouts` command line
 """
 
-from producer.api import (
-    Completions,
-    Feed,
-    FeedGroup,
-    Outcomes,
-    completion_rejection,
-    raise_for_completion,
-    reattach,
-    run_examples,
-    run_outcomes,
+from typing import TYPE_CHECKING
+
+from infra.lazy import exports
+
+if TYPE_CHECKING:
+    from producer.api import (
+        Completions,
+        Feed,
+        FeedGroup,
+        Outcomes,
+        completion_rejection,
+        raise_for_completion,
+        reattach,
+        run_examples,
+        run_outcomes,
+    )
+    from producer.planning import preprocess_examples
+    from schemas.errors import RolloutFailedError
+    from schemas.outcomes import RolloutFailureRecord
+
+__getattr__ = exports(
+    __name__,
+    {
+        "Completions": "producer.api",
+        "Feed": "producer.api",
+        "FeedGroup": "producer.api",
+        "Outcomes": "producer.api",
+        "completion_rejection": "producer.api",
+        "raise_for_completion": "producer.api",
+        "reattach": "producer.api",
+        "run_examples": "producer.api",
+        "run_outcomes": "producer.api",
+        "preprocess_examples": "producer.planning",
+        "RolloutFailedError": "schemas.errors",
+        "RolloutFailureRecord": "schemas.outcomes",
+    },
 )
-from producer.planning import preprocess_examples
-from schemas.errors import RolloutFailedError
-from schemas.outcomes import RolloutFailureRecord
 
 __all__ = [
     "Completions",

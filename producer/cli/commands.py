@@ -30,8 +30,6 @@ from producer.cli.options import (
 )
 from producer.cli.overrides import parse_overrides, pop_flag_override
 from producer.shard.launch import DEFAULT_CONCURRENCY
-from producer.shard.resume import ResumeOptions, execute_plan, execute_resume
-from producer.shard.runner import RunOptions, execute_run
 from schemas.errors import RolloutsError, UsageError
 
 # Piped (CI logs): lines are not wrapped at 80 columns, so paths and URLs stay whole to copy.
@@ -129,6 +127,9 @@ def run(
     NeMo Gym's spelling also works: +input_jsonl_fpath=ROWS +output_jsonl_fpath=DIR/rollouts-S.jsonl,
     and with +resume_from_cache=true a shard that exists there is resumed instead.
     """
+    from producer.shard.resume import ResumeOptions, execute_resume
+    from producer.shard.runner import RunOptions, execute_run
+
     settings: dict[str, Any] = parse_overrides(list(overrides))
     fail_on_unhealthy = pop_flag_override(settings, "fail_on_unhealthy", fail_on_unhealthy)
     settings.update(settings_given())
@@ -290,6 +291,8 @@ def resume(
 ) -> None:
     """Run the planned rollouts of RUN_DIR that have no outcome yet (retryable and missing), then
     finish the shard. Exit 0 complete, 1 failed or rejected, 75 a partial result saved again."""
+    from producer.shard.resume import ResumeOptions, execute_plan, execute_resume
+
     if as_json and not plan_only:
         raise UsageError("--json needs --plan")
     settings = parse_overrides(list(overrides))

@@ -12,31 +12,64 @@ celery_client.py  the producer's Celery app, pointed at a broker
 local_cluster.py  an embedded Redis and local workers, for runs without `--broker`
 """
 
-from producer.shard.celery_client import client_app
-from producer.shard.dispatch import (
-    ShardDispatch,
-    dispatch_generation,
-    enqueue,
-    open_generation,
+from typing import TYPE_CHECKING
+
+from infra.lazy import exports
+
+if TYPE_CHECKING:
+    from producer.shard.celery_client import client_app
+    from producer.shard.dispatch import (
+        ShardDispatch,
+        dispatch_generation,
+        enqueue,
+        open_generation,
+    )
+    from producer.shard.local_cluster import LocalCluster, WorkerProcesses
+    from producer.shard.opening import (
+        OpenedRun,
+        iter_materialized,
+        open_planned,
+        open_run,
+        record_opening,
+        reset_shard_state,
+    )
+    from producer.shard.resume import ResumeOptions, execute_resume
+    from producer.shard.runner import RunOptions, execute_run
+    from producer.shard.supervise import (
+        poll_finish,
+        raise_for_outcome,
+        wait_for_finish,
+        wait_for_shard,
+    )
+    from workers.collect_messages import CollectMessages
+
+__getattr__ = exports(
+    __name__,
+    {
+        "client_app": "producer.shard.celery_client",
+        "ShardDispatch": "producer.shard.dispatch",
+        "dispatch_generation": "producer.shard.dispatch",
+        "enqueue": "producer.shard.dispatch",
+        "open_generation": "producer.shard.dispatch",
+        "LocalCluster": "producer.shard.local_cluster",
+        "WorkerProcesses": "producer.shard.local_cluster",
+        "OpenedRun": "producer.shard.opening",
+        "iter_materialized": "producer.shard.opening",
+        "open_planned": "producer.shard.opening",
+        "open_run": "producer.shard.opening",
+        "record_opening": "producer.shard.opening",
+        "reset_shard_state": "producer.shard.opening",
+        "ResumeOptions": "producer.shard.resume",
+        "execute_resume": "producer.shard.resume",
+        "RunOptions": "producer.shard.runner",
+        "execute_run": "producer.shard.runner",
+        "poll_finish": "producer.shard.supervise",
+        "raise_for_outcome": "producer.shard.supervise",
+        "wait_for_finish": "producer.shard.supervise",
+        "wait_for_shard": "producer.shard.supervise",
+        "CollectMessages": "workers.collect_messages",
+    },
 )
-from producer.shard.local_cluster import LocalCluster, WorkerProcesses
-from producer.shard.opening import (
-    OpenedRun,
-    iter_materialized,
-    open_planned,
-    open_run,
-    record_opening,
-    reset_shard_state,
-)
-from producer.shard.resume import ResumeOptions, execute_resume
-from producer.shard.runner import RunOptions, execute_run
-from producer.shard.supervise import (
-    poll_finish,
-    raise_for_outcome,
-    wait_for_finish,
-    wait_for_shard,
-)
-from workers.collect_messages import CollectMessages
 
 __all__ = [
     "CollectMessages",
