@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,9 +80,16 @@ class WorkerProcesses:
     events: bool = False
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list, init=False)
     log_dir: str = field(default="", init=False)
+    own_log_dir: bool = field(default=False, init=False)
+    """Whether `log_dir` is a temp folder of this cluster's, removed when it stops cleanly."""
+    kept_logs: str | None = field(default=None, init=False)
+    """The log folder kept after a stop that was not clean (a worker had died, or did not end
+    with exit 0), for its logs."""
 
     def start(self, log_dir: str | None = None) -> None:
-        """Start the workers; their output goes to `log_dir/worker-N.log` (a new temp folder by default)."""
+        """Start the workers; their output goes to `log_dir/worker-N.log` (a new temp folder by
+        default, removed by a clean `stop`)."""
+        self.own_log_dir = log_dir is None
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="rollouts-workers-")
         env = worker_env(self.broker_url, self.redis_url)
         pid = os.getpid()
@@ -101,7 +109,11 @@ class WorkerProcesses:
                     )
                 )
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0, clean: bool = True) -> None:
+        """Warm-stop the workers (SIGTERM; SIGKILL after `timeout`). The temp log folder goes
+        unless a worker had exited before, or ended other than with exit 0, or `clean` is False
+        (the cluster's run raised): then it stays, named in `kept_logs` and on stderr."""
+        died = [p.returncode for p in self.procs if p.poll() is not None]
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -112,7 +124,16 @@ class WorkerProcesses:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        codes = [p.returncode for p in self.procs]
         self.procs = []
+        if not self.own_log_dir or not self.log_dir:
+            return
+        if clean and not died and all(code == 0 for code in codes):
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            return
+        self.kept_logs = self.log_dir
+        why = f"a worker had exited ({died})" if died else f"exit codes {codes}"
+        print(f"local worker logs kept in {self.log_dir} ({why})", file=sys.stderr, flush=True)
 
 
 def attach_path(rd_url: str, shard: str) -> Path:
@@ -168,11 +189,11 @@ class LocalCluster:
         self.workers.start()
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
         if self.attach is not None:
             self.attach.unlink(missing_ok=True)
         if self.workers is not None:
-            self.workers.stop()
+            self.workers.stop(clean=exc_type is None)
         self.redis.close()
 
     def _announce(self, path: Path) -> None:

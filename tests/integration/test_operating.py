@@ -217,9 +217,13 @@ def test_a_local_run_stays_local_and_its_status_reads_files(
     config_file: str, tmp_path: Path, servers: RunningServers
 ) -> None:
     run_dir = tmp_path / "run"
-    proc = cli(*run_args(config_file, tmp_path, n=6), "--workers", "1", "--concurrency", "8")
+    scratch = tmp_path / "tmp"  # the run's temp folder: its cluster leaves nothing there
+    scratch.mkdir()
+    proc = cli(*run_args(config_file, tmp_path, n=6), "--workers", "1", "--concurrency", "8",
+               env={"TMPDIR": str(scratch)})  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [g["local"] for g in manifest_of(run_dir)["generations"]] == [True]
+    assert sorted(p.name for p in scratch.iterdir()) == []
     # Its embedded Redis is gone: status reads the files and tries no Redis.
     proc = cli("status", str(run_dir))
     assert proc.returncode == 0, proc.stdout + proc.stderr
