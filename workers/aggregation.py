@@ -21,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import os
-import shutil
-import tempfile
 import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -32,6 +30,7 @@ from typing import Any
 import httpx
 import orjson
 
+from infra import scratch as scratch_dirs
 from infra.backoff import RATE_LIMIT_STATUSES, next_wait_s, parse_retry_after
 from infra.telemetry import client_span
 from schemas import fields as F
@@ -85,7 +84,7 @@ class ServerRows:
         if not self.rows:
             return
         if self._scratch is None:
-            self._scratch = tempfile.mkdtemp(prefix="rollouts-aggregate-")
+            self._scratch = scratch_dirs.make("rollouts-aggregate-")
         self.rows.sort(key=lambda item: item[0])
         path = os.path.join(self._scratch, f"{len(self._runs):05d}.run")
         with open(path, "wb") as f:
@@ -133,7 +132,7 @@ class ServerRows:
 
     def close(self) -> None:
         if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
+            scratch_dirs.remove(self._scratch)
             self._scratch = None
             self._runs = []
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import shutil
-import tempfile
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from infra import scratch as scratch_dirs
 from infra.http import process_io
 from infra.store import RunDir, ShardFiles
 from schemas.config import ServersConfig
@@ -73,7 +72,7 @@ def write_aggregate_file(
     groups = group_rows(rows, config)
     if not groups:
         return None
-    scratch = tempfile.mkdtemp(prefix="rollouts-answers-")
+    scratch = scratch_dirs.make("rollouts-answers-")
     try:
         extra = stamp() if stamp is not None else {}
         rejected = reject() if reject is not None else None
@@ -103,7 +102,7 @@ def write_aggregate_file(
     finally:
         for group in groups.values():
             group.close()
-        shutil.rmtree(scratch, ignore_errors=True)
+        scratch_dirs.remove(scratch)
     if error is None:
         return None
     if raise_on_error:

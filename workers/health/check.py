@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
-import tempfile
 import uuid
 from typing import Any
 
+from infra import scratch as scratch_dirs
 from infra.environment import from_env
 from infra.store import RunDir
 from schemas.errors import UsageError
@@ -141,7 +140,7 @@ def plan_recheck(
 
 
 def _local_scratch() -> str:
-    return tempfile.mkdtemp(prefix="rollouts-health-")
+    return scratch_dirs.make("rollouts-health-")
 
 
 def check_sources_here(
@@ -157,7 +156,7 @@ def check_sources_here(
         plan = make_plan(report_dir, sources, ignored=ignored, limits=limits, scratch=scratch)
         return run_local(plan)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        scratch_dirs.remove(scratch)
 
 
 class FoldedCheck:
@@ -196,7 +195,7 @@ class FoldedCheck:
         try:
             self._close(clean=False)  # not run: nothing of the job's is kept
         finally:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+            scratch_dirs.remove(self.scratch)
 
     def _close(self, clean: bool) -> ScanResult | None:
         """End the job's scan: its result when `clean` and it ends well, else None (its late

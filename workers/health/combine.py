@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from infra import scratch as scratch_dirs
 from infra.store import RunDir
 from schemas.health import (
     QUALITY_SUMMARY,
@@ -95,6 +96,7 @@ def combine(plan: HealthPlan, results: list[ScanResult]) -> SummaryRun:
     finally:
         with contextlib.suppress(FileNotFoundError, OSError):
             scratch.fs.rm(scratch.root, recursive=True)
+        scratch_dirs.release(plan.scratch)  # a local one's lock (`infra/scratch.py`)
 
 
 def _combine(plan: HealthPlan, results: dict[int, ScanResult], scratch: RunDir) -> SummaryRun:
