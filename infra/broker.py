@@ -183,6 +183,26 @@ class QoS(kombu_redis.QoS):
             self._acker = None
 
 
+CLIENT_ID_ATTR = "_rollouts_client_id"
+"""Where a claiming connection keeps (its socket, its Redis client id)."""
+
+
+def _remember_client_id(connection: Any) -> None:
+    """Ask a claiming connection's Redis client id once per socket (a round trip when it
+    connects, before its first claim), for `Channel._unblock_claim`."""
+    if connection._sock is None:
+        connection.connect()
+    known = getattr(connection, CLIENT_ID_ATTR, None)
+    if known is not None and known[0] is connection._sock:
+        return
+    connection.send_command("CLIENT", "ID")
+    try:
+        client_id: int | None = int(connection.read_response())
+    except redis.ResponseError:  # CLIENT renamed or denied: a close waits out the claim
+        client_id = None
+    setattr(connection, CLIENT_ID_ATTR, (connection._sock, client_id))
+
+
 class Channel(kombu_redis.Channel):
     QoS = QoS
 
@@ -232,6 +252,7 @@ class Channel(kombu_redis.Channel):
         if len(queues) > 1:
             wait = min(wait, MULTI_QUEUE_WAIT_S) if wait else MULTI_QUEUE_WAIT_S
         connection = self.client.connection
+        _remember_client_id(connection)
         self._in_poll = connection
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
         self._claim_sent = True
@@ -356,6 +377,8 @@ class Channel(kombu_redis.Channel):
             # error escape before the channel is closed (Redis went away): the channel would stay
             # open, its unacked messages unrestored, until a later close after kombu's `collect`
             # detached the transport. The reply is lost with the connection; close the rest.
+            if self._claim_sent:
+                self._unblock_claim()
             try:
                 self._brpop_read()
             except Empty:
@@ -363,6 +386,22 @@ class Channel(kombu_redis.Channel):
             except self.connection_errors:
                 pass  # `_brpop_read` dropped the connection and cleared `_in_poll`
         super().close()  # type: ignore[no-untyped-call]
+
+    def _unblock_claim(self) -> None:
+        """End the wait of the claim in flight now: `CLIENT UNBLOCK` from another connection
+        makes its BLMOVE answer as if its time were up, where the read below waited out the
+        rest of the poll's second (every warm shutdown spent it). The claim's script still runs
+        after it, as after a wait that timed out, and what it takes is restored with the
+        channel's unacked messages. Best effort: when it fails, the read waits as before."""
+        polling: Any = self._in_poll  # kombu's flag holds the claim's connection here
+        known = getattr(polling, CLIENT_ID_ATTR, None)
+        if known is None or known[1] is None or known[0] is not polling._sock:
+            return
+        try:
+            with self.conn_or_acquire() as client:
+                client.client_unblock(known[1])
+        except Exception as exc:
+            log.debug("could not unblock the claim in flight: %s", exc)
 
 
 class Transport(kombu_redis.Transport):

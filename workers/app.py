@@ -10,6 +10,7 @@ from infra import json_codec
 from infra.environment import from_env, redis_url
 from infra.redis_client import shared_pool
 from workers.pool import PrefetchAhead
+from workers.signal_wake import SignalWake
 
 
 class _App(Celery):  # type: ignore[misc]
@@ -33,6 +34,7 @@ json_codec.install()  # messages decoded by orjson where that decodes them the s
 app = _App("rollouts", include=["workers.tasks"])
 app.config_from_object("celeryconfig")
 app.steps["consumer"].add(PrefetchAhead)  # a rollout pool's successors delivered ahead
+app.steps["consumer"].add(SignalWake)  # a stop signal wakes the event loop at once
 
 
 def state_redis_url() -> str:

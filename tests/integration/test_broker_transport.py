@@ -283,3 +283,40 @@ def test_a_message_put_through_either_path_reads_back_as_sent(redis_url: str) ->
     # The newest first: the marked envelope is kombu's text, the others orjson's (no spaces).
     assert '"__type__": "uuid"' in texts[0]
     assert all('", "' not in t for t in texts[1:])
+
+
+def test_closing_a_channel_ends_its_claim_s_wait_at_once_and_loses_nothing(
+    redis_url: str,
+) -> None:
+    """A claim waits up to its poll's timeout for a message (BLMOVE); a warm shutdown closes the
+    channel meanwhile. The close unblocks the wait (`CLIENT UNBLOCK`) instead of reading its
+    reply when the time is up, and a message that comes with the claim is restored, not lost."""
+    conn = Connection(redis_url, transport=Transport)
+    channel: Any = conn.default_channel
+    QUEUE.declare(channel=channel)
+    got: list[Any] = []
+    channel.basic_qos(prefetch_count=4)
+    channel.basic_consume("broker-test", False, got.append, "task")
+    channel.brpop_timeout = 60  # an empty queue: the claim waits up to a minute
+    conn.transport.cycle._register_BRPOP(channel)  # sends the claim, as a poll does
+    assert channel._in_poll
+    started = time.monotonic()
+    channel.close()
+    assert time.monotonic() - started < 30, "the close waited for the claim's time to run out"
+    assert channel.closed and got == []
+    conn.release()
+
+    # A message that arrives while a claim is in flight is taken by it and, at the close, put
+    # back: the next consumer receives it.
+    conn = Connection(redis_url, transport=Transport)
+    channel = conn.default_channel
+    channel.basic_qos(prefetch_count=4)
+    channel.basic_consume("broker-test", False, got.append, "task")
+    channel.brpop_timeout = 60
+    conn.transport.cycle._register_BRPOP(channel)
+    publish(redis_url, 1)
+    channel.close()
+    conn.release()
+    with Connection(redis_url, transport=Transport) as again:
+        assert receive(again, 1, ack=True) == [0]
+    assert unacked(redis_url) == 0
