@@ -3,28 +3,34 @@
 Per task and over all rollouts: mean, max, min, median and sample std of every numeric field
 (booleans as 0/1, `response.usage` merged in), and pass@k for binary rewards with the unbiased
 estimator 1 - C(n - c, k) / C(n, k), as percentages.
+
+The statistics are float arithmetic, as NeMo Gym's pandas computes them (a sum by `math.fsum`),
+and each row's numbers are read once: the standard library's `statistics.stdev` sums exactly
+in fractions, and it and reading every row three times made the answer for 8,000 rows take
+0.5 s of the server's CPU, not 0.1 s; a finish step waits for that answer.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-from collections import Counter, defaultdict
+from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
-
-INDEX_FIELDS = ("_ng_task_index", "_ng_rollout_index")
 
 
 def numeric_fields(row: dict[str, Any]) -> dict[str, float]:
-    flat: dict[str, Any] = dict(row)
     response = row.get("response")
-    if isinstance(response, dict) and isinstance(response.get("usage"), dict):
-        flat.update(response["usage"])
+    usage = response.get("usage") if isinstance(response, dict) else None
+    items = row.items() if not isinstance(usage, dict) else {**row, **usage}.items()
     out: dict[str, float] = {}
-    for key, value in flat.items():
-        if key in INDEX_FIELDS or key.startswith("_"):
+    for key, value in items:
+        if key.startswith("_"):
             continue
-        if isinstance(value, bool) or (isinstance(value, int | float) and math.isfinite(value)):
+        kind = type(value)
+        if kind is int or kind is bool or kind is float:  # the usual types, checked first
+            if kind is not float or math.isfinite(value):
+                out[key] = float(value)
+        elif isinstance(value, int | float) and math.isfinite(value):
             out[key] = float(value)
     return out
 
@@ -35,12 +41,27 @@ def describe(columns: dict[str, list[float]]) -> dict[str, float]:
         values = columns[name]
         if not values:
             continue
-        stats[f"mean/{name}"] = statistics.fmean(values)
-        stats[f"max/{name}"] = max(values)
-        stats[f"min/{name}"] = min(values)
-        stats[f"median/{name}"] = statistics.median(values)
-        stats[f"std/{name}"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        n = len(values)
+        ordered = sorted(values)
+        low, high = ordered[0], ordered[-1]
+        middle = n // 2
+        if low == high:  # a constant column (often: a task's rewards, a fixed usage count)
+            mean, median, std = low, low, 0.0
+        else:
+            mean = math.fsum(values) / n
+            median = ordered[middle] if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+            std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+        stats[f"mean/{name}"] = mean
+        stats[f"max/{name}"] = high
+        stats[f"min/{name}"] = low
+        stats[f"median/{name}"] = median
+        stats[f"std/{name}"] = std
     return stats
+
+
+def mean(values: Iterable[float]) -> float:
+    items = list(values)
+    return math.fsum(items) / len(items)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -66,10 +87,8 @@ def pass_metrics(tasks: dict[Any, list[float]]) -> dict[str, float]:
             scores = [pass_at_k(len(v), int(sum(v)), k) for v in tasks.values()]
         else:
             scores = [max(v[:k]) for v in tasks.values()]
-        out[f"pass@{k}/accuracy"] = 100.0 * statistics.fmean(scores)
-    out[f"pass@1[avg-of-{max_k}]/accuracy"] = 100.0 * statistics.fmean(
-        statistics.fmean(v[:max_k]) for v in tasks.values()
-    )
+        out[f"pass@{k}/accuracy"] = 100.0 * mean(scores)
+    out[f"pass@1[avg-of-{max_k}]/accuracy"] = 100.0 * mean(mean(v[:max_k]) for v in tasks.values())
     return out
 
 
@@ -77,29 +96,27 @@ def aggregate_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The `/aggregate_metrics` answer for `rows`."""
     if not rows:
         return {"group_level_metrics": [], "agent_metrics": {}, "key_metrics": {}}
-    by_task: dict[Any, list[dict[str, Any]]] = defaultdict(list)
-    for row in rows:
-        by_task[row.get("_ng_task_index", 0)].append(row)
+    numbers = [numeric_fields(row) for row in rows]
+    by_task: dict[Any, list[int]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        by_task[row.get("_ng_task_index", 0)].append(i)
     groups = []
     rewards_by_task: dict[Any, list[float]] = {}
     for task in sorted(by_task, key=lambda t: (isinstance(t, str), t)):
-        members = sorted(by_task[task], key=lambda r: r.get("_ng_rollout_index", 0))
-        columns: dict[str, list[float]] = defaultdict(list)
-        for row in members:
-            for name, value in numeric_fields(row).items():
-                columns[name].append(value)
-        rewards = [float(r["reward"]) for r in members if isinstance(r.get("reward"), int | float)]
+        members = sorted(by_task[task], key=lambda i: rows[i].get("_ng_rollout_index", 0))
+        columns = _columns(numbers[i] for i in members)
+        rewards = [
+            float(rows[i]["reward"])
+            for i in members
+            if isinstance(rows[i].get("reward"), int | float)
+        ]
         if rewards:
             rewards_by_task[task] = rewards
         group = {"_ng_task_index": task, "num_rollouts": len(members), **describe(columns)}
         if rewards:
             group.update(pass_metrics({task: rewards}))
         groups.append(group)
-    overall: dict[str, list[float]] = defaultdict(list)
-    for row in rows:
-        for name, value in numeric_fields(row).items():
-            overall[name].append(value)
-    agent_metrics = describe(overall)
+    agent_metrics = describe(_columns(numbers))
     agent_metrics.update(pass_metrics(rewards_by_task))
     agent_metrics["num_rollouts"] = len(rows)
     agent_metrics["num_tasks"] = len(by_task)
@@ -108,20 +125,33 @@ def aggregate_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "group_level_metrics": groups,
         "agent_metrics": agent_metrics,
         "key_metrics": key_metrics,
-        "repeat_level_metrics": repeat_metrics(rows),
+        "repeat_level_metrics": repeat_metrics(rows, numbers),
     }
 
 
-def repeat_metrics(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per rollout index (the k-th repeat of every task), as NeMo Gym's servers report."""
-    by_repeat: dict[Any, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    counts: Counter[Any] = Counter()
-    for row in rows:
-        index = row.get("_ng_rollout_index", 0)
-        counts[index] += 1
-        for name, value in numeric_fields(row).items():
-            by_repeat[index][name].append(value)
+def _columns(numbers: Iterable[dict[str, float]]) -> dict[str, list[float]]:
+    columns: dict[str, list[float]] = defaultdict(list)
+    for fields in numbers:
+        for name, value in fields.items():
+            columns[name].append(value)
+    return columns
+
+
+def repeat_metrics(
+    rows: list[dict[str, Any]], numbers: list[dict[str, float]] | None = None
+) -> list[dict[str, Any]]:
+    """One entry per rollout index (the k-th repeat of every task), as NeMo Gym's servers report;
+    `numbers`: each row's `numeric_fields`, when already read."""
+    if numbers is None:
+        numbers = [numeric_fields(row) for row in rows]
+    by_repeat: dict[Any, list[dict[str, float]]] = defaultdict(list)
+    for row, fields in zip(rows, numbers, strict=True):
+        by_repeat[row.get("_ng_rollout_index", 0)].append(fields)
     return [
-        {"_ng_rollout_index": index, "num_rollouts": counts[index], **describe(by_repeat[index])}
-        for index in sorted(counts, key=lambda i: (isinstance(i, str), i))
+        {
+            "_ng_rollout_index": index,
+            "num_rollouts": len(by_repeat[index]),
+            **describe(_columns(by_repeat[index])),
+        }
+        for index in sorted(by_repeat, key=lambda i: (isinstance(i, str), i))
     ]

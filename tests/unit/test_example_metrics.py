@@ -65,3 +65,38 @@ def test_empty_input() -> None:
         "agent_metrics": {},
         "key_metrics": {},
     }
+
+
+def test_float_statistics_agree_with_the_standard_library() -> None:
+    """The answer's float arithmetic gives what `statistics` gives exactly, to the last digits;
+    a constant column keeps its value whole."""
+    import random
+    import statistics
+
+    rng = random.Random(7)
+    rows: list[dict[str, Any]] = [
+        {
+            "_ng_task_index": i // 5,
+            "_ng_rollout_index": i % 5,
+            "reward": float(rng.random() < 0.4),
+            "score": rng.gauss(3.0, 2.0),
+            "fixed": 0.1,
+            "response": {"usage": {"output_tokens": rng.randint(1, 500)}},
+        }
+        for i in range(200)
+    ]
+    out = aggregate_metrics(rows)
+    for name in ("reward", "score", "output_tokens"):
+        column = [float(r[name] if name in r else r["response"]["usage"][name]) for r in rows]
+        overall = out["agent_metrics"]
+        assert math.isclose(overall[f"mean/{name}"], statistics.fmean(column), rel_tol=1e-12)
+        assert math.isclose(overall[f"std/{name}"], statistics.stdev(column), rel_tol=1e-12)
+        assert overall[f"median/{name}"] == statistics.median(column)
+        for group in out["group_level_metrics"]:
+            members = column[group["_ng_task_index"] * 5 :][:5]
+            assert math.isclose(group[f"std/{name}"], statistics.stdev(members), rel_tol=1e-12)
+    assert out["agent_metrics"]["mean/fixed"] == 0.1
+    assert out["agent_metrics"]["std/fixed"] == 0.0
+    repeats = out["repeat_level_metrics"]
+    assert [r["_ng_rollout_index"] for r in repeats] == [0, 1, 2, 3, 4]
+    assert all(r["num_rollouts"] == 40 for r in repeats)
