@@ -11,11 +11,14 @@ kind of pool (`workers/app.py`), so a worker between runs holds only its broker 
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis
 
 from infra.environment import from_env
@@ -107,14 +110,125 @@ def client(url: str) -> redis.Redis:
     return _clients.get(url)
 
 
+BATCH_HEAD = "local function one(KEYS, ARGV)\n"
+BATCH_TAIL = """
+end
+-- The script above, once for each call of a batch (infra/redis_client.run_scripts). ARGV holds
+-- three values a call: where its keys start in KEYS (from 0: a key list many calls share is
+-- named once), how many it has, and its arguments as a JSON array of strings. The answer is
+-- {1, answer} a call, or {0, message} for one that raised: an error stops no other call, as in
+-- a pipeline of the script's calls.
+local out = {}
+for i = 1, #ARGV, 3 do
+  local start, count = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
+  local keys = {}
+  for j = 1, count do keys[j] = KEYS[start + j] end
+  local ok, answer = pcall(one, keys, cjson.decode(ARGV[i + 2]))
+  if ok then
+    out[#out + 1] = {1, answer}
+  else
+    out[#out + 1] = {0, type(answer) == 'table' and answer.err or tostring(answer)}
+  end
+end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class _Batched:
+    sha: str
+    source: str
+
+
+_batched: dict[str, _Batched] = {}
+
+
+def batched_source(script: str) -> _Batched:
+    """The batch form of a script's source (`BATCH_HEAD` + it + `BATCH_TAIL`) and its digest."""
+    found = _batched.get(script)
+    if found is None:
+        source = BATCH_HEAD + script + BATCH_TAIL
+        found = _batched[script] = _Batched(hashlib.sha1(source.encode()).hexdigest(), source)
+    return found
+
+
+def _arg_text(value: Any) -> str:
+    """An argument as the text Redis would get from redis-py's encoder (TypeError: no text)."""
+    kind = type(value)
+    if kind is str:
+        return value  # type: ignore[no-any-return]
+    if kind is bytes:
+        return value.decode()  # type: ignore[no-any-return]
+    if kind is int or kind is float:
+        return repr(value)
+    raise TypeError(f"no batch text for {kind.__name__}")
+
+
 def run_scripts(
     r: redis.Redis, script: Any, prepared: list[tuple[list[str], list[Any]]]
 ) -> list[Any]:
     """`script` (a registered `redis.commands.core.Script`) once per (keys, args) of `prepared`,
-    by its digest, in one pipeline (not a transaction: each script is atomic on its own): each
-    call's answer, or its error, in its place. Those Redis did not know the script for (it
-    restarted) did not run: they are sent again once it is loaded. A connection error raises
-    for all."""
+    in one round trip: each call's answer, or its error (a `ResponseError`), in its place. A
+    connection error raises for all.
+
+    Two calls or more go as one call of the script's batch form (`BATCH_TAIL`: each distinct key
+    list named once, each call's arguments one JSON text): packing a call's thirty-odd keys and
+    arguments one by one cost its client more than Redis's running of it (an admission: 60 µs
+    of the client's CPU in a pipeline, 16 µs in a batch; Redis's time unchanged). Each call is
+    atomic, as before; the batch as a whole is too. Arguments with no such text (anything but
+    str, UTF-8 bytes, int and float) go in a pipeline of the script's calls instead. Calls
+    Redis did not know the script for (it restarted) are sent again once it is loaded.
+    """
+    if len(prepared) > 1:
+        try:
+            texts = [orjson.dumps([_arg_text(a) for a in args]) for _, args in prepared]
+        except (TypeError, UnicodeDecodeError):
+            pass
+        else:
+            return _run_batch(r, batched_source(script.script), prepared, texts)
+    return _run_pipeline(r, script, prepared)
+
+
+def _run_batch(
+    r: redis.Redis,
+    batch: _Batched,
+    prepared: list[tuple[list[str], list[Any]]],
+    texts: list[bytes],
+) -> list[Any]:
+    names: list[str] = []
+    starts: dict[tuple[str, ...], int] = {}
+    argv: list[Any] = []
+    for (call_keys, _), text in zip(prepared, texts, strict=True):
+        group = tuple(call_keys)
+        start = starts.get(group)
+        if start is None:
+            start = starts[group] = len(names)
+            names.extend(call_keys)
+        argv += (start, len(call_keys), text)
+    for _ in range(2):
+        try:
+            answers = r.evalsha(batch.sha, len(names), *names, *argv)
+        except redis.exceptions.NoScriptError:
+            r.script_load(batch.source)
+            continue
+        except redis.exceptions.ResponseError as exc:  # as a pipeline: each call's error
+            return [exc] * len(prepared)
+        return [
+            answer[1] if answer[0] == 1 and len(answer) > 1
+            else None if answer[0] == 1
+            else redis.exceptions.ResponseError(_text(answer[1]))
+            for answer in answers
+        ]  # fmt: skip
+    raise redis.exceptions.NoScriptError("the batch script could not be loaded")
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _run_pipeline(
+    r: redis.Redis, script: Any, prepared: list[tuple[list[str], list[Any]]]
+) -> list[Any]:
     answers: list[Any] = [None] * len(prepared)
     todo = list(range(len(prepared)))
     for _ in range(2):
