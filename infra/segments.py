@@ -15,10 +15,12 @@ before, during and after compaction: the logical file only ever grows, whichever
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from schemas.errors import StorageError
 
@@ -83,6 +85,9 @@ def logical_end(base: Part | None, segments: list[Part]) -> int:
 
 
 def _read(fs: fsspec.AbstractFileSystem, path: str, start: int, end: int) -> Iterator[bytes]:
+    if isinstance(fs, LocalFileSystem):
+        yield from _read_local(path, start, end)
+        return
     while start < end:
         stop = min(end, start + READ_BLOCK)
         block: bytes = fs.cat_file(path, start=start, end=stop)
@@ -90,6 +95,21 @@ def _read(fs: fsspec.AbstractFileSystem, path: str, start: int, end: int) -> Ite
             return
         yield block
         start += len(block)
+
+
+def _read_local(path: str, start: int, end: int) -> Iterator[bytes]:
+    """A local file's blocks from one open file: `cat_file` opens, seeks and closes the file
+    for every block, and each of those system calls lets go of the GIL and waits to take it
+    back. Beside a worker's event loop and lander, the finish step's reader read ahead lost a
+    few milliseconds a block that way (py-spy: its `open` a tenth of its time at
+    `inflight-16k`, where it reads 2 GB)."""
+    with open(path, "rb", buffering=0) as f:
+        while start < end:
+            block = os.pread(f.fileno(), min(READ_BLOCK, end - start), start)
+            if not block:
+                return
+            yield block
+            start += len(block)
 
 
 def iter_chunks(

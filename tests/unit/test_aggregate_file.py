@@ -119,23 +119,31 @@ def test_a_key_with_a_dot_is_parsed_whole_and_written_the_same(tmp_path: Path, w
     assert written([fields]) == jsonl.dumps_pretty([doc])
 
 
-def test_readers_take_each_entry_without_its_lists(tmp_path: Path) -> None:
+def test_readers_take_each_entry_without_its_lists(tmp_path: Path, way: str) -> None:
     entries = [
         {"agent_ref": {"name": "a"}, **answer(20)},
         {
             "agent_ref": {"name": "b"},
             "aggregation_error": "HTTPStatusError: 500",
-            "key_metrics": {},
+            "key_metrics": {"nested": [1, 2.5]},
         },
     ]
     heads = entry_heads(io.BytesIO(jsonl.dumps_pretty(entries)))
     assert heads == [{k: v for k, v in e.items() if not isinstance(v, list)} for e in entries]
+    assert heads[1]["key_metrics"] == {"nested": [1, 2.5]}  # a list inside a value stays
+    assert [type(v) for v in heads[0]["agent_metrics"].values()] == [
+        type(v) for v in entries[0]["agent_metrics"].values()
+    ]
     assert entry_heads(io.BytesIO(b'{"not": "a list"}')) == []
+    assert entry_heads(io.BytesIO(b'[1, "x", {"a": 1, "b": [2]}, null]')) == [{"a": 1}]
     (tmp_path / "agg.json").write_bytes(jsonl.dumps_pretty(entries))
     (tmp_path / "broken.json").write_bytes(b"[{")
+    # Past 64 bits: both ways refuse it (yajl's integer overflow; orjson's refusal reads it so).
+    (tmp_path / "huge.json").write_bytes(b'[{"key_metrics": {"n": 123456789012345678901234}}]')
     rd = RunDir(str(tmp_path))
     assert read_heads(rd, "agg.json") == heads
     assert read_heads(rd, "broken.json") is None
+    assert read_heads(rd, "huge.json") is None
     assert read_heads(rd, "absent.json") is None
 
 
