@@ -175,8 +175,9 @@ def run_scripts(
     list named once, each call's arguments one JSON text): packing a call's thirty-odd keys and
     arguments one by one cost its client more than Redis's running of it (an admission: 60 µs
     of the client's CPU in a pipeline, 16 µs in a batch; Redis's time unchanged). Each call is
-    atomic, as before; the batch as a whole is too (Redis serves no other client meanwhile, as
-    it ran a pipeline's calls back to back: a gathered step sends at most 512). Arguments with no such text (anything but
+    atomic, as before; the batch as a whole is too: Redis serves no other client while it runs
+    (a gathered step sends at most 512 calls, tens of milliseconds of scripts; a pipeline's
+    calls could be served between other clients' commands). Arguments with no such text (anything but
     str, UTF-8 bytes, int and float) go in a pipeline of the script's calls instead. Calls
     Redis did not know the script for (it restarted) are sent again once it is loaded.
     """
