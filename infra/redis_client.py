@@ -177,9 +177,10 @@ def run_scripts(
     of the client's CPU in a pipeline, 16 µs in a batch; Redis's time unchanged). Each call is
     atomic, as before; the batch as a whole is too: Redis serves no other client while it runs
     (a gathered step sends at most 512 calls, tens of milliseconds of scripts; a pipeline's
-    calls could be served between other clients' commands). Arguments with no such text (anything but
-    str, UTF-8 bytes, int and float) go in a pipeline of the script's calls instead. Calls
-    Redis did not know the script for (it restarted) are sent again once it is loaded.
+    calls could be served between other clients' commands). Arguments with no such text
+    (anything but str, UTF-8 bytes, int and float) go in a pipeline of the script's calls
+    instead. Calls Redis did not know the script for (it restarted) are sent again once it is
+    loaded; should it not know it even then, each call gets that error.
     """
     if len(prepared) > 1:
         try:
@@ -200,6 +201,7 @@ def _run_batch(
     names: list[str] = []
     starts: dict[tuple[str, ...], int] = {}
     argv: list[Any] = []
+    missing: redis.exceptions.NoScriptError | None = None
     for (call_keys, _), text in zip(prepared, texts, strict=True):
         group = tuple(call_keys)
         start = starts.get(group)
@@ -210,7 +212,8 @@ def _run_batch(
     for _ in range(2):
         try:
             answers = r.evalsha(batch.sha, len(names), *names, *argv)
-        except redis.exceptions.NoScriptError:
+        except redis.exceptions.NoScriptError as exc:
+            missing = exc
             r.script_load(batch.source)
             continue
         except redis.exceptions.ResponseError as exc:  # as a pipeline: each call's error
@@ -221,7 +224,7 @@ def _run_batch(
             else redis.exceptions.ResponseError(_text(answer[1]))
             for answer in answers
         ]  # fmt: skip
-    raise redis.exceptions.NoScriptError("the batch script could not be loaded")
+    return [missing] * len(prepared)
 
 
 def _text(value: Any) -> str:
