@@ -46,12 +46,12 @@ def describe(columns: dict[str, list[float]]) -> dict[str, float]:
         low, high = ordered[0], ordered[-1]
         middle = n // 2
         if low == high:  # a constant column (often: a task's rewards, a fixed usage count)
-            mean, median, std = low, low, 0.0
+            average, median, std = low, low, 0.0
         else:
-            mean = math.fsum(values) / n
+            average = math.fsum(values) / n
             median = ordered[middle] if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-            std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
-        stats[f"mean/{name}"] = mean
+            std = math.sqrt(math.fsum((v - average) ** 2 for v in values) / (n - 1))
+        stats[f"mean/{name}"] = average
         stats[f"max/{name}"] = high
         stats[f"min/{name}"] = low
         stats[f"median/{name}"] = median
