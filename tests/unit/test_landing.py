@@ -344,6 +344,45 @@ def test_a_redis_commit_that_fails_releases_every_task_and_the_retry_lands_once(
     assert counts[b"landed"] == b"10"
 
 
+def test_landed_records_let_go_of_their_lines_and_failed_ones_keep_them_for_the_retry(
+    r: redis.Redis, rd: RunDir, lander: Lander, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollout holds its encoded records until its coroutine takes the lander's report: the
+    lander forgets their lines as it settles them landed, and keeps them when the batch failed,
+    for the engine's retry, which queues the same records again (`land_with_retry`)."""
+    run = open_run(r, rd)
+    pipeline = lander.r.pipeline
+    armed = [True]
+
+    def failing_pipeline(*args: Any, **kwargs: Any) -> Any:
+        pipe = pipeline(*args, **kwargs)
+        if armed.pop() if armed else False:
+
+            def execute(*_: Any, **__: Any) -> Any:
+                raise redis.ConnectionError("injected: connection lost at the commit")
+
+            pipe.execute = execute  # type: ignore[method-assign]
+        return pipe
+
+    monkeypatch.setattr(lander.r, "pipeline", failing_pipeline)
+    encoded = [lander.encode(result(t, text="x" * 2000), [failure(t)]) for t in range(6)]
+    with held(r, keys.shard_lock(keys.shard_id(run.output_dir, run.shard))):
+        futures = [lander.enqueue(run, encoded[0])]
+        time.sleep(0.2)  # the lander took it and waits for the lock: the rest join its batch
+        futures += [lander.enqueue(run, records) for records in encoded[1:]]
+        time.sleep(0.2)
+
+    outcomes = settled(futures)
+
+    assert all(isinstance(o, redis.ConnectionError) for o in outcomes) and not armed
+    assert all(e.result_line is not None and len(e.failure_lines) == 1 for e in encoded)
+    again = settled([lander.enqueue(run, records) for records in encoded])
+    assert all(isinstance(rep, LandReport) for rep in again)
+    assert all(e.result_line is None and e.failure_lines == [] for e in encoded)
+    assert landed_keys(rd) == {(t, 0): 1 for t in range(6)}
+    assert all(orjson.loads(line)["text"] == "x" * 2000 for _, line in rd.iter_lines(FILES.results))
+
+
 def test_a_retried_landing_writes_its_failure_rows_once(
     r: redis.Redis, rd: RunDir, lander: Lander
 ) -> None:

@@ -69,6 +69,16 @@ class EncodedRecords:
             return None
         return self.result_key, self.result_line
 
+    def release_lines(self) -> None:
+        """Forget the encoded lines: they are down (the lander calls this as it settles the
+        landing). A rollout keeps its records until its coroutine takes the lander's report,
+        which in a burst of replies waits behind the event loop's other work: at
+        `inflight-4k`, some 1,300 landed rollouts at once, each still holding its result's
+        64 KB line. Nothing reads the lines after their landing settled with a report: a
+        retry queues the records again only after the lander settled them with an error."""
+        self.result_line = None
+        self.failure_lines = []
+
     def counters(self) -> list[str]:
         """The `failed:<class>` counter of each failure row."""
         return [failure_counter(row) for row in self.failures]

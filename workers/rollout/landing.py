@@ -296,12 +296,14 @@ class Lander:
             self._land_results(st, state, accepted, present, None if has_failures else lock)
             self._land_failures(st, state, accepted, lock)
         written = time.time_ns()
+        results = any(p.records.result_line is not None for p in accepted)
         for p in accepted:
             if p.span is not None:
                 tracing.landed(p.span, waited, locked, written)
+            p.records.release_lines()  # down: not held while the rollout waits for its loop
             p.future.set_result(p.report)
         self._maybe_write_status(st, state)
-        if any(p.records.result_line is not None for p in accepted):
+        if results:
             maybe_read_ahead(self.r, accepted[0].run, self.redis_url)
 
     def _fences(
