@@ -313,10 +313,8 @@ def test_a_storage_write_that_fails_releases_every_task_and_the_retry_lands_once
     assert sum(1 for _ in rd.iter_lines(FILES.failures)) == 10
 
 
-def test_a_redis_commit_that_fails_releases_every_task_and_the_retry_lands_once(
-    r: redis.Redis, rd: RunDir, lander: Lander, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    run = open_run(r, rd)
+def fail_first_commit(lander: Lander, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Make the lander's next Redis commit fail as a lost connection; the list empties once it did."""
     pipeline = lander.r.pipeline
     armed = [True]
 
@@ -331,6 +329,14 @@ def test_a_redis_commit_that_fails_releases_every_task_and_the_retry_lands_once(
         return pipe
 
     monkeypatch.setattr(lander.r, "pipeline", failing_pipeline)
+    return armed
+
+
+def test_a_redis_commit_that_fails_releases_every_task_and_the_retry_lands_once(
+    r: redis.Redis, rd: RunDir, lander: Lander, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = open_run(r, rd)
+    armed = fail_first_commit(lander, monkeypatch)
     records: list[tuple[Any, list[Any]]] = [(result(t), []) for t in range(10)]
 
     outcomes = settled(land_in_one_batch(r, lander, run, records))
@@ -351,20 +357,7 @@ def test_landed_records_let_go_of_their_lines_and_failed_ones_keep_them_for_the_
     lander forgets their lines as it settles them landed, and keeps them when the batch failed,
     for the engine's retry, which queues the same records again (`land_with_retry`)."""
     run = open_run(r, rd)
-    pipeline = lander.r.pipeline
-    armed = [True]
-
-    def failing_pipeline(*args: Any, **kwargs: Any) -> Any:
-        pipe = pipeline(*args, **kwargs)
-        if armed.pop() if armed else False:
-
-            def execute(*_: Any, **__: Any) -> Any:
-                raise redis.ConnectionError("injected: connection lost at the commit")
-
-            pipe.execute = execute  # type: ignore[method-assign]
-        return pipe
-
-    monkeypatch.setattr(lander.r, "pipeline", failing_pipeline)
+    armed = fail_first_commit(lander, monkeypatch)
     encoded = [lander.encode(result(t, text="x" * 2000), [failure(t)]) for t in range(6)]
     with held(r, keys.shard_lock(keys.shard_id(run.output_dir, run.shard))):
         futures = [lander.enqueue(run, encoded[0])]
