@@ -6,9 +6,11 @@ Redis here is the session's real server (flushed per test); storage is a tmp dir
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -229,11 +231,23 @@ def land_in_one_batch(
 ) -> list[concurrent.futures.Future[LandReport]]:
     """Submit while the shard lock is held elsewhere: the first record's batch waits for the lock
     and the others join it there (`joined` in `_commit`)."""
+    return queue_in_one_batch(
+        r, run, [functools.partial(lander.submit, run, res, fails) for res, fails in records]
+    )
+
+
+def queue_in_one_batch(
+    r: redis.Redis,
+    run: RunRef,
+    sends: Sequence[Callable[[], concurrent.futures.Future[LandReport]]],
+) -> list[concurrent.futures.Future[LandReport]]:
+    """Each of `sends` queues a landing, while the shard lock is held elsewhere: the first one's
+    batch waits for the lock and the others join it there."""
     with held(r, keys.shard_lock(keys.shard_id(run.output_dir, run.shard))):
-        (res, fails), *rest = records
-        futures = [lander.submit(run, res, fails)]
+        first, *rest = sends
+        futures = [first()]
         time.sleep(0.2)  # the lander took it and waits for the lock
-        futures += [lander.submit(run, res, fails) for res, fails in rest]
+        futures += [send() for send in rest]
         time.sleep(0.2)
     return futures
 
@@ -359,13 +373,9 @@ def test_landed_records_let_go_of_their_lines_and_failed_ones_keep_them_for_the_
     run = open_run(r, rd)
     armed = fail_first_commit(lander, monkeypatch)
     encoded = [lander.encode(result(t, text="x" * 2000), [failure(t)]) for t in range(6)]
-    with held(r, keys.shard_lock(keys.shard_id(run.output_dir, run.shard))):
-        futures = [lander.enqueue(run, encoded[0])]
-        time.sleep(0.2)  # the lander took it and waits for the lock: the rest join its batch
-        futures += [lander.enqueue(run, records) for records in encoded[1:]]
-        time.sleep(0.2)
+    sends = [functools.partial(lander.enqueue, run, records) for records in encoded]
 
-    outcomes = settled(futures)
+    outcomes = settled(queue_in_one_batch(r, run, sends))
 
     assert all(isinstance(o, redis.ConnectionError) for o in outcomes) and not armed
     assert all(e.result_line is not None and len(e.failure_lines) == 1 for e in encoded)
