@@ -202,7 +202,8 @@ shard_finish_asked = _shard_key("finish_asked")
 """String: the token of a generation whose finish task came; its reader ends the step now."""
 
 shard_finish_wake = _shard_key("finish_wake")
-"""List: pushed with `finish_asked`, so that a reader waiting for new lines wakes at once."""
+"""List: pushed with `finish_asked`, and by the settling that counts the generation's last
+rollout, so that a reader waiting for new lines wakes at once."""
 
 shard_status_tick = _shard_key("status_tick")
 """String with a short expiry: set (NX) by the writer whose turn it is to save the status file.

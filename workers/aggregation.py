@@ -19,8 +19,10 @@ grow with the shard.
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import os
+import ssl
 import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -214,6 +216,14 @@ def empty_entry(label: str, server: str, error: str | None = None) -> dict[str, 
     return entry
 
 
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """The verifying TLS context of the aggregate requests, made once per process (what httpx
+    makes for each client by default, `SSL_CERT_FILE` and `SSL_CERT_DIR` honoured): loading the
+    CA bundle again for every finish step cost it 30-50 ms of CPU before its first request."""
+    return httpx.create_ssl_context()
+
+
 class UnknownServerError(LookupError):
     """Raised when rows are stamped with an environment server the config does not name."""
 
@@ -329,7 +339,7 @@ async def aggregate(
         return mark
 
     try:
-        async with httpx.AsyncClient(timeout=AGGREGATE_TIMEOUT_S) as client:
+        async with httpx.AsyncClient(timeout=AGGREGATE_TIMEOUT_S, verify=tls_context()) as client:
             done = await asyncio.gather(
                 *(
                     _post_one(client, config, labels[s], s, groups[s], f"{scratch}/{i}.json",

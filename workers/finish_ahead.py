@@ -75,6 +75,16 @@ def ask_to_finish(r: redis.Redis, run: RunRef) -> None:
     pipe.execute()
 
 
+def wake_reader(r: redis.Redis, sid: str, token: str) -> None:
+    """Wake a reader of generation `token` waiting for new lines: its generation just settled
+    (the settling that counted its last rollout calls this), and it goes on to end the finish
+    step at once rather than at its next look (`POLL_S`) or when the finish task asks."""
+    pipe = r.pipeline(transaction=False)
+    pipe.rpush(keys.shard_finish_wake(sid), token)
+    pipe.expire(keys.shard_finish_wake(sid), int(from_env().live_key_ttl_s))
+    pipe.execute()
+
+
 def wait_for_reader(r: redis.Redis, sid: str, token: str, poll_s: float = 0.05) -> bool:
     """Wait while a live reader of generation `token` holds the shard's reader lock; whether one
     did (it ended the finish step, or stopped and left it to the caller)."""

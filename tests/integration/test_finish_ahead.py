@@ -25,6 +25,7 @@ from tests.ops_helpers import ENV, LEASE_TTL_S, landed_lines, results_once, wait
 from tests.runs import MakeRun
 from workers.finish import finish_ahead, finish_shard
 from workers.finish_ahead import Abandoned, ReadAhead
+from workers.rollout.leases import Lease, RolloutLeases, SettleCall, Settled
 
 pytestmark = pytest.mark.integration
 ON_SIDECAR = "+route_failures_to_sidecar=true"
@@ -289,3 +290,36 @@ def test_once_every_rollout_began_the_reader_reads_along_through_a_burst(
         following.join(10)
     assert not following.is_alive()
     assert len(read) == len(results.read_bytes().splitlines())
+
+
+@pytest.mark.parametrize("gathered", [False, True], ids=["one", "gathered"])
+def test_the_settling_that_counts_the_last_rollout_wakes_the_reader(
+    redis_url: str, tmp_path: Path, gathered: bool
+) -> None:
+    """Between looks at the results, a reader waits; the settling that counts the generation's
+    last rollout wakes it, and its lines end then: not at its next look, nor once the finish
+    task, published by that same settling, has been delivered and asks."""
+    r = redis.Redis.from_url(redis_url)
+    rd = RunDir(str(tmp_path))
+    (tmp_path / ShardFiles("0").results).write_bytes(b'{"_ng_task_index": 0}\n')
+    sid = _open_generation(r, rd, "t1", 2)
+    reader = ReadAhead(r, rd, sid, "t1")
+    reader.poll_s = 300.0  # its next look: long after the test's bound
+    read: list[int] = []
+    following = threading.Thread(
+        target=lambda: read.extend(o for o, _ in reader.lines(ShardFiles("0").results)),
+        daemon=True,
+    )
+    following.start()
+    leases = RolloutLeases(redis_url, start=False)
+    first = leases.settle(Lease(sid, "0:0", ""), "t1", count=True)
+    assert first.counted and first.finish is None  # one rollout still to settle
+    time.sleep(0.5)
+    assert following.is_alive()
+    if gathered:
+        [last] = leases.settle_many([SettleCall(Lease(sid, "1:0", ""), "t1", True)])
+    else:
+        last = leases.settle(Lease(sid, "1:0", ""), "t1", count=True)
+    assert isinstance(last, Settled) and last.finish == {}
+    following.join(30)
+    assert not following.is_alive() and read == [0]

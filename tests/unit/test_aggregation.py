@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import ssl
 import threading
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,30 @@ def test_a_failed_server_keeps_an_entry_with_empty_collections_and_the_error(
     assert entries[1]["agent_metrics"] == {} and entries[1]["group_level_metrics"] == []
     assert "500" in entries[1]["aggregation_error"]
     assert isinstance(error, httpx.HTTPStatusError)
+
+
+def test_every_aggregate_verifies_with_the_one_tls_context_of_its_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The CA bundle is loaded once per process, not for each finish step's client: each client
+    gets the same context, and it verifies certificates and host names."""
+    verified: list[Any] = []
+    real = httpx.AsyncClient
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"agent_metrics": {}, "key_metrics": {}})
+
+    def fake_client(**kwargs: Any) -> httpx.AsyncClient:
+        verified.append(kwargs.get("verify"))
+        return real(transport=httpx.MockTransport(handler), **kwargs)
+
+    monkeypatch.setattr(httpx, "AsyncClient", fake_client)
+    rows = [{"_ng_task_index": 0, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}}]
+    for _ in range(2):
+        asyncio.run(aggregation.aggregate(group_rows(rows, CONFIG), CONFIG, str(tmp_path)))
+    first, second = verified
+    assert isinstance(first, ssl.SSLContext) and first is second
+    assert first.verify_mode is ssl.CERT_REQUIRED and first.check_hostname
 
 
 def test_a_rate_limited_aggregation_is_retried_after_its_retry_after_a_bounded_number_of_times(

@@ -48,6 +48,7 @@ from infra import keys
 from infra.environment import from_env
 from infra.redis_client import client, run_scripts
 from infra.scripts import GIVE_BACK_LUA, RENEW_ROLLOUTS_LUA, SETTLE_LUA, TAKE_LEASE_LUA
+from workers.finish_ahead import wake_reader
 from workers.rollout.admission import with_redis_retry
 from workers.shard.landed import settled
 from workers.shard.leases import lease_member
@@ -338,6 +339,11 @@ class RolloutLeases:
                     "could not refill the queue window of shard %s: %r", call.lease.sid, exc
                 )
         signature = _text(finish)
+        if signature:
+            try:  # the generation settled: its reader need not wait for the finish task
+                wake_reader(self.r, call.lease.sid, call.token)
+            except redis.RedisError as exc:  # the finish task wakes it when it asks
+                log.warning("could not wake the reader of shard %s: %r", call.lease.sid, exc)
         return Settled(bool(counted), json.loads(signature) if signature else None)
 
     def forget(self, lease: Lease) -> None:
