@@ -43,6 +43,10 @@ from workers.shard.state import refresh_shard_keys
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
+"""How often a waiting producer reads the run's progress and looks for a stall."""
+LOOK_S = 0.05
+"""How often it looks at the finish step's result (one GET): a run returns within this of its
+finish, not within `POLL_S`."""
 WARN_EVERY_S = 30.0
 KEYS_REFRESH_S = 60.0
 """How often a waiting producer pushes its shard keys' expiry on (`refresh_shard_keys`)."""
@@ -58,13 +62,16 @@ def poll_finish(
     between: Callable[[], None] | None = None,
     on_error: Callable[[Exception], None] | None = None,
     poll_s: float = POLL_S,
+    look_s: float = LOOK_S,
 ) -> Any:
     """Poll the finish step's result until it is ready and return its value (or what it raised).
 
-    The one wait for a chord's callback. `between()` runs after each poll that found it not ready
-    (progress, stall detection); `on_error(exc)` gets a failed poll (else it is raised).
+    The one wait for a chord's callback. The result is looked at every `look_s`; `between()`
+    runs after a look that found it not ready, at most every `poll_s` (progress, stall
+    detection); `on_error(exc)` gets a failed look (else it is raised).
     """
     result = app.AsyncResult(finish_id)
+    due = time.monotonic()
     while True:
         try:
             if result.ready():
@@ -73,9 +80,10 @@ def poll_finish(
             if on_error is None:
                 raise
             on_error(exc)
-        if between is not None:
+        if between is not None and time.monotonic() >= due:
             between()
-        time.sleep(poll_s)
+            due = time.monotonic() + poll_s
+        time.sleep(min(look_s, poll_s))
 
 
 def wait_for_shard(
@@ -291,9 +299,10 @@ def wait_for_finish(
     finish_id: str,
     on_progress: Callable[[], None] | None = None,
     poll_s: float = POLL_S,
+    look_s: float = LOOK_S,
 ) -> dict[str, JsonValue]:
     """Block until the finish callback has run; `on_progress()` is called between polls."""
-    value = poll_finish(app, finish_id, between=on_progress, poll_s=poll_s)
+    value = poll_finish(app, finish_id, between=on_progress, poll_s=poll_s, look_s=look_s)
     if isinstance(value, dict):
         return value
     raise RuntimeError(f"the finish step failed: {value!r}")

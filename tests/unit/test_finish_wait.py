@@ -45,6 +45,16 @@ def test_between_runs_after_each_unready_poll_and_errors_go_to_on_error() -> Non
     assert calls == ["between"] * 3 and len(errors) == 1
 
 
+def test_the_result_is_looked_at_more_often_than_the_progress_is_read() -> None:
+    """A run returns as soon as its finish is seen, not at the next read of its progress."""
+    calls: list[str] = []
+    result = StubResult({"state": "completed"}, polls=3)
+    app: Any = StubApp(result)
+    value = poll_finish(app, "finish-1", lambda: calls.append("between"), poll_s=60, look_s=0)
+    assert value == {"state": "completed"}
+    assert result.seen == 4 and calls == ["between"]
+
+
 def test_without_on_error_a_failed_poll_is_raised() -> None:
     app: Any = StubApp(StubResult({}, polls=3, failing=frozenset({1})))
     with pytest.raises(redis.ConnectionError):
