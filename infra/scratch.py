@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import threading
 
-__all__ = ["make", "release", "remove", "sweep"]
+__all__ = ["held", "make", "release", "remove", "sweep"]
 
 OWNER = ".owner"
 
@@ -43,6 +43,12 @@ def make(prefix: str) -> str:
     with _lock:
         _held[path] = fd
     return path
+
+
+def held() -> set[str]:
+    """The folders this process made and still owns (not yet removed or released)."""
+    with _lock:
+        return set(_held)
 
 
 def release(path: str) -> None:

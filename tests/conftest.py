@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from examples.servers import RunningServers, free_port
+from infra import scratch
 from infra.embedded import EmbeddedRedis
 from infra.store import RunDir
 from tests.cluster import ExampleServers, StartWorkers, Workers
@@ -28,6 +29,18 @@ from tests.netns_hosts import TestHosts, available
 from tests.runs import MakeRun
 
 __all__ = ["Workers"]  # importable from here as before; new code imports tests.cluster
+
+
+@pytest.fixture(autouse=True)
+def _no_scratch_left() -> Iterator[None]:
+    """A test leaves no temp folder that its process made and still owns (`infra/scratch.py`):
+    such a folder outlives the test session, since only a later process sweeps it."""
+    before = scratch.held()
+    yield
+    left = scratch.held() - before
+    for path in left:
+        scratch.remove(path)
+    assert not left, f"the test left scratch folders its process owns: {sorted(left)}"
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from infra import scratch as scratch_dirs
 from infra.store import RunDir, ShardFiles
 from schemas.config import ServersConfig
 from tests.health_fixtures import (
@@ -206,7 +207,8 @@ def _fed_check(folder: Path, fail_after: int | None = None, to_end: bool = True)
     """The results read by the finish step's counting pass (`ScoredRows` with `watch`), the
     health check fed by it, then run; returns the rows the pass yielded."""
     rd = RunDir(str(folder))
-    plan = plan_recheck(str(folder))
+    plan = plan_recheck(str(folder))  # for its sources and limits: its own scratch goes at once
+    scratch_dirs.remove(plan.scratch)
     with FoldedCheck(rd, "rollouts-0.jsonl") as check:
         watch: Any = check
         if fail_after is not None or not to_end:

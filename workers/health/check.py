@@ -119,7 +119,9 @@ def plan_recheck(
     capture_dir: str | None = None,
 ) -> HealthPlan:
     """The plan of `rollouts health-check RUN_DIR`: sources verified, limits resolved; the
-    failed rollouts' calls are read from `capture_dir`, else from each run's own."""
+    failed rollouts' calls are read from `capture_dir`, else from each run's own. A local plan
+    owns a scratch folder (`infra/scratch.py`), removed by its combine step; a caller that does
+    not run the plan removes it (`scratch_dirs.remove(plan.scratch)`)."""
     rd = RunDir(run_dir)
     if not rd.fs.isdir(rd.root):
         raise UsageError(f"run directory not found: {run_dir}")
