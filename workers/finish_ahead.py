@@ -70,8 +70,7 @@ def ask_to_finish(r: redis.Redis, run: RunRef) -> None:
     pipe = r.pipeline(transaction=True)
     pipe.set(keys.shard_finish_asked(sid), run.token, ex=ttl)
     pipe.delete(keys.shard_finish_wake(sid))
-    pipe.rpush(keys.shard_finish_wake(sid), run.token)
-    pipe.expire(keys.shard_finish_wake(sid), ttl)
+    _push_wake(pipe, sid, run.token, ttl)
     pipe.execute()
 
 
@@ -80,9 +79,14 @@ def wake_reader(r: redis.Redis, sid: str, token: str) -> None:
     (the settling that counted its last rollout calls this), and it goes on to end the finish
     step at once rather than at its next look (`POLL_S`) or when the finish task asks."""
     pipe = r.pipeline(transaction=False)
-    pipe.rpush(keys.shard_finish_wake(sid), token)
-    pipe.expire(keys.shard_finish_wake(sid), int(from_env().live_key_ttl_s))
+    _push_wake(pipe, sid, token, int(from_env().live_key_ttl_s))
     pipe.execute()
+
+
+def _push_wake(pipe: redis.client.Pipeline, sid: str, token: str, ttl: int) -> None:
+    """Queue on `pipe` the push that wakes a reader blocked on the shard's wake list."""
+    pipe.rpush(keys.shard_finish_wake(sid), token)
+    pipe.expire(keys.shard_finish_wake(sid), ttl)
 
 
 def wait_for_reader(r: redis.Redis, sid: str, token: str, poll_s: float = 0.05) -> bool:
