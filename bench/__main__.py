@@ -1,7 +1,7 @@
 """`python -m bench SCENARIO [--n N]`: run a scenario with its baselines and print a markdown table.
 
 Scenarios: latency (N=5,000, agent latency 1 s, 512 in flight; `--preset` for an RL step's
-waves, with each collector's wave start), overhead (N=10,000, instant
+waves, with each collector's wave start and refill), overhead (N=10,000, instant
 agent, CPU per rollout over every process; `--telemetry` adds ours with OpenTelemetry on), scale (N=1k/10k/100k: throughput, enqueue rate and
 the producer's peak RSS), workers (1 vs 2 worker processes with the workers' CPU the
 bottleneck), ratelimit (N=2,000, agent latency 200 ms, 429 above 8 concurrent calls, 512 in flight;
@@ -48,7 +48,7 @@ from bench.collectors import (
 )
 from bench.harness import ROOT, AgentProcess, BenchCluster, RssSampler, table
 from bench.otlp_sink import OtlpSink
-from bench.wave import StartLog, last_reply_s, wave_start_s
+from bench.wave import StartLog, last_reply_s, refill_cell, refill_s, wave_start_s
 from examples.tasks import make_row
 from infra import telemetry
 from infra.embedded import EmbeddedRedis
@@ -123,11 +123,12 @@ def latency(
         chord_log = StartLog(os.path.join(tmp, "chord-starts.log"))
 
         def waved(log: StartLog, m: Measure) -> Measure:
-            """`m` with its wave start and last reply (`extra["wave_s"]`, `["last_reply_s"]`),
-            read from `log`."""
+            """`m` with its wave start, last reply and refill (`extra["wave_s"]`,
+            `["last_reply_s"]`, `["refill_s"]`), read from `log`."""
             starts, ends = log.read()
             m.extra["wave_s"] = wave_start_s(starts, m.extra["dispatched_at"], wave)
             m.extra["last_reply_s"] = last_reply_s(ends, m.extra["dispatched_at"])
+            m.extra["refill_s"] = refill_s(starts, ends, wave)
             return m
 
         def sampled(pids: list[int], measure: Callable[[], Measure]) -> Measure:
@@ -186,17 +187,18 @@ def latency(
             wave_s = m.extra.get("wave_s")
             last = m.extra.get("last_reply_s")
             last_cell = "-" if last is None else last
+            refilled = refill_cell(m.extra.get("refill_s"))
             rss = f"{min(rss_per_1k[m.name]):.1f}" if m.name in rss_per_1k else "-"
             if "unfinished" in m.extra:
                 out.append(
                     [m.name, m.n, f"did not finish in {m.extra['unfinished']:g} s",
-                     "-" if wave_s is None else wave_s, last_cell, m.extra.get("enqueue_s", "-"),
-                     "-", "-", "-", rss]
+                     "-" if wave_s is None else wave_s, last_cell, refilled,
+                     m.extra.get("enqueue_s", "-"), "-", "-", "-", rss]
                 )  # fmt: skip
                 continue
             out.append(
                 [m.name, m.n, m.wall_s, "-" if wave_s is None else wave_s, last_cell,
-                 m.extra.get("enqueue_s", "-"), m.rate, f"{100 * m.rate / ideal:.1f}%",
+                 refilled, m.extra.get("enqueue_s", "-"), m.rate, f"{100 * m.rate / ideal:.1f}%",
                  m.cpu_ms_per_rollout, rss]
             )  # fmt: skip
         nemo_note = (
@@ -210,7 +212,9 @@ def latency(
             f"; wave start: from dispatch until the agent saw its {wave:,}th /run (the chord: "
             f"until its {wave:,}th task started); the agent declares max_concurrency {in_flight}"
             "; last reply: from dispatch until the agent ended its last /run (the wall time beyond"
-            " it: landing the last replies and, for ours, the finish step)"
+            " it: landing the last replies and, for ours, the finish step); refill: the median"
+            f" and 90th percentile of the agent's (k + {wave:,})th /run start minus its k-th end,"
+            " how long a slot a reply freed stood empty"
         )
         return (
             f"latency: N={n}, agent latency {latency_ms:g} ms, {in_flight} in flight, "
@@ -223,6 +227,7 @@ def latency(
                     "wall s",
                     "wave start s",
                     "last reply s",
+                    "refill p50 / p90 ms",
                     "of which enqueue s",
                     "rollouts/s",
                     "of ideal",

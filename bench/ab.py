@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ROOT, AgentProcess, run_in_checkout, table
-from bench.wave import StartLog, last_reply_s, wave_start_s
+from bench.wave import StartLog, last_reply_s, refill_cell, refill_s, wave_start_s
 
 CHILD = """
 import os, sys
@@ -86,6 +86,7 @@ def ab(
                     starts, ends = log.read()
                     got["wave_s"] = wave_start_s(starts, got["dispatched_at"], min(in_flight, n))
                     got["last_reply_s"] = last_reply_s(ends, got["dispatched_at"])
+                    got["refill_s"] = refill_s(starts, ends, min(in_flight, n))
                     runs.append((label, got))
         return _report(runs, n, in_flight, latency_ms, base, rounds)
     finally:
@@ -112,7 +113,9 @@ def _report(
         rows.append(
             [label, _cell(got["wall_s"]), _cell(got["cpu_ms"], ".3f"),
              " / ".join(_cell(parts.get(k), ".3f") for k in ("producer", "workers", "redis")),
-             _cell(got["wave_s"]), _cell(last), _cell(after), _cell(got["rss_per_1k"], ".1f")]
+             _cell(got["wave_s"]), _cell(last), _cell(after),
+             refill_cell(got["refill_s"]),
+             _cell(got["rss_per_1k"], ".1f")]
         )  # fmt: skip
     medians = []
     for label in ("baseline", "this"):
@@ -123,7 +126,8 @@ def _report(
             f"{statistics.median(g['rss_per_1k'] for g in mine):.1f} MB per 1,000"
         )
     headers = ["code", "wall s", "CPU ms/rollout", "producer / workers / redis",
-               "wave start s", "last reply s", "after it s", "RSS MB per 1,000"]  # fmt: skip
+               "wave start s", "last reply s", "after it s", "refill p50 / p90 ms",
+               "RSS MB per 1,000"]  # fmt: skip
     return (
         f"ab: ours alone, N={n}, {in_flight} in flight, agent latency {latency_ms:g} ms, "
         f"{rounds} rounds of the baseline ({base}) then this checkout ({ROOT}); medians: "

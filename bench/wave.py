@@ -1,6 +1,7 @@
 """Wave start: how long from dispatch until the agent has seen a whole first wave of `/run`s;
 last reply: until the agent ended its last `/run` (what a collector's wall time holds beyond it is
-landing the last replies and, for ours, the finish step).
+landing the last replies and, for ours, the finish step); refill: how long a slot a reply freed
+stood empty before the next `/run` reached the agent.
 
 Read from the request logs the latency scenario keeps: the example agent's (one JSON line per
 event, `examples/agent_server.py`) and, for the sleeping chord, whose tasks call no agent, the
@@ -10,6 +11,7 @@ start times its tasks append (`bench/noop_app.py`).
 from __future__ import annotations
 
 import os
+import statistics
 
 import orjson
 
@@ -54,3 +56,23 @@ def wave_start_s(starts: list[float], dispatched_at: float, wave: int) -> float 
 def last_reply_s(ends: list[float], dispatched_at: float) -> float | None:
     """Seconds from `dispatched_at` to the last end; None if nothing ended."""
     return ends[-1] - dispatched_at if ends else None
+
+
+def refill_s(starts: list[float], ends: list[float], in_flight: int) -> tuple[float, float] | None:
+    """The median and 90th percentile, in seconds, of how long a slot freed by a reply stood
+    empty: the (k + in_flight)-th start the agent saw minus its k-th end, both sorted. A collector
+    holding at most `in_flight` calls open can begin its (k + in_flight)-th call only once k of
+    them ended, so this is the time from a reply to the start that took its place (the loop: its
+    semaphore's hand-over; ours: the reply read, the slot lent, the delivery claimed, leased and
+    admitted). None when no start waited for an end (N at most the in-flight count)."""
+    lags = sorted(
+        starts[k + in_flight] - ends[k] for k in range(min(len(ends), len(starts) - in_flight))
+    )
+    if not lags:
+        return None
+    return statistics.median(lags), lags[min(len(lags) - 1, int(0.9 * len(lags)))]
+
+
+def refill_cell(refill: tuple[float, float] | None) -> str:
+    """`refill_s`'s figures for a table: `p50 / p90` in milliseconds, or `-`."""
+    return "-" if refill is None else f"{1000 * refill[0]:.0f} / {1000 * refill[1]:.0f}"

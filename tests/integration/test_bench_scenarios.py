@@ -60,6 +60,13 @@ def test_latency_table_has_every_collector() -> None:
     assert float(last["asyncio + aiohttp (in-process)"]) > 0
     ours = next(cells(r) for r in rows if cells(r)[0] == "rollouts (ours)")
     assert 0 < float(ours[4]) < float(ours[2]), ours
+    # the 17th /run and after each took a slot a reply freed: how long it stood empty (the chord's
+    # tasks call no agent)
+    refill = {cells(r)[0]: cells(r)[5] for r in rows}
+    assert refill["Celery chord, tasks only sleep 0.05 s"] == "-"
+    for name in ("asyncio + aiohttp (in-process)", "rollouts (ours)"):
+        p50, p90 = (float(x) for x in refill[name].split(" / "))
+        assert 0 <= p50 <= p90, refill
 
 
 @pytest.mark.timeout(320)
@@ -71,7 +78,7 @@ def test_latency_gives_up_on_a_chord_past_its_time_limit() -> None:
     assert "the agent declares max_concurrency 20" in output
     by_name = {cells(r)[0]: cells(r) for r in table_rows(output)}
     chord = by_name["Celery chord, tasks only sleep 2 s"]
-    assert chord[2] == "did not finish in 1 s" and chord[4] == chord[6] == "-", chord
+    assert chord[2] == "did not finish in 1 s" and chord[4] == chord[5] == chord[7] == "-", chord
     for name in ("asyncio + aiohttp (in-process)", "rollouts (ours)"):
         assert float(by_name[name][2]) > 0 and float(by_name[name][3]) >= 0, by_name[name]
 
@@ -187,4 +194,5 @@ def test_ab_alternates_the_baseline_and_this_checkout() -> None:
     rows = [cells(r) for r in table_rows(out)]
     assert [r[0] for r in rows] == ["baseline", "this"]
     assert all(float(r[1]) > 0 and float(r[4]) >= 0 and float(r[5]) > 0 for r in rows), rows
+    assert all(len(r[7].split(" / ")) == 2 for r in rows), rows  # refill p50 / p90
     assert "medians: baseline: wall" in out
