@@ -111,8 +111,10 @@ class WorkerProcesses:
 
     def stop(self, timeout: float = 30.0, clean: bool = True) -> None:
         """Warm-stop the workers (SIGTERM; SIGKILL after `timeout`). The temp log folder goes
-        unless a worker had exited before, or ended other than with exit 0, or `clean` is False
-        (the cluster's run raised): then it stays, named in `kept_logs` and on stderr."""
+        unless a worker had exited before, or ended other than with exit 0 or by this SIGTERM
+        (a worker still starting has no handler for it yet: a run that stops within a second
+        or two of its start), or `clean` is False (the cluster's run raised): then it stays,
+        named in `kept_logs` and on stderr."""
         died = [p.returncode for p in self.procs if p.poll() is not None]
         for p in self.procs:
             if p.poll() is None:
@@ -128,7 +130,7 @@ class WorkerProcesses:
         self.procs = []
         if not self.own_log_dir or not self.log_dir:
             return
-        if clean and not died and all(code == 0 for code in codes):
+        if clean and not died and all(code in (0, -signal.SIGTERM) for code in codes):
             shutil.rmtree(self.log_dir, ignore_errors=True)
             return
         self.kept_logs = self.log_dir

@@ -34,6 +34,21 @@ def test_a_clean_stop_removes_the_log_folder(redis_url: str, tmp_path: Path) -> 
     assert not Path(workers.log_dir).exists() and workers.kept_logs is None
 
 
+def test_workers_stopped_while_still_starting_leave_no_log_folder(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that stops right after its start (its input refused by a check that follows the
+    start, a SIGTERM): its workers are still importing, and our SIGTERM ends them before their
+    handler for it is installed. That is a clean stop, not a worker's fault to keep logs for."""
+    workers = WorkerProcesses(redis_url, redis_url, count=2, concurrency=4, loglevel="INFO")
+    workers.start()
+    procs = list(workers.procs)
+    workers.stop()
+    assert any(p.returncode == -signal.SIGTERM for p in procs), [p.returncode for p in procs]
+    assert not Path(workers.log_dir).exists() and workers.kept_logs is None
+    assert "local worker logs kept" not in capsys.readouterr().err
+
+
 def test_a_worker_that_died_leaves_its_logs_named_on_stderr(
     redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
