@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 import psutil
 
-from bench.harness import ROOT, cpu_seconds, table
+from bench.harness import ROOT, cpu_seconds, quantile, table
 from examples.servers import free_port
 
 CALLS_PER_ROLLOUT = 4
@@ -58,8 +58,7 @@ class Load:
     proxy_cpu_s: float
 
     def p(self, q: float) -> float:
-        ordered = sorted(self.latencies_ms)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return quantile(self.latencies_ms, q)
 
 
 async def _send(base: str, prefixed: bool, n: int, in_flight: int, stream: bool) -> list[float]:

@@ -23,15 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.collectors import Measure, run_ours
-from bench.harness import ROOT, AgentProcess, BenchCluster, table
+from bench.harness import ROOT, AgentProcess, BenchCluster, quantile, table
 
 REPEATS = 4
 FEED = "bench"
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def feed_bench(
@@ -88,7 +83,7 @@ def feed_bench(
         )  # fmt: skip
         tail = (
             f"\n\ngroup delivery to the trainer's hands: p50 {statistics.median(waits):.1f} ms, "
-            f"p99 {_quantile(waits, 0.99):.1f} ms over {len(waits)} groups"
+            f"p99 {quantile(waits, 0.99):.1f} ms over {len(waits)} groups"
         )
         return head + body + tail
     finally:

@@ -244,6 +244,12 @@ class BenchCluster:
             shutil.rmtree(self.logdir, ignore_errors=True)
 
 
+def quantile(values: Iterable[float], q: float) -> float:
+    """The nearest-rank `q` quantile of `values` (NaN for none): the benchmarks' tail figures."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
 def table(headers: list[str], rows: list[list[object]]) -> str:
     def fmt(v: object) -> str:
         if isinstance(v, float):

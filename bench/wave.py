@@ -15,6 +15,8 @@ import statistics
 
 import orjson
 
+from bench.harness import quantile
+
 
 class StartLog:
     """A request log read on from where the last collector's reading stopped."""
@@ -65,12 +67,10 @@ def refill_s(starts: list[float], ends: list[float], in_flight: int) -> tuple[fl
     them ended, so this is the time from a reply to the start that took its place (the loop: its
     semaphore's hand-over; ours: the reply read, the slot lent, the delivery claimed, leased and
     admitted). None when no start waited for an end (N at most the in-flight count)."""
-    lags = sorted(
-        starts[k + in_flight] - ends[k] for k in range(min(len(ends), len(starts) - in_flight))
-    )
+    lags = [starts[k + in_flight] - ends[k] for k in range(min(len(ends), len(starts) - in_flight))]
     if not lags:
         return None
-    return statistics.median(lags), lags[min(len(lags) - 1, int(0.9 * len(lags)))]
+    return statistics.median(lags), quantile(lags, 0.9)
 
 
 def refill_cell(refill: tuple[float, float] | None) -> str:
