@@ -48,7 +48,7 @@ from bench.collectors import (
 )
 from bench.harness import ROOT, AgentProcess, BenchCluster, RssSampler, table
 from bench.otlp_sink import OtlpSink
-from bench.wave import StartLog, last_reply_s, refill_cell, refill_s, wave_start_s
+from bench.wave import StartLog, refill_cell, wave_figures
 from examples.tasks import make_row
 from infra import telemetry
 from infra.embedded import EmbeddedRedis
@@ -126,9 +126,7 @@ def latency(
             """`m` with its wave start, last reply and refill (`extra["wave_s"]`,
             `["last_reply_s"]`, `["refill_s"]`), read from `log`."""
             starts, ends = log.read()
-            m.extra["wave_s"] = wave_start_s(starts, m.extra["dispatched_at"], wave)
-            m.extra["last_reply_s"] = last_reply_s(ends, m.extra["dispatched_at"])
-            m.extra["refill_s"] = refill_s(starts, ends, wave)
+            m.extra.update(wave_figures(starts, ends, m.extra["dispatched_at"], wave))
             return m
 
         def sampled(pids: list[int], measure: Callable[[], Measure]) -> Measure:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import ROOT, AgentProcess, run_in_checkout, table
-from bench.wave import StartLog, last_reply_s, refill_cell, refill_s, wave_start_s
+from bench.wave import StartLog, refill_cell, wave_figures
 
 CHILD = """
 import os, sys
@@ -84,9 +84,7 @@ def ab(
                 for label, code in (("baseline", base), ("this", ROOT)):
                     got = run_child(code, agent.config_path, rows, n, in_flight, workers)
                     starts, ends = log.read()
-                    got["wave_s"] = wave_start_s(starts, got["dispatched_at"], min(in_flight, n))
-                    got["last_reply_s"] = last_reply_s(ends, got["dispatched_at"])
-                    got["refill_s"] = refill_s(starts, ends, min(in_flight, n))
+                    got.update(wave_figures(starts, ends, got["dispatched_at"], min(in_flight, n)))
                     runs.append((label, got))
         return _report(runs, n, in_flight, latency_ms, base, rounds)
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from typing import Any
 
 import orjson
 
@@ -76,3 +77,15 @@ def refill_s(starts: list[float], ends: list[float], in_flight: int) -> tuple[fl
 def refill_cell(refill: tuple[float, float] | None) -> str:
     """`refill_s`'s figures for a table: `p50 / p90` in milliseconds, or `-`."""
     return "-" if refill is None else f"{1000 * refill[0]:.0f} / {1000 * refill[1]:.0f}"
+
+
+def wave_figures(
+    starts: list[float], ends: list[float], dispatched_at: float, wave: int
+) -> dict[str, Any]:
+    """A run's wave start, last reply and refill (`wave_s`, `last_reply_s`, `refill_s`), read from
+    its start and end times, `wave` being the in-flight count (at most N)."""
+    return {
+        "wave_s": wave_start_s(starts, dispatched_at, wave),
+        "last_reply_s": last_reply_s(ends, dispatched_at),
+        "refill_s": refill_s(starts, ends, wave),
+    }
